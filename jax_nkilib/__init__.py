@@ -1,0 +1,18 @@
+"""jax_nkilib: the AWS NKI Library kernels as JAX primitives.
+
+Idiomatic ops (JAX layouts, autodiff, vmap, shard_map) live here; the kernel-native layer is ``jax_nkilib.nki``.
+On CPU/GPU each op runs a faithful JAX reference of its kernel; lowered for ``neuron`` it becomes the NKI kernel.
+"""
+
+from jax_nkilib import neuron, nki
+from jax_nkilib._src.framework.config import config, current_lnc
+from jax_nkilib._src.rope import rope
+from jax_nkilib._src.tools.explain import Explanation, KernelCallReport, explain, neuron_hlo
+from jax_nkilib._src.tools.support import KernelSupport, support_matrix
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Explanation", "KernelCallReport", "KernelSupport", "config", "current_lnc", "explain", "neuron", "neuron_hlo",
+    "nki", "rope", "support_matrix",
+]

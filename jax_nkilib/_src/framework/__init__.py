@@ -1,0 +1,1 @@
+"""KernelSpec, the primitive factory, lowering registration, batching helpers, config and JAX compat."""

@@ -1,0 +1,84 @@
+"""Batching (vmap) of kernel primitives.
+
+A vmapped axis is folded into one of the kernel's own axes when a :class:`FoldPlan` of the spec fits the call
+(e.g. into the batch axis, or into the heads axis when the per-position tables are not batched); operands that are
+not batched are broadcast along the vmapped axis only when the plan needs them to be. When no plan fits, the call
+runs under ``lax.map`` over the vmapped axis with the unbatched operands closed over.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .spec import CallInfo, FoldPlan, KernelSpec
+
+
+def _merge_axis(x, source_axis: int | None, target_axis: int, size: int):
+    """Put the vmapped axis in front of ``target_axis`` and merge the two (vmapped axis major)."""
+    if source_axis is None:
+        x = jnp.broadcast_to(jnp.expand_dims(x, target_axis),
+                             x.shape[:target_axis] + (size,) + x.shape[target_axis:])
+    else:
+        x = jnp.moveaxis(x, source_axis, target_axis)
+    shape = x.shape
+    return x.reshape(shape[:target_axis] + (shape[target_axis] * shape[target_axis + 1],) + shape[target_axis + 2:])
+
+
+def _split_axis(x, axis: int, size: int):
+    shape = x.shape
+    return x.reshape(shape[:axis] + (size, shape[axis] // size) + shape[axis + 1:])
+
+
+def plan_fits(plan: FoldPlan, present: Sequence[str], batch_dims: Sequence[int | None], call: CallInfo) -> bool:
+    for name, dim in zip(present, batch_dims):
+        if plan.axes.get(name) is None and dim is not None:
+            return False
+    return plan.when is None or plan.when(call)
+
+
+def choose_plan(spec: KernelSpec, present, batch_dims, call: CallInfo) -> FoldPlan | None:
+    for plan in spec.fold_plans:
+        if plan_fits(plan, present, batch_dims, call):
+            return plan
+    return None
+
+
+def fold(plan: FoldPlan, bind: Callable, args, batch_dims, present, size: int):
+    """Apply ``plan``: merge the vmapped axis into the kernel axes, bind once, split it out of the outputs."""
+    folded = []
+    for name, x, dim in zip(present, args, batch_dims):
+        axis = plan.axes.get(name)
+        folded.append(x if axis is None else _merge_axis(x, dim, axis, size))
+    outs = bind(folded)
+    return [_split_axis(out, axis, size) for out, axis in zip(outs, plan.outputs)], list(plan.outputs)
+
+
+def map_fallback(bind: Callable, args, batch_dims):
+    """Run the kernel once per element of the vmapped axis with ``lax.map``."""
+    batched = [i for i, dim in enumerate(batch_dims) if dim is not None]
+    sliced = tuple(jnp.moveaxis(args[i], batch_dims[i], 0) for i in batched)
+
+    def one(xs):
+        full = list(args)
+        for i, x in zip(batched, xs):
+            full[i] = x
+        return tuple(bind(full))
+
+    outs = lax.map(one, sliced)
+    return list(outs), [0] * len(outs)
+
+
+def axis_size(args, batch_dims) -> int:
+    for x, dim in zip(args, batch_dims):
+        if dim is not None:
+            return x.shape[dim]
+    raise ValueError("batching rule called with no batched argument")
+
+
+def unbatched_aval(x, dim):
+    shape = tuple(s for i, s in enumerate(x.shape) if i != dim)
+    return jax.core.ShapedArray(shape, x.dtype)

@@ -1,0 +1,89 @@
+"""Every touch of JAX internals (``jax._src``) lives here, behind feature probes.
+
+The rest of jax_nkilib uses only public JAX APIs plus the names exported from this module. When a JAX release moves
+one of these internals, the probe fails with a message naming the missing piece instead of an obscure
+``AttributeError`` deep in a lowering.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable
+
+import jax
+from jax.interpreters import mlir
+
+
+class JaxCompatibilityError(ImportError):
+    """A JAX internal that jax_nkilib relies on is missing from the installed JAX."""
+
+
+def _probe(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:  # pragma: no cover - depends on the JAX version
+        raise JaxCompatibilityError(
+            f"jax_nkilib needs `{module}.{name}`, which JAX {jax.__version__} does not provide. "
+            "Please report this with your JAX version."
+        ) from err
+
+
+_apply_primitive = _probe("jax._src.dispatch", "apply_primitive")
+_config_module = importlib.import_module("jax._src.config")
+_source_info_util = importlib.import_module("jax._src.source_info_util")
+_xla_bridge = importlib.import_module("jax._src.xla_bridge")
+
+
+def apply_primitive(primitive, *args, **params):
+    """Eager implementation of a primitive: compile it alone with XLA and run it."""
+    return _apply_primitive(primitive, *args, **params)
+
+
+def is_known_platform(platform: str) -> bool:
+    """Whether JAX already knows ``platform`` (plugins such as ``neuron`` register lazily)."""
+    return bool(_xla_bridge.is_known_platform(platform))
+
+
+def jit_keyed_state(kind: str, name: str, default, help: str, **extra):
+    """A thread-local JAX config state that is part of JAX's jit and trace cache keys.
+
+    Values that change what a kernel call lowers to (the LNC degree, the compiler, the fallback policy) must be in
+    the cache key, or a function traced under one setting would be reused under another.
+    ``kind`` is ``"int"``, ``"bool"`` or ``"enum"``.
+    """
+    factory = _probe("jax._src.config", f"{kind}_state")
+    existing = getattr(_config_module, "config_states", {}).get(name)
+    if existing is not None:  # re-import of the module (e.g. importlib.reload in tests)
+        return existing
+    return factory(name, default=default, help=help, include_in_jit_key=True, include_in_trace_context=True, **extra)
+
+
+def ir_type(ctx, aval):
+    """The MLIR type of ``aval`` (``aval_to_ir_type`` gained a module-context argument in JAX 0.10)."""
+    if len(inspect.signature(mlir.aval_to_ir_type).parameters) == 2:
+        return mlir.aval_to_ir_type(ctx.module_context, aval)
+    return mlir.aval_to_ir_type(aval)  # pragma: no cover - older JAX
+
+
+_PACKAGE_DIR = __file__.rsplit("/_src/", 1)[0]
+
+
+def call_site(traceback) -> str:
+    """``file:line`` of the innermost frame outside JAX and jax_nkilib in a lowering rule's traceback."""
+    for frame in _source_info_util.user_frames(traceback) if traceback is not None else ():
+        if not frame.file_name.startswith(_PACKAGE_DIR):
+            return f"{frame.file_name}:{frame.start_line}"
+    return "<unknown>"
+
+
+def custom_call(target: str, *, result_types, operands, backend_config: str, operand_output_aliases=None,
+                frontend_attributes: dict[str, str] | None = None):
+    """Emit a ``stablehlo.custom_call`` (``mlir.custom_call`` is public in jax.interpreters.mlir only privately)."""
+    build: Callable = _probe("jax._src.interpreters.mlir", "custom_call")
+    op = build(target, result_types=list(result_types), operands=list(operands), backend_config=backend_config,
+               has_side_effect=False, operand_output_aliases=operand_output_aliases or None)
+    if frontend_attributes:
+        op.operation.attributes["mhlo.frontend_attributes"] = mlir.ir.DictAttr.get(
+            {key: mlir.ir.StringAttr.get(value) for key, value in frontend_attributes.items()})
+    return op

@@ -1,0 +1,141 @@
+"""The primitive factory: one :class:`KernelSpec` in, one JAX primitive and its public function out.
+
+For a spec, :func:`make_kernel` creates a multiple-results ``jax.extend.core.Primitive`` and registers
+
+* abstract evaluation (validation + output shapes from the spec's layouts),
+* the eager implementation (``apply_primitive``),
+* the JAX reference lowering for ``cpu``, ``cuda``, ``rocm`` and ``tpu``,
+* the Neuron custom call as the default lowering (and for ``neuron`` when that platform is already known),
+* the batching rule (fold plans, then ``lax.map``),
+
+and returns a :class:`Kernel`: the public layer-1 function. When the spec defines a VJP, the public function is a
+``jax.custom_vjp`` over the primitive whose residuals (the inputs) carry ``checkpoint_name`` tags
+``"<kernel>.<operand>"`` for remat policies.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.extend.core import Primitive
+from jax.interpreters import batching as jax_batching
+from jax.interpreters import mlir
+
+from . import batching, compat, registry
+from .spec import KernelSpec
+from .validation import check_call, normalize_params, output_avals, split_arguments
+from ..neuron.lowering import neuron_lowering_rule
+
+REFERENCE_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+# vjp(kernel, operands, params, outputs, cotangents) -> {operand name: cotangent or None}
+VjpRule = Callable[["Kernel", Mapping[str, Any], Mapping[str, Any], tuple, tuple], Mapping[str, Any]]
+
+
+class Kernel:
+    """A layer-1 kernel function: ``kernel(*tensors, **flags)`` returns the kernel's output(s)."""
+
+    def __init__(self, spec: KernelSpec, vjp: VjpRule | None = None):
+        self.spec = spec
+        self.vjp = vjp
+        self.primitive = Primitive(spec.name)
+        self.primitive.multiple_results = True
+        self._register()
+        self.__name__ = spec.name
+        self.__qualname__ = spec.name
+        self.__module__ = "jax_nkilib.nki"
+
+    # ----------------------------------------------------------------------------------------------- public call
+    def __call__(self, *args, **kwargs):
+        operands, raw_params = split_arguments(self.spec, args, kwargs)
+        params = normalize_params(self.spec, raw_params)
+        outs = self.call(operands, params)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def call(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
+        """Call with operands by name (``None`` for absent optional ones) and normalized params."""
+        operands = {name: (None if value is None else jnp.asarray(value)) for name, value in operands.items()}
+        check_call(self.spec, {n: v for n, v in operands.items()}, params)
+        if self.vjp is None:
+            return self.bind(operands, params)
+        return self._differentiable(operands, params)
+
+    def bind(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
+        present = tuple(name for name, value in operands.items() if value is not None)
+        return tuple(self.primitive.bind(*(operands[name] for name in present), present=present, **params))
+
+    def _differentiable(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
+        present = tuple(name for name, value in operands.items() if value is not None)
+        spec_name = self.spec.name
+
+        def as_operands(values):
+            named = dict.fromkeys(operands)
+            named.update(zip(present, values))
+            return named
+
+        @jax.custom_vjp
+        def kernel_call(*values):
+            return self.bind(as_operands(values), params)
+
+        def forward(*values):
+            # Through kernel_call, not bind, so that differentiating the forward (higher order) uses this rule.
+            outs = kernel_call(*values)
+            residuals = tuple(checkpoint_name(v, f"{spec_name}.{n}") for n, v in zip(present, values))
+            return outs, (residuals, outs)
+
+        def backward(saved, cotangents):
+            values, outs = saved
+            grads = self.vjp(self, as_operands(values), params, outs, tuple(cotangents))
+            return tuple(jnp.zeros_like(v) if grads.get(n) is None else grads[n].astype(v.dtype)
+                         for n, v in zip(present, values))
+
+        kernel_call.defvjp(forward, backward)
+        return tuple(kernel_call(*(operands[name] for name in present)))
+
+    # ------------------------------------------------------------------------------------------- registrations
+    def _reference(self, *values, present, **params):
+        named = dict.fromkeys(op.name for op in self.spec.operands)
+        named.update(zip(present, values))
+        static = {param.name: params[param.name] for param in self.spec.params}
+        return tuple(self.spec.reference(**named, **static))
+
+    def _abstract_eval(self, *avals, present, **params):
+        call = check_call(self.spec, dict(zip(present, avals)), params)
+        return output_avals(self.spec, call)
+
+    def _batch(self, args, batch_dims, *, present, **params):
+        size = batching.axis_size(args, batch_dims)
+        avals = {name: batching.unbatched_aval(x, d) for name, x, d in zip(present, args, batch_dims)}
+        call = check_call(self.spec, avals, params)
+        bind = lambda values: self.primitive.bind(*values, present=present, **params)  # noqa: E731
+        plan = batching.choose_plan(self.spec, present, batch_dims, call)
+        if plan is not None:
+            return batching.fold(plan, bind, args, batch_dims, present, size)
+        return batching.map_fallback(bind, args, batch_dims)
+
+    def _register(self) -> None:
+        prim = self.primitive
+        prim.def_impl(functools.partial(compat.apply_primitive, prim))
+        prim.def_abstract_eval(self._abstract_eval)
+        reference_rule = mlir.lower_fun(self._reference, multiple_results=True)
+        for platform in REFERENCE_PLATFORMS:
+            mlir.register_lowering(prim, reference_rule, platform=platform)
+        # Not cacheable: the rule reads the call site (for fallback warnings) from the equation's traceback.
+        neuron_rule = neuron_lowering_rule(self.spec, reference_rule)
+        mlir.register_lowering(prim, neuron_rule, cacheable=False)
+        if compat.is_known_platform("neuron"):
+            mlir.register_lowering(prim, neuron_rule, platform="neuron", cacheable=False)
+        jax_batching.primitive_batchers[prim] = self._batch
+        registry.register(self)
+
+    def __repr__(self) -> str:
+        return f"<jax_nkilib kernel {self.spec.name} ({self.spec.entry_point})>"
+
+
+def make_kernel(spec: KernelSpec, vjp: VjpRule | None = None) -> Kernel:
+    """Create the primitive and public function for ``spec`` (see the module docstring)."""
+    return Kernel(spec, vjp)

@@ -1,0 +1,179 @@
+"""The declarative description of one NKI Library kernel: ``KernelSpec`` and its parts.
+
+A spec says everything the primitive factory needs: the kernel's name and device entry point, its tensor operands
+(layouts and dtypes), its static parameters (defaults and accepted values), its outputs, its JAX reference, its
+Neuron-kernel limits, how to batch it, which outputs alias inputs, and whether it issues collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable, Mapping, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from .layout import Layout
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float64))
+NEURON_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+FOLLOW_LNC = "follow-lnc"  # default of an LNC-sharding flag: True when the LNC degree is > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """A tensor argument: accepted layouts (one per rank), accepted dtypes, optional or required."""
+
+    name: str
+    layouts: tuple[Layout, ...]
+    dtypes: tuple[np.dtype, ...] = FLOAT_DTYPES
+    optional: bool = False
+    doc: str = ""
+
+    @classmethod
+    def of(cls, name: str, *layouts: str, dtypes: Sequence = FLOAT_DTYPES, optional: bool = False,
+           doc: str = "") -> "Operand":
+        return cls(name, tuple(Layout.parse(text) for text in layouts), tuple(jnp.dtype(d) for d in dtypes),
+                   optional, doc)
+
+    @property
+    def layout_text(self) -> str:
+        return " or ".join(str(layout) for layout in self.layouts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """A static (compile-time) argument.
+
+    ``kind`` is ``bool``, ``int``, ``float``, an ``enum.Enum`` subclass (members or member-name strings accepted) or
+    a tuple of allowed values. ``default`` may be :data:`FOLLOW_LNC` for flags that follow the LNC degree.
+    """
+
+    name: str
+    default: Any
+    kind: Any = bool
+    doc: str = ""
+
+    def normalize(self, value: Any, function: str) -> Any:
+        if value is None and self.default is None:
+            return None
+        kind = self.kind
+        if isinstance(kind, type) and issubclass(kind, enum.Enum):
+            if isinstance(value, kind):
+                return value
+            if isinstance(value, str) and value in kind.__members__:
+                return kind[value]
+            expected = ", ".join(kind.__members__)
+            raise TypeError(f"{function}: parameter `{self.name}` must be a {kind.__name__} member or one of "
+                            f"{expected}; got {value!r}")
+        if isinstance(kind, tuple):
+            if value in kind:
+                return value
+            raise ValueError(f"{function}: parameter `{self.name}` must be one of {kind}; got {value!r}")
+        if kind is bool:
+            if isinstance(value, (bool, np.bool_)):
+                return bool(value)
+            raise TypeError(f"{function}: parameter `{self.name}` must be a Python bool; got {value!r} "
+                            f"of type {type(value).__name__}")
+        if kind is int:
+            if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+                return int(value)
+            raise TypeError(f"{function}: parameter `{self.name}` must be a Python int; got {value!r}")
+        if kind is float:
+            if isinstance(value, (int, float, np.floating)) and not isinstance(value, bool):
+                return float(value)
+            raise TypeError(f"{function}: parameter `{self.name}` must be a Python float; got {value!r}")
+        raise AssertionError(f"unsupported parameter kind {kind!r}")  # a spec bug, not a user error
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """One kernel output: its layout (over the dimensions bound by the operands) and the operand whose dtype it has."""
+
+    name: str
+    layout: Layout
+    dtype_of: str
+
+    @classmethod
+    def of(cls, name: str, layout: str, dtype_of: str) -> "Output":
+        return cls(name, Layout.parse(layout), dtype_of)
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldPlan:
+    """A way to absorb a vmapped axis into the kernel's own axes.
+
+    ``axes`` maps each operand to the axis the vmapped axis merges into (as its major part), or ``None`` when the
+    plan applies only if that operand is not batched. ``outputs`` gives, per output, the axis that carries the
+    merged vmapped axis. ``when`` optionally restricts the plan to some operand ranks/presences.
+    Unbatched operands with an axis are broadcast along the vmapped axis before merging.
+    """
+
+    axes: Mapping[str, int | None]
+    outputs: tuple[int, ...]
+    when: Callable[["CallInfo"], bool] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CallInfo:
+    """What a rule knows about one call: operand avals by name, bound dimensions and static params."""
+
+    function: str
+    avals: Mapping[str, Any]
+    dims: Mapping[str, int]
+    params: Mapping[str, Any]
+
+    @property
+    def lnc(self) -> int:
+        return self.params["lnc"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Everything the factory needs to turn one NKI Library kernel into a JAX primitive.
+
+    Attributes:
+      name: the kernel's NKI Library name (``RoPE``); also the public layer-1 function name.
+      entry_point: ``module:function`` of the device-side ``@nki.jit`` entry point.
+      operands: tensor arguments in the kernel's order.
+      params: static arguments in the kernel's order.
+      outputs: outputs in the kernel's order.
+      reference: ``reference(**operands, **params) -> tuple`` in JAX, following the kernel's numerics.
+      check: extra semantic validation ``check(call) -> None`` raising ``TypeError``/``ValueError``.
+      neuron_limits: ``neuron_limits(call) -> list[str]`` of kernel limits that the call does not meet.
+      fold_plans: batching strategies tried in order before the ``lax.map`` fallback.
+      aliases: ``{operand index: output index}`` for outputs written in place.
+      has_collectives: whether the kernel issues ``nki.collectives``.
+      mac_count: estimate of multiply-accumulates for the Neuron config.
+      family: module family, for the support matrix.
+      catalog: section of ``nkilib_catalog.md`` that is this kernel's contract.
+      support: support-matrix notes: ``idiomatic`` (layer-2 ops built on it), ``vjp`` (how reverse mode runs),
+        ``notes`` (Neuron limits and anything a user should know).
+    """
+
+    name: str
+    entry_point: str
+    operands: tuple[Operand, ...]
+    params: tuple[Param, ...]
+    outputs: tuple[Output, ...]
+    reference: Callable[..., tuple]
+    check: Callable[[CallInfo], None] | None = None
+    neuron_limits: Callable[[CallInfo], list[str]] | None = None
+    fold_plans: tuple[FoldPlan, ...] = ()
+    aliases: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    has_collectives: bool = False
+    mac_count: Callable[[CallInfo], int] | None = None
+    family: str = ""
+    catalog: str = ""
+    support: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def operand(self, name: str) -> Operand:
+        for operand in self.operands:
+            if operand.name == name:
+                return operand
+        raise KeyError(name)
+
+    @property
+    def public_name(self) -> str:
+        return f"jax_nkilib.nki.{self.name}"

@@ -1,0 +1,95 @@
+"""Trace-time validation of a kernel call: arguments to operands and params, shapes against layouts, dtypes.
+
+Every error is a ``TypeError`` (wrong kind of value or dtype) or ``ValueError`` (wrong shape or value) whose message
+names the function, the argument, the expected layout or values, and what was given.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from . import config
+from .layout import LayoutMismatch, bind_layouts
+from .spec import FOLLOW_LNC, CallInfo, KernelSpec
+
+
+def split_arguments(spec: KernelSpec, args: tuple, kwargs: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Map a public call's positional and keyword arguments to ``(operands, raw params)`` by the kernel's names."""
+    function = spec.public_name
+    operand_names = [operand.name for operand in spec.operands]
+    param_names = [param.name for param in spec.params]
+    if len(args) > len(operand_names):
+        raise TypeError(f"{function} takes {len(operand_names)} tensor arguments ({', '.join(operand_names)}) "
+                        f"positionally; got {len(args)}. Pass static flags ({', '.join(param_names)}) by keyword.")
+    operands: dict[str, Any] = dict(zip(operand_names, args))
+    params: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key in operand_names:
+            if key in operands:
+                raise TypeError(f"{function} got multiple values for argument `{key}`")
+            operands[key] = value
+        elif key in param_names:
+            params[key] = value
+        else:
+            raise TypeError(f"{function} got an unexpected keyword argument `{key}`; tensor arguments are "
+                            f"{', '.join(operand_names)} and static flags are {', '.join(param_names)}")
+    for operand in spec.operands:
+        value = operands.get(operand.name)
+        if value is None:
+            if not operand.optional:
+                raise TypeError(f"{function}: missing required tensor argument `{operand.name}` "
+                                f"with layout {operand.layout_text}")
+            operands[operand.name] = None
+        elif not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            raise TypeError(f"{function}: argument `{operand.name}` must be an array with layout "
+                            f"{operand.layout_text}; got {type(value).__name__}")
+    return {operand.name: operands[operand.name] for operand in spec.operands}, params
+
+
+def normalize_params(spec: KernelSpec, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Fill defaults, check types, resolve LNC-following flags, and add the LNC degree as ``lnc``."""
+    lnc = config.current_lnc()
+    params: dict[str, Any] = {}
+    for param in spec.params:
+        value = raw.get(param.name, param.default)
+        if value is FOLLOW_LNC or (value is None and param.default is FOLLOW_LNC):
+            params[param.name] = lnc > 1
+        else:
+            params[param.name] = param.normalize(value, spec.public_name)
+    params["lnc"] = lnc
+    return params
+
+
+def check_call(spec: KernelSpec, avals: Mapping[str, Any], params: Mapping[str, Any]) -> CallInfo:
+    """Validate dtypes, layouts and the spec's semantic checks; return the bound :class:`CallInfo`."""
+    function = spec.public_name
+    present = [(operand, avals[operand.name]) for operand in spec.operands if avals.get(operand.name) is not None]
+    for operand, aval in present:
+        dtype = np.dtype(aval.dtype)
+        if dtype not in operand.dtypes:
+            allowed = ", ".join(str(d) for d in operand.dtypes)
+            raise TypeError(f"{function}: argument `{operand.name}` must have dtype in ({allowed}); got {dtype} "
+                            f"(layout {operand.layout_text}, shape {tuple(aval.shape)})")
+    try:
+        dims, _ = bind_layouts([(operand.name, tuple(aval.shape), operand.layouts) for operand, aval in present])
+    except LayoutMismatch as err:
+        raise ValueError(f"{function}: argument `{err.operand}` {err.reason}") from None
+    for name, size in dims.items():
+        if size == 0:
+            raise ValueError(f"{function}: dimension {name} is 0; every dimension of a kernel call must be positive")
+    call = CallInfo(function, dict(avals), dims, dict(params))
+    if spec.check is not None:
+        spec.check(call)
+    return call
+
+
+def output_avals(spec: KernelSpec, call: CallInfo) -> list[jax.core.ShapedArray]:
+    """The outputs' abstract values from their layouts and dtype sources."""
+    outs = []
+    for output in spec.outputs:
+        shape = tuple(dim.expected(call.dims) for dim in output.layout.dims)
+        outs.append(jax.core.ShapedArray(shape, call.avals[output.dtype_of].dtype))
+    return outs

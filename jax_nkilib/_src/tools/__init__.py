@@ -1,0 +1,1 @@
+"""User-facing tools: explain, neuron_hlo, support_matrix."""

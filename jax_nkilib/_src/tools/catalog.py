@@ -1,0 +1,114 @@
+"""Every kernel of the NKI Library catalog (``nkilib_catalog.md``, summary table), for the support matrix.
+
+Each entry: catalog row, public function names, module family, and the project issue that plans its binding
+(``None`` where no issue covers it yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class CatalogEntry:
+    row: int
+    names: tuple[str, ...]
+    family: str
+    issue: int | None
+
+
+def _entries(rows):
+    return tuple(CatalogEntry(row, tuple(names.split()), family, issue) for row, names, family, issue in rows)
+
+
+CATALOG = _entries([
+    (1, "attention_cte", "attention", 3),
+    (2, "attention_bwd", "attention", 3),
+    (3, "attention_tkg", "attention", 3),
+    (4, "gen_mask_tkg gen_mask_tkg_hbm", "attention", 3),
+    (5, "cumsum", "scan", None),
+    (6, "RoPE", "rope", 2),
+    (7, "rope_hf", "rope", 2),
+    (8, "cascaded_max", "reduce", None),
+    (9, "mlp", "mlp", 4),
+    (10, "moe_cte", "moe", None),
+    (11, "moe_tkg", "moe", None),
+    (12, "moe_block_tkg", "moe", None),
+    (13, "output_projection_cte", "projection", 4),
+    (14, "output_projection_tkg", "projection", 4),
+    (15, "qkv", "qkv", 4),
+    (16, "rmsnorm_quant_kernel", "norm", 4),
+    (17, "router_topk", "moe", None),
+    (18, "topk rotational_topk", "topk", None),
+    (19, "find_nonzero_indices", "moe", None),
+    (20, "indexed_flatten", "moe", None),
+    (21, "rmsnorm_tkg", "norm", 4),
+    (22, "layernorm_tkg", "norm", 4),
+    (23, "rmsnorm_mx_quantize_tkg", "norm", 4),
+    (24, "attention_block_tkg", "transformer", None),
+    (25, "transformer_tkg", "transformer", None),
+    (26, "cross_entropy_forward", "loss", None),
+    (27, "cross_entropy_backward", "loss", None),
+    (28, "blockwise_mm_bwd", "moe", None),
+    (29, "blockwise_mm_baseline_shard_hidden", "moe", None),
+    (30, "conv1d", "conv", None),
+    (31, "depthwise_conv1d_implicit_gemm", "conv", None),
+    (32, "dynamic_elementwise_add", "elementwise", None),
+    (33, "fine_grained_allgather", "collectives", 5),
+    (34, "allgather_compute_matmul", "collectives", 5),
+    (35, "allgather_sb2sb allgather_sb2sb_tiled", "collectives", 5),
+    (36, "topk_reduce", "moe", None),
+    (37, "find_nonzero_indices_with_count", "moe", None),
+    (38, "mxfp_load_performance_wrapper", "quant", None),
+    (39, "linear_scan", "scan", None),
+    (40, "selective_scan", "scan", None),
+    (41, "ssd", "scan", None),
+    (42, "ring_attention_spmd_fwd", "parallel", 5),
+    (43, "ring_attention_spmd_bwd", "parallel", 5),
+    (44, "ring_attention_unpermute", "parallel", 5),
+    (45, "attention_segmented_cte", "attention", 3),
+    (46, "attention_kv_parallel_segmented_cte", "attention", 3),
+    (47, "attention_mxfp8_tkg", "attention", 3),
+    (48, "swa_fused_cte", "attention", 3),
+    (49, "qkv_mla_mx qkv_mla_mx_deepseek_v4", "mla", None),
+    (50, "mla_qkv_cte_kernel", "mla", None),
+    (51, "mla_sparse_attention_cte_kernel", "mla", None),
+    (52, "mla_vupmx_oproj_cte_kernel", "mla", None),
+    (53, "sparse_attention_indexer_mx_bf16score", "attention", None),
+    (54, "ms_deformable_attention", "attention", None),
+    (55, "ms_deformable_attention_bwd", "attention", None),
+    (56, "conv3d", "conv", None),
+    (57, "conv3d_temporal_unroll", "conv", None),
+    (58, "conv3d_transpose", "conv", None),
+    (59, "all_reduce_hbm_kernel all_gather_hbm_kernel reduce_scatter_hbm_kernel all_to_all_hbm_kernel "
+         "rank_id_kernel dma_copy_rank_id_kernel", "collectives", 5),
+    (60, "permute_a2av", "moe", 5),
+    (61, "unpermute_a2av", "moe", 5),
+    (62, "attn_q_batch_shard", "collectives", 5),
+    (63, "add_scalar_kernel sub_scalar_kernel mul_scalar_kernel div_scalar_kernel add_tensor_kernel "
+         "sub_tensor_kernel mul_tensor_kernel div_tensor_kernel addcdiv addcmul lerp sqrt", "foreach", None),
+    (64, "l1_norm_kernel l2_norm_kernel linf_norm_kernel", "foreach", None),
+    (65, "matmul_mxfp8", "quant", 4),
+    (66, "matmul_mxfp8_backward", "quant", 4),
+    (67, "mlp_forward_mxfp8_nki", "mlp", 4),
+    (68, "mlp_backward_mxfp8_nki", "mlp", 4),
+    (69, "mx_moe_block_tkg_wrapper", "moe", None),
+    (70, "bwmm_shard_on_block", "moe", None),
+    (71, "blockwise_mm_fwd_mxfp8", "moe", None),
+    (72, "blockwise_mm_bwd_mxfp8", "moe", None),
+    (73, "rmsnorm_router_topk_a2av", "moe", None),
+    (74, "rmsnorm_router_topk_tkg", "moe", None),
+    (75, "build_all2all_dispatch_metadata", "moe", None),
+    (76, "build_all_to_all_v_metadata", "moe", None),
+    (77, "argsort_unstable", "sort", None),
+    (78, "permute_routed_tokens", "moe", None),
+    (79, "gather", "indexing", None),
+    (80, "scatter_add", "indexing", None),
+    (81, "gpsimd_topk", "topk", None),
+    (82, "adam_kernel adamw_kernel", "optimizer", None),
+    (83, "pad", "elementwise", None),
+    (84, "quantize_block_mxfp8_kernel", "quant", 4),
+    (85, "get_rng_state_gpsimd set_rng_state_gpsimd generate_random", "rng", None),
+    (86, "static_quantization row_quantization pre_combine_dequant_scales", "quant", 4),
+    (87, "rmsnorm_mx_prefill", "norm", 4),
+])
