@@ -57,19 +57,40 @@ def _rotate_pairs(a, b, cos_a, sin_a, cos_b, sin_b, out_dtype, transpose=False):
 
 
 # ------------------------------------------------------------------------------------------------------- RoPE
-def reference_rope(x_in, cos, sin, *, lnc_shard=False, contiguous_layout=True, relayout_in_sbuf=False):
-    """JAX reference of the ``RoPE`` kernel (the LNC and relayout flags do not change the result)."""
+_X_AXES = ("d_head", "B", "n_heads", "S")
+_TABLE_AXIS_OF_X_AXIS = {0: 0, 1: 1, 3: 2}  # x_in's d_head, B, S are the tables' d_head/2, B, S
+
+
+def reference_rope(x_in, cos, sin, *, lnc_shard=False, contiguous_layout=True, relayout_in_sbuf=False, view=None):
+    """JAX reference of the ``RoPE`` kernel (the LNC and relayout flags do not change the result).
+
+    With ``view`` (see ``framework.views``) the operands may come in another axis order; the computation then runs
+    in ``x_in``'s order without transposing ``x_in``.
+    """
     del lnc_shard, relayout_in_sbuf
-    half = x_in.shape[0] // 2
-    if contiguous_layout:
-        a, b = x_in[:half], x_in[half:]
-    else:
-        a, b = x_in[0::2], x_in[1::2]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    view = view or {}
+    x_perm = view.get("x_in", (0, 1, 2, 3))
+    d_axis, head_axis = x_perm.index(0), x_perm.index(2)
+    table_order = [_TABLE_AXIS_OF_X_AXIS[axis] for axis in x_perm if axis != 2]
+
+    def aligned(table, name):  # the table in x_in's axis order, with a unit heads axis
+        table_perm = view.get(name, (0, 1, 2))
+        return jnp.expand_dims(jnp.transpose(table, [table_perm.index(a) for a in table_order]), head_axis)
+
+    c, s = aligned(cos, "cos"), aligned(sin, "sin")
+    half = x_in.shape[d_axis] // 2
+    stride = 1 if contiguous_layout else 2
+    a = jax.lax.slice_in_dim(x_in, 0, None if stride == 2 else half, stride, axis=d_axis)
+    b = jax.lax.slice_in_dim(x_in, half if stride == 1 else 1, None, stride, axis=d_axis)
     first, second = _rotate_pairs(a, b, c, s, c, s, x_in.dtype)
     if contiguous_layout:
-        return (jnp.concatenate([first, second], axis=0),)
-    return (jnp.stack([first, second], axis=1).reshape(x_in.shape),)
+        out = jnp.concatenate([first, second], axis=d_axis)
+    else:
+        out = jnp.stack([first, second], axis=d_axis + 1).reshape(x_in.shape)
+    out_perm = view.get("x_out", (0, 1, 2, 3))
+    if out_perm != x_perm:
+        out = jnp.transpose(out, [x_perm.index(axis) for axis in out_perm])
+    return (out,)
 
 
 def _rope_check(call: CallInfo) -> None:
@@ -99,8 +120,7 @@ def _rope_vjp(kernel, operands, params, outs, cotangents):
     (g,) = cotangents
     x, cos, sin = operands["x_in"], operands["cos"], operands["sin"]
     (dx,) = kernel.call({"x_in": g, "cos": cos, "sin": -sin}, params)
-    static = {key: params[key] for key in ("lnc_shard", "contiguous_layout", "relayout_in_sbuf")}
-    _, table_vjp = jax.vjp(lambda c, s: reference_rope(x, c, s, **static)[0], cos, sin)
+    _, table_vjp = jax.vjp(lambda c, s: kernel.reference({"x_in": x, "cos": c, "sin": s}, params)[0], cos, sin)
     dcos, dsin = table_vjp(g)
     return {"x_in": dx, "cos": dcos, "sin": dsin}
 
@@ -120,12 +140,14 @@ ROPE_SPEC = KernelSpec(
     ),
     outputs=(Output.of("x_out", "d_head, B, n_heads, S", "x_in"),),
     reference=reference_rope,
+    view_aware_reference=True,
     check=_rope_check,
     neuron_limits=_rope_neuron_limits,
     fold_plans=(
         FoldPlan({"x_in": 2, "cos": None, "sin": None}, outputs=(2,)),  # tables shared: fold into heads
         FoldPlan({"x_in": 1, "cos": 1, "sin": 1}, outputs=(1,)),  # fold into the batch axis
     ),
+    neuron_split_dims=("n_heads", "B", "S"),
     mac_count=lambda call: 2 * math.prod(call.avals["x_in"].shape),
     family="rope",
     catalog="1.6",
@@ -278,26 +300,25 @@ def rope(x, cos, sin, *, interleaved: bool = False):
     (broadcast against the leading axes of ``x``). Pairs are the halves ``(x[i], x[i + head_dim/2])``, or with
     ``interleaved=True`` the neighbours ``(x[2i], x[2i+1])``; each pair is rotated as
     ``(a cos - b sin, b cos + a sin)``. Differentiable in ``x``, ``cos`` and ``sin``; the output has ``x``'s dtype.
-    On Neuron this is the NKI ``RoPE`` kernel (layout ``[head_dim, batch, heads, seq]``) between two transposes.
+
+    It is the NKI ``RoPE`` kernel called through a layout view: on CPU/GPU the reference runs in ``x``'s own
+    layout; on Neuron the kernel gets ``[head_dim, batch, heads, seq]`` by one transpose each way (and the tables,
+    broadcast over the batch, by one transpose each).
     """
     _rope_argument_errors(x, cos, sin)
     x, cos, sin = jnp.asarray(x), jnp.asarray(cos), jnp.asarray(sin)
-    if cos.ndim == 3 and cos.shape[0] == 1:
-        cos, sin = cos[0], sin[0]
     *lead, seq, heads, head_dim = x.shape
-    rank = x.ndim
-    to_kernel = (rank - 1, *range(rank - 3), rank - 2, rank - 3)  # [..., S, H, D] -> [D, ..., H, S]
-    x_kernel = jnp.transpose(x, to_kernel)
     batch = math.prod(lead)
-    if cos.ndim == 2:  # one table for everything: fold the leading axes into the heads axis
-        x_kernel = x_kernel.reshape(head_dim, 1, batch * heads, seq)
-        cos_kernel, sin_kernel = (t.T[:, None, :] for t in (cos, sin))
+    table_shape = (batch, seq, head_dim // 2)
+    if cos.ndim == 2:
+        cos, sin = (jnp.broadcast_to(t, table_shape) for t in (cos, sin))
     else:
-        x_kernel = x_kernel.reshape(head_dim, batch, heads, seq)
-        cos_kernel, sin_kernel = (
-            jnp.transpose(jnp.broadcast_to(t, (*lead, seq, head_dim // 2)).reshape(batch, seq, head_dim // 2),
-                          (2, 0, 1)) for t in (cos, sin))
-    out = RoPE(x_kernel, cos_kernel, sin_kernel, contiguous_layout=not interleaved)
-    out = out.reshape(head_dim, *lead, heads, seq)
-    from_kernel = tuple(sorted(range(rank), key=to_kernel.__getitem__))
-    return jnp.transpose(out, from_kernel)
+        cos, sin = (jnp.broadcast_to(t, (*lead, seq, head_dim // 2)).reshape(table_shape) for t in (cos, sin))
+    params = RoPE.params(contiguous_layout=not interleaved)
+    (out,) = RoPE.call({"x_in": x.reshape(batch, seq, heads, head_dim), "cos": cos, "sin": sin}, params,
+                       view=_ROPE_VIEW)
+    return out.reshape(x.shape)
+
+
+_ROPE_VIEW = {"x_in": "B, S, n_heads, d_head", "x_out": "B, S, n_heads, d_head", "cos": "B, S, d_head/2",
+              "sin": "B, S, d_head/2"}

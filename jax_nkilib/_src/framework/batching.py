@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import views
 from .spec import CallInfo, FoldPlan, KernelSpec
 
 
@@ -45,6 +46,17 @@ def choose_plan(spec: KernelSpec, present, batch_dims, call: CallInfo) -> FoldPl
         if plan_fits(plan, present, batch_dims, call):
             return plan
     return None
+
+
+def through_view(plan: FoldPlan, spec: KernelSpec, view) -> FoldPlan:
+    """The plan with its kernel-layout axes moved to where the call's layout view puts them."""
+    if not view:
+        return plan
+    axes = {name: None if axis is None else views.given_axis(views.permutation_of(view, name), axis)
+            for name, axis in plan.axes.items()}
+    outputs = tuple(views.given_axis(views.permutation_of(view, output.name), axis)
+                    for output, axis in zip(spec.outputs, plan.outputs))
+    return FoldPlan(axes, outputs, plan.when)
 
 
 def fold(plan: FoldPlan, bind: Callable, args, batch_dims, present, size: int):

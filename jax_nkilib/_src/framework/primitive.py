@@ -25,14 +25,17 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching as jax_batching
 from jax.interpreters import mlir
 
-from . import batching, compat, registry
+from . import batching, compat, registry, views
 from .spec import KernelSpec
 from .validation import check_call, normalize_params, output_avals, split_arguments
 from ..neuron.lowering import neuron_lowering_rule
 
 REFERENCE_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
-# vjp(kernel, operands, params, outputs, cotangents) -> {operand name: cotangent or None}
+# vjp(kernel, operands, params, outputs, cotangents) -> {operand name: cotangent or None}.
+# Operands, outputs and cotangents arrive as the call gave them (through its layout view, if any): a rule computes
+# with kernel.call / kernel.reference, which honour the view, or converts with kernel.to_kernel_layout and
+# kernel.from_kernel_layout.
 VjpRule = Callable[["Kernel", Mapping[str, Any], Mapping[str, Any], tuple, tuple], Mapping[str, Any]]
 
 
@@ -56,9 +59,21 @@ class Kernel:
         outs = self.call(operands, params)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def call(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
-        """Call with operands by name (``None`` for absent optional ones) and normalized params."""
+    def params(self, **flags) -> dict[str, Any]:
+        """Normalized params for ``flags`` (defaults filled, LNC resolved), for layer-2 ops calling :meth:`call`."""
+        return normalize_params(self.spec, flags)
+
+    def call(self, operands: Mapping[str, Any], params: Mapping[str, Any],
+             view: Mapping[str, str] | None = None) -> tuple:
+        """Call with operands by name (``None`` for absent optional ones) and normalized params.
+
+        ``view`` optionally gives operands and outputs in another order of the kernel layout's dimension names
+        (``{"x_in": "B, S, n_heads, d_head"}``); see :mod:`jax_nkilib._src.framework.views`.
+        """
         operands = {name: (None if value is None else jnp.asarray(value)) for name, value in operands.items()}
+        if view:
+            ranks = {name: value.ndim for name, value in operands.items() if value is not None}
+            params = dict(params, layout=views.make_view(self.spec, view, ranks))
         check_call(self.spec, {n: v for n, v in operands.items()}, params)
         if self.vjp is None:
             return self.bind(operands, params)
@@ -96,12 +111,34 @@ class Kernel:
         kernel_call.defvjp(forward, backward)
         return tuple(kernel_call(*(operands[name] for name in present)))
 
+    def to_kernel_layout(self, values: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+        """Operand or output values by name, transposed from the call's layout view to the kernel layout."""
+        view = params.get("layout", ())
+        return {name: None if value is None else views.to_kernel(value, views.permutation_of(view, name))
+                for name, value in values.items()}
+
+    def from_kernel_layout(self, values: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+        """Inverse of :meth:`to_kernel_layout`."""
+        view = params.get("layout", ())
+        return {name: None if value is None else views.to_given(value, views.permutation_of(view, name))
+                for name, value in values.items()}
+
+    def reference(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
+        """The JAX reference on operands by name, honouring the layout view in ``params`` (for VJP rules)."""
+        spec, view = self.spec, params.get("layout", ())
+        static = {param.name: params[param.name] for param in spec.params}
+        named = {op.name: operands.get(op.name) for op in spec.operands}
+        if not view:
+            return tuple(spec.reference(**named, **static))
+        if spec.view_aware_reference:
+            return tuple(spec.reference(**named, **static, view=dict(view)))
+        outs = spec.reference(**self.to_kernel_layout(named, params), **static)
+        outs = self.from_kernel_layout({output.name: out for output, out in zip(spec.outputs, outs)}, params)
+        return tuple(outs.values())
+
     # ------------------------------------------------------------------------------------------- registrations
     def _reference(self, *values, present, **params):
-        named = dict.fromkeys(op.name for op in self.spec.operands)
-        named.update(zip(present, values))
-        static = {param.name: params[param.name] for param in self.spec.params}
-        return tuple(self.spec.reference(**named, **static))
+        return self.reference(dict(zip(present, values)), params)
 
     def _abstract_eval(self, *avals, present, **params):
         call = check_call(self.spec, dict(zip(present, avals)), params)
@@ -114,6 +151,7 @@ class Kernel:
         bind = lambda values: self.primitive.bind(*values, present=present, **params)  # noqa: E731
         plan = batching.choose_plan(self.spec, present, batch_dims, call)
         if plan is not None:
+            plan = batching.through_view(plan, self.spec, params["layout"])
             return batching.fold(plan, bind, args, batch_dims, present, size)
         return batching.map_fallback(bind, args, batch_dims)
 

@@ -140,9 +140,14 @@ class KernelSpec:
       params: static arguments in the kernel's order.
       outputs: outputs in the kernel's order.
       reference: ``reference(**operands, **params) -> tuple`` in JAX, following the kernel's numerics.
+      view_aware_reference: the reference also accepts ``view={name: permutation}`` (see ``views``) and then
+        computes directly on operands given in that order, returning outputs in their viewed order.
       check: extra semantic validation ``check(call) -> None`` raising ``TypeError``/``ValueError``.
       neuron_limits: ``neuron_limits(call) -> list[str]`` of kernel limits that the call does not meet.
       fold_plans: batching strategies tried in order before the ``lax.map`` fallback.
+      neuron_split_dims: named dimensions along which the kernel is elementwise-independent, in order of
+        preference: when a call exceeds a kernel limit (e.g. SBUF capacity), the Neuron lowering splits it along
+        one of them into equal pieces that each meet every limit, one kernel call per piece.
       aliases: ``{operand index: output index}`` for outputs written in place.
       has_collectives: whether the kernel issues ``nki.collectives``.
       mac_count: estimate of multiply-accumulates for the Neuron config.
@@ -158,9 +163,11 @@ class KernelSpec:
     params: tuple[Param, ...]
     outputs: tuple[Output, ...]
     reference: Callable[..., tuple]
+    view_aware_reference: bool = False
     check: Callable[[CallInfo], None] | None = None
     neuron_limits: Callable[[CallInfo], list[str]] | None = None
     fold_plans: tuple[FoldPlan, ...] = ()
+    neuron_split_dims: tuple[str, ...] = ()
     aliases: Mapping[int, int] = dataclasses.field(default_factory=dict)
     has_collectives: bool = False
     mac_count: Callable[[CallInfo], int] | None = None

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from . import config
+from . import config, views
 from .layout import LayoutMismatch, bind_layouts
 from .spec import FOLLOW_LNC, CallInfo, KernelSpec
 
@@ -50,7 +50,8 @@ def split_arguments(spec: KernelSpec, args: tuple, kwargs: dict) -> tuple[dict[s
 
 
 def normalize_params(spec: KernelSpec, raw: Mapping[str, Any]) -> dict[str, Any]:
-    """Fill defaults, check types, resolve LNC-following flags, and add the LNC degree as ``lnc``."""
+    """Fill defaults, check types, resolve LNC-following flags, add the LNC degree as ``lnc`` and the kernel-layout
+    view ``layout=()`` (see :mod:`views`)."""
     lnc = config.current_lnc()
     params: dict[str, Any] = {}
     for param in spec.params:
@@ -60,12 +61,20 @@ def normalize_params(spec: KernelSpec, raw: Mapping[str, Any]) -> dict[str, Any]
         else:
             params[param.name] = param.normalize(value, spec.public_name)
     params["lnc"] = lnc
+    params["layout"] = ()
     return params
 
 
 def check_call(spec: KernelSpec, avals: Mapping[str, Any], params: Mapping[str, Any]) -> CallInfo:
-    """Validate dtypes, layouts and the spec's semantic checks; return the bound :class:`CallInfo`."""
+    """Validate dtypes, layouts and the spec's semantic checks; return the bound :class:`CallInfo`.
+
+    ``avals`` may be given through the layout view in ``params["layout"]``; the returned call describes the
+    kernel layout.
+    """
     function = spec.public_name
+    view = params.get("layout", ())
+    avals = {name: None if aval is None else views.kernel_aval(aval, views.permutation_of(view, name))
+             for name, aval in avals.items()}
     present = [(operand, avals[operand.name]) for operand in spec.operands if avals.get(operand.name) is not None]
     for operand, aval in present:
         dtype = np.dtype(aval.dtype)
@@ -87,9 +96,11 @@ def check_call(spec: KernelSpec, avals: Mapping[str, Any], params: Mapping[str, 
 
 
 def output_avals(spec: KernelSpec, call: CallInfo) -> list[jax.core.ShapedArray]:
-    """The outputs' abstract values from their layouts and dtype sources."""
+    """The outputs' abstract values from their layouts and dtype sources, in the call's layout view."""
+    view = call.params.get("layout", ())
     outs = []
     for output in spec.outputs:
         shape = tuple(dim.expected(call.dims) for dim in output.layout.dims)
-        outs.append(jax.core.ShapedArray(shape, call.avals[output.dtype_of].dtype))
+        aval = jax.core.ShapedArray(shape, call.avals[output.dtype_of].dtype)
+        outs.append(views.given_aval(aval, views.permutation_of(view, output.name)))
     return outs

@@ -7,12 +7,16 @@ When a Neuron-kernel limit is not met (head size, SBUF capacity, dtype, LNC divi
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from typing import Callable
 
+import jax
 import numpy as np
-from ..framework import compat, config
+from jax import lax
+from jax.interpreters import mlir
+from ..framework import compat, config, views
 from ..framework.spec import NEURON_FLOAT_DTYPES, CallInfo, KernelSpec
 from ..framework.validation import check_call, output_avals
 from .compilers import CompiledKernel, NeuronOutputMismatchError, active_compiler
@@ -44,6 +48,94 @@ def unmet_neuron_limits(spec: KernelSpec, call: CallInfo) -> list[str]:
     if spec.neuron_limits is not None:
         unmet.extend(spec.neuron_limits(call))
     return unmet
+
+
+@dataclasses.dataclass(frozen=True)
+class NeuronPlan:
+    """How a call lowers for Neuron: ``"kernel"`` (one call), ``"split"`` (``pieces`` calls along ``dim``), or
+    ``"fallback"`` (the JAX reference, because of ``unmet``)."""
+
+    kind: str
+    unmet: tuple[str, ...] = ()
+    dim: str | None = None
+    pieces: int = 1
+
+    def describe(self) -> str:
+        if self.kind == "kernel":
+            return "kernel"
+        if self.kind == "split":
+            return f"kernel, split into {self.pieces} calls along {self.dim} ({'; '.join(self.unmet)})"
+        return "fallback: " + "; ".join(self.unmet)
+
+
+def _axes_of(spec: KernelSpec, dim: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """For each operand (by name) or output (by index), the axis whose layout token is exactly ``dim``."""
+    axes = {}
+    for operand in spec.operands:
+        if shapes.get(operand.name) is None:
+            continue
+        layout = next(l for l in operand.layouts if l.rank == len(shapes[operand.name]))
+        for axis, token in enumerate(layout.dims):
+            if token.binds and token.name == dim:
+                axes[operand.name] = axis
+    for index, output in enumerate(spec.outputs):
+        for axis, token in enumerate(output.layout.dims):
+            if token.binds and token.name == dim:
+                axes[index] = axis
+    return axes
+
+
+def _piece_call(spec: KernelSpec, call: CallInfo, dim: str, size: int) -> CallInfo:
+    shapes = {name: tuple(aval.shape) for name, aval in call.avals.items() if aval is not None}
+    avals = dict(call.avals)
+    for name, axis in _axes_of(spec, dim, shapes).items():
+        if isinstance(name, str):
+            shape = list(shapes[name])
+            shape[axis] = size
+            avals[name] = jax.core.ShapedArray(tuple(shape), call.avals[name].dtype)
+    return CallInfo(call.function, avals, dict(call.dims, **{dim: size}), call.params)
+
+
+def plan_neuron_call(spec: KernelSpec, call: CallInfo) -> NeuronPlan:
+    """Decide kernel, split or fallback for one call (the same decision for lowering and for ``explain``)."""
+    unmet = tuple(unmet_neuron_limits(spec, call))
+    if not unmet:
+        return NeuronPlan("kernel")
+    for dim in spec.neuron_split_dims:
+        size = call.dims[dim]
+        for pieces in range(2, size + 1):
+            if size % pieces == 0 and not unmet_neuron_limits(spec, _piece_call(spec, call, dim, size // pieces)):
+                return NeuronPlan("split", unmet, dim, pieces)
+    return NeuronPlan("fallback", unmet)
+
+
+def _split_lowering(spec: KernelSpec, primitive, plan: NeuronPlan, call: CallInfo, present, params):
+    """A function computing the call as ``plan.pieces`` kernel calls over equal slices along ``plan.dim``."""
+    shapes = {name: tuple(aval.shape) for name, aval in call.avals.items() if aval is not None}
+    axes = _axes_of(spec, plan.dim, shapes)
+    width = call.dims[plan.dim] // plan.pieces
+
+    def split(*values):
+        pieces = []
+        for start in range(0, call.dims[plan.dim], width):
+            sliced = [lax.slice_in_dim(value, start, start + width, axis=axes[name]) if name in axes else value
+                      for name, value in zip(present, values)]
+            pieces.append(primitive.bind(*sliced, present=present, **params))
+        return [lax.concatenate([outs[i] for outs in pieces], axes[i]) for i in range(len(spec.outputs))]
+
+    return split
+
+
+def _through_kernel_layout(spec: KernelSpec, primitive, present, params):
+    view = params["layout"]
+
+    def through(*values):
+        in_kernel_layout = [views.to_kernel(v, views.permutation_of(view, n)) for n, v in zip(present, values)]
+        outs = primitive.bind(*in_kernel_layout, present=present, **dict(params, layout=()))
+        return [views.to_given(out, views.permutation_of(view, output.name)) for out, output in zip(outs,
+                                                                                                 spec.outputs)]
+
+    return through
 
 
 def _warn_once(spec: KernelSpec, site: str, unmet: list[str]) -> None:
@@ -82,10 +174,17 @@ def neuron_lowering_rule(spec: KernelSpec, reference_rule: Callable) -> Callable
     """The lowering rule registered as the primitive's default (and for ``neuron`` when that platform is known)."""
 
     def rule(ctx, *operands, present, **params):
+        if params["layout"]:  # a layout view: transpose to the kernel layout around a kernel-layout call
+            through = _through_kernel_layout(spec, ctx.primitive, present, params)
+            return mlir.lower_fun(through, multiple_results=True)(ctx, *operands)
         avals = {name: aval for name, aval in zip(present, ctx.avals_in)}
         call = check_call(spec, avals, params)
-        unmet = unmet_neuron_limits(spec, call)
-        if unmet:
+        plan = plan_neuron_call(spec, call)
+        if plan.kind == "split":
+            split = _split_lowering(spec, ctx.primitive, plan, call, present, params)
+            return mlir.lower_fun(split, multiple_results=True)(ctx, *operands)
+        if plan.kind == "fallback":
+            unmet = list(plan.unmet)
             if config.current_on_unsupported() == "error":
                 raise NeuronUnsupportedError(f"{spec.public_name} cannot run as the NKI kernel on Neuron: "
                                              f"{'; '.join(unmet)}")

@@ -10,16 +10,17 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from ..framework import config, registry
-from ..framework.validation import check_call
-from ..neuron.lowering import unmet_neuron_limits
+from ..framework.validation import check_call, output_avals
+from ..neuron.lowering import plan_neuron_call
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelCallReport:
     """One kernel call found in a traced function.
 
-    ``neuron`` is ``"kernel"`` when Neuron would run the NKI kernel, else ``"fallback: <limits>"`` (or ``"error:
-    <limits>"`` under ``on_unsupported="error"``). ``context`` names the enclosing transformations (e.g.
+    ``neuron`` is ``"kernel"`` when Neuron would run the NKI kernel in one call, ``"kernel, split into N calls
+    along <dim> (<limits>)"`` when the call is split to meet a kernel limit, else ``"fallback: <limits>"`` (or
+    ``"error: <limits>"`` under ``on_unsupported="error"``). ``context`` names the enclosing transformations (e.g.
     ``shard_map(mesh axes: data=8; manual: data)``).
     """
 
@@ -34,7 +35,7 @@ class KernelCallReport:
 
     @property
     def runs_kernel(self) -> bool:
-        return self.neuron == "kernel"
+        return self.neuron.startswith("kernel")
 
     def __str__(self) -> str:
         args = ", ".join(f"{name}{list(shape)}:{dtype}" for name, shape, dtype in self.inputs)
@@ -81,15 +82,15 @@ def _report(kernel, eqn, context: str) -> KernelCallReport:
     present = params.pop("present")
     avals = {name: var.aval for name, var in zip(present, eqn.invars)}
     call = check_call(spec, avals, params)
-    unmet = unmet_neuron_limits(spec, call)
-    if not unmet:
-        neuron = "kernel"
-    else:
-        neuron = ("error: " if config.current_on_unsupported() == "error" else "fallback: ") + "; ".join(unmet)
+    in_kernel_layout = dataclasses.replace(call, params=dict(call.params, layout=()))
+    plan = plan_neuron_call(spec, call)
+    neuron = plan.describe()
+    if plan.kind == "fallback" and config.current_on_unsupported() == "error":
+        neuron = "error: " + "; ".join(plan.unmet)
     return KernelCallReport(
         kernel=spec.name, entry_point=spec.entry_point,
-        inputs=tuple((n, tuple(a.shape), np.dtype(a.dtype).name) for n, a in avals.items()),
-        outputs=tuple((tuple(v.aval.shape), np.dtype(v.aval.dtype).name) for v in eqn.outvars),
+        inputs=tuple((n, tuple(a.shape), np.dtype(a.dtype).name) for n, a in call.avals.items()),
+        outputs=tuple((tuple(a.shape), np.dtype(a.dtype).name) for a in output_avals(spec, in_kernel_layout)),
         params={p.name: params[p.name] for p in spec.params}, lnc=params["lnc"], context=context, neuron=neuron)
 
 
@@ -108,7 +109,7 @@ def _walk(jaxpr: Jaxpr, context: str, reports: list) -> None:
 def explain(fn, *args, **kwargs) -> Explanation:
     """Trace ``fn(*args, **kwargs)`` and list every jax_nkilib kernel call in it.
 
-    For each call: the kernel, its operand shapes and dtypes, static flags, LNC degree, enclosing ``shard_map``, and
+    For each call: the kernel, its operand shapes (in the kernel's layout) and dtypes, static flags, LNC degree, enclosing ``shard_map``, and
     whether lowering for Neuron would run the NKI kernel or fall back to the JAX reference (and why).
     """
     closed = jax.make_jaxpr(fn)(*args, **kwargs)

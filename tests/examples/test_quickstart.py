@@ -1,0 +1,16 @@
+"""The README's main example runs, trains, and explains its kernel calls."""
+
+import importlib.util
+import pathlib
+
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
+
+
+def test_quickstart_trains_and_explains(capsys):
+    spec = importlib.util.spec_from_file_location("quickstart", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    losses = module.main()
+    assert losses[-1] < losses[0]
+    printed = capsys.readouterr().out
+    assert "4 jax_nkilib kernel call(s); 4 would run as NKI kernels on Neuron" in printed

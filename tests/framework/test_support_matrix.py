@@ -1,0 +1,55 @@
+"""The support matrix covers every catalog kernel honestly, and the README table is generated from it."""
+
+import ast
+import pathlib
+
+import jax_nkilib
+from jax_nkilib._src.framework import registry
+from jax_nkilib._src.framework.spec import FOLLOW_LNC
+from jax_nkilib._src.tools.catalog import CATALOG
+from jax_nkilib._src.tools.support import markdown_table, readme_section
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_every_catalog_kernel_has_one_row():
+    rows = jax_nkilib.support_matrix()
+    names = [row.kernel for row in rows]
+    assert len(names) == len(set(names))
+    assert {name for entry in CATALOG for name in entry.names} == set(names)
+    assert [entry.row for entry in CATALOG] == list(range(1, 88))
+
+
+def test_bound_rows_are_exactly_the_registered_catalog_kernels():
+    rows = {row.kernel: row for row in jax_nkilib.support_matrix()}
+    assert {name for name, row in rows.items() if row.status == "bound"} == {"RoPE", "rope_hf"}
+    assert rows["RoPE"].idiomatic == "jax_nkilib.rope" and "kernel" in rows["RoPE"].vjp
+    assert rows["attention_cte"].status == "not bound yet (planned in issue 3)"
+    assert rows["conv1d"].status == "not bound yet" and rows["conv1d"].layer1 == ""
+
+
+def test_readme_table_is_generated_from_the_matrix():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme_section(readme) == markdown_table(), (
+        "README support table is stale: run `python -m jax_nkilib._src.tools.support README.md`")
+
+
+def test_device_adapters_parse_and_match_their_specs():
+    """kernels/ adapters import nki (absent here): check them statically against the specs they serve."""
+    adapters = [k.spec for k in registry.bound_kernels().values()
+                if k.spec.entry_point.startswith("jax_nkilib_kernels.")]
+    assert adapters, "rope_hf needs an adapter"
+    for spec in adapters:
+        module, function = spec.entry_point.split(":")
+        path = ROOT / "kernels" / (module.split(".", 1)[1].replace(".", "/") + ".py")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function]
+        assert any(ast.unparse(d) == "nki.jit" for d in node.decorator_list)
+        names = [a.arg for a in node.args.args]
+        assert names == [o.name for o in spec.operands] + [p.name for p in spec.params]
+        defaults = dict(zip(names[len(names) - len(node.args.defaults):],
+                            (ast.literal_eval(d) for d in node.args.defaults)))
+        for operand in spec.operands:
+            assert (operand.name in defaults and defaults[operand.name] is None) == operand.optional
+        for param in spec.params:
+            assert param.default is not FOLLOW_LNC and defaults[param.name] == param.default

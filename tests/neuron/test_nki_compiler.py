@@ -1,0 +1,106 @@
+"""NkiCompiler against a stand-in for the `nki` framework-integration API (the real SDK is not installable here).
+
+The stand-in implements the documented interface (`CompileKernel(func, lnc=, target=).build_config(...)` returning
+an object with `backend_config_b64`, `output_specs`, `operand_output_aliases`, `has_collectives`), so these tests
+check how jax_nkilib drives it and emits its result; they cannot check the real SDK.
+"""
+
+import base64
+import json
+import sys
+import types
+
+import jax
+import numpy as np
+import pytest
+
+import jax_nkilib
+from jax_nkilib.neuron import NeuronOutputMismatchError, NkiApiError
+from jax_nkilib.nki import RoPE
+from tests.support.data import angles, random
+from tests.support.hlo import kernel_configs, neuron_text
+
+X = random((64, 2, 4, 16))
+COS, SIN = angles((32, 2, 16))
+
+
+def library_rope(x_in, cos, sin, lnc_shard=False, contiguous_layout=True, relayout_in_sbuf=False):
+    raise AssertionError("the kernel body is compiled by nki, never called by jax_nkilib")
+
+
+class FakeCompileKernel:
+    calls = []
+
+    def __init__(self, func, lnc, target):
+        self.func, self.lnc, self.target = func, lnc, target
+
+    def build_config(self, *arg_specs, **kwargs):
+        FakeCompileKernel.calls.append((self.func, self.lnc, self.target, arg_specs, kwargs))
+        cfg = {"func_name": self.func.__name__, "kernel_format": "bir", "grid": self.lnc, "has_collectives": True,
+               "mac_count": 7}
+        return types.SimpleNamespace(
+            backend_config_b64=base64.b64encode(json.dumps(cfg).encode()).decode(),
+            output_specs=[jax.ShapeDtypeStruct(arg_specs[0].shape, arg_specs[0].dtype)],
+            operand_output_aliases={0: 0},
+            has_collectives=True,
+        )
+
+
+@pytest.fixture
+def fake_sdk(monkeypatch):
+    nki = types.ModuleType("nki")
+    framework = types.ModuleType("nki.framework")
+    compiled = types.ModuleType("nki.framework.compiled")
+    compiled.CompileKernel = FakeCompileKernel
+    nki.framework, framework.compiled = framework, compiled
+    modules = {"nki": nki, "nki.framework": framework, "nki.framework.compiled": compiled}
+    for name in ("nkilib", "nkilib.core", "nkilib.core.embeddings"):
+        modules[name] = types.ModuleType(name)
+    rope_module = types.ModuleType("nkilib.core.embeddings.rope")
+    rope_module.RoPE = library_rope
+    modules["nkilib.core.embeddings.rope"] = rope_module
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    FakeCompileKernel.calls.clear()
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn1")
+    return compiled
+
+
+def test_nki_compiler_emits_the_sdk_config(fake_sdk):
+    with jax_nkilib.config(lnc=2):
+        text = neuron_text(RoPE, X, COS, SIN)
+    (cfg,) = kernel_configs(text)
+    assert cfg == {"func_name": "library_rope", "kernel_format": "bir", "grid": 2, "has_collectives": True,
+                   "mac_count": 7}
+    (func, lnc, target, arg_specs, kwargs), = FakeCompileKernel.calls
+    assert func is library_rope and lnc == 2 and target == "trn1"
+    assert [tuple(a.shape) for a in arg_specs] == [(64, 2, 4, 16), (32, 2, 16), (32, 2, 16)]
+    assert kwargs == {"lnc_shard": True, "contiguous_layout": True, "relayout_in_sbuf": False}
+    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [], operand_index = 0" \
+           in text
+    assert 'mhlo.frontend_attributes = {has_collectives = "1"}' in text
+
+
+def test_output_mismatch_is_an_error(fake_sdk, monkeypatch):
+    original = FakeCompileKernel.build_config
+
+    def wrong_outputs(self, *arg_specs, **kwargs):
+        result = original(self, *arg_specs, **kwargs)
+        result.output_specs = [jax.ShapeDtypeStruct((1,), np.float32)]
+        return result
+
+    monkeypatch.setattr(FakeCompileKernel, "build_config", wrong_outputs)
+    with pytest.raises(NeuronOutputMismatchError, match="abstract evaluation expects"):
+        neuron_text(RoPE, X, COS, SIN)
+
+
+def test_missing_framework_api_is_named(fake_sdk, monkeypatch):
+    monkeypatch.delattr(fake_sdk, "CompileKernel")
+    with pytest.raises(NkiApiError, match="CompileKernel"):
+        neuron_text(RoPE, X, COS, SIN)
+
+
+def test_missing_entry_point_is_named(fake_sdk, monkeypatch):
+    monkeypatch.delattr(sys.modules["nkilib.core.embeddings.rope"], "RoPE")
+    with pytest.raises(NkiApiError, match="nkilib.core.embeddings.rope:RoPE"):
+        neuron_text(RoPE, X, COS, SIN)
