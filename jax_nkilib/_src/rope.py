@@ -299,7 +299,8 @@ def rope(x, cos, sin, *, interleaved: bool = False):
     ``cos`` and ``sin`` are ``[seq, head_dim/2]`` (shared by every batch element) or ``[batch, seq, head_dim/2]``
     (broadcast against the leading axes of ``x``). Pairs are the halves ``(x[i], x[i + head_dim/2])``, or with
     ``interleaved=True`` the neighbours ``(x[2i], x[2i+1])``; each pair is rotated as
-    ``(a cos - b sin, b cos + a sin)``. Differentiable in ``x``, ``cos`` and ``sin``; the output has ``x``'s dtype.
+    ``(a cos - b sin, b cos + a sin)``. Differentiable in ``x``, ``cos`` and ``sin``; the output has ``x``'s shape
+    and dtype (a batched table must broadcast to ``x``'s leading axes without adding any).
 
     It is the NKI ``RoPE`` kernel called through a layout view: on CPU/GPU the reference runs in ``x``'s own
     layout; on Neuron the kernel gets ``[head_dim, batch, heads, seq]`` by one transpose each way (and the tables,
@@ -310,6 +311,8 @@ def rope(x, cos, sin, *, interleaved: bool = False):
     *lead, seq, heads, head_dim = x.shape
     batch = math.prod(lead)
     table_shape = (batch, seq, head_dim // 2)
+    if cos.ndim == 3 and not lead:  # a [1, seq, head_dim/2] table for an x without batch axes
+        cos, sin = cos[0], sin[0]
     if cos.ndim == 2:
         cos, sin = (jnp.broadcast_to(t, table_shape) for t in (cos, sin))
     else:

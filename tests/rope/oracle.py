@@ -50,7 +50,8 @@ def rope_hf_oracle(q, k, cos=None, sin=None, rope_cache=None, backward=False):
 
 
 def idiomatic_rope_oracle(x, cos, sin, interleaved=False):
-    """jax_nkilib.rope: x [..., S, H, D], cos/sin [S, D/2] or [batch, S, D/2] broadcast over leading axes."""
+    """jax_nkilib.rope: x [..., S, H, D], cos/sin [S, D/2] or [batch, S, D/2] broadcast over leading axes; the
+    result has x's shape."""
     x, cos, sin = f64(x), f64(cos), f64(sin)
     d = x.shape[-1]
     first, second = (np.arange(0, d, 2), np.arange(1, d, 2)) if interleaved else (
@@ -59,4 +60,5 @@ def idiomatic_rope_oracle(x, cos, sin, interleaved=False):
     rotated = (x[..., first] + 1j * x[..., second]) * angle
     out = np.empty(np.broadcast_shapes(x.shape, rotated.shape[:-1] + (d,)))
     out[..., first], out[..., second] = rotated.real, rotated.imag
-    return out
+    assert out.size == x.size, "the tables may not add batch elements"
+    return out.reshape(x.shape)

@@ -1,5 +1,7 @@
 """jax_nkilib.rope: JAX layout [..., seq, heads, head_dim], broadcasting tables, autodiff, vmap, shard_map."""
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,3 +117,17 @@ def test_head_sharded_inside_shard_map_with_replicated_tables():
     assert_close(jax.jit(fn)(*args), idiomatic_rope_oracle(x, cos, sin), jnp.float32)
     lowered = jax.jit(fn).lower(*args).compile().as_text()
     assert "all-gather" not in lowered and "all-reduce" not in lowered
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(
+    lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    seq=st.integers(1, 9), heads=st.integers(1, 4), half=st.integers(1, 5),
+    batched_table=st.booleans(), interleaved=st.booleans(),
+)
+def test_property_any_shape_matches_oracle(lead, seq, heads, half, batched_table, interleaved):
+    x = random((*lead, seq, heads, 2 * half))
+    table_shape = ((lead[-1] if lead else 1), seq, half) if batched_table else (seq, half)
+    cos, sin = angles(table_shape)
+    out = jax_nkilib.rope(x, cos, sin, interleaved=interleaved)
+    assert_close(out, idiomatic_rope_oracle(x, cos, sin, interleaved), jnp.float32)

@@ -1,5 +1,6 @@
 """jax_nkilib.nki.RoPE: forward against the float64 oracle, jit, vmap, gradients, shard_map."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,3 +152,13 @@ def test_inside_shard_map_on_8_devices():
     (call,) = report
     assert call.inputs[0][1] == (64, 1, 2, 16)  # per-device shard
     assert "shard_map" in call.context and "data=8" in call.context
+
+
+def test_residuals_are_named_for_remat_policies():
+    x, cos, sin = inputs((8, 2, 3, 5), jnp.float64)
+    loss = lambda a, c: jnp.sum(jnp.sin(RoPE(a, c, sin)))  # noqa: E731
+    assert "RoPE.x_in" in str(jax.make_jaxpr(jax.grad(loss))(x, cos))
+    policy = jax.checkpoint_policies.save_only_these_names("RoPE.x_in", "RoPE.cos", "RoPE.sin")
+    remat = jax.checkpoint(loss, policy=policy)
+    chex.assert_trees_all_close(jax.grad(remat, argnums=(0, 1))(x, cos), jax.grad(loss, argnums=(0, 1))(x, cos),
+                                rtol=1e-12)
