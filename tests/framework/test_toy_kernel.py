@@ -51,7 +51,9 @@ def vjp(kernel, operands, params, outs, cotangents):
 
 
 toy = make_kernel(SPEC, vjp=vjp)
-X, W, B = jnp.arange(12.0, dtype=jnp.float32).reshape(4, 3), jnp.arange(1.0, 5.0, dtype=jnp.float32), jnp.ones((4, 3), jnp.float32)
+X = jnp.arange(12.0, dtype=jnp.float32).reshape(4, 3)
+W = jnp.arange(1.0, 5.0, dtype=jnp.float32)
+B = jnp.ones((4, 3), jnp.float32)
 
 
 def test_call_with_enum_member_names_and_optional_operand():

@@ -167,7 +167,8 @@ def test_realistic_rope_is_split_to_fit_sbuf(dtype, pieces):
 def test_split_pieces_compute_the_same_values():
     """The split lowering, run on CPU through the reference, equals the unsplit call."""
     from jax_nkilib._src.framework.validation import check_call
-    from jax_nkilib._src.neuron.lowering import _split_lowering, plan_neuron_call
+    from jax_nkilib._src.neuron.lowering import _split_lowering
+    from jax_nkilib._src.neuron.planning import plan_neuron_call
 
     x, (cos, sin) = random((64, 3, 8, 4000), jnp.bfloat16), angles((32, 3, 4000), jnp.bfloat16)
     params = dict(lnc_shard=False, contiguous_layout=True, relayout_in_sbuf=False, lnc=1)

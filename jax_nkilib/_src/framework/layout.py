@@ -97,8 +97,9 @@ def bind_layouts(shapes: Sequence[tuple[str, tuple[int, ...], Sequence[Layout]]]
         by_rank = [layout for layout in layouts if layout.rank == len(shape)]
         if not by_rank:
             accepted = " or ".join(str(layout) for layout in layouts)
-            raise LayoutMismatch(name, f"must have layout {accepted} (rank {' or '.join(str(l.rank) for l in layouts)})"
-                                       f"; got rank {len(shape)} with shape {tuple(shape)}")
+            ranks = " or ".join(str(layout.rank) for layout in layouts)
+            raise LayoutMismatch(name, f"must have layout {accepted} (rank {ranks}); got rank {len(shape)} with "
+                                       f"shape {tuple(shape)}")
         layout = by_rank[0]
         chosen[name] = layout
         for dim, size in zip(layout.dims, shape):

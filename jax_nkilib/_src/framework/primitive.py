@@ -74,7 +74,7 @@ class Kernel:
         if view:
             ranks = {name: value.ndim for name, value in operands.items() if value is not None}
             params = dict(params, layout=views.make_view(self.spec, view, ranks))
-        check_call(self.spec, {n: v for n, v in operands.items()}, params)
+        check_call(self.spec, operands, params)
         if self.vjp is None:
             return self.bind(operands, params)
         return self._differentiable(operands, params)

@@ -45,7 +45,7 @@ def make_view(spec: KernelSpec, views: Mapping[str, str], ranks: Mapping[str, in
     absent = {operand.name for operand in spec.operands if operand.name not in ranks}
     for operand in spec.operands:
         if operand.name in ranks:
-            layouts[operand.name] = next((l for l in operand.layouts if l.rank == ranks[operand.name]),
+            layouts[operand.name] = next((option for option in operand.layouts if option.rank == ranks[operand.name]),
                                          operand.layouts[0])
     view = []
     for name, text in views.items():

@@ -1,25 +1,26 @@
 """The Neuron lowering rule: one ``AwsNeuronCustomNativeKernel`` custom call per kernel call.
 
-When a Neuron-kernel limit is not met (head size, SBUF capacity, dtype, LNC divisibility, ...) the policy decides:
-``"fallback"`` lowers the JAX reference instead and warns once per call site naming the limit; ``"error"`` raises
-:class:`NeuronUnsupportedError`.
+A call made through a layout view is first transposed to the kernel layout. A call that exceeds a kernel limit
+which splitting fixes becomes several kernel calls over slices (see :mod:`planning`). When a limit is not met
+otherwise (head size, dtype, LNC divisibility, ...) the policy decides: ``"fallback"`` lowers the JAX reference
+instead and warns once per call site naming the limit; ``"error"`` raises :class:`NeuronUnsupportedError`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import warnings
 from typing import Callable
 
-import jax
 import numpy as np
 from jax import lax
 from jax.interpreters import mlir
+
 from ..framework import compat, config, views
-from ..framework.spec import NEURON_FLOAT_DTYPES, CallInfo, KernelSpec
+from ..framework.spec import CallInfo, KernelSpec
 from ..framework.validation import check_call, output_avals
 from .compilers import CompiledKernel, NeuronOutputMismatchError, active_compiler
+from .planning import NeuronPlan, axes_of, plan_neuron_call
 
 CUSTOM_CALL_TARGET = "AwsNeuronCustomNativeKernel"
 
@@ -36,83 +37,10 @@ _warned: set[tuple[str, str, tuple[str, ...]]] = set()
 _warned_lock = threading.Lock()
 
 
-def unmet_neuron_limits(spec: KernelSpec, call: CallInfo) -> list[str]:
-    """Every NKI-kernel limit this call does not meet (empty when the kernel can run)."""
-    unmet = []
-    for name, aval in call.avals.items():
-        if aval is None:
-            continue
-        dtype = np.dtype(aval.dtype)
-        if dtype.kind == "f" and dtype not in NEURON_FLOAT_DTYPES:
-            unmet.append(f"`{name}` has dtype {dtype}; Neuron kernels take float32, bfloat16 or float16")
-    if spec.neuron_limits is not None:
-        unmet.extend(spec.neuron_limits(call))
-    return unmet
-
-
-@dataclasses.dataclass(frozen=True)
-class NeuronPlan:
-    """How a call lowers for Neuron: ``"kernel"`` (one call), ``"split"`` (``pieces`` calls along ``dim``), or
-    ``"fallback"`` (the JAX reference, because of ``unmet``)."""
-
-    kind: str
-    unmet: tuple[str, ...] = ()
-    dim: str | None = None
-    pieces: int = 1
-
-    def describe(self) -> str:
-        if self.kind == "kernel":
-            return "kernel"
-        if self.kind == "split":
-            return f"kernel, split into {self.pieces} calls along {self.dim} ({'; '.join(self.unmet)})"
-        return "fallback: " + "; ".join(self.unmet)
-
-
-def _axes_of(spec: KernelSpec, dim: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
-    """For each operand (by name) or output (by index), the axis whose layout token is exactly ``dim``."""
-    axes = {}
-    for operand in spec.operands:
-        if shapes.get(operand.name) is None:
-            continue
-        layout = next(l for l in operand.layouts if l.rank == len(shapes[operand.name]))
-        for axis, token in enumerate(layout.dims):
-            if token.binds and token.name == dim:
-                axes[operand.name] = axis
-    for index, output in enumerate(spec.outputs):
-        for axis, token in enumerate(output.layout.dims):
-            if token.binds and token.name == dim:
-                axes[index] = axis
-    return axes
-
-
-def _piece_call(spec: KernelSpec, call: CallInfo, dim: str, size: int) -> CallInfo:
-    shapes = {name: tuple(aval.shape) for name, aval in call.avals.items() if aval is not None}
-    avals = dict(call.avals)
-    for name, axis in _axes_of(spec, dim, shapes).items():
-        if isinstance(name, str):
-            shape = list(shapes[name])
-            shape[axis] = size
-            avals[name] = jax.core.ShapedArray(tuple(shape), call.avals[name].dtype)
-    return CallInfo(call.function, avals, dict(call.dims, **{dim: size}), call.params)
-
-
-def plan_neuron_call(spec: KernelSpec, call: CallInfo) -> NeuronPlan:
-    """Decide kernel, split or fallback for one call (the same decision for lowering and for ``explain``)."""
-    unmet = tuple(unmet_neuron_limits(spec, call))
-    if not unmet:
-        return NeuronPlan("kernel")
-    for dim in spec.neuron_split_dims:
-        size = call.dims[dim]
-        for pieces in range(2, size + 1):
-            if size % pieces == 0 and not unmet_neuron_limits(spec, _piece_call(spec, call, dim, size // pieces)):
-                return NeuronPlan("split", unmet, dim, pieces)
-    return NeuronPlan("fallback", unmet)
-
-
 def _split_lowering(spec: KernelSpec, primitive, plan: NeuronPlan, call: CallInfo, present, params):
     """A function computing the call as ``plan.pieces`` kernel calls over equal slices along ``plan.dim``."""
     shapes = {name: tuple(aval.shape) for name, aval in call.avals.items() if aval is not None}
-    axes = _axes_of(spec, plan.dim, shapes)
+    axes = axes_of(spec, plan.dim, shapes)
     width = call.dims[plan.dim] // plan.pieces
 
     def split(*values):

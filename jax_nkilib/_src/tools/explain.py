@@ -11,7 +11,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from ..framework import config, registry
 from ..framework.validation import check_call, output_avals
-from ..neuron.lowering import plan_neuron_call
+from ..neuron.planning import plan_neuron_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,8 +109,9 @@ def _walk(jaxpr: Jaxpr, context: str, reports: list) -> None:
 def explain(fn, *args, **kwargs) -> Explanation:
     """Trace ``fn(*args, **kwargs)`` and list every jax_nkilib kernel call in it.
 
-    For each call: the kernel, its operand shapes (in the kernel's layout) and dtypes, static flags, LNC degree, enclosing ``shard_map``, and
-    whether lowering for Neuron would run the NKI kernel or fall back to the JAX reference (and why).
+    For each call: the kernel, its operand shapes (in the kernel's layout) and dtypes, static flags, LNC degree,
+    enclosing ``shard_map``, and whether lowering for Neuron would run the NKI kernel (in one call or split) or fall
+    back to the JAX reference (and why).
     """
     closed = jax.make_jaxpr(fn)(*args, **kwargs)
     reports: list[KernelCallReport] = []

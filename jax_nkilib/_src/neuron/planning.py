@@ -1,0 +1,89 @@
+"""Whether and how a kernel call can run as the NKI kernel on Neuron: its unmet limits and the resulting plan.
+
+``plan_neuron_call`` makes the one decision that both the lowering and ``explain`` report: run the kernel, split
+the call along an independent dimension into pieces that each meet every limit, or fall back to the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from ..framework.spec import NEURON_FLOAT_DTYPES, CallInfo, KernelSpec
+
+
+def unmet_neuron_limits(spec: KernelSpec, call: CallInfo) -> list[str]:
+    """Every NKI-kernel limit this call does not meet (empty when the kernel can run)."""
+    unmet = []
+    for name, aval in call.avals.items():
+        if aval is None:
+            continue
+        dtype = np.dtype(aval.dtype)
+        if dtype.kind == "f" and dtype not in NEURON_FLOAT_DTYPES:
+            unmet.append(f"`{name}` has dtype {dtype}; Neuron kernels take float32, bfloat16 or float16")
+    if spec.neuron_limits is not None:
+        unmet.extend(spec.neuron_limits(call))
+    return unmet
+
+
+@dataclasses.dataclass(frozen=True)
+class NeuronPlan:
+    """How a call lowers for Neuron: ``"kernel"`` (one call), ``"split"`` (``pieces`` calls along ``dim``), or
+    ``"fallback"`` (the JAX reference, because of ``unmet``)."""
+
+    kind: str
+    unmet: tuple[str, ...] = ()
+    dim: str | None = None
+    pieces: int = 1
+
+    def describe(self) -> str:
+        if self.kind == "kernel":
+            return "kernel"
+        if self.kind == "split":
+            return f"kernel, split into {self.pieces} calls along {self.dim} ({'; '.join(self.unmet)})"
+        return "fallback: " + "; ".join(self.unmet)
+
+
+def axes_of(spec: KernelSpec, dim: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """For each operand (by name) or output (by index), the axis whose layout token is exactly ``dim``."""
+    axes = {}
+    for operand in spec.operands:
+        if shapes.get(operand.name) is None:
+            continue
+        layout = next(option for option in operand.layouts if option.rank == len(shapes[operand.name]))
+        for axis, token in enumerate(layout.dims):
+            if token.binds and token.name == dim:
+                axes[operand.name] = axis
+    for index, output in enumerate(spec.outputs):
+        for axis, token in enumerate(output.layout.dims):
+            if token.binds and token.name == dim:
+                axes[index] = axis
+    return axes
+
+
+def _piece_call(spec: KernelSpec, call: CallInfo, dim: str, size: int) -> CallInfo:
+    shapes = {name: tuple(aval.shape) for name, aval in call.avals.items() if aval is not None}
+    avals = dict(call.avals)
+    for name, axis in axes_of(spec, dim, shapes).items():
+        if isinstance(name, str):
+            shape = list(shapes[name])
+            shape[axis] = size
+            avals[name] = jax.core.ShapedArray(tuple(shape), call.avals[name].dtype)
+    return CallInfo(call.function, avals, dict(call.dims, **{dim: size}), call.params)
+
+
+def plan_neuron_call(spec: KernelSpec, call: CallInfo) -> NeuronPlan:
+    """Decide kernel, split or fallback for one call (the same decision for lowering and for ``explain``)."""
+    unmet = tuple(unmet_neuron_limits(spec, call))
+    if not unmet:
+        return NeuronPlan("kernel")
+    for dim in spec.neuron_split_dims:
+        size = call.dims[dim]
+        for pieces in range(2, size + 1):
+            if size % pieces == 0 and not unmet_neuron_limits(spec, _piece_call(spec, call, dim, size // pieces)):
+                return NeuronPlan("split", unmet, dim, pieces)
+    return NeuronPlan("fallback", unmet)
+
+
