@@ -219,10 +219,7 @@ def _rope_hf_vjp(kernel, operands, params, outs, cotangents):
     dq, dk = kernel.call(dict(operands, q=g_q, k=g_k), flipped)
     tables = {name: operands[name] for name in ("cos", "sin", "rope_cache") if operands[name] is not None}
 
-    def from_tables(table_values):
-        return reference_rope_hf(operands["q"], operands["k"], **table_values, backward=params["backward"])
-
-    _, table_vjp = jax.vjp(from_tables, tables)
+    _, table_vjp = jax.vjp(lambda values: kernel.reference(dict(operands, **values), params), tables)
     (table_grads,) = table_vjp((g_q, g_k))
     return {"q": dq, "k": dk, **table_grads}
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import views
+from . import compat, views
 from .spec import CallInfo, FoldPlan, KernelSpec
 
 
@@ -93,4 +92,4 @@ def axis_size(args, batch_dims) -> int:
 
 def unbatched_aval(x, dim):
     shape = tuple(s for i, s in enumerate(x.shape) if i != dim)
-    return jax.core.ShapedArray(shape, x.dtype)
+    return compat.ShapedArray(shape, x.dtype)

@@ -30,6 +30,7 @@ def _probe(module: str, name: str) -> Any:
 
 
 _apply_primitive = _probe("jax._src.dispatch", "apply_primitive")
+ShapedArray = getattr(jax.core, "ShapedArray", None) or _probe("jax._src.core", "ShapedArray")
 _config_module = importlib.import_module("jax._src.config")
 _source_info_util = importlib.import_module("jax._src.source_info_util")
 _xla_bridge = importlib.import_module("jax._src.xla_bridge")

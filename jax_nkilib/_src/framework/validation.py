@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import jax
 import numpy as np
 
-from . import config, views
+from . import compat, config, views
 from .layout import LayoutMismatch, bind_layouts
 from .spec import FOLLOW_LNC, CallInfo, KernelSpec
 
@@ -95,12 +94,12 @@ def check_call(spec: KernelSpec, avals: Mapping[str, Any], params: Mapping[str, 
     return call
 
 
-def output_avals(spec: KernelSpec, call: CallInfo) -> list[jax.core.ShapedArray]:
+def output_avals(spec: KernelSpec, call: CallInfo) -> list[compat.ShapedArray]:
     """The outputs' abstract values from their layouts and dtype sources, in the call's layout view."""
     view = call.params.get("layout", ())
     outs = []
     for output in spec.outputs:
         shape = tuple(dim.expected(call.dims) for dim in output.layout.dims)
-        aval = jax.core.ShapedArray(shape, call.avals[output.dtype_of].dtype)
+        aval = compat.ShapedArray(shape, call.avals[output.dtype_of].dtype)
         outs.append(views.given_aval(aval, views.permutation_of(view, output.name)))
     return outs

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-import jax
 import jax.numpy as jnp
 
+from . import compat
 from .layout import Layout
 from .spec import KernelSpec
 
@@ -79,11 +79,11 @@ def given_shape(shape, perm) -> tuple[int, ...]:
 
 
 def kernel_aval(aval, perm):
-    return aval if perm is None else jax.core.ShapedArray(kernel_shape(aval.shape, perm), aval.dtype)
+    return aval if perm is None else compat.ShapedArray(kernel_shape(aval.shape, perm), aval.dtype)
 
 
 def given_aval(aval, perm):
-    return aval if perm is None else jax.core.ShapedArray(given_shape(aval.shape, perm), aval.dtype)
+    return aval if perm is None else compat.ShapedArray(given_shape(aval.shape, perm), aval.dtype)
 
 
 def to_kernel(value, perm):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
+from ..framework import compat
 from ..framework.spec import NEURON_FLOAT_DTYPES, CallInfo, KernelSpec
 
 
@@ -70,7 +70,7 @@ def _piece_call(spec: KernelSpec, call: CallInfo, dim: str, size: int) -> CallIn
         if isinstance(name, str):
             shape = list(shapes[name])
             shape[axis] = size
-            avals[name] = jax.core.ShapedArray(tuple(shape), call.avals[name].dtype)
+            avals[name] = compat.ShapedArray(tuple(shape), call.avals[name].dtype)
     return CallInfo(call.function, avals, dict(call.dims, **{dim: size}), call.params)
 
 
