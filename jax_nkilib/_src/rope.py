@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from .framework.primitive import make_kernel
 from .framework.spec import FOLLOW_LNC, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 
-RoPE_SBUF_BYTES = 73728 * 2  # the kernel's documented SBUF cap: B * n_heads * S <= 73728 elements of bf16
-RoPE_HEAD_SIZES = (64, 128)
+ROPE_SBUF_BYTES = 73728 * 2  # the kernel's documented SBUF cap: B * n_heads * S <= 73728 elements of bf16
+ROPE_HEAD_SIZES = (64, 128)
 ROPE_HF_SEQ_TILE = 128
 
 
@@ -57,7 +57,6 @@ def _rotate_pairs(a, b, cos_a, sin_a, cos_b, sin_b, out_dtype, transpose=False):
 
 
 # ------------------------------------------------------------------------------------------------------- RoPE
-_X_AXES = ("d_head", "B", "n_heads", "S")
 _TABLE_AXIS_OF_X_AXIS = {0: 0, 1: 1, 3: 2}  # x_in's d_head, B, S are the tables' d_head/2, B, S
 
 
@@ -102,16 +101,16 @@ def _rope_check(call: CallInfo) -> None:
 
 def _rope_neuron_limits(call: CallInfo) -> list[str]:
     dims, unmet = call.dims, []
-    if dims["d_head"] not in RoPE_HEAD_SIZES:
+    if dims["d_head"] not in ROPE_HEAD_SIZES:
         unmet.append(f"d_head must be 64 or 128, got {dims['d_head']}")
     programs = call.lnc if call.params["lnc_shard"] else 1
     if call.params["lnc_shard"] and dims["S"] % programs:
         unmet.append(f"with lnc_shard, S={dims['S']} must be divisible by the LNC degree {programs}")
     itemsize = jnp.dtype(call.avals["x_in"].dtype).itemsize
     per_program = dims["B"] * dims["n_heads"] * (dims["S"] // programs)
-    if per_program * itemsize > RoPE_SBUF_BYTES:
+    if per_program * itemsize > ROPE_SBUF_BYTES:
         unmet.append(f"SBUF capacity: B*n_heads*S per program = {per_program} elements of {itemsize} bytes exceeds "
-                     f"{RoPE_SBUF_BYTES // itemsize}")
+                     f"{ROPE_SBUF_BYTES // itemsize}")
     return unmet
 
 
