@@ -47,25 +47,26 @@ def choose_plan(spec: KernelSpec, present, batch_dims, call: CallInfo) -> FoldPl
     return None
 
 
-def through_view(plan: FoldPlan, spec: KernelSpec, view) -> FoldPlan:
-    """The plan with its kernel-layout axes moved to where the call's layout view puts them."""
-    if not view:
-        return plan
-    axes = {name: None if axis is None else views.given_axis(views.permutation_of(view, name), axis)
+def output_axes(plan: FoldPlan, spec: KernelSpec, produced, view) -> list[int]:
+    """The axis of each produced output that carries the merged vmapped axis, in the call's layout view."""
+    axes = plan.output_axes(spec.outputs)
+    return [views.given_axis(views.permutation_of(view, output.name), axes[output.name]) for output in produced]
+
+
+def operand_axes(plan: FoldPlan, view) -> dict[str, int | None]:
+    """The plan's operand axes moved to where the call's layout view puts them."""
+    return {name: None if axis is None else views.given_axis(views.permutation_of(view, name), axis)
             for name, axis in plan.axes.items()}
-    outputs = tuple(views.given_axis(views.permutation_of(view, output.name), axis)
-                    for output, axis in zip(spec.outputs, plan.outputs))
-    return FoldPlan(axes, outputs, plan.when)
 
 
-def fold(plan: FoldPlan, bind: Callable, args, batch_dims, present, size: int):
-    """Apply ``plan``: merge the vmapped axis into the kernel axes, bind once, split it out of the outputs."""
+def fold(axes: dict, out_axes: list[int], bind: Callable, args, batch_dims, present, size: int):
+    """Merge the vmapped axis into the kernel axes ``axes``, bind once, split it out of the outputs."""
     folded = []
     for name, x, dim in zip(present, args, batch_dims):
-        axis = plan.axes.get(name)
+        axis = axes.get(name)
         folded.append(x if axis is None else _merge_axis(x, dim, axis, size))
     outs = bind(folded)
-    return [_split_axis(out, axis, size) for out, axis in zip(outs, plan.outputs)], list(plan.outputs)
+    return [_split_axis(out, axis, size) for out, axis in zip(outs, out_axes)], list(out_axes)
 
 
 def map_fallback(bind: Callable, args, batch_dims):

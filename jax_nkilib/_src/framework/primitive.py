@@ -15,6 +15,7 @@ and returns a :class:`Kernel`: the public layer-1 function. When the spec define
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Mapping
 
@@ -32,19 +33,43 @@ from ..neuron.lowering import neuron_lowering_rule
 
 REFERENCE_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
-# vjp(kernel, operands, params, outputs, cotangents) -> {operand name: cotangent or None}.
+# A VJP rule is either a backward function
+#     rule(kernel, operands, params, outputs, cotangents) -> {operand name: cotangent or None}
+# whose forward saves the operands and outputs, or a Vjp(forward, backward) pair for kernels whose reverse mode needs
+# a different forward (e.g. one that also returns softmax statistics):
+#     forward(kernel, operands, params) -> (outputs, residuals)
+#     backward(kernel, residuals, params, cotangents) -> {operand name: cotangent or None}
 # Operands, outputs and cotangents arrive as the call gave them (through its layout view, if any): a rule computes
 # with kernel.call / kernel.reference, which honour the view, or converts with kernel.to_kernel_layout and
-# kernel.from_kernel_layout.
-VjpRule = Callable[["Kernel", Mapping[str, Any], Mapping[str, Any], tuple, tuple], Mapping[str, Any]]
+# kernel.from_kernel_layout. A missing or None cotangent means zero (integer operands always get None).
+
+
+@dataclasses.dataclass(frozen=True)
+class Vjp:
+    forward: Callable
+    backward: Callable
+
+
+def _saving_operands_and_outputs(rule: Callable) -> Vjp:
+    def forward(kernel, operands, params):
+        outs = kernel.call(operands, params)
+        named = {name: None if value is None else checkpoint_name(value, f"{kernel.spec.name}.{name}")
+                 for name, value in operands.items()}
+        return outs, (named, outs)
+
+    def backward(kernel, residuals, params, cotangents):
+        operands, outs = residuals
+        return rule(kernel, operands, params, outs, cotangents)
+
+    return Vjp(forward, backward)
 
 
 class Kernel:
     """A layer-1 kernel function: ``kernel(*tensors, **flags)`` returns the kernel's output(s)."""
 
-    def __init__(self, spec: KernelSpec, vjp: VjpRule | None = None):
+    def __init__(self, spec: KernelSpec, vjp: Callable | Vjp | None = None):
         self.spec = spec
-        self.vjp = vjp
+        self.vjp = vjp if vjp is None or isinstance(vjp, Vjp) else _saving_operands_and_outputs(vjp)
         self.primitive = Primitive(spec.name)
         self.primitive.multiple_results = True
         self._register()
@@ -73,11 +98,15 @@ class Kernel:
         operands = {name: (None if value is None else jnp.asarray(value)) for name, value in operands.items()}
         if view:
             ranks = {name: value.ndim for name, value in operands.items() if value is not None}
-            params = dict(params, layout=views.make_view(self.spec, view, ranks))
+            params = dict(params, layout=views.make_view(self.spec, view, ranks, params))
         check_call(self.spec, operands, params)
-        if self.vjp is None:
-            return self.bind(operands, params)
-        return self._differentiable(operands, params)
+        outs = self.bind(operands, params) if self.vjp is None else self._differentiable(operands, params)
+        if self.spec.nondifferentiable_outputs:
+            present = [name for name, value in operands.items() if value is not None]
+            produced = self.spec.present_outputs(params, present)
+            outs = tuple(jax.lax.stop_gradient(out) if output.name in self.spec.nondifferentiable_outputs else out
+                         for out, output in zip(outs, produced))
+        return outs
 
     def bind(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
         present = tuple(name for name, value in operands.items() if value is not None)
@@ -85,7 +114,7 @@ class Kernel:
 
     def _differentiable(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
         present = tuple(name for name, value in operands.items() if value is not None)
-        spec_name = self.spec.name
+        rule = self.vjp
 
         def as_operands(values):
             named = dict.fromkeys(operands)
@@ -97,16 +126,14 @@ class Kernel:
             return self.bind(as_operands(values), params)
 
         def forward(*values):
-            # Through kernel_call, not bind, so that differentiating the forward (higher order) uses this rule.
-            outs = kernel_call(*values)
-            residuals = tuple(checkpoint_name(v, f"{spec_name}.{n}") for n, v in zip(present, values))
-            return outs, (residuals, outs)
+            # The rule's forward calls kernel.call (itself a custom_vjp), not bind, so that differentiating the
+            # forward (higher order) goes through this rule again.
+            return rule.forward(self, as_operands(values), params)
 
-        def backward(saved, cotangents):
-            values, outs = saved
-            grads = self.vjp(self, as_operands(values), params, outs, tuple(cotangents))
-            return tuple(jnp.zeros_like(v) if grads.get(n) is None else grads[n].astype(v.dtype)
-                         for n, v in zip(present, values))
+        def backward(residuals, cotangents):
+            grads = rule.backward(self, residuals, params, tuple(cotangents))
+            return tuple(None if grads.get(name) is None else grads[name].astype(operands[name].dtype)
+                         for name in present)
 
         kernel_call.defvjp(forward, backward)
         return tuple(kernel_call(*(operands[name] for name in present)))
@@ -133,7 +160,8 @@ class Kernel:
         if spec.view_aware_reference:
             return tuple(spec.reference(**named, **static, view=dict(view)))
         outs = spec.reference(**self.to_kernel_layout(named, params), **static)
-        outs = self.from_kernel_layout({output.name: out for output, out in zip(spec.outputs, outs)}, params)
+        produced = spec.present_outputs(params, [name for name, value in named.items() if value is not None])
+        outs = self.from_kernel_layout({output.name: out for output, out in zip(produced, outs)}, params)
         return tuple(outs.values())
 
     # ------------------------------------------------------------------------------------------- registrations
@@ -151,8 +179,11 @@ class Kernel:
         bind = lambda values: self.primitive.bind(*values, present=present, **params)  # noqa: E731
         plan = batching.choose_plan(self.spec, present, batch_dims, call)
         if plan is not None:
-            plan = batching.through_view(plan, self.spec, params["layout"])
-            return batching.fold(plan, bind, args, batch_dims, present, size)
+            view = params["layout"]
+            produced = self.spec.present_outputs(params, present)
+            return batching.fold(batching.operand_axes(plan, view),
+                                 batching.output_axes(plan, self.spec, produced, view), bind, args, batch_dims,
+                                 present, size)
         return batching.map_fallback(bind, args, batch_dims)
 
     def _register(self) -> None:
@@ -174,6 +205,6 @@ class Kernel:
         return f"<jax_nkilib kernel {self.spec.name} ({self.spec.entry_point})>"
 
 
-def make_kernel(spec: KernelSpec, vjp: VjpRule | None = None) -> Kernel:
+def make_kernel(spec: KernelSpec, vjp: Callable | Vjp | None = None) -> Kernel:
     """Create the primitive and public function for ``spec`` (see the module docstring)."""
     return Kernel(spec, vjp)

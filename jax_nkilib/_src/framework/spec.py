@@ -21,33 +21,66 @@ NEURON_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtyp
 FOLLOW_LNC = "follow-lnc"  # default of an LNC-sharding flag: True when the LNC degree is > 1
 
 
+INT_DTYPES = (jnp.dtype(jnp.int32),)
+
+# Layout cases selected by a static param: ("tp_q", ((True, (Layout, ...)), (False, (Layout, ...))))
+LayoutSwitch = tuple
+
+
+def _layouts(texts) -> tuple[Layout, ...]:
+    return tuple(Layout.parse(text) for text in ((texts,) if isinstance(texts, str) else texts))
+
+
+def _switch(param: str, cases: Mapping[Any, Any]) -> LayoutSwitch:
+    return (param, tuple((value, _layouts(texts)) for value, texts in cases.items()))
+
+
+def _select(switch: LayoutSwitch, params: Mapping[str, Any]) -> tuple[Layout, ...]:
+    param, cases = switch
+    return dict(cases)[params[param]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Operand:
-    """A tensor argument: accepted layouts (one per rank), accepted dtypes, optional or required."""
+    """A tensor argument: accepted layouts (one per rank, or chosen by a static flag such as ``tp_q``), accepted
+    dtypes, optional or required, differentiable or not (integer and index operands get no cotangent)."""
 
     name: str
     layouts: tuple[Layout, ...]
     dtypes: tuple[np.dtype, ...] = FLOAT_DTYPES
     optional: bool = False
     doc: str = ""
+    switch: LayoutSwitch | None = None
 
     @classmethod
     def of(cls, name: str, *layouts: str, dtypes: Sequence = FLOAT_DTYPES, optional: bool = False,
            doc: str = "") -> "Operand":
-        return cls(name, tuple(Layout.parse(text) for text in layouts), tuple(jnp.dtype(d) for d in dtypes),
-                   optional, doc)
+        return cls(name, _layouts(layouts), tuple(jnp.dtype(d) for d in dtypes), optional, doc)
+
+    @classmethod
+    def switched(cls, name: str, param: str, cases: Mapping[Any, Any], *, dtypes: Sequence = FLOAT_DTYPES,
+                 optional: bool = False, doc: str = "") -> "Operand":
+        """An operand whose layout the static flag ``param`` selects: ``cases`` maps flag values to layouts."""
+        switch = _switch(param, cases)
+        return cls(name, switch[1][0][1], tuple(jnp.dtype(d) for d in dtypes), optional, doc, switch)
+
+    def layouts_for(self, params: Mapping[str, Any]) -> tuple[Layout, ...]:
+        return self.layouts if self.switch is None else _select(self.switch, params)
 
     @property
     def layout_text(self) -> str:
-        return " or ".join(str(layout) for layout in self.layouts)
+        if self.switch is None:
+            return " or ".join(str(layout) for layout in self.layouts)
+        param, cases = self.switch
+        return "; ".join(f"{' or '.join(map(str, layouts))} when {param}={value}" for value, layouts in cases)
 
 
 @dataclasses.dataclass(frozen=True)
 class Param:
     """A static (compile-time) argument.
 
-    ``kind`` is ``bool``, ``int``, ``float``, an ``enum.Enum`` subclass (members or member-name strings accepted) or
-    a tuple of allowed values. ``default`` may be :data:`FOLLOW_LNC` for flags that follow the LNC degree.
+    ``kind`` is ``bool``, ``int``, ``float``, ``"dtype"``, an ``enum.Enum`` subclass (members or member-name strings
+    accepted) or a tuple of allowed values. A ``None`` default makes the param optional. ``default`` may be :data:`FOLLOW_LNC` for flags that follow the LNC degree.
     """
 
     name: str
@@ -67,6 +100,12 @@ class Param:
             expected = ", ".join(kind.__members__)
             raise TypeError(f"{function}: parameter `{self.name}` must be a {kind.__name__} member or one of "
                             f"{expected}; got {value!r}")
+        if kind == "dtype":
+            try:
+                return np.dtype(jnp.dtype(value))
+            except TypeError:
+                raise TypeError(f"{function}: parameter `{self.name}` must be a dtype (e.g. jnp.float32); "
+                                f"got {value!r}") from None
         if isinstance(kind, tuple):
             if value in kind:
                 return value
@@ -89,15 +128,36 @@ class Param:
 
 @dataclasses.dataclass(frozen=True)
 class Output:
-    """One kernel output: its layout (over the dimensions bound by the operands) and the operand whose dtype it has."""
+    """One kernel output.
+
+    Its shape comes from ``layout`` over the dimensions the operands bound (or from the layout a static flag
+    selects, ``switch``), or is that of operand ``like``. Its dtype is that of operand ``dtype_of``, or the value of
+    the dtype param of that name. ``present_if`` names a bool param or an optional operand: the output exists only
+    when the param is true or the operand is given.
+    """
 
     name: str
-    layout: Layout
+    layout: Layout | None
     dtype_of: str
+    switch: LayoutSwitch | None = None
+    like: str | None = None
+    present_if: str | None = None
 
     @classmethod
-    def of(cls, name: str, layout: str, dtype_of: str) -> "Output":
-        return cls(name, Layout.parse(layout), dtype_of)
+    def of(cls, name: str, layout: str, dtype_of: str, present_if: str | None = None) -> "Output":
+        return cls(name, Layout.parse(layout), dtype_of, present_if=present_if)
+
+    @classmethod
+    def switched(cls, name: str, param: str, cases: Mapping[Any, str], dtype_of: str) -> "Output":
+        switch = _switch(param, cases)
+        return cls(name, switch[1][0][1][0], dtype_of, switch=switch)
+
+    @classmethod
+    def like_operand(cls, name: str, operand: str, present_if: str | None = None) -> "Output":
+        return cls(name, None, operand, like=operand, present_if=present_if)
+
+    def layout_for(self, params: Mapping[str, Any]) -> Layout | None:
+        return self.layout if self.switch is None else _select(self.switch, params)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,14 +165,20 @@ class FoldPlan:
     """A way to absorb a vmapped axis into the kernel's own axes.
 
     ``axes`` maps each operand to the axis the vmapped axis merges into (as its major part), or ``None`` when the
-    plan applies only if that operand is not batched. ``outputs`` gives, per output, the axis that carries the
-    merged vmapped axis. ``when`` optionally restricts the plan to some operand ranks/presences.
+    plan applies only if that operand is not batched. ``outputs`` gives, per output (in order, or by name), the axis
+    that carries the merged vmapped axis. ``when`` optionally restricts the plan to some operand ranks/presences.
     Unbatched operands with an axis are broadcast along the vmapped axis before merging.
     """
 
     axes: Mapping[str, int | None]
-    outputs: tuple[int, ...]
+    outputs: tuple[int, ...] | Mapping[str, int]
     when: Callable[["CallInfo"], bool] | None = None
+
+    def output_axes(self, outputs: Sequence["Output"]) -> dict[str, int]:
+        """Output name -> axis (``outputs`` positional over the spec's outputs, or already by name)."""
+        if isinstance(self.outputs, Mapping):
+            return dict(self.outputs)
+        return {output.name: axis for output, axis in zip(outputs, self.outputs)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +219,8 @@ class KernelSpec:
       mac_count: estimate of multiply-accumulates for the Neuron config.
       family: module family, for the support matrix.
       catalog: section of ``nkilib_catalog.md`` that is this kernel's contract.
+      nondifferentiable_outputs: outputs that carry no gradient (statistics, indices): the public function applies
+        ``stop_gradient`` to them, so differentiating through them gives zero, by definition.
       support: support-matrix notes: ``idiomatic`` (layer-2 ops built on it), ``vjp`` (how reverse mode runs),
         ``notes`` (Neuron limits and anything a user should know).
     """
@@ -174,6 +242,13 @@ class KernelSpec:
     family: str = ""
     catalog: str = ""
     support: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    nondifferentiable_outputs: tuple[str, ...] = ()
+
+    def present_outputs(self, params: Mapping[str, Any], present: Sequence[str]) -> tuple[Output, ...]:
+        """The outputs of a call with these params and present operands, in the kernel's order."""
+        return tuple(output for output in self.outputs
+                     if output.present_if is None or params.get(output.present_if) is True
+                     or output.present_if in present)
 
     def operand(self, name: str) -> Operand:
         for operand in self.operands:

@@ -82,7 +82,8 @@ def check_call(spec: KernelSpec, avals: Mapping[str, Any], params: Mapping[str, 
             raise TypeError(f"{function}: argument `{operand.name}` must have dtype in ({allowed}); got {dtype} "
                             f"(layout {operand.layout_text}, shape {tuple(aval.shape)})")
     try:
-        dims, _ = bind_layouts([(operand.name, tuple(aval.shape), operand.layouts) for operand, aval in present])
+        dims, _ = bind_layouts([(operand.name, tuple(aval.shape), operand.layouts_for(params))
+                                for operand, aval in present])
     except LayoutMismatch as err:
         raise ValueError(f"{function}: argument `{err.operand}` {err.reason}") from None
     for name, size in dims.items():
@@ -94,12 +95,34 @@ def check_call(spec: KernelSpec, avals: Mapping[str, Any], params: Mapping[str, 
     return call
 
 
-def output_avals(spec: KernelSpec, call: CallInfo) -> list[compat.ShapedArray]:
-    """The outputs' abstract values from their layouts and dtype sources, in the call's layout view."""
+def outputs_of(spec: KernelSpec, call: CallInfo):
+    """The outputs this call produces (some exist only for some flags or optional operands)."""
+    return spec.present_outputs(call.params, [name for name, aval in call.avals.items() if aval is not None])
+
+
+def layout_of(spec: KernelSpec, name: str, call: CallInfo):
+    """The kernel layout of operand or output ``name`` in this call (``None`` for an absent operand)."""
+    for operand in spec.operands:
+        if operand.name == name:
+            aval = call.avals.get(name)
+            if aval is None:
+                return None
+            return next(layout for layout in operand.layouts_for(call.params) if layout.rank == aval.ndim)
+    output = next(output for output in spec.outputs if output.name == name)
+    return layout_of(spec, output.like, call) if output.like else output.layout_for(call.params)
+
+
+def output_avals(spec: KernelSpec, call: CallInfo) -> list:
+    """The present outputs' abstract values, in the call's layout view."""
     view = call.params.get("layout", ())
     outs = []
-    for output in spec.outputs:
-        shape = tuple(dim.expected(call.dims) for dim in output.layout.dims)
-        aval = compat.ShapedArray(shape, call.avals[output.dtype_of].dtype)
+    for output in outputs_of(spec, call):
+        if output.like is not None:
+            shape = tuple(call.avals[output.like].shape)
+        else:
+            shape = tuple(dim.expected(call.dims) for dim in output.layout_for(call.params).dims)
+        source = call.avals.get(output.dtype_of)
+        dtype = source.dtype if source is not None else call.params[output.dtype_of]
+        aval = compat.ShapedArray(shape, dtype)
         outs.append(views.given_aval(aval, views.permutation_of(view, output.name)))
     return outs

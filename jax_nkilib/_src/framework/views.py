@@ -35,18 +35,21 @@ def _permutation(kernel: Layout, given_text: str, where: str) -> tuple[int, ...]
     return tuple(kernel_tokens.index(token) for token in given)
 
 
-def make_view(spec: KernelSpec, views: Mapping[str, str], ranks: Mapping[str, int]) -> View:
+def make_view(spec: KernelSpec, views: Mapping[str, str], ranks: Mapping[str, int], params) -> View:
     """The ``layout`` param for ``views`` (operand or output name -> given order of the kernel's dimension names).
 
     ``ranks`` gives the rank of each operand present (it selects among an operand's layouts of different ranks);
     views of absent optional operands are ignored.
     """
-    layouts = {output.name: output.layout for output in spec.outputs}
     absent = {operand.name for operand in spec.operands if operand.name not in ranks}
+    layouts = {}
     for operand in spec.operands:
         if operand.name in ranks:
-            layouts[operand.name] = next((option for option in operand.layouts if option.rank == ranks[operand.name]),
-                                         operand.layouts[0])
+            options = operand.layouts_for(params)
+            layouts[operand.name] = next((option for option in options if option.rank == ranks[operand.name]),
+                                         options[0])
+    for output in spec.outputs:
+        layouts[output.name] = layouts.get(output.like) if output.like else output.layout_for(params)
     view = []
     for name, text in views.items():
         if name in absent:

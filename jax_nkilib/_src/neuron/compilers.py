@@ -22,6 +22,7 @@ import numpy as np
 
 from ..framework import config
 from ..framework.spec import CallInfo, KernelSpec
+from ..framework.validation import outputs_of
 
 PLATFORM_TARGET_ENV_VAR = "NEURON_PLATFORM_TARGET_OVERRIDE"
 DEFAULT_PLATFORM_TARGET = "trn2"
@@ -100,7 +101,7 @@ class DryRunCompiler:
             "mac_count": int(spec.mac_count(call)) if spec.mac_count else 0,
             "input_names": names,
             "input_specs": [[list(call.avals[n].shape), np.dtype(call.avals[n].dtype).name] for n in names],
-            "output_names": [output.name for output in spec.outputs],
+            "output_names": [output.name for output in outputs_of(spec, call)],
             "params": {key: _json_value(value) for key, value in static_kernel_kwargs(spec, call).items()},
             "aliases": sorted([int(i), int(o)] for i, o in spec.aliases.items()),
         }

@@ -18,7 +18,7 @@ from jax.interpreters import mlir
 
 from ..framework import compat, config, views
 from ..framework.spec import CallInfo, KernelSpec
-from ..framework.validation import check_call, output_avals
+from ..framework.validation import check_call, output_avals, outputs_of
 from .compilers import CompiledKernel, NeuronOutputMismatchError, active_compiler
 from .planning import NeuronPlan, axes_of, plan_neuron_call
 
@@ -39,8 +39,8 @@ _warned_lock = threading.Lock()
 
 def _split_lowering(spec: KernelSpec, primitive, plan: NeuronPlan, call: CallInfo, present, params):
     """A function computing the call as ``plan.pieces`` kernel calls over equal slices along ``plan.dim``."""
-    shapes = {name: tuple(aval.shape) for name, aval in call.avals.items() if aval is not None}
-    axes = axes_of(spec, plan.dim, shapes)
+    axes = axes_of(spec, plan.dim, call)
+    n_outputs = len(outputs_of(spec, call))
     width = call.dims[plan.dim] // plan.pieces
 
     def split(*values):
@@ -49,19 +49,19 @@ def _split_lowering(spec: KernelSpec, primitive, plan: NeuronPlan, call: CallInf
             sliced = [lax.slice_in_dim(value, start, start + width, axis=axes[name]) if name in axes else value
                       for name, value in zip(present, values)]
             pieces.append(primitive.bind(*sliced, present=present, **params))
-        return [lax.concatenate([outs[i] for outs in pieces], axes[i]) for i in range(len(spec.outputs))]
+        return [lax.concatenate([outs[i] for outs in pieces], axes[i]) for i in range(n_outputs)]
 
     return split
 
 
 def _through_kernel_layout(spec: KernelSpec, primitive, present, params):
     view = params["layout"]
+    produced = spec.present_outputs(params, present)
 
     def through(*values):
         in_kernel_layout = [views.to_kernel(v, views.permutation_of(view, n)) for n, v in zip(present, values)]
         outs = primitive.bind(*in_kernel_layout, present=present, **dict(params, layout=()))
-        return [views.to_given(out, views.permutation_of(view, output.name)) for out, output in zip(outs,
-                                                                                                 spec.outputs)]
+        return [views.to_given(out, views.permutation_of(view, output.name)) for out, output in zip(outs, produced)]
 
     return through
 

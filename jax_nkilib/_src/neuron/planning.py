@@ -12,6 +12,7 @@ import numpy as np
 
 from ..framework import compat
 from ..framework.spec import NEURON_FLOAT_DTYPES, CallInfo, KernelSpec
+from ..framework.validation import layout_of, outputs_of
 
 
 def unmet_neuron_limits(spec: KernelSpec, call: CallInfo) -> list[str]:
@@ -46,29 +47,23 @@ class NeuronPlan:
         return "fallback: " + "; ".join(self.unmet)
 
 
-def axes_of(spec: KernelSpec, dim: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
-    """For each operand (by name) or output (by index), the axis whose layout token is exactly ``dim``."""
+def axes_of(spec: KernelSpec, dim: str, call: CallInfo) -> dict:
+    """For each present operand (by name) and output (by index), the axis whose layout token is exactly ``dim``."""
+    layouts = {name: layout_of(spec, name, call) for name, aval in call.avals.items() if aval is not None}
+    layouts.update((index, layout_of(spec, output.name, call)) for index, output in enumerate(outputs_of(spec, call)))
     axes = {}
-    for operand in spec.operands:
-        if shapes.get(operand.name) is None:
-            continue
-        layout = next(option for option in operand.layouts if option.rank == len(shapes[operand.name]))
+    for key, layout in layouts.items():
         for axis, token in enumerate(layout.dims):
             if token.binds and token.name == dim:
-                axes[operand.name] = axis
-    for index, output in enumerate(spec.outputs):
-        for axis, token in enumerate(output.layout.dims):
-            if token.binds and token.name == dim:
-                axes[index] = axis
+                axes[key] = axis
     return axes
 
 
 def _piece_call(spec: KernelSpec, call: CallInfo, dim: str, size: int) -> CallInfo:
-    shapes = {name: tuple(aval.shape) for name, aval in call.avals.items() if aval is not None}
     avals = dict(call.avals)
-    for name, axis in axes_of(spec, dim, shapes).items():
+    for name, axis in axes_of(spec, dim, call).items():
         if isinstance(name, str):
-            shape = list(shapes[name])
+            shape = list(avals[name].shape)
             shape[axis] = size
             avals[name] = compat.ShapedArray(tuple(shape), call.avals[name].dtype)
     return CallInfo(call.function, avals, dict(call.dims, **{dim: size}), call.params)
