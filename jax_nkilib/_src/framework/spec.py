@@ -80,7 +80,8 @@ class Param:
     """A static (compile-time) argument.
 
     ``kind`` is ``bool``, ``int``, ``float``, ``"dtype"``, an ``enum.Enum`` subclass (members or member-name strings
-    accepted) or a tuple of allowed values. A ``None`` default makes the param optional. ``default`` may be :data:`FOLLOW_LNC` for flags that follow the LNC degree.
+    accepted) or a tuple of allowed values. A ``None`` default makes the param optional. ``default`` may be
+    :data:`FOLLOW_LNC` for flags that follow the LNC degree.
     """
 
     name: str
