@@ -1,6 +1,8 @@
 """Kernel-native API: one function per NKI Library kernel, with the kernel's name, argument order, layouts, flags
 and semantics (see ``nkilib_catalog.md``). Outputs are returned instead of passed in."""
 
+from jax_nkilib._src.attention.bwd import attention_bwd
+from jax_nkilib._src.attention.cte import attention_cte
 from jax_nkilib._src.rope import RoPE, rope_hf
 
-__all__ = ["RoPE", "rope_hf"]
+__all__ = ["RoPE", "attention_bwd", "attention_cte", "rope_hf"]

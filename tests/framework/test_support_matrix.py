@@ -22,16 +22,18 @@ def test_every_catalog_kernel_has_one_row():
 
 def test_bound_rows_are_exactly_the_registered_catalog_kernels():
     rows = {row.kernel: row for row in jax_nkilib.support_matrix()}
-    assert {name for name, row in rows.items() if row.status == "bound"} == {"RoPE", "rope_hf"}
+    assert {name for name, row in rows.items() if row.status == "bound"} == {
+        "RoPE", "rope_hf", "attention_cte", "attention_bwd"}
     assert rows["RoPE"].idiomatic == "jax_nkilib.rope" and "kernel" in rows["RoPE"].vjp
-    assert rows["attention_cte"].status == "not bound yet (planned in issue 3)"
+    assert rows["attention_cte"].idiomatic == "jax_nkilib.attention" and "attention_bwd" in rows["attention_cte"].vjp
+    assert rows["attention_tkg"].status == "not bound yet (planned in issue 3)"
     assert rows["conv1d"].status == "not bound yet" and rows["conv1d"].layer1 == ""
 
 
 def test_readme_table_is_generated_from_the_matrix():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert readme_section(readme) == markdown_table(), (
-        "README support table is stale: run `python -m jax_nkilib._src.tools.support README.md`")
+        "README support table is stale: run `python -m jax_nkilib._src.tools.readme README.md`")
 
 
 def test_device_adapters_parse_and_match_their_specs():

@@ -67,6 +67,47 @@ def ir_type(ctx, aval):
     return mlir.aval_to_ir_type(aval)  # pragma: no cover - older JAX
 
 
+def _varying_axes(value) -> frozenset:
+    aval = jax.typeof(value)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", None) or ())  # earlier JAX
+
+
+def varying_like(x, *refs):
+    """``x`` marked as varying over every manual mesh axis any of ``refs`` varies over (inside ``shard_map``).
+
+    Loop carries created from constants (zeros, ``-inf``) must carry the same varying-axes type as the values that
+    later flow into them; outside ``shard_map``, or on JAX versions without varying axes, ``x`` is returned as is.
+    """
+    axes = frozenset().union(*(_varying_axes(ref) for ref in refs))
+    missing = tuple(sorted(axes - _varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def align_varying(values):
+    """Mark every value varying over the union of the manual axes any of them varies over (a kernel's inputs must
+    agree inside ``shard_map``, like the operands of any JAX primitive)."""
+    return [varying_like(value, *values) for value in values]
+
+
+def typed_like(aval, refs):
+    """``aval`` with the manual-axes type (and abstract mesh) of the first of ``refs`` that has one, so that a
+    kernel's outputs inside ``shard_map`` vary over the axes its inputs vary over."""
+    for ref in refs:
+        manual = getattr(ref, "manual_axis_type", None)
+        if manual is not None and _varying_axes_of_type(manual):
+            sharding = jax.sharding.NamedSharding(ref.sharding.mesh,
+                                                  jax.sharding.PartitionSpec(*([None] * len(aval.shape))))
+            return ShapedArray(aval.shape, aval.dtype, sharding=sharding, manual_axis_type=manual)
+    return aval
+
+
+def _varying_axes_of_type(manual) -> frozenset:
+    return frozenset(getattr(manual, "varying", ()) or ())
+
+
 _PACKAGE_DIR = __file__.rsplit("/_src/", 1)[0]
 
 

@@ -110,7 +110,8 @@ class Kernel:
 
     def bind(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
         present = tuple(name for name, value in operands.items() if value is not None)
-        return tuple(self.primitive.bind(*(operands[name] for name in present), present=present, **params))
+        values = compat.align_varying([operands[name] for name in present])
+        return tuple(self.primitive.bind(*values, present=present, **params))
 
     def _differentiable(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
         present = tuple(name for name, value in operands.items() if value is not None)
@@ -170,7 +171,7 @@ class Kernel:
 
     def _abstract_eval(self, *avals, present, **params):
         call = check_call(self.spec, dict(zip(present, avals)), params)
-        return output_avals(self.spec, call)
+        return [compat.typed_like(out, avals) for out in output_avals(self.spec, call)]
 
     def _batch(self, args, batch_dims, *, present, **params):
         size = batching.axis_size(args, batch_dims)

@@ -1,6 +1,6 @@
 """``jax_nkilib.support_matrix()``: what each NKI Library kernel can do here, and the README table made from it.
 
-Run ``python -m jax_nkilib._src.tools.support README.md`` to rewrite the README's table between its markers; a test
+Run ``python -m jax_nkilib._src.tools.readme README.md`` to rewrite the README's table between its markers; a test
 keeps the two equal.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 
 from ..framework import registry
 from .catalog import CATALOG
@@ -97,9 +96,3 @@ def write_readme(path: str) -> None:
     current = readme_section(text)
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text.replace(current, markdown_table(), 1))
-
-
-if __name__ == "__main__":  # pragma: no cover - a maintenance command
-    import jax_nkilib  # noqa: F401  (binds the kernels)
-
-    write_readme(sys.argv[1] if len(sys.argv) > 1 else "README.md")

@@ -1,0 +1,62 @@
+"""Which keys each query may attend to, as the NKI attention kernels define it.
+
+Queries and keys have *positions*. Query row ``i`` has position ``q_base + i * q_stride`` (context parallelism gives
+a runtime ``q_base`` = ``cp_offset`` and, with strided slicing, ``q_stride`` = the CP degree). Keys are the
+``n_prior`` prefix-cache slots followed by the ``n_active`` active keys: prior slot ``j`` holds position
+``j - prior_used`` and is valid only when ``j < prior_used`` (a runtime length); active key ``j`` has position ``j``.
+
+A valid key is allowed when every rule in force holds:
+
+* causal: ``key_pos <= query_pos``;
+* sliding window ``w > 0``: ``key_pos > query_pos - w``;
+* sequence packing: ``bound_min[i] <= key_pos < bound_max[i]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskRule:
+    n_queries: int
+    n_active: int
+    n_prior: int = 0
+    prior_used: Any = None  # runtime int32 scalar, or None for "all prior slots"
+    q_base: Any = 0  # runtime int32 scalar or 0
+    q_stride: int = 1
+    causal: bool = False
+    window: int = 0
+    bound_min: Any = None  # [n_queries] array, or None
+    bound_max: Any = None
+
+    def runtime_values(self) -> tuple:
+        """The traced values the rule reads (for loop-carry typing inside ``shard_map``)."""
+        values = (self.prior_used, self.q_base, self.bound_min, self.bound_max)
+        return tuple(value for value in values if value is not None and not isinstance(value, int))
+
+    @property
+    def n_keys(self) -> int:
+        return self.n_prior + self.n_active
+
+    def allowed(self, q_index, k_index):
+        """Boolean ``[len(q_index), len(k_index)]``: may query row ``q_index[a]`` attend to key ``k_index[b]``?"""
+        q_pos = (self.q_base + q_index * self.q_stride)[:, None]
+        k_index = k_index[None, :]
+        is_prior = k_index < self.n_prior
+        used = self.n_prior if self.prior_used is None else self.prior_used
+        k_pos = jnp.where(is_prior, k_index - used, k_index - self.n_prior)
+        ok = (k_index < self.n_keys) & (q_index < self.n_queries)[:, None]
+        if self.n_prior:
+            ok &= ~is_prior | (k_index < used)
+        if self.causal:
+            ok &= k_pos <= q_pos
+        if self.window > 0:
+            ok &= k_pos > q_pos - self.window
+        if self.bound_min is not None:
+            rows = jnp.clip(q_index, 0, self.n_queries - 1)
+            ok &= (self.bound_min[rows][:, None] <= k_pos) & (k_pos < self.bound_max[rows][:, None])
+        return ok

@@ -1,0 +1,85 @@
+"""NumPy float64 oracles for attention, written from the catalog's semantics (full score matrices: small sizes)."""
+
+import numpy as np
+
+
+def f64(x):
+    return None if x is None else np.asarray(x, dtype=np.float64)
+
+
+def allowed_mask(seq_q, n_prior, seq_k, *, prior_used=None, q_base=0, q_stride=1, causal=False, window=0,
+                 bound_min=None, bound_max=None):
+    """[Sq, S_prior + Sk] booleans: key positions are prior j - prior_used (valid j < prior_used), then 0.."""
+    q_pos = q_base + np.arange(seq_q) * q_stride
+    used = n_prior if prior_used is None else prior_used
+    k_pos = np.concatenate([np.arange(n_prior) - used, np.arange(seq_k)])
+    valid = np.concatenate([np.arange(n_prior) < used, np.ones(seq_k, bool)])
+    ok = np.broadcast_to(valid[None, :], (seq_q, n_prior + seq_k)).copy()
+    if causal:
+        ok &= k_pos[None, :] <= q_pos[:, None]
+    if window:
+        ok &= k_pos[None, :] > q_pos[:, None] - window
+    if bound_min is not None:
+        ok &= (np.asarray(bound_min).reshape(-1)[:, None] <= k_pos[None, :]) & (
+            k_pos[None, :] < np.asarray(bound_max).reshape(-1)[:, None])
+    return ok
+
+
+def softmax_rows(scores, ok, sink):
+    """Row softmax over allowed entries plus optional sink logits; returns (P, P_sink, lse). Empty rows -> 0."""
+    s = np.where(ok, scores, -np.inf)
+    if sink is not None:
+        s = np.concatenate([s, np.broadcast_to(sink[..., None, :], s.shape[:-1] + sink.shape[-1:])], axis=-1)
+    m = s.max(-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(s - m_safe)
+    total = e.sum(-1, keepdims=True)
+    p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
+    lse = np.where(total[..., 0] > 0, m_safe[..., 0] + np.log(np.where(total[..., 0] > 0, total[..., 0], 1.0)),
+                   np.inf)
+    n_sink = 0 if sink is None else sink.shape[-1]
+    return p[..., :s.shape[-1] - n_sink], p[..., s.shape[-1] - n_sink:], lse
+
+
+def attention_rows(q, k, v, ok, scale, sink=None):
+    """q [B, Sq, d], k/v [B_kv, Skv, d] (row b uses kv b // (B/B_kv)), sink [B, n] -> (o, P, P_sink, lse)."""
+    q, k, v, sink = f64(q), f64(k), f64(v), f64(sink)
+    groups = q.shape[0] // k.shape[0]
+    k, v = np.repeat(k, groups, axis=0), np.repeat(v, groups, axis=0)
+    p, p_sink, lse = softmax_rows(scale * q @ np.swapaxes(k, 1, 2), ok[None], sink)
+    return p @ v, p, p_sink, lse
+
+
+def attention_rows_grads(q, k, v, ok, scale, dy, sink=None):
+    """Gradients of sum(o * dy) for :func:`attention_rows`: (dq, dk, dv, dsink) by the softmax-Jacobian formulas."""
+    q, k, v, dy, sink = f64(q), f64(k), f64(v), f64(dy), f64(sink)
+    groups = q.shape[0] // k.shape[0]
+    kr, vr = np.repeat(k, groups, axis=0), np.repeat(v, groups, axis=0)
+    o, p, p_sink, _ = attention_rows(q, k, v, ok, scale, sink)
+    dp = dy @ np.swapaxes(vr, 1, 2)
+    row = (p * dp).sum(-1, keepdims=True)  # sinks carry no value: their dp is 0
+    ds = p * (dp - row)
+    dq = scale * ds @ kr
+    dk = scale * np.swapaxes(ds, 1, 2) @ q
+    dv = np.swapaxes(p, 1, 2) @ dy
+    fold = lambda x: x.reshape(k.shape[0], groups, *x.shape[1:]).sum(1)  # noqa: E731
+    dsink = None if sink is None else (p_sink * -row).sum(1)
+    return dq, fold(dk), fold(dv), dsink
+
+
+def idiomatic_attention(q, k, v, *, causal=True, scale=None, sliding_window=None, sinks=None, prefix=None):
+    """jax_nkilib.attention in [batch, S, heads, d] layouts."""
+    q, k, v = f64(q), f64(k), f64(v)
+    batch, seq_q, heads, d = q.shape
+    seq_k = k.shape[1]
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    rows = lambda x: np.transpose(x, (0, 2, 1, 3)).reshape(-1, x.shape[1], d)  # noqa: E731
+    n_prior, used, kr, vr = 0, None, rows(k), rows(v)
+    if prefix is not None:
+        n_prior, used = prefix[0].shape[1], int(prefix[2])
+        kr = np.concatenate([rows(f64(prefix[0])), kr], axis=1)
+        vr = np.concatenate([rows(f64(prefix[1])), vr], axis=1)
+    ok = allowed_mask(seq_q, n_prior, seq_k, prior_used=used, causal=causal, window=sliding_window or 0)
+    sink = None if sinks is None else np.broadcast_to(f64(sinks), (batch, heads)).reshape(-1, 1)
+    o = attention_rows(rows(q), kr, vr, ok, scale, sink)[0]
+    return np.transpose(o.reshape(batch, heads, seq_q, d), (0, 2, 1, 3))
