@@ -1,9 +1,10 @@
-"""A tiny attention layer with rotary embeddings from jax_nkilib, trained for a few steps on CPU.
+"""A tiny attention layer built from jax_nkilib ops, trained for a few steps on CPU.
 
 Run: python examples/quickstart.py
 
-The layer uses `jax_nkilib.rope` for the rotary embeddings; on CPU it runs the kernel's JAX reference, and lowered
-for Neuron it becomes the NKI RoPE kernel. The script jits a forward pass and a gradient step, then prints
+The layer uses `jax_nkilib.rope` for the rotary embeddings and `jax_nkilib.attention` for causal grouped-query
+attention. On CPU they run the kernels' JAX references; lowered for Neuron they become the NKI RoPE, attention_cte
+and (in the gradient) attention_bwd kernels. The script jits a forward pass and a gradient step, then prints
 `jax_nkilib.explain` of the step: every kernel call, its shapes, and whether Neuron would run the kernel.
 """
 
@@ -12,8 +13,9 @@ import jax.numpy as jnp
 
 import jax_nkilib
 
-BATCH, SEQ, HEADS, HEAD_DIM = 2, 32, 4, 64
+BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM = 2, 128, 4, 2, 64
 MODEL = HEADS * HEAD_DIM
+KV = KV_HEADS * HEAD_DIM
 
 
 def rotary_tables(seq: int, head_dim: int, base: float = 10000.0):
@@ -26,19 +28,17 @@ def rotary_tables(seq: int, head_dim: int, base: float = 10000.0):
 def init_params(key):
     k_qkv, k_out = jax.random.split(key)
     scale = MODEL ** -0.5
-    return {"qkv": jax.random.normal(k_qkv, (MODEL, 3 * MODEL), jnp.float32) * scale,
+    return {"qkv": jax.random.normal(k_qkv, (MODEL, MODEL + 2 * KV), jnp.float32) * scale,
             "out": jax.random.normal(k_out, (MODEL, MODEL), jnp.float32) * scale}
 
 
 def attention_layer(params, x, cos, sin):
-    """Causal multi-head self-attention with rotary embeddings on queries and keys. x: [batch, seq, model]."""
-    q, k, v = jnp.split(x @ params["qkv"], 3, axis=-1)
-    q, k, v = (t.reshape(BATCH, SEQ, HEADS, HEAD_DIM) for t in (q, k, v))
+    """Causal grouped-query self-attention with rotary embeddings on queries and keys. x: [batch, seq, model]."""
+    q, k, v = jnp.split(x @ params["qkv"], [MODEL, MODEL + KV], axis=-1)
+    q = q.reshape(BATCH, SEQ, HEADS, HEAD_DIM)
+    k, v = (t.reshape(BATCH, SEQ, KV_HEADS, HEAD_DIM) for t in (k, v))
     q, k = jax_nkilib.rope(q, cos, sin), jax_nkilib.rope(k, cos, sin)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(HEAD_DIM)
-    causal = jnp.tril(jnp.ones((SEQ, SEQ), bool))
-    weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(BATCH, SEQ, MODEL)
+    out = jax_nkilib.attention(q, k, v, causal=True).reshape(BATCH, SEQ, MODEL)
     return out @ params["out"]
 
 

@@ -13,4 +13,6 @@ def test_quickstart_trains_and_explains(capsys):
     losses = module.main()
     assert losses[-1] < losses[0]
     printed = capsys.readouterr().out
-    assert "4 jax_nkilib kernel call(s); 4 would run as NKI kernels on Neuron" in printed
+    assert "6 jax_nkilib kernel call(s); 6 would run as NKI kernels on Neuron" in printed
+    assert printed.count("RoPE(") == 4 and printed.count("attention_cte(") == 1
+    assert printed.count("attention_bwd(") == 1

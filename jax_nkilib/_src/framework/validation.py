@@ -85,7 +85,9 @@ def check_call(spec: KernelSpec, avals: Mapping[str, Any], params: Mapping[str, 
         dims, _ = bind_layouts([(operand.name, tuple(aval.shape), operand.layouts_for(params))
                                 for operand, aval in present])
     except LayoutMismatch as err:
-        raise ValueError(f"{function}: argument `{err.operand}` {err.reason}") from None
+        switch = spec.operand(err.operand).switch
+        selected = f" (the layout for {switch[0]}={params[switch[0]]})" if switch else ""
+        raise ValueError(f"{function}: argument `{err.operand}` {err.reason}{selected}") from None
     for name, size in dims.items():
         if size == 0:
             raise ValueError(f"{function}: dimension {name} is 0; every dimension of a kernel call must be positive")
