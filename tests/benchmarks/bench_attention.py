@@ -15,8 +15,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 
 def measure(impl: str, seq: int, heads: int, head_dim: int) -> dict:
     import jax
@@ -24,16 +22,16 @@ def measure(impl: str, seq: int, heads: int, head_dim: int) -> dict:
 
     import jax_nkilib
 
-    rng = np.random.default_rng(0)
-    q, k, v, dy = (jnp.asarray(rng.standard_normal((1, seq, heads, head_dim)), jnp.float32) for _ in range(4))
+    q, k, v, dy = (jax.random.normal(key, (1, seq, heads, head_dim), jnp.float32)
+                   for key in jax.random.split(jax.random.key(0), 4))
     attend = jax_nkilib.attention if impl == "jax_nkilib" else (
         lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=True))
-    step = jax.jit(jax.grad(lambda a, b, c: jnp.sum(attend(a, b, c) * dy), argnums=(0, 1, 2)))
+    step = jax.jit(jax.grad(lambda a, b, c, g: jnp.sum(attend(a, b, c) * g), argnums=(0, 1, 2)))
     start = time.perf_counter()
-    compiled = step.lower(q, k, v).compile()
+    compiled = step.lower(q, k, v, dy).compile()
     compile_s = time.perf_counter() - start
     start = time.perf_counter()
-    jax.block_until_ready(compiled(q, k, v))
+    jax.block_until_ready(compiled(q, k, v, dy))
     run_s = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     return {"impl": impl, "seq": seq, "run_s": run_s, "compile_s": compile_s, "peak_rss_gib": peak}

@@ -1,7 +1,8 @@
 """Memory-efficient attention in JAX: online-softmax forward and the matching backward, block by block.
 
-No ``[Sq, Sk]`` score matrix is ever formed: queries and keys are processed in blocks (``lax.map`` over query
-blocks, ``lax.scan`` over key blocks), so memory is ``O(block_q * block_k)`` per (kv-head, group) plus the inputs.
+No ``[Sq, Sk]`` score matrix is ever formed: queries and keys are processed in blocks (``fori_loop`` over query
+and key blocks, slicing the inputs in place and accumulating results with in-place updates), so the working memory
+is ``O(block_q * block_k)`` per (kv-head, group) plus the outputs.
 
 Layouts (the engine's own): ``q [H_kv, G, Sq, d]`` (``G`` query heads share each KV head: grouped-query
 attention), ``k, v [H_kv, Sk, d]``; ``sink`` ``[H_kv, G, n_sinks]`` holds extra softmax logits per row (unscaled).
@@ -31,22 +32,15 @@ def _accumulation_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def _blocks(x, axis: int, block: int):
-    """Pad ``axis`` to a multiple of ``block`` and move the block index to the front: [n_blocks, ..., block, ...]."""
+def _pad_to(x, axis: int, block: int):
+    """Pad ``axis`` with zeros to a multiple of ``block`` (no copy when it already is one)."""
     size = x.shape[axis]
-    n_blocks = -(-size // block)
+    extra = -size % block
+    if not extra:
+        return x
     pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, n_blocks * block - size)
-    x = jnp.pad(x, pad)
-    x = x.reshape(x.shape[:axis] + (n_blocks, block) + x.shape[axis + 1:])
-    return jnp.moveaxis(x, axis, 0)
-
-
-def _unblock(x, axis: int, size: int):
-    """Inverse of :func:`_blocks` for an array whose block index is in front and block axis at ``axis + 1``."""
-    x = jnp.moveaxis(x, 0, axis)
-    x = x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
-    return lax.slice_in_dim(x, 0, size, axis=axis)
+    pad[axis] = (0, extra)
+    return jnp.pad(x, pad)
 
 
 def _block_sizes(rule: MaskRule, block_q: int | None, block_k: int | None) -> tuple[int, int]:
@@ -58,23 +52,32 @@ def _scores(q_block, k_block, scale, acc):
     return jnp.einsum("hgqd,hkd->hgqk", q_block, k_block, preferred_element_type=acc) * scale
 
 
+def _block(x, index, block: int, axis: int):
+    return lax.dynamic_slice_in_dim(x, index * block, block, axis=axis)
+
+
+def _put(x, update, index, block: int, axis: int):
+    return lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), index * block, axis=axis)
+
+
 def attention_forward(q, k, v, rule: MaskRule, scale: float, sink=None, *, block_q=None, block_k=None):
     """Returns ``(o, row_max, row_sum)``: ``o [H_kv, G, Sq, d]`` in the accumulation dtype, statistics
     ``[H_kv, G, Sq]`` over the allowed keys and the sinks (``row_max`` is ``-inf`` for empty rows)."""
     acc = _accumulation_dtype(q.dtype)
     bq, bk = _block_sizes(rule, block_q, block_k)
     n_kv, groups, seq_q, d = q.shape
-    q_blocks = _blocks(q, 2, bq)
-    k_blocks, v_blocks = _blocks(k, 1, bk), _blocks(v, 1, bk)
-    k_index = jnp.arange(k_blocks.shape[0] * bk).reshape(-1, bk)
+    q, k, v = _pad_to(q, 2, bq), _pad_to(k, 1, bk), _pad_to(v, 1, bk)
+    n_q_blocks, n_k_blocks = q.shape[2] // bq, k.shape[1] // bk
+    runtime = rule.runtime_values()
 
-    def one_q_block(args):
-        q_block, q_index = args
+    def one_q_block(i, outputs):
+        out_all, max_all, sum_all = outputs
+        q_block, q_index = _block(q, i, bq, 2), i * bq + jnp.arange(bq)
 
-        def one_k_block(carry, xs):
+        def one_k_block(j, carry):
             row_max, row_sum, out = carry
-            k_block, v_block, k_idx = xs
-            allowed = rule.allowed(q_index, k_idx)
+            k_block, v_block = _block(k, j, bk, 1), _block(v, j, bk, 1)
+            allowed = rule.allowed(q_index, j * bk + jnp.arange(bk))
             s = jnp.where(allowed, _scores(q_block, k_block, scale, acc), -jnp.inf)
             new_max = jnp.maximum(row_max, s.max(-1))
             safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -82,18 +85,18 @@ def attention_forward(q, k, v, rule: MaskRule, scale: float, sink=None, *, block
             correction = jnp.exp(row_max - safe_max)
             row_sum = row_sum * correction + p.sum(-1)
             pv = jnp.einsum("hgqk,hkd->hgqd", p.astype(v.dtype), v_block, preferred_element_type=acc)
-            return (new_max, row_sum, out * correction[..., None] + pv), None
+            return new_max, row_sum, out * correction[..., None] + pv
 
         init = (jnp.full((n_kv, groups, bq), -jnp.inf, acc), jnp.zeros((n_kv, groups, bq), acc),
                 jnp.zeros((n_kv, groups, bq, d), acc))
-        init = tuple(varying_like(x, q_block, k_blocks, v_blocks, *rule.runtime_values()) for x in init)
-        (row_max, row_sum, out), _ = lax.scan(one_k_block, init, (k_blocks, v_blocks, k_index))
-        return row_max, row_sum, out
+        init = tuple(varying_like(x, q, k, v, *runtime) for x in init)
+        row_max, row_sum, out = lax.fori_loop(0, n_k_blocks, one_k_block, init)
+        return _put(out_all, out, i, bq, 2), _put(max_all, row_max, i, bq, 2), _put(sum_all, row_sum, i, bq, 2)
 
-    q_index = jnp.arange(q_blocks.shape[0] * bq).reshape(-1, bq)
-    row_max, row_sum, out = lax.map(one_q_block, (q_blocks, q_index))
-    row_max, row_sum = _unblock(row_max, 2, seq_q), _unblock(row_sum, 2, seq_q)
-    out = _unblock(out, 2, seq_q)
+    outputs = (jnp.zeros(q.shape, acc), jnp.zeros(q.shape[:3], acc), jnp.zeros(q.shape[:3], acc))
+    outputs = tuple(varying_like(x, q, k, v, *runtime) for x in outputs)
+    out, row_max, row_sum = (lax.slice_in_dim(x, 0, seq_q, axis=2)
+                             for x in lax.fori_loop(0, n_q_blocks, one_q_block, outputs))
     if sink is not None:
         sink = sink.astype(acc)[:, :, None, :]  # the same logits for every row
         new_max = jnp.maximum(row_max, sink.max(-1))
@@ -117,38 +120,39 @@ def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=N
     bq, bk = _block_sizes(rule, block_q, block_k)
     seq_q, seq_k = q.shape[2], k.shape[1]
     delta = jnp.sum(dy.astype(acc) * o.astype(acc), axis=-1)
-    q_blocks, dy_blocks = _blocks(q, 2, bq), _blocks(dy, 2, bq)
-    lse_blocks, delta_blocks = _blocks(lse.astype(acc), 2, bq), _blocks(delta, 2, bq)
-    q_index = jnp.arange(q_blocks.shape[0] * bq).reshape(-1, bq)
-    k_blocks, v_blocks = _blocks(k, 1, bk), _blocks(v, 1, bk)
-    k_index = jnp.arange(k_blocks.shape[0] * bk).reshape(-1, bk)
+    q, dy, lse_p, delta_p = (_pad_to(x, 2, bq) for x in (q, dy, lse.astype(acc), delta))
+    k, v = _pad_to(k, 1, bk), _pad_to(v, 1, bk)
+    n_q_blocks, n_k_blocks = q.shape[2] // bq, k.shape[1] // bk
     inputs = (q, k, v, o, dy, lse, *rule.runtime_values())
 
-    def one_k_block(dq, xs):
-        k_block, v_block, k_idx = xs
+    def one_k_block(j, grads):
+        dq, dk, dv = grads
+        k_block, v_block, k_index = _block(k, j, bk, 1), _block(v, j, bk, 1), j * bk + jnp.arange(bk)
 
-        def one_q_block(carry, ys):
-            dk, dv = carry
-            q_block, dy_block, lse_block, delta_block, q_idx = ys
-            allowed = rule.allowed(q_idx, k_idx)
+        def one_q_block(i, carry):
+            dq, dk_block, dv_block = carry
+            q_block, dy_block = _block(q, i, bq, 2), _block(dy, i, bq, 2)
+            lse_block, delta_block = _block(lse_p, i, bq, 2), _block(delta_p, i, bq, 2)
+            allowed = rule.allowed(i * bq + jnp.arange(bq), k_index)
             s = _scores(q_block, k_block, scale, acc)
             p = jnp.where(allowed, jnp.exp(s - lse_block[..., None]), 0.0)
-            dv = dv + jnp.einsum("hgqk,hgqd->hkd", p.astype(dy.dtype), dy_block, preferred_element_type=acc)
+            dv_block = dv_block + jnp.einsum("hgqk,hgqd->hkd", p.astype(dy.dtype), dy_block,
+                                             preferred_element_type=acc)
             dp = jnp.einsum("hgqd,hkd->hgqk", dy_block, v_block, preferred_element_type=acc)
             ds = (p * (dp - delta_block[..., None])).astype(q.dtype)
             dq_block = jnp.einsum("hgqk,hkd->hgqd", ds, k_block, preferred_element_type=acc) * scale
-            dk = dk + jnp.einsum("hgqk,hgqd->hkd", ds, q_block, preferred_element_type=acc) * scale
-            return (dk, dv), dq_block
+            dk_block = dk_block + jnp.einsum("hgqk,hgqd->hkd", ds, q_block, preferred_element_type=acc) * scale
+            return _put(dq, _block(dq, i, bq, 2) + dq_block, i, bq, 2), dk_block, dv_block
 
         zeros = varying_like(jnp.zeros((k.shape[0], bk, k.shape[2]), acc), *inputs)
-        (dk, dv), dq_blocks = lax.scan(one_q_block, (zeros, zeros),
-                                       (q_blocks, dy_blocks, lse_blocks, delta_blocks, q_index))
-        return dq + dq_blocks, (dk, dv)
+        dq, dk_block, dv_block = lax.fori_loop(0, n_q_blocks, one_q_block, (dq, zeros, zeros))
+        return dq, _put(dk, dk_block, j, bk, 1), _put(dv, dv_block, j, bk, 1)
 
-    dq0 = varying_like(jnp.zeros(q_blocks.shape, acc), *inputs)
-    dq, (dk, dv) = lax.scan(one_k_block, dq0, (k_blocks, v_blocks, k_index))
-    dq = _unblock(dq, 2, seq_q)
-    dk, dv = _unblock(dk, 1, seq_k), _unblock(dv, 1, seq_k)
+    grads = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
+    grads = tuple(varying_like(x, *inputs) for x in grads)
+    dq, dk, dv = lax.fori_loop(0, n_k_blocks, one_k_block, grads)
+    dq, dk, dv = lax.slice_in_dim(dq, 0, seq_q, axis=2), lax.slice_in_dim(dk, 0, seq_k, axis=1), \
+        lax.slice_in_dim(dv, 0, seq_k, axis=1)
     dsink = None
     if sink is not None:
         p_sink = jnp.exp(sink.astype(acc)[:, :, None, :] - lse.astype(acc)[..., None])  # [H_kv, G, Sq, n_sinks]
