@@ -83,3 +83,52 @@ def idiomatic_attention(q, k, v, *, causal=True, scale=None, sliding_window=None
     sink = None if sinks is None else np.broadcast_to(f64(sinks), (batch, heads)).reshape(-1, 1)
     o = attention_rows(rows(q), kr, vr, ok, scale, sink)[0]
     return np.transpose(o.reshape(batch, heads, seq_q, d), (0, 2, 1, 3))
+
+
+def _rotate(x, theta):
+    """Halves RoPE of vectors x [..., d] by angles theta [..., d/2] as complex multiplication."""
+    half = x.shape[-1] // 2
+    z = (x[..., :half] + 1j * x[..., half:]) * np.exp(1j * theta)
+    return np.concatenate([z.real, z.imag], axis=-1)
+
+
+def attention_tkg_oracle(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None, rope_pos_ids=None,
+                         start_pos_ids=None, sink=None, *, tp_k_prior=False, use_pos_id=False, fuse_rope=False,
+                         curr_sprior=None):
+    """attention_tkg on a flat cache, one query at a time: (out [B, H, d, s_a], k_out [B, 1, d, s_a])."""
+    q, ka, va, kp, vp = (f64(x) for x in (q, k_active, v_active, k_prior, v_prior))
+    batch, heads, s_active, d = q.shape
+    s_prior = curr_sprior if use_pos_id else mask.shape[0]
+    ka = ka[:, 0]
+    if fuse_rope:
+        theta = f64(rope_pos_ids)[:, :, None] * f64(inv_freqs)[:, 0][None, None, :]  # [B, s_a, d/2]
+        q = _rotate(q, theta[:, None]) / np.sqrt(d)
+        ka = _rotate(ka, theta)
+    keys = (kp[:batch, 0] if tp_k_prior else np.swapaxes(kp[:batch, 0], 1, 2))[:, :s_prior].copy()
+    values = vp[:batch, 0, :s_prior].copy()
+    keys[:, s_prior - s_active:], values[:, s_prior - s_active:] = ka, va[:, 0]
+    out = np.zeros((batch, heads, d, s_active))
+    for b in range(batch):
+        for i in range(s_active):
+            if use_pos_id:
+                end = float(rope_pos_ids[b, i])
+                slots = np.arange(s_prior)
+                if start_pos_ids is None:
+                    visible = slots < float(rope_pos_ids[b, 0])
+                else:
+                    start = float(start_pos_ids[b, i])
+                    visible = ((slots >= start) & (slots < end)) if start <= end else ((slots >= start) | (slots < end))
+                visible[s_prior - s_active:] = np.arange(s_active) <= i
+            for h in range(heads):
+                row_visible = visible if use_pos_id else np.asarray(mask)[:, b, h, i] != 0
+                logits = list(keys[b][row_visible] @ q[b, h, i])
+                values_b = list(values[b][row_visible])
+                if sink is not None:
+                    logits.append(float(f64(sink)[h, 0]))
+                    values_b.append(np.zeros(d))
+                if not row_visible.any() and sink is None:
+                    continue  # nothing to attend to: 0
+                logits = np.array(logits)
+                p = np.exp(logits - logits.max())
+                out[b, h, :, i] = (p / p.sum()) @ np.array(values_b)
+    return out, np.swapaxes(ka, 1, 2)[:, None]

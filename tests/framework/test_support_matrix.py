@@ -23,15 +23,17 @@ def test_every_catalog_kernel_has_one_row():
 def test_bound_rows_are_exactly_the_registered_catalog_kernels():
     rows = {row.kernel: row for row in jax_nkilib.support_matrix()}
     assert {name for name, row in rows.items() if row.status == "bound"} == {
-        "RoPE", "rope_hf", "attention_cte", "attention_bwd"}
+        "RoPE", "rope_hf", "attention_cte", "attention_bwd", "attention_tkg"}
     assert rows["RoPE"].idiomatic == "jax_nkilib.rope" and "kernel" in rows["RoPE"].vjp
     assert rows["attention_cte"].idiomatic == "jax_nkilib.attention" and "attention_bwd" in rows["attention_cte"].vjp
-    assert rows["attention_tkg"].status == "not bound yet (planned in issue 3)"
+    assert rows["gen_mask_tkg_hbm"].status == "not bound yet (planned in issue 3)"
+    assert "flat KV cache only" in rows["attention_tkg"].notes
     assert rows["conv1d"].status == "not bound yet" and rows["conv1d"].layer1 == ""
 
 
 def test_readme_table_is_generated_from_the_matrix():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme.count("| kernel | row |") == 1, "the support table must appear exactly once"
     assert readme_section(readme) == markdown_table(), (
         "README support table is stale: run `python -m jax_nkilib._src.tools.readme README.md`")
 
@@ -40,7 +42,7 @@ def test_device_adapters_parse_and_match_their_specs():
     """kernels/ adapters import nki (absent here): check them statically against the specs they serve."""
     adapters = [k.spec for k in registry.bound_kernels().values()
                 if k.spec.entry_point.startswith("jax_nkilib_kernels.")]
-    assert adapters, "rope_hf needs an adapter"
+    assert {spec.name for spec in adapters} == {"rope_hf", "attention_tkg"}
     for spec in adapters:
         module, function = spec.entry_point.split(":")
         path = ROOT / "kernels" / (module.split(".", 1)[1].replace(".", "/") + ".py")

@@ -28,7 +28,7 @@ from jax.interpreters import mlir
 
 from . import batching, compat, registry, views
 from .spec import KernelSpec
-from .validation import check_call, normalize_params, output_avals, split_arguments
+from .validation import check_call, check_derived, normalize_params, output_avals, split_arguments
 from ..neuron.lowering import neuron_lowering_rule
 
 REFERENCE_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -42,6 +42,18 @@ REFERENCE_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 # Operands, outputs and cotangents arrive as the call gave them (through its layout view, if any): a rule computes
 # with kernel.call / kernel.reference, which honour the view, or converts with kernel.to_kernel_layout and
 # kernel.from_kernel_layout. A missing or None cotangent means zero (integer operands always get None).
+
+
+def reference_vjp(kernel, operands, params, outs, cotangents):
+    """A VJP rule for kernels with no backward kernel: differentiate the JAX reference (floating operands only)."""
+    names = [name for name, value in operands.items()
+             if value is not None and jnp.issubdtype(value.dtype, jnp.floating)]
+
+    def from_floats(*values):
+        return kernel.reference(dict(operands, **dict(zip(names, values))), params)
+
+    _, vjp = jax.vjp(from_floats, *(operands[name] for name in names))
+    return dict(zip(names, vjp(tuple(cotangents))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +91,10 @@ class Kernel:
 
     # ----------------------------------------------------------------------------------------------- public call
     def __call__(self, *args, **kwargs):
-        operands, raw_params = split_arguments(self.spec, args, kwargs)
+        operands, raw_params, derived = split_arguments(self.spec, args, kwargs)
         params = normalize_params(self.spec, raw_params)
+        if derived:
+            check_derived(self.spec, check_call(self.spec, operands, params), derived)
         outs = self.call(operands, params)
         return outs[0] if len(outs) == 1 else tuple(outs)
 

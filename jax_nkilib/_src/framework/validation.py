@@ -15,11 +15,14 @@ from .layout import LayoutMismatch, bind_layouts
 from .spec import FOLLOW_LNC, CallInfo, KernelSpec
 
 
-def split_arguments(spec: KernelSpec, args: tuple, kwargs: dict) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Map a public call's positional and keyword arguments to ``(operands, raw params)`` by the kernel's names."""
+def split_arguments(spec: KernelSpec, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    """Map a public call's arguments to ``(operands, raw params, derived)`` by the kernel's names; ``derived``
+    holds the shape-derived config fields given (see ``KernelSpec.derived_params``)."""
     function = spec.public_name
     operand_names = [operand.name for operand in spec.operands]
     param_names = [param.name for param in spec.params]
+    derived_names = dict(spec.derived_params)
+    derived: dict[str, Any] = {}
     if len(args) > len(operand_names):
         raise TypeError(f"{function} takes {len(operand_names)} tensor arguments ({', '.join(operand_names)}) "
                         f"positionally; got {len(args)}. Pass static flags ({', '.join(param_names)}) by keyword.")
@@ -32,6 +35,8 @@ def split_arguments(spec: KernelSpec, args: tuple, kwargs: dict) -> tuple[dict[s
             operands[key] = value
         elif key in param_names:
             params[key] = value
+        elif key in derived_names:
+            derived[key] = value
         else:
             raise TypeError(f"{function} got an unexpected keyword argument `{key}`; tensor arguments are "
                             f"{', '.join(operand_names)} and static flags are {', '.join(param_names)}")
@@ -45,7 +50,15 @@ def split_arguments(spec: KernelSpec, args: tuple, kwargs: dict) -> tuple[dict[s
         elif not (hasattr(value, "shape") and hasattr(value, "dtype")):
             raise TypeError(f"{function}: argument `{operand.name}` must be an array with layout "
                             f"{operand.layout_text}; got {type(value).__name__}")
-    return {operand.name: operands[operand.name] for operand in spec.operands}, params
+    return {operand.name: operands[operand.name] for operand in spec.operands}, params, derived
+
+
+def check_derived(spec: KernelSpec, call: CallInfo, derived: Mapping[str, Any]) -> None:
+    """Shape-derived config fields, when given, must equal the dimension the operands bound."""
+    for name, dim in spec.derived_params:
+        if name in derived and derived[name] is not None and derived[name] != call.dims.get(dim):
+            raise ValueError(f"{call.function}: `{name}`={derived[name]!r} does not match the operands, whose {dim} "
+                             f"is {call.dims.get(dim)}")
 
 
 def normalize_params(spec: KernelSpec, raw: Mapping[str, Any]) -> dict[str, Any]:

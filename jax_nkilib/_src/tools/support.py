@@ -83,16 +83,22 @@ def markdown_table(rows: list[KernelSupport] | None = None) -> str:
     return "\n".join(header + lines) + "\n" + summary
 
 
-def readme_section(readme_text: str) -> str:
-    match = re.search(re.escape(README_START) + r"\n(.*?)\n" + re.escape(README_END), readme_text, re.S)
-    if match is None:
+def _section_span(readme_text: str) -> tuple[int, int]:
+    start = readme_text.find(README_START)
+    end = readme_text.find(README_END)
+    if start < 0 or end < start:
         raise ValueError(f"README has no {README_START} ... {README_END} section")
-    return match.group(1)
+    return start + len(README_START) + 1, end - 1  # the lines strictly between the markers
+
+
+def readme_section(readme_text: str) -> str:
+    start, end = _section_span(readme_text)
+    return readme_text[start:end]
 
 
 def write_readme(path: str) -> None:
     with open(path, encoding="utf-8") as handle:
         text = handle.read()
-    current = readme_section(text)
+    start, end = _section_span(text)
     with open(path, "w", encoding="utf-8") as handle:
-        handle.write(text.replace(current, markdown_table(), 1))
+        handle.write(text[:start] + markdown_table() + text[end:])

@@ -1,0 +1,182 @@
+"""``attention_tkg`` (catalog 1.3): the NKI decode (token-generation) attention subkernel, flat KV cache.
+
+Layouts (those of the kernel's tests and torch reference; its docstring disagrees, see the catalog): ``q
+[B, H, s_a, d]``, ``k_active, v_active [B, 1, s_a, d]`` (one KV head per batch row: fold KV heads into ``B``),
+``k_prior [B_cache, 1, d, S_full]`` (``tp_k_prior=False``) or ``[B_cache, 1, S_full, d]``, ``v_prior
+[B_cache, 1, S_full, d]`` with ``B_cache >= B`` (rows past ``B`` are an unused buffer), ``mask [S_prior, B, H, s_a]``
+(nonzero = attend), or ``[s_a, B, H, s_a]`` with ``use_pos_id``. ``S_prior`` = ``curr_sprior`` slots of the cache are
+used. Outputs ``out [B, H, d, s_a]`` and ``k_out [B, 1, d, s_a]`` (the active keys, rotated with ``fuse_rope``).
+
+Semantics (the torch reference's): the last ``s_a`` of the ``S_prior`` cache slots *are* the active tokens: the
+kernel reads ``k_active``/``v_active`` there, whatever the cache holds (the cache itself is not updated). Scores
+are ``q . k`` with **no 1/sqrt(d) scaling** unless ``fuse_rope``, which first rotates ``q`` and ``k_active`` (halves
+RoPE with angles ``rope_pos_ids[b, i] * inv_freqs[j]``) and scales ``q`` by ``1/sqrt(d)``. ``sink [H, 1]`` adds
+one softmax logit per head. With ``use_pos_id`` the mask is built in-kernel: slot ``s`` of the prior is visible
+when ``s < rope_pos_ids[b, 0]`` (or, with ``start_pos_ids``, inside the per-query window ``[start, pos)``, which
+wraps around when ``start > pos``), and the active tail is causal.
+
+Numerics: float32 scores and softmax; probabilities rounded to the input dtype for ``P v``; rows that see nothing
+give 0. The block KV cache (``active_blocks_table``/``block_len``) and SBUF placement flags (``qk_in_sb``,
+``k_out_in_sb``, ``out_in_sb``) are not bound yet: they raise ``ValueError``. The config fields that the shapes
+determine (``bs``, ``q_head``, ``s_active``, ``full_sprior``, ``d_head``, and ``curr_sprior`` without
+``use_pos_id``) may be given and must then match. Reverse mode differentiates this reference (there is no backward kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from ..framework.primitive import make_kernel, reference_vjp
+from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+
+MAX_HEAD_DIM = 128
+SPRIOR_TILE = 128
+POSITION_DTYPES = INT_DTYPES + (jnp.float32,)
+MASK_DTYPES = (jnp.uint8, jnp.int8, jnp.int32, jnp.bool_, jnp.float32, jnp.bfloat16)
+
+
+def _rotate_half(x, cos, sin):
+    """Halves RoPE on the last axis: x * [cos, cos] + [-x2, x1] * [sin, sin]."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def _visible(mask, rope_pos_ids, start_pos_ids, *, use_pos_id, batch, heads, s_active, s_prior):
+    """Boolean [B, H, s_a, S_prior]: may active query i of row b attend to cache slot s?"""
+    if not use_pos_id:
+        return jnp.transpose(mask, (1, 2, 3, 0)) != 0
+    slot = jnp.arange(s_prior)[None, None, :]
+    ends = rope_pos_ids.astype(jnp.float32)[:, :, None]  # [B, s_a, 1]
+    if start_pos_ids is None:
+        prior = slot < ends[:, :1]  # slot < cache length of the row (its first position id)
+    else:
+        starts = start_pos_ids.astype(jnp.float32)[:, :, None]
+        prior = jnp.where(starts <= ends, (slot >= starts) & (slot < ends), (slot >= starts) | (slot < ends))
+    causal_tail = jnp.arange(s_active)[None, :] <= jnp.arange(s_active)[:, None]  # [i, j]: j <= i
+    prior = jnp.broadcast_to(prior, (batch, s_active, s_prior)).at[:, :, s_prior - s_active:].set(causal_tail[None])
+    return jnp.broadcast_to(prior[:, None], (batch, heads, s_active, s_prior))
+
+
+def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None, rope_pos_ids=None,
+                            start_pos_ids=None, sink=None, active_blocks_table=None, **cfg):
+    """JAX reference of ``attention_tkg`` for a flat KV cache: ``(out [B, H, d, s_a], k_out [B, 1, d, s_a])``."""
+    del active_blocks_table  # rejected by the checks
+    batch, heads, s_active, d = q.shape
+    s_prior = mask.shape[0] if not cfg["use_pos_id"] else cfg["curr_sprior"]
+    acc = jnp.promote_types(q.dtype, jnp.float32)
+    queries, keys = q.astype(acc), k_active[:, 0].astype(acc)  # [B, H, s_a, d], [B, s_a, d]
+    if cfg["fuse_rope"]:
+        angles = rope_pos_ids.astype(acc)[:, :, None] * inv_freqs.astype(acc)[:, 0][None, None, :]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)  # [B, s_a, d/2]
+        queries = _rotate_half(queries, cos[:, None], sin[:, None]) / math.sqrt(d)
+        keys = _rotate_half(keys, cos, sin)
+    cache_k = k_prior[:batch, 0]
+    cache_k = (cache_k if cfg["tp_k_prior"] else jnp.swapaxes(cache_k, 1, 2))[:, :s_prior].astype(acc)
+    cache_v = v_prior[:batch, 0, :s_prior].astype(acc)
+    cache_k = cache_k.at[:, s_prior - s_active:].set(keys)
+    cache_v = cache_v.at[:, s_prior - s_active:].set(v_active[:, 0].astype(acc))
+    visible = _visible(mask, rope_pos_ids, start_pos_ids, use_pos_id=cfg["use_pos_id"], batch=batch, heads=heads,
+                       s_active=s_active, s_prior=s_prior)
+    scores = jnp.where(visible, jnp.einsum("bhid,bsd->bhis", queries, cache_k), -jnp.inf)
+    row_max = scores.max(-1)
+    if sink is not None:
+        row_max = jnp.maximum(row_max, sink.astype(acc)[None, :, :])
+    safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.exp(scores - safe_max[..., None])
+    total = weights.sum(-1)
+    if sink is not None:
+        total = total + jnp.exp(sink.astype(acc)[None, :, :] - safe_max)
+    probs = weights / jnp.where(total > 0, total, 1.0)[..., None]
+    out = jnp.einsum("bhis,bsd->bhdi", probs.astype(v_active.dtype).astype(acc), cache_v)
+    return out.astype(q.dtype), jnp.swapaxes(keys, 1, 2)[:, None].astype(k_active.dtype)
+
+
+def _check(call: CallInfo) -> None:
+    avals, dims, p, function = call.avals, call.dims, call.params, call.function
+    present = {name for name, aval in avals.items() if aval is not None}
+    if "active_blocks_table" in present or p["block_len"]:
+        raise ValueError(f"{function}: the block KV cache (active_blocks_table, block_len) is not bound yet in "
+                         "jax_nkilib; use a flat cache")
+    for flag in ("qk_in_sb", "k_out_in_sb", "out_in_sb"):
+        if p[flag]:
+            raise ValueError(f"{function}: `{flag}` places tensors in SBUF, which a JAX call cannot do; the device "
+                             "adapter handles SBUF placement")
+    if dims["B_cache"] < dims["B"]:
+        raise ValueError(f"{function}: the cache batch B_cache={dims['B_cache']} is smaller than B={dims['B']}")
+    if p["use_pos_id"]:
+        if p["curr_sprior"] is None:
+            raise ValueError(f"{function}: with use_pos_id the mask is [s_a, B, H, s_a], so give curr_sprior")
+        s_prior = p["curr_sprior"]
+    else:
+        s_prior = dims["S_prior"]
+        if p["curr_sprior"] not in (None, s_prior):
+            raise ValueError(f"{function}: curr_sprior={p['curr_sprior']} does not match the mask's S_prior={s_prior}")
+    if not dims["s_a"] <= s_prior <= dims["S_full"]:
+        raise ValueError(f"{function}: need s_active <= curr_sprior <= full_sprior; got s_active={dims['s_a']}, "
+                         f"curr_sprior={s_prior}, full_sprior={dims['S_full']}")
+    if p["fuse_rope"] and not {"inv_freqs", "rope_pos_ids"} <= present:
+        raise ValueError(f"{function}: fuse_rope needs inv_freqs [d/2, 1] and rope_pos_ids [B, s_a]")
+    if p["use_pos_id"] and "rope_pos_ids" not in present:
+        raise ValueError(f"{function}: use_pos_id needs rope_pos_ids [B, s_a]")
+    if "start_pos_ids" in present and not p["use_pos_id"]:
+        raise ValueError(f"{function}: start_pos_ids (sliding window) needs use_pos_id=True")
+
+
+def _neuron_limits(call: CallInfo) -> list[str]:
+    dims, unmet = call.dims, []
+    if dims["d"] > MAX_HEAD_DIM:
+        unmet.append(f"head dim d={dims['d']} exceeds {MAX_HEAD_DIM}")
+    s_prior = call.params["curr_sprior"] if call.params["use_pos_id"] else dims["S_prior"]
+    if s_prior % SPRIOR_TILE:
+        unmet.append(f"curr_sprior={s_prior} must be a multiple of {SPRIOR_TILE}")
+    return unmet
+
+
+ATTENTION_TKG_SPEC = KernelSpec(
+    name="attention_tkg",
+    entry_point="jax_nkilib_kernels.attention:attention_tkg",
+    operands=(
+        Operand.of("q", "B, H, s_a, d"),
+        Operand.of("k_active", "B, 1, s_a, d"),
+        Operand.of("v_active", "B, 1, s_a, d"),
+        Operand.switched("k_prior", "tp_k_prior", {False: "B_cache, 1, d, S_full", True: "B_cache, 1, S_full, d"}),
+        Operand.of("v_prior", "B_cache, 1, S_full, d"),
+        Operand.switched("mask", "use_pos_id", {False: "S_prior, B, H, s_a", True: "s_a, B, H, s_a"},
+                         dtypes=MASK_DTYPES),
+        Operand.of("inv_freqs", "d/2, 1", optional=True),
+        Operand.of("rope_pos_ids", "B, s_a", dtypes=POSITION_DTYPES, optional=True),
+        Operand.of("start_pos_ids", "B, s_a", dtypes=POSITION_DTYPES, optional=True),
+        Operand.of("sink", "H, 1", optional=True),
+        Operand.of("active_blocks_table", "B, n_blocks", dtypes=(jnp.uint32, jnp.int32), optional=True),
+    ),
+    params=(
+        Param("curr_sprior", None, int, "cache slots used; required with use_pos_id, else the mask's S_prior"),
+        Param("block_len", 0, int), Param("tp_k_prior", False, bool), Param("strided_mm1", True, bool),
+        Param("use_pos_id", False, bool), Param("fuse_rope", False, bool), Param("use_gpsimd_sb2sb", True, bool),
+        Param("qk_in_sb", False, bool), Param("k_out_in_sb", False, bool), Param("out_in_sb", False, bool),
+        Param("enable_fa_s_prior_tiling", True, bool),
+    ),
+    outputs=(Output.of("out", "B, H, d, s_a", "q"), Output.of("k_out", "B, 1, d, s_a", "k_active")),
+    reference=reference_attention_tkg,
+    check=_check,
+    neuron_limits=_neuron_limits,
+    fold_plans=(FoldPlan({"q": 0, "k_active": 0, "v_active": 0, "k_prior": 0, "v_prior": 0, "mask": 1,
+                          "rope_pos_ids": 0, "start_pos_ids": 0, "inv_freqs": None, "sink": None,
+                          "active_blocks_table": None}, outputs=(0, 0),
+                         when=lambda call: call.dims["B_cache"] == call.dims["B"]),),
+    derived_params=(("bs", "B"), ("q_head", "H"), ("s_active", "s_a"), ("full_sprior", "S_full"),
+                    ("d_head", "d")),
+    mac_count=lambda call: 2 * call.dims["B"] * call.dims["H"] * call.dims["s_a"] * call.dims["S_full"]
+    * call.dims["d"],
+    family="attention",
+    catalog="1.3",
+    support={"idiomatic": "",
+             "vjp": "JAX (differentiates the reference; no backward kernel)",
+             "notes": "flat KV cache only (block cache not bound yet); no 1/sqrt(d) unless fuse_rope; device adapter "
+                      "kernels/attention.py"},
+)
+
+attention_tkg = make_kernel(ATTENTION_TKG_SPEC, vjp=reference_vjp)

@@ -1,0 +1,51 @@
+"""Adapters for the NKI Library's attention subkernels (``nkilib.core.attention``).
+
+``attention_cte`` and ``attention_bwd`` are HBM-in/HBM-out ``@nki.jit`` kernels and need no adapter.
+``attention_tkg`` is a subkernel: it takes its outputs, an ``AttnTKGConfig`` and an SBUF manager, and (without
+``fuse_rope``) wants ``q``/``k_active`` already in SBUF. The adapter below builds the config from the shapes,
+stages ``q``/``k_active`` in SBUF in the kernel's ``[d, B*H*s_a]`` / ``[d, B*s_a]`` layouts, allocates the HBM
+outputs and calls the library. Not yet run on Trainium by this project: check it on a trn2 instance.
+"""
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+try:  # neuronx-cc bundles the library as `nkilib`; the source tree installs it as `nkilib_src.nkilib`
+    from nkilib.core.attention.attention_tkg import attention_tkg as _library_attention_tkg
+    from nkilib.core.attention.attention_tkg_utils import AttnTKGConfig
+    from nkilib.core.utils.allocator import SbufManager
+except ImportError:  # pragma: no cover - depends on how the NKI Library is installed
+    from nkilib_src.nkilib.core.attention.attention_tkg import attention_tkg as _library_attention_tkg
+    from nkilib_src.nkilib.core.attention.attention_tkg_utils import AttnTKGConfig
+    from nkilib_src.nkilib.core.utils.allocator import SbufManager
+
+
+@nki.jit
+def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None, rope_pos_ids=None,
+                  start_pos_ids=None, sink=None, active_blocks_table=None, curr_sprior=None, block_len=0,
+                  tp_k_prior=False, strided_mm1=True, use_pos_id=False, fuse_rope=False, use_gpsimd_sb2sb=True,
+                  qk_in_sb=False, k_out_in_sb=False, out_in_sb=False, enable_fa_s_prior_tiling=True):
+    """``(out [B, H, d, s_a], k_out [B, 1, d, s_a])`` for q [B, H, s_a, d] and a flat KV cache."""
+    batch, heads, s_active, d_head = q.shape
+    full_sprior = v_prior.shape[2]
+    cfg = AttnTKGConfig(
+        bs=batch, q_head=heads, s_active=s_active, curr_sprior=curr_sprior if use_pos_id else mask.shape[0],
+        full_sprior=full_sprior, d_head=d_head, block_len=block_len, tp_k_prior=tp_k_prior, strided_mm1=strided_mm1,
+        use_pos_id=use_pos_id, fuse_rope=fuse_rope, use_gpsimd_sb2sb=use_gpsimd_sb2sb, qk_in_sb=not fuse_rope,
+        k_out_in_sb=False, out_in_sb=False, enable_fa_s_prior_tiling=enable_fa_s_prior_tiling)
+    out = nl.ndarray((batch, heads, d_head, s_active), dtype=q.dtype, buffer=nl.shared_hbm)
+    k_out = nl.ndarray((batch, 1, d_head, s_active), dtype=k_active.dtype, buffer=nl.shared_hbm)
+    sbm = SbufManager()
+    if not fuse_rope:  # the kernel asserts q and k in SBUF, [d, B*H*s_a] and [d, B*s_a]
+        q_sb = nl.ndarray((d_head, batch * heads * s_active), dtype=q.dtype, buffer=nl.sbuf)
+        k_sb = nl.ndarray((d_head, batch * s_active), dtype=k_active.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=q_sb, src=q.reshape((batch * heads * s_active, d_head)).ap(
+            pattern=[[1, d_head], [d_head, batch * heads * s_active]], offset=0))
+        nisa.dma_copy(dst=k_sb, src=k_active.reshape((batch * s_active, d_head)).ap(
+            pattern=[[1, d_head], [d_head, batch * s_active]], offset=0))
+        q, k_active = q_sb, k_sb
+    _library_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, out, cfg, sbm, inv_freqs=inv_freqs,
+                           rope_pos_ids=rope_pos_ids, start_pos_ids=start_pos_ids, sink=sink,
+                           active_blocks_table=active_blocks_table, k_out=k_out)
+    return out, k_out
