@@ -10,7 +10,8 @@ Q, K, V = jnp.zeros((4, 16, 8)), jnp.zeros((2, 8, 16)), jnp.zeros((2, 16, 8))
 I32 = jnp.int32
 
 CTE = [
-    (lambda: attention_cte(Q[0], K, V), ValueError, ["attention_cte", "`q`", "[B, Sq, d]", "(the layout for tp_q=True)"]),
+    (lambda: attention_cte(Q[0], K, V), ValueError,
+     ["attention_cte", "`q`", "[B, Sq, d]", "(the layout for tp_q=True)"]),
     (lambda: attention_cte(Q, K, V, tp_k=True), ValueError, ["`k`", "[B_kv, Sk, d]", "tp_k=True"]),
     (lambda: attention_cte(Q[:3], K, V), ValueError, ["B=3", "multiple of the KV batch B_kv=2"]),
     (lambda: attention_cte(Q, K, V, sliding_window=4, scale=0.5), ValueError, ["scale must be 1.0"]),

@@ -19,7 +19,8 @@ Numerics: float32 scores and softmax; probabilities rounded to the input dtype f
 give 0. The block KV cache (``active_blocks_table``/``block_len``) and SBUF placement flags (``qk_in_sb``,
 ``k_out_in_sb``, ``out_in_sb``) are not bound yet: they raise ``ValueError``. The config fields that the shapes
 determine (``bs``, ``q_head``, ``s_active``, ``full_sprior``, ``d_head``, and ``curr_sprior`` without
-``use_pos_id``) may be given and must then match. Reverse mode differentiates this reference (there is no backward kernel).
+``use_pos_id``) may be given and must then match. Reverse mode differentiates this reference (there is no backward
+kernel).
 """
 
 from __future__ import annotations

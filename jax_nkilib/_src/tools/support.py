@@ -7,7 +7,6 @@ keeps the two equal.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from ..framework import registry
 from .catalog import CATALOG
