@@ -5,7 +5,7 @@ On CPU/GPU each op runs a faithful JAX reference of its kernel; lowered for ``ne
 """
 
 from jax_nkilib import neuron, nki
-from jax_nkilib._src.attention.ops import attention
+from jax_nkilib._src.attention.ops import attention, decode_attention
 from jax_nkilib._src.framework.config import config, current_lnc
 from jax_nkilib._src.rope import rope
 from jax_nkilib._src.tools.explain import Explanation, KernelCallReport, explain, neuron_hlo
@@ -14,6 +14,6 @@ from jax_nkilib._src.tools.support import KernelSupport, support_matrix
 __version__ = "0.1.0"
 
 __all__ = [
-    "Explanation", "KernelCallReport", "KernelSupport", "attention", "config", "current_lnc", "explain", "neuron",
-    "neuron_hlo", "nki", "rope", "support_matrix",
+    "Explanation", "KernelCallReport", "KernelSupport", "attention", "config", "current_lnc", "decode_attention",
+    "explain", "neuron", "neuron_hlo", "nki", "rope", "support_matrix",
 ]

@@ -132,3 +132,23 @@ def attention_tkg_oracle(q, k_active, v_active, k_prior, v_prior, mask, inv_freq
                 p = np.exp(logits - logits.max())
                 out[b, h, :, i] = (p / p.sum()) @ np.array(values_b)
     return out, np.swapaxes(ka, 1, 2)[:, None]
+
+
+def decode_attention_oracle(q, k_new, v_new, k_cache, v_cache, cache_len, scale=None):
+    """New token i of sequence b sees cached positions < cache_len[b] and new tokens <= i."""
+    q, k_new, v_new, k_cache, v_cache = (f64(x) for x in (q, k_new, v_new, k_cache, v_cache))
+    batch, s_new, heads, d = q.shape
+    groups = heads // k_new.shape[2]
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    out = np.zeros_like(q)
+    for b in range(batch):
+        n = int(cache_len[b])
+        for h in range(heads):
+            kv = h // groups
+            for i in range(s_new):
+                keys = np.concatenate([k_cache[b, kv, :n], k_new[b, :i + 1, kv]])
+                values = np.concatenate([v_cache[b, kv, :n], v_new[b, :i + 1, kv]])
+                logits = scale * keys @ q[b, i, h]
+                p = np.exp(logits - logits.max())
+                out[b, i, h] = (p / p.sum()) @ values
+    return out

@@ -174,7 +174,7 @@ ATTENTION_TKG_SPEC = KernelSpec(
     * call.dims["d"],
     family="attention",
     catalog="1.3",
-    support={"idiomatic": "",
+    support={"idiomatic": "decode_attention",
              "vjp": "JAX (differentiates the reference; no backward kernel)",
              "notes": "flat KV cache only (block cache not bound yet); no 1/sqrt(d) unless fuse_rope; device adapter "
                       "kernels/attention.py"},

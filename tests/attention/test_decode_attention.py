@@ -1,0 +1,80 @@
+"""jax_nkilib.decode_attention: per-sequence cache lengths, GQA, functional cache update, transformations."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_nkilib
+from tests.attention.oracle import decode_attention_oracle
+from tests.support.data import random
+from tests.support.hlo import kernel_configs, neuron_text
+from tests.support.numerics import assert_close
+from tests.support.sharding import mesh_1d, shard
+
+
+def problem(batch=2, s_new=2, heads=4, kv_heads=2, d=8, max_len=16, dtype=jnp.float32):
+    return (random((batch, s_new, heads, d), dtype, 0), random((batch, s_new, kv_heads, d), dtype, 1),
+            random((batch, s_new, kv_heads, d), dtype, 2), random((batch, kv_heads, max_len, d), dtype, 3),
+            random((batch, kv_heads, max_len, d), dtype, 4))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [dict(), dict(s_new=1, kv_heads=1), dict(kv_heads=4, s_new=3)])
+def test_matches_oracle_and_updates_the_cache(dtype, shape):
+    q, k_new, v_new, k_cache, v_cache = problem(dtype=dtype, **shape)
+    lengths = jnp.array([0, 9], jnp.int32)
+    out, k2, v2 = jax_nkilib.decode_attention(q, k_new, v_new, k_cache, v_cache, lengths)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, decode_attention_oracle(q, k_new, v_new, k_cache, v_cache, lengths), dtype, reduction=16)
+    s_new = q.shape[1]
+    for b, n in enumerate([0, 9]):
+        np.testing.assert_array_equal(k2[b, :, n:n + s_new], np.swapaxes(np.asarray(k_new[b]), 0, 1))
+        np.testing.assert_array_equal(v2[b, :, :n], v_cache[b, :, :n])
+        np.testing.assert_array_equal(v2[b, :, n + s_new:], v_cache[b, :, n + s_new:])
+
+
+def test_jit_generation_loop_and_vmap():
+    q, k_new, v_new, k_cache, v_cache = problem(s_new=1)
+    step = jax.jit(jax_nkilib.decode_attention)
+    lengths = jnp.array([2, 5], jnp.int32)
+    for _ in range(3):  # three decode steps, feeding the updated caches back
+        out, k_cache2, v_cache2 = step(q, k_new, v_new, k_cache, v_cache, lengths)
+        assert_close(out, decode_attention_oracle(q, k_new, v_new, k_cache, v_cache, lengths), jnp.float32)
+        k_cache, v_cache, lengths = k_cache2, v_cache2, lengths + 1
+    stacked = jax.vmap(jax_nkilib.decode_attention, in_axes=(0, None, None, None, None, None))(
+        jnp.stack([q, -q]), k_new, v_new, k_cache, v_cache, lengths)
+    assert_close(stacked[0][1], decode_attention_oracle(-q, k_new, v_new, k_cache, v_cache, lengths), jnp.float32)
+
+
+def test_batch_sharded_inside_shard_map():
+    mesh = mesh_1d()
+    args = problem(batch=8)
+    lengths = jnp.arange(8, dtype=jnp.int32)
+    specs = (P("data"),) * 6
+    fn = jax.shard_map(jax_nkilib.decode_attention, mesh=mesh, in_specs=specs, out_specs=(P("data"),) * 3)
+    out, _, _ = jax.jit(fn)(*shard(mesh, specs, *args, lengths))
+    assert_close(out, decode_attention_oracle(*args, lengths), jnp.float32)
+
+
+def test_neuron_lowering_is_the_tkg_kernel():
+    args = problem(max_len=256)
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(jax_nkilib.decode_attention, *args, jnp.array([3, 4], jnp.int32))
+    (cfg,) = kernel_configs(text)
+    assert cfg["func_name"] == "attention_tkg" and cfg["params"]["use_pos_id"] is True
+    assert cfg["params"]["curr_sprior"] == 256 and cfg["params"]["tp_k_prior"] is True
+
+
+@pytest.mark.parametrize("change, error, fragment", [
+    (lambda a: (a[0][0],) + a[1:], ValueError, "`q` must have rank 4"),
+    (lambda a: a[:3] + (a[3][:, :1], a[4][:, :1]) + a[5:], ValueError, "k_cache/v_cache must be [batch, kv_heads"),
+    (lambda a: a[:3] + (a[3][:, :, :3], a[4][:, :, :3]) + a[5:], ValueError, "must leave room"),
+    (lambda a: a[:5] + (jnp.zeros(2),), TypeError, "`cache_len` must be an integer array"),
+])
+def test_bad_inputs(change, error, fragment):
+    args = problem() + (jnp.array([1, 2], jnp.int32),)
+    with pytest.raises(error) as info:
+        jax_nkilib.decode_attention(*change(args))
+    assert fragment in str(info.value)
