@@ -76,6 +76,11 @@ def _saving_operands_and_outputs(rule: Callable) -> Vjp:
     return Vjp(forward, backward)
 
 
+def _present(operands: Mapping[str, Any]) -> tuple[str, ...]:
+    """The names of the operands given (absent optional operands are ``None``)."""
+    return tuple(name for name, value in operands.items() if value is not None)
+
+
 class Kernel:
     """A layer-1 kernel function: ``kernel(*tensors, **flags)`` returns the kernel's output(s)."""
 
@@ -111,24 +116,23 @@ class Kernel:
         """
         operands = {name: (None if value is None else jnp.asarray(value)) for name, value in operands.items()}
         if view:
-            ranks = {name: value.ndim for name, value in operands.items() if value is not None}
+            ranks = {name: operands[name].ndim for name in _present(operands)}
             params = dict(params, layout=views.make_view(self.spec, view, ranks, params))
         check_call(self.spec, operands, params)
         outs = self.bind(operands, params) if self.vjp is None else self._differentiable(operands, params)
         if self.spec.nondifferentiable_outputs:
-            present = [name for name, value in operands.items() if value is not None]
-            produced = self.spec.present_outputs(params, present)
+            produced = self.spec.present_outputs(params, _present(operands))
             outs = tuple(jax.lax.stop_gradient(out) if output.name in self.spec.nondifferentiable_outputs else out
                          for out, output in zip(outs, produced))
         return outs
 
     def bind(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
-        present = tuple(name for name, value in operands.items() if value is not None)
+        present = _present(operands)
         values = compat.align_varying([operands[name] for name in present])
         return tuple(self.primitive.bind(*values, present=present, **params))
 
     def _differentiable(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
-        present = tuple(name for name, value in operands.items() if value is not None)
+        present = _present(operands)
         rule = self.vjp
 
         def as_operands(values):
@@ -175,7 +179,7 @@ class Kernel:
         if spec.view_aware_reference:
             return tuple(spec.reference(**named, **static, view=dict(view)))
         outs = spec.reference(**self.to_kernel_layout(named, params), **static)
-        produced = spec.present_outputs(params, [name for name, value in named.items() if value is not None])
+        produced = spec.present_outputs(params, _present(named))
         outs = self.from_kernel_layout({output.name: out for output, out in zip(produced, outs)}, params)
         return tuple(outs.values())
 
