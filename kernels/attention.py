@@ -28,7 +28,8 @@ def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None,
                   qk_in_sb=False, k_out_in_sb=False, out_in_sb=False, enable_fa_s_prior_tiling=True):
     """``(out [B, H, d, s_a], k_out [B, 1, d, s_a])`` for q [B, H, s_a, d] and a flat KV cache."""
     batch, heads, s_active, d_head = q.shape
-    full_sprior = v_prior.shape[2]
+    # a block cache's flat length is its blocks per row times the block length
+    full_sprior = active_blocks_table.shape[1] * block_len if active_blocks_table is not None else v_prior.shape[2]
     cfg = AttnTKGConfig(
         bs=batch, q_head=heads, s_active=s_active, curr_sprior=curr_sprior if use_pos_id else mask.shape[0],
         full_sprior=full_sprior, d_head=d_head, block_len=block_len, tp_k_prior=tp_k_prior, strided_mm1=strided_mm1,

@@ -113,8 +113,8 @@ def test_neuron_lowering():
 
 
 BAD = [
-    (dict(active_blocks_table=jnp.zeros((2, 4), jnp.uint32)), ValueError, "block KV cache"),
-    (dict(block_len=16), ValueError, "block KV cache"),
+    (dict(active_blocks_table=jnp.zeros((2, 4), jnp.uint32)), ValueError, "a block KV cache needs"),
+    (dict(block_len=16), ValueError, "a block KV cache needs"),
     (dict(qk_in_sb=True), ValueError, "`qk_in_sb` places tensors in SBUF"),
     (dict(fuse_rope=True), ValueError, "fuse_rope needs inv_freqs"),
     (dict(bs=3), ValueError, "`bs`=3 does not match the operands, whose B is 2"),
@@ -133,3 +133,25 @@ def test_bad_inputs(case):
         attention_tkg(*args, jnp.ones((16, 2, 4, 3), jnp.uint8), **kwargs)
     with pytest.raises(ValueError, match="B_cache=1 is smaller than B=2"):
         attention_tkg(*args[:3], args[3][:1], args[4][:1], jnp.ones((16, 2, 4, 3), jnp.uint8))
+
+
+def test_block_kv_cache_equals_the_gathered_flat_cache():
+    q, k_active, v_active, _, _ = inputs()
+    pools = random((10, 4, 8), jnp.float32, 7), random((10, 4, 8), jnp.float32, 8)  # 10 blocks of 4 slots
+    table = jnp.array([[3, 0, 7, 1], [9, 2, 5, 4]], jnp.uint32)
+    pos = jnp.array([[5, 6, 7], [9, 10, 11]], jnp.int32)
+    active = jnp.ones((3, 2, 4, 3), jnp.uint8)
+    out, _ = attention_tkg(q, k_active, v_active, *pools, active, rope_pos_ids=pos, active_blocks_table=table,
+                           block_len=4, use_pos_id=True, tp_k_prior=True, curr_sprior=16)
+    flat = [np.asarray(pool)[np.asarray(table)].reshape(2, 1, 16, 8) for pool in pools]
+    want, _ = attention_tkg_oracle(q, k_active, v_active, *flat, active, rope_pos_ids=pos, tp_k_prior=True,
+                                   use_pos_id=True, curr_sprior=16)
+    assert_close(out, want, jnp.float32, reduction=16)
+    batched = jax.vmap(lambda a, t: attention_tkg(a, k_active, v_active, *pools, active, rope_pos_ids=pos,
+                                                  active_blocks_table=t, block_len=4, use_pos_id=True,
+                                                  tp_k_prior=True, curr_sprior=16)[0])(jnp.stack([q, -q]),
+                                                                                       jnp.stack([table, table]))
+    np.testing.assert_allclose(batched[0], out, rtol=1e-6)
+    with pytest.raises(ValueError, match="use_pos_id=True and tp_k_prior=True"):
+        attention_tkg(q, k_active, v_active, *pools, jnp.ones((16, 2, 4, 3), jnp.uint8), active_blocks_table=table,
+                      block_len=4, tp_k_prior=True)

@@ -27,7 +27,7 @@ def test_bound_rows_are_exactly_the_registered_catalog_kernels():
     assert rows["RoPE"].idiomatic == "jax_nkilib.rope" and "kernel" in rows["RoPE"].vjp
     assert rows["attention_cte"].idiomatic == "jax_nkilib.attention" and "attention_bwd" in rows["attention_cte"].vjp
     assert rows["gen_mask_tkg_hbm"].status == "not bound yet (planned in issue 3)"
-    assert "flat KV cache only" in rows["attention_tkg"].notes
+    assert "block cache with use_pos_id only" in rows["attention_tkg"].notes
     assert rows["attention_tkg"].idiomatic == "jax_nkilib.decode_attention"
     assert rows["conv1d"].status == "not bound yet" and rows["conv1d"].layer1 == ""
 

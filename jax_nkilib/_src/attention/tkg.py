@@ -1,4 +1,4 @@
-"""``attention_tkg`` (catalog 1.3): the NKI decode (token-generation) attention subkernel, flat KV cache.
+"""``attention_tkg`` (catalog 1.3): the NKI decode (token-generation) attention subkernel.
 
 Layouts (those of the kernel's tests and torch reference; its docstring disagrees, see the catalog): ``q
 [B, H, s_a, d]``, ``k_active, v_active [B, 1, s_a, d]`` (one KV head per batch row: fold KV heads into ``B``),
@@ -16,8 +16,14 @@ when ``s < rope_pos_ids[b, 0]`` (or, with ``start_pos_ids``, inside the per-quer
 wraps around when ``start > pos``), and the active tail is causal.
 
 Numerics: float32 scores and softmax; probabilities rounded to the input dtype for ``P v``; rows that see nothing
-give 0. The block KV cache (``active_blocks_table``/``block_len``) and SBUF placement flags (``qk_in_sb``,
-``k_out_in_sb``, ``out_in_sb``) are not bound yet: they raise ``ValueError``. The config fields that the shapes
+give 0.
+
+Block KV cache: ``k_prior``/``v_prior`` are block pools ``[n_blocks_total, block_len, d]`` and
+``active_blocks_table [B, n_blocks]`` lists each row's blocks in order (row ``b``'s flat cache is the concatenation
+of its blocks, ``full_sprior = n_blocks * block_len``). It is bound with ``use_pos_id=True`` (the mask is generated
+in-kernel, in natural order) and ``tp_k_prior=True``; a given mask for a block cache (which the kernel expects in a
+block-shuffled order) is not bound yet. SBUF placement flags (``qk_in_sb``, ``k_out_in_sb``, ``out_in_sb``) cannot
+apply to a JAX call and raise ``ValueError``. The config fields that the shapes
 determine (``bs``, ``q_head``, ``s_active``, ``full_sprior``, ``d_head``, and ``curr_sprior`` without
 ``use_pos_id``) may be given and must then match. Reverse mode differentiates this reference (there is no backward
 kernel).
@@ -64,8 +70,9 @@ def _visible(mask, rope_pos_ids, start_pos_ids, *, use_pos_id, batch, heads, s_a
 def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None, rope_pos_ids=None,
                             start_pos_ids=None, sink=None, active_blocks_table=None, **cfg):
     """JAX reference of ``attention_tkg`` for a flat KV cache: ``(out [B, H, d, s_a], k_out [B, 1, d, s_a])``."""
-    del active_blocks_table  # rejected by the checks
     batch, heads, s_active, d = q.shape
+    if active_blocks_table is not None:  # gather each row's blocks into a flat [B, 1, S_full, d] cache
+        k_prior, v_prior = (pool[active_blocks_table].reshape(batch, 1, -1, d) for pool in (k_prior, v_prior))
     s_prior = mask.shape[0] if not cfg["use_pos_id"] else cfg["curr_sprior"]
     acc = jnp.promote_types(q.dtype, jnp.float32)
     queries, keys = q.astype(acc), k_active[:, 0].astype(acc)  # [B, H, s_a, d], [B, s_a, d]
@@ -98,9 +105,15 @@ def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_f
 def _check(call: CallInfo) -> None:
     avals, dims, p, function = call.avals, call.dims, call.params, call.function
     present = {name for name, aval in avals.items() if aval is not None}
-    if "active_blocks_table" in present or p["block_len"]:
-        raise ValueError(f"{function}: the block KV cache (active_blocks_table, block_len) is not bound yet in "
-                         "jax_nkilib; use a flat cache")
+    block = "active_blocks_table" in present
+    if block != bool(p["block_len"]) or (block and dims.get("blk") != p["block_len"]):
+        raise ValueError(f"{function}: a block KV cache needs active_blocks_table and block_len equal to the pools' "
+                         f"block axis; got block_len={p['block_len']}, pools {tuple(avals['k_prior'].shape)}")
+    if block and not (p["use_pos_id"] and p["tp_k_prior"]):
+        raise ValueError(f"{function}: a block KV cache is bound with use_pos_id=True and tp_k_prior=True (a given "
+                         "mask in the kernel's block-shuffled order is not bound yet)")
+    if block:
+        dims = dict(dims, B_cache=dims["B"], S_full=dims["n_blocks"] * p["block_len"])
     for flag in ("qk_in_sb", "k_out_in_sb", "out_in_sb"):
         if p[flag]:
             raise ValueError(f"{function}: `{flag}` places tensors in SBUF, which a JAX call cannot do; the device "
@@ -143,8 +156,9 @@ ATTENTION_TKG_SPEC = KernelSpec(
         Operand.of("q", "B, H, s_a, d"),
         Operand.of("k_active", "B, 1, s_a, d"),
         Operand.of("v_active", "B, 1, s_a, d"),
-        Operand.switched("k_prior", "tp_k_prior", {False: "B_cache, 1, d, S_full", True: "B_cache, 1, S_full, d"}),
-        Operand.of("v_prior", "B_cache, 1, S_full, d"),
+        Operand.switched("k_prior", "tp_k_prior", {False: "B_cache, 1, d, S_full",
+                                                   True: ("B_cache, 1, S_full, d", "N_blocks, blk, d")}),
+        Operand.of("v_prior", "B_cache, 1, S_full, d", "N_blocks, blk, d"),
         Operand.switched("mask", "use_pos_id", {False: "S_prior, B, H, s_a", True: "s_a, B, H, s_a"},
                          dtypes=MASK_DTYPES),
         Operand.of("inv_freqs", "d/2, 1", optional=True),
@@ -167,17 +181,21 @@ ATTENTION_TKG_SPEC = KernelSpec(
     fold_plans=(FoldPlan({"q": 0, "k_active": 0, "v_active": 0, "k_prior": 0, "v_prior": 0, "mask": 1,
                           "rope_pos_ids": 0, "start_pos_ids": 0, "inv_freqs": None, "sink": None,
                           "active_blocks_table": None}, outputs=(0, 0),
-                         when=lambda call: call.dims["B_cache"] == call.dims["B"]),),
+                         when=lambda call: call.dims.get("B_cache") == call.dims["B"]),
+                FoldPlan({"q": 0, "k_active": 0, "v_active": 0, "k_prior": None, "v_prior": None, "mask": 1,
+                          "rope_pos_ids": 0, "start_pos_ids": 0, "inv_freqs": None, "sink": None,
+                          "active_blocks_table": 0}, outputs=(0, 0),
+                         when=lambda call: call.avals.get("active_blocks_table") is not None)),
     derived_params=(("bs", "B"), ("q_head", "H"), ("s_active", "s_a"), ("full_sprior", "S_full"),
-                    ("d_head", "d")),
-    mac_count=lambda call: 2 * call.dims["B"] * call.dims["H"] * call.dims["s_a"] * call.dims["S_full"]
-    * call.dims["d"],
+                    ("d_head", "d")),  # full_sprior of a block cache is n_blocks * block_len: checked in _check
+    mac_count=lambda call: 2 * call.dims["B"] * call.dims["H"] * call.dims["s_a"] * call.dims["d"]
+    * call.dims.get("S_full", call.dims.get("n_blocks", 0) * call.params["block_len"]),
     family="attention",
     catalog="1.3",
     support={"idiomatic": "decode_attention",
              "vjp": "JAX (differentiates the reference; no backward kernel)",
-             "notes": "flat KV cache only (block cache not bound yet); no 1/sqrt(d) unless fuse_rope; device adapter "
-                      "kernels/attention.py"},
+             "notes": "flat and block KV caches (block cache with use_pos_id only); no 1/sqrt(d) unless fuse_rope; "
+                      "device adapter kernels/attention.py"},
 )
 
 attention_tkg = make_kernel(ATTENTION_TKG_SPEC, vjp=reference_vjp)
