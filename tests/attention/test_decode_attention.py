@@ -78,3 +78,31 @@ def test_bad_inputs(change, error, fragment):
     with pytest.raises(error) as info:
         jax_nkilib.decode_attention(*change(args))
     assert fragment in str(info.value)
+
+
+def test_paged_cache_matches_the_flat_cache():
+    q, k_new, v_new, _, _ = problem(max_len=16)
+    block_len, kv_heads = 4, 2
+    k_pool, v_pool = random((9, kv_heads, block_len, 8), jnp.float32, 7), random((9, kv_heads, block_len, 8),
+                                                                                   jnp.float32, 8)
+    table = jnp.array([[3, 0, 7, 1], [8, 2, 5, 4]], jnp.int32)
+    lengths = jnp.array([5, 10], jnp.int32)
+    out, k_pool2, v_pool2 = jax.jit(lambda *a: jax_nkilib.decode_attention(*a, block_table=table))(
+        q, k_new, v_new, k_pool, v_pool, lengths)
+    flat = [np.transpose(np.asarray(pool)[np.asarray(table)], (0, 2, 1, 3, 4)).reshape(2, kv_heads, 16, 8)
+            for pool in (k_pool, v_pool)]
+    assert_close(out, decode_attention_oracle(q, k_new, v_new, *flat, lengths), jnp.float32, reduction=16)
+    for b, n in enumerate([5, 10]):
+        for i in range(2):
+            position = n + i
+            block = int(table[b, position // block_len])
+            np.testing.assert_array_equal(k_pool2[block, :, position % block_len], k_new[b, i])
+            np.testing.assert_array_equal(v_pool2[block, :, position % block_len], v_new[b, i])
+    untouched = [blk for blk in range(9) if blk not in (0, 2, 5)]  # blocks that receive no new token
+    np.testing.assert_array_equal(k_pool2[np.array(untouched)], k_pool[np.array(untouched)])
+    with jax_nkilib.neuron.dry_run():
+        pools = random((64, kv_heads, 32, 8)), random((64, kv_heads, 32, 8))
+        big_table = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+        (cfg,) = kernel_configs(neuron_text(lambda *a: jax_nkilib.decode_attention(*a, block_table=big_table), q,
+                                            k_new, v_new, *pools, lengths))
+    assert cfg["params"]["block_len"] == 32 and cfg["input_names"][-1] == "active_blocks_table"

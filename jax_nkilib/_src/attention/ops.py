@@ -92,13 +92,15 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None, slidi
 _DECODE = "jax_nkilib.decode_attention"
 
 
-def _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len) -> None:
+def _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table) -> None:
+    paged = block_table is not None
+    cache_layout = "[num_blocks, kv_heads, block_len, d]" if paged else "[batch, kv_heads, max_len, d]"
     for name, x, rank in (("q", q, 4), ("k_new", k_new, 4), ("v_new", v_new, 4), ("k_cache", k_cache, 4),
                           ("v_cache", v_cache, 4), ("cache_len", cache_len, 1)):
         if not hasattr(x, "shape") or x.ndim != rank:
             raise ValueError(f"{_DECODE}: `{name}` must have rank {rank}; got {getattr(x, 'shape', type(x).__name__)}"
-                             " (q [batch, s_new, heads, d], k_new/v_new [batch, s_new, kv_heads, d], caches [batch, "
-                             "kv_heads, max_len, d], cache_len [batch])")
+                             f" (q [batch, s_new, heads, d], k_new/v_new [batch, s_new, kv_heads, d], caches "
+                             f"{cache_layout}, cache_len [batch])")
     batch, s_new, heads, d = q.shape
     if k_new.shape != v_new.shape or k_new.shape[:2] != (batch, s_new) or k_new.shape[3] != d:
         raise ValueError(f"{_DECODE}: k_new/v_new must be [batch, s_new, kv_heads, d] matching q {q.shape}; got "
@@ -106,39 +108,50 @@ def _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len) -> None:
     kv_heads = k_new.shape[2]
     if heads % kv_heads:
         raise ValueError(f"{_DECODE}: query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
-    if k_cache.shape != v_cache.shape or k_cache.shape[:2] != (batch, kv_heads) or k_cache.shape[3] != d:
-        raise ValueError(f"{_DECODE}: k_cache/v_cache must be [batch, kv_heads, max_len, d] = ({batch}, {kv_heads}, "
-                         f"max_len, {d}); got {k_cache.shape} and {v_cache.shape}")
-    if k_cache.shape[2] < 2 * s_new:
-        raise ValueError(f"{_DECODE}: max_len={k_cache.shape[2]} must leave room for the s_new={s_new} new tokens "
+    lead = (k_cache.shape[0], kv_heads) if paged else (batch, kv_heads)
+    if k_cache.shape != v_cache.shape or k_cache.shape[:2] != lead or k_cache.shape[3] != d:
+        raise ValueError(f"{_DECODE}: k_cache/v_cache must be {cache_layout} with kv_heads={kv_heads}, d={d}; got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    if paged and (block_table.ndim != 2 or block_table.shape[0] != batch
+                  or not jnp.issubdtype(block_table.dtype, jnp.integer)):
+        raise ValueError(f"{_DECODE}: `block_table` must be an integer array [batch, max_blocks] with batch={batch}; "
+                         f"got {block_table.shape} {block_table.dtype}")
+    max_len = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    if max_len < 2 * s_new:
+        raise ValueError(f"{_DECODE}: the cache capacity {max_len} must leave room for the s_new={s_new} new tokens "
                          "and the kernel's scratch tail")
     if cache_len.shape != (batch,) or not jnp.issubdtype(cache_len.dtype, jnp.integer):
         raise TypeError(f"{_DECODE}: `cache_len` must be an integer array [batch]; got {cache_len.shape} "
                         f"{cache_len.dtype}")
 
 
-def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: float | None = None):
+def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: float | None = None,
+                     block_table=None):
     """Attention of ``s_new`` new tokens per sequence against a KV cache with per-sequence lengths.
 
     Args:
       q: ``[batch, s_new, heads, head_dim]``; new token ``i`` of sequence ``b`` has position ``cache_len[b] + i``.
       k_new, v_new: ``[batch, s_new, kv_heads, head_dim]`` (``heads % kv_heads == 0``).
-      k_cache, v_cache: ``[batch, kv_heads, max_len, head_dim]``; the first ``cache_len[b]`` positions of row
-        ``b`` are valid. The last ``s_new`` slots are the kernel's scratch: keep ``cache_len + s_new <= max_len -
-        s_new``.
+      k_cache, v_cache: a flat cache ``[batch, kv_heads, max_len, head_dim]``, or with ``block_table`` a paged
+        cache ``[num_blocks, kv_heads, block_len, head_dim]``. The first ``cache_len[b]`` positions of sequence ``b``
+        are valid. The last ``s_new`` positions of the capacity are the kernel's scratch: keep
+        ``cache_len + s_new <= capacity - s_new``.
       cache_len: int ``[batch]``, the tokens already cached per sequence (a runtime value).
       scale: defaults to ``1/sqrt(head_dim)``.
+      block_table: int ``[batch, max_blocks]``: sequence ``b``'s positions ``j * block_len ...`` live in block
+        ``block_table[b, j]`` (capacity ``max_blocks * block_len``).
 
     Returns ``(out [batch, s_new, heads, head_dim], k_cache, v_cache)``: each new token attends to its sequence's
     cached tokens and to the new tokens up to itself; the returned caches hold the new keys and values at positions
     ``cache_len[b] + i`` (a functional update). On Neuron the attention is the NKI ``attention_tkg`` kernel with its
-    in-kernel position mask (``use_pos_id``).
+    in-kernel position mask (``use_pos_id``) and, for a paged cache, its block KV cache.
     """
     q, k_new, v_new = jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new)
     k_cache, v_cache, cache_len = jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(cache_len)
-    _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len)
+    block_table = None if block_table is None else jnp.asarray(block_table)
+    _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table)
     batch, s_new, heads, d = q.shape
-    kv_heads, max_len = k_new.shape[2], k_cache.shape[2]
+    kv_heads = k_new.shape[2]
     groups = heads // kv_heads
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     rows = batch * kv_heads  # one kernel row per (sequence, kv head)
@@ -147,16 +160,29 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
     new_rows = lambda x: jnp.transpose(x, (0, 2, 1, 3)).reshape(rows, 1, s_new, d)  # noqa: E731
     positions = jnp.repeat(cache_len.astype(jnp.int32), kv_heads)[:, None] + jnp.arange(s_new, dtype=jnp.int32)
     active_mask = jnp.ones((s_new, rows, groups, s_new), jnp.uint8)  # unused with use_pos_id, as in the kernel
-    out, _ = attention_tkg(queries, new_rows(k_new), new_rows(v_new), k_cache.reshape(rows, 1, max_len, d),
-                           v_cache.reshape(rows, 1, max_len, d), active_mask, rope_pos_ids=positions,
-                           use_pos_id=True, tp_k_prior=True, curr_sprior=max_len)
+    if block_table is None:
+        capacity = k_cache.shape[2]
+        caches, paging = (c.reshape(rows, 1, capacity, d) for c in (k_cache, v_cache)), {}
+    else:  # pools [num_blocks * kv_heads, block_len, d]; row (b, h) uses blocks table[b, j] * kv_heads + h
+        block_len = k_cache.shape[2]
+        capacity = block_table.shape[1] * block_len
+        caches = (c.reshape(-1, block_len, d) for c in (k_cache, v_cache))
+        table = block_table[:, None, :] * kv_heads + jnp.arange(kv_heads)[None, :, None]
+        paging = dict(active_blocks_table=table.reshape(rows, -1).astype(jnp.uint32), block_len=block_len)
+    out, _ = attention_tkg(queries, new_rows(k_new), new_rows(v_new), *caches, active_mask, rope_pos_ids=positions,
+                           use_pos_id=True, tp_k_prior=True, curr_sprior=capacity, **paging)
     out = jnp.transpose(out.reshape(batch, kv_heads, groups, d, s_new), (0, 4, 1, 2, 3)).reshape(q.shape)
+    return (out,) + tuple(_write_new_tokens(cache, new, cache_len, block_table)
+                          for cache, new in ((k_cache, k_new), (v_cache, v_new)))
 
-    def write(cache, new, start):  # cache [kv_heads, max_len, d], new [s_new, kv_heads, d]
-        zero = jnp.zeros((), start.dtype)
-        return lax.dynamic_update_slice(cache, jnp.swapaxes(new, 0, 1).astype(cache.dtype), (zero, start, zero))
 
-    starts = cache_len.astype(jnp.int32)
-    k_cache = jax.vmap(write)(k_cache, k_new, starts)
-    v_cache = jax.vmap(write)(v_cache, v_new, starts)
-    return out, k_cache, v_cache
+def _write_new_tokens(cache, new, cache_len, block_table):
+    """The cache with ``new [batch, s_new, kv_heads, d]`` stored at positions ``cache_len[b] + i``."""
+    positions = cache_len.astype(jnp.int32)[:, None] + jnp.arange(new.shape[1], dtype=jnp.int32)  # [batch, s_new]
+    new = new.astype(cache.dtype)
+    if block_table is None:
+        rows = jnp.arange(new.shape[0])[:, None]
+        return cache.at[rows, :, positions].set(new)
+    block_len = cache.shape[2]
+    blocks = jnp.take_along_axis(block_table, positions // block_len, axis=1)
+    return cache.at[blocks, :, positions % block_len].set(new)
