@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 
 from .cte import attention_cte
 from .tkg import attention_tkg
