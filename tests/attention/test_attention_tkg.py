@@ -142,7 +142,10 @@ def test_block_kv_cache_equals_the_gathered_flat_cache():
     pos = jnp.array([[5, 6, 7], [9, 10, 11]], jnp.int32)
     active = jnp.ones((3, 2, 4, 3), jnp.uint8)
     out, _ = attention_tkg(q, k_active, v_active, *pools, active, rope_pos_ids=pos, active_blocks_table=table,
-                           block_len=4, use_pos_id=True, tp_k_prior=True, curr_sprior=16)
+                           block_len=4, use_pos_id=True, tp_k_prior=True, curr_sprior=16, full_sprior=16)
+    with pytest.raises(ValueError, match="`full_sprior`=20 does not match the operands, whose full_sprior is 16"):
+        attention_tkg(q, k_active, v_active, *pools, active, rope_pos_ids=pos, active_blocks_table=table,
+                      block_len=4, use_pos_id=True, tp_k_prior=True, curr_sprior=16, full_sprior=20)
     flat = [np.asarray(pool)[np.asarray(table)].reshape(2, 1, 16, 8) for pool in pools]
     want, _ = attention_tkg_oracle(q, k_active, v_active, *flat, active, rope_pos_ids=pos, tp_k_prior=True,
                                    use_pos_id=True, curr_sprior=16)

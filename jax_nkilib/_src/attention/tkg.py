@@ -186,8 +186,9 @@ ATTENTION_TKG_SPEC = KernelSpec(
                           "rope_pos_ids": 0, "start_pos_ids": 0, "inv_freqs": None, "sink": None,
                           "active_blocks_table": 0}, outputs=(0, 0),
                          when=lambda call: call.avals.get("active_blocks_table") is not None)),
-    derived_params=(("bs", "B"), ("q_head", "H"), ("s_active", "s_a"), ("full_sprior", "S_full"),
-                    ("d_head", "d")),  # full_sprior of a block cache is n_blocks * block_len: checked in _check
+    derived_params=(("bs", "B"), ("q_head", "H"), ("s_active", "s_a"), ("d_head", "d"),
+                    ("full_sprior", lambda call: call.dims.get("S_full") or call.dims["n_blocks"] * call.params[
+                        "block_len"])),
     mac_count=lambda call: 2 * call.dims["B"] * call.dims["H"] * call.dims["s_a"] * call.dims["d"]
     * call.dims.get("S_full", call.dims.get("n_blocks", 0) * call.params["block_len"]),
     family="attention",

@@ -220,9 +220,9 @@ class KernelSpec:
       mac_count: estimate of multiply-accumulates for the Neuron config.
       family: module family, for the support matrix.
       catalog: section of ``nkilib_catalog.md`` that is this kernel's contract.
-      derived_params: ``(name, dimension)`` config fields of the kernel that the operand shapes determine (e.g.
-        ``bs`` = ``B``): accepted as keyword arguments for parity with the kernel's API, checked against the shapes,
-        and not part of the primitive's params.
+      derived_params: ``(name, dimension or function of the call)`` config fields of the kernel that the operand
+        shapes determine (e.g. ``bs`` = ``B``): accepted as keyword arguments for parity with the kernel's API,
+        checked against the shapes, and not part of the primitive's params.
       nondifferentiable_outputs: outputs that carry no gradient (statistics, indices): the public function applies
         ``stop_gradient`` to them, so differentiating through them gives zero, by definition.
       support: support-matrix notes: ``idiomatic`` (layer-2 ops built on it), ``vjp`` (how reverse mode runs),
@@ -247,7 +247,7 @@ class KernelSpec:
     catalog: str = ""
     support: Mapping[str, str] = dataclasses.field(default_factory=dict)
     nondifferentiable_outputs: tuple[str, ...] = ()
-    derived_params: tuple[tuple[str, str], ...] = ()
+    derived_params: tuple[tuple[str, str | Callable[[CallInfo], int]], ...] = ()
 
     def present_outputs(self, params: Mapping[str, Any], present: Sequence[str]) -> tuple[Output, ...]:
         """The outputs of a call with these params and present operands, in the kernel's order."""

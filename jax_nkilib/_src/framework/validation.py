@@ -56,9 +56,10 @@ def split_arguments(spec: KernelSpec, args: tuple, kwargs: dict) -> tuple[dict, 
 def check_derived(spec: KernelSpec, call: CallInfo, derived: Mapping[str, Any]) -> None:
     """Shape-derived config fields, when given, must equal the dimension the operands bound."""
     for name, dim in spec.derived_params:
-        if name in derived and derived[name] is not None and derived[name] != call.dims.get(dim):
-            raise ValueError(f"{call.function}: `{name}`={derived[name]!r} does not match the operands, whose {dim} "
-                             f"is {call.dims.get(dim)}")
+        expected, what = (dim(call), name) if callable(dim) else (call.dims.get(dim), dim)
+        if name in derived and derived[name] is not None and derived[name] != expected:
+            raise ValueError(f"{call.function}: `{name}`={derived[name]!r} does not match the operands, whose {what} "
+                             f"is {expected}")
 
 
 def normalize_params(spec: KernelSpec, raw: Mapping[str, Any]) -> dict[str, Any]:
