@@ -131,10 +131,10 @@ class Param:
 class Output:
     """One kernel output.
 
-    Its shape comes from ``layout`` over the dimensions the operands bound (or from the layout a static flag
-    selects, ``switch``), or is that of operand ``like``. Its dtype is that of operand ``dtype_of``, or the value of
-    the dtype param of that name. ``present_if`` names a bool param or an optional operand: the output exists only
-    when the param is true or the operand is given.
+    Its shape comes from ``layout`` over the dimensions the operands bound and the static int params (or from the
+    layout a static flag selects, ``switch``), or is that of operand ``like``. Its dtype is that of operand
+    ``dtype_of``, or the value of the dtype param of that name, or that dtype (``"float32"``). ``present_if`` names
+    a bool param or an optional operand: the output exists only when the param is true or the operand is given.
     """
 
     name: str

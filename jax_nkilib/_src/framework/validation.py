@@ -135,10 +135,14 @@ def output_avals(spec: KernelSpec, call: CallInfo) -> list:
     for output in outputs_of(spec, call):
         if output.like is not None:
             shape = tuple(call.avals[output.like].shape)
-        else:
-            shape = tuple(dim.expected(call.dims) for dim in output.layout_for(call.params).dims)
+        else:  # output dimensions come from the operands' dimensions or from static int params
+            sizes = {**{k: v for k, v in call.params.items() if isinstance(v, int)}, **call.dims}
+            shape = tuple(dim.expected(sizes) for dim in output.layout_for(call.params).dims)
         source = call.avals.get(output.dtype_of)
-        dtype = source.dtype if source is not None else call.params[output.dtype_of]
+        if source is not None:
+            dtype = source.dtype
+        else:  # a dtype param, or a fixed dtype name
+            dtype = call.params[output.dtype_of] if output.dtype_of in call.params else np.dtype(output.dtype_of)
         aval = compat.ShapedArray(shape, dtype)
         outs.append(views.given_aval(aval, views.permutation_of(view, output.name)))
     return outs
