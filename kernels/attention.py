@@ -26,7 +26,7 @@ def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None,
                   start_pos_ids=None, sink=None, active_blocks_table=None, curr_sprior=None, block_len=0,
                   tp_k_prior=False, strided_mm1=True, use_pos_id=False, fuse_rope=False, use_gpsimd_sb2sb=True,
                   qk_in_sb=False, k_out_in_sb=False, out_in_sb=False, enable_fa_s_prior_tiling=True):
-    """``(out [B, H, d, s_a], k_out [B, 1, d, s_a])`` for q [B, H, s_a, d] and a flat KV cache."""
+    """``out [B, H, d, s_a]`` (and ``k_out [B, 1, d, s_a]`` with fuse_rope) for q [B, H, s_a, d]."""
     batch, heads, s_active, d_head = q.shape
     # a block cache's flat length is its blocks per row times the block length
     full_sprior = active_blocks_table.shape[1] * block_len if active_blocks_table is not None else v_prior.shape[2]
@@ -36,7 +36,9 @@ def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None,
         use_pos_id=use_pos_id, fuse_rope=fuse_rope, use_gpsimd_sb2sb=use_gpsimd_sb2sb, qk_in_sb=not fuse_rope,
         k_out_in_sb=False, out_in_sb=False, enable_fa_s_prior_tiling=enable_fa_s_prior_tiling)
     out = nl.ndarray((batch, heads, d_head, s_active), dtype=q.dtype, buffer=nl.shared_hbm)
-    k_out = nl.ndarray((batch, 1, d_head, s_active), dtype=k_active.dtype, buffer=nl.shared_hbm)
+    k_out = None  # the kernel writes the rotated keys only with fuse_rope
+    if fuse_rope:
+        k_out = nl.ndarray((batch, 1, d_head, s_active), dtype=k_active.dtype, buffer=nl.shared_hbm)
     sbm = SbufManager()
     if not fuse_rope:  # the kernel asserts q and k in SBUF, [d, B*H*s_a] and [d, B*s_a]
         q_sb = nl.ndarray((d_head, batch * heads * s_active), dtype=q.dtype, buffer=nl.sbuf)
@@ -49,4 +51,4 @@ def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None,
     _library_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, out, cfg, sbm, inv_freqs=inv_freqs,
                            rope_pos_ids=rope_pos_ids, start_pos_ids=start_pos_ids, sink=sink,
                            active_blocks_table=active_blocks_table, k_out=k_out)
-    return out, k_out
+    return (out, k_out) if fuse_rope else out

@@ -38,13 +38,12 @@ def test_given_mask_matches_oracle(dtype, tp_k_prior):
     args = inputs(cache_batch=3, dtype=dtype, tp_k_prior=tp_k_prior)  # an extra cache buffer row
     mask = random_mask(12, 2, 4, 3)  # curr_sprior 12 of 16 slots
     sink = random((4, 1), jnp.float32, 6)
-    out, k_out = attention_tkg(*args, mask, sink=sink, tp_k_prior=tp_k_prior, bs=2, q_head=4, s_active=3, d_head=8,
+    out = attention_tkg(*args, mask, sink=sink, tp_k_prior=tp_k_prior, bs=2, q_head=4, s_active=3, d_head=8,
                                full_sprior=16)
     want_out, want_k = attention_tkg_oracle(*args, mask, sink=sink, tp_k_prior=tp_k_prior)
     assert out.shape == (2, 4, 8, 3) and out.dtype == dtype
     assert_close(out, want_out, dtype, reduction=12)
-    np.testing.assert_array_equal(k_out, np.swapaxes(np.asarray(args[1]), 2, 3))
-    no_sink, _ = attention_tkg(*args, mask, tp_k_prior=tp_k_prior)
+    no_sink = attention_tkg(*args, mask, tp_k_prior=tp_k_prior)
     assert np.all(np.asarray(no_sink[0, 0, :, 0]) == 0) and np.all(np.isfinite(no_sink))
 
 
@@ -70,8 +69,8 @@ def test_fused_rope_and_position_masks(window):
 def test_no_scaling_without_fuse_rope():
     args = inputs()
     mask = jnp.ones((16, 2, 4, 3), jnp.uint8)
-    out, _ = attention_tkg(*args, mask)
-    scaled, _ = attention_tkg(args[0] / np.sqrt(8), *args[1:], mask)
+    out = attention_tkg(*args, mask)
+    scaled = attention_tkg(args[0] / np.sqrt(8), *args[1:], mask)
     assert not np.allclose(out, scaled, atol=1e-3)
     assert_close(out, attention_tkg_oracle(*args, mask)[0], jnp.float32)
 
@@ -79,7 +78,7 @@ def test_no_scaling_without_fuse_rope():
 def test_jit_vmap_and_gradients():
     args = inputs(dtype=jnp.float64)
     mask = random_mask(16, 2, 4, 3)
-    fn = lambda *a: attention_tkg(*a, mask)[0]  # noqa: E731
+    fn = lambda *a: attention_tkg(*a, mask)  # noqa: E731
     np.testing.assert_allclose(jax.jit(fn)(*args), fn(*args), rtol=1e-12)
     qs = jnp.stack([args[0], -args[0]])
     out = jax.vmap(fn, in_axes=(0, None, None, None, None))(qs, *args[1:])
@@ -87,7 +86,7 @@ def test_jit_vmap_and_gradients():
     assert "scan" not in str(jax.make_jaxpr(jax.vmap(fn, in_axes=(0, None, None, None, None)))(qs, *args[1:]))
     check_grads(fn, args, order=1, modes=["rev"])
     sink = random((4, 1), jnp.float64, 6)
-    check_grads(lambda s: attention_tkg(*args, mask, sink=s)[0], (sink,), order=1, modes=["rev"])
+    check_grads(lambda s: attention_tkg(*args, mask, sink=s), (sink,), order=1, modes=["rev"])
 
 
 def test_inside_shard_map():
@@ -95,7 +94,7 @@ def test_inside_shard_map():
     args = inputs(batch=8)
     mask = random_mask(16, 8, 4, 3)
     specs = (P("data"),) * 5 + (P(None, "data"),)
-    fn = jax.shard_map(lambda *a: attention_tkg(*a)[0], mesh=mesh, in_specs=specs, out_specs=P("data"))
+    fn = jax.shard_map(lambda *a: attention_tkg(*a), mesh=mesh, in_specs=specs, out_specs=P("data"))
     out = jax.jit(fn)(*shard(mesh, specs, *args, mask))
     assert_close(out, attention_tkg_oracle(*args, mask)[0], jnp.float32)
 
@@ -106,7 +105,7 @@ def test_neuron_lowering():
     with jax_nkilib.neuron.dry_run():
         (cfg,) = kernel_configs(neuron_text(lambda *a: attention_tkg(*a), *args, mask))
         assert cfg["entry_point"] == "jax_nkilib_kernels.attention:attention_tkg"
-        assert cfg["output_names"] == ["out", "k_out"]
+        assert cfg["output_names"] == ["out"]
         with pytest.warns(NeuronFallbackWarning, match="curr_sprior=100 must be a multiple of 128"):
             text = neuron_text(lambda *a: attention_tkg(*a), *args, mask[:100])
         assert "AwsNeuronCustomNativeKernel" not in text
@@ -141,7 +140,7 @@ def test_block_kv_cache_equals_the_gathered_flat_cache():
     table = jnp.array([[3, 0, 7, 1], [9, 2, 5, 4]], jnp.uint32)
     pos = jnp.array([[5, 6, 7], [9, 10, 11]], jnp.int32)
     active = jnp.ones((3, 2, 4, 3), jnp.uint8)
-    out, _ = attention_tkg(q, k_active, v_active, *pools, active, rope_pos_ids=pos, active_blocks_table=table,
+    out = attention_tkg(q, k_active, v_active, *pools, active, rope_pos_ids=pos, active_blocks_table=table,
                            block_len=4, use_pos_id=True, tp_k_prior=True, curr_sprior=16, full_sprior=16)
     with pytest.raises(ValueError, match="`full_sprior`=20 does not match the operands, whose full_sprior is 16"):
         attention_tkg(q, k_active, v_active, *pools, active, rope_pos_ids=pos, active_blocks_table=table,
@@ -152,7 +151,7 @@ def test_block_kv_cache_equals_the_gathered_flat_cache():
     assert_close(out, want, jnp.float32, reduction=16)
     batched = jax.vmap(lambda a, t: attention_tkg(a, k_active, v_active, *pools, active, rope_pos_ids=pos,
                                                   active_blocks_table=t, block_len=4, use_pos_id=True,
-                                                  tp_k_prior=True, curr_sprior=16)[0])(jnp.stack([q, -q]),
+                                                  tp_k_prior=True, curr_sprior=16))(jnp.stack([q, -q]),
                                                                                        jnp.stack([table, table]))
     np.testing.assert_allclose(batched[0], out, rtol=1e-6)
     with pytest.raises(ValueError, match="use_pos_id=True and tp_k_prior=True"):

@@ -167,7 +167,7 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
         caches = (c.reshape(-1, block_len, d) for c in (k_cache, v_cache))
         table = block_table[:, None, :] * kv_heads + jnp.arange(kv_heads)[None, :, None]
         paging = dict(active_blocks_table=table.reshape(rows, -1).astype(jnp.uint32), block_len=block_len)
-    out, _ = attention_tkg(queries, new_rows(k_new), new_rows(v_new), *caches, active_mask, rope_pos_ids=positions,
+    out = attention_tkg(queries, new_rows(k_new), new_rows(v_new), *caches, active_mask, rope_pos_ids=positions,
                            use_pos_id=True, tp_k_prior=True, curr_sprior=capacity, **paging)
     out = jnp.transpose(out.reshape(batch, kv_heads, groups, d, s_new), (0, 4, 1, 2, 3)).reshape(q.shape)
     return (out,) + tuple(_write_new_tokens(cache, new, cache_len, block_table)

@@ -5,7 +5,8 @@ Layouts (those of the kernel's tests and torch reference; its docstring disagree
 ``k_prior [B_cache, 1, d, S_full]`` (``tp_k_prior=False``) or ``[B_cache, 1, S_full, d]``, ``v_prior
 [B_cache, 1, S_full, d]`` with ``B_cache >= B`` (rows past ``B`` are an unused buffer), ``mask [S_prior, B, H, s_a]``
 (nonzero = attend), or ``[s_a, B, H, s_a]`` with ``use_pos_id``. ``S_prior`` = ``curr_sprior`` slots of the cache are
-used. Outputs ``out [B, H, d, s_a]`` and ``k_out [B, 1, d, s_a]`` (the active keys, rotated with ``fuse_rope``).
+used. Outputs ``out [B, H, d, s_a]`` and, with ``fuse_rope``, ``k_out [B, 1, d, s_a]`` (the rotated active keys;
+the kernel writes ``k_out`` only then, so without ``fuse_rope`` the function returns ``out`` alone).
 
 Semantics (the torch reference's): the last ``s_a`` of the ``S_prior`` cache slots *are* the active tokens: the
 kernel reads ``k_active``/``v_active`` there, whatever the cache holds (the cache itself is not updated). Scores
@@ -69,7 +70,7 @@ def _visible(mask, rope_pos_ids, start_pos_ids, *, use_pos_id, batch, heads, s_a
 
 def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None, rope_pos_ids=None,
                             start_pos_ids=None, sink=None, active_blocks_table=None, **cfg):
-    """JAX reference of ``attention_tkg`` for a flat KV cache: ``(out [B, H, d, s_a], k_out [B, 1, d, s_a])``."""
+    """JAX reference of ``attention_tkg``: ``(out [B, H, d, s_a],)``, and ``k_out [B, 1, d, s_a]`` with fuse_rope."""
     batch, heads, s_active, d = q.shape
     if active_blocks_table is not None:  # gather each row's blocks into a flat [B, 1, S_full, d] cache
         k_prior, v_prior = (pool[active_blocks_table].reshape(batch, 1, -1, d) for pool in (k_prior, v_prior))
@@ -99,7 +100,10 @@ def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_f
         total = total + jnp.exp(sink.astype(acc)[None, :, :] - safe_max)
     probs = weights / jnp.where(total > 0, total, 1.0)[..., None]
     out = jnp.einsum("bhis,bsd->bhdi", probs.astype(v_active.dtype).astype(acc), cache_v)
-    return out.astype(q.dtype), jnp.swapaxes(keys, 1, 2)[:, None].astype(k_active.dtype)
+    out = out.astype(q.dtype)
+    if not cfg["fuse_rope"]:
+        return (out,)
+    return out, jnp.swapaxes(keys, 1, 2)[:, None].astype(k_active.dtype)
 
 
 def _check(call: CallInfo) -> None:
@@ -174,17 +178,18 @@ ATTENTION_TKG_SPEC = KernelSpec(
         Param("qk_in_sb", False, bool), Param("k_out_in_sb", False, bool), Param("out_in_sb", False, bool),
         Param("enable_fa_s_prior_tiling", True, bool),
     ),
-    outputs=(Output.of("out", "B, H, d, s_a", "q"), Output.of("k_out", "B, 1, d, s_a", "k_active")),
+    outputs=(Output.of("out", "B, H, d, s_a", "q"),
+             Output.of("k_out", "B, 1, d, s_a", "k_active", present_if="fuse_rope")),
     reference=reference_attention_tkg,
     check=_check,
     neuron_limits=_neuron_limits,
     fold_plans=(FoldPlan({"q": 0, "k_active": 0, "v_active": 0, "k_prior": 0, "v_prior": 0, "mask": 1,
                           "rope_pos_ids": 0, "start_pos_ids": 0, "inv_freqs": None, "sink": None,
-                          "active_blocks_table": None}, outputs=(0, 0),
+                          "active_blocks_table": None}, outputs={"out": 0, "k_out": 0},
                          when=lambda call: call.dims.get("B_cache") == call.dims["B"]),
                 FoldPlan({"q": 0, "k_active": 0, "v_active": 0, "k_prior": None, "v_prior": None, "mask": 1,
                           "rope_pos_ids": 0, "start_pos_ids": 0, "inv_freqs": None, "sink": None,
-                          "active_blocks_table": 0}, outputs=(0, 0),
+                          "active_blocks_table": 0}, outputs={"out": 0, "k_out": 0},
                          when=lambda call: call.avals.get("active_blocks_table") is not None)),
     derived_params=(("bs", "B"), ("q_head", "H"), ("s_active", "s_a"), ("d_head", "d"),
                     ("full_sprior", lambda call: call.dims.get("S_full") or call.dims["n_blocks"] * call.params[
