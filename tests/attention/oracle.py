@@ -152,3 +152,34 @@ def decode_attention_oracle(q, k_new, v_new, k_cache, v_cache, cache_len, scale=
                 p = np.exp(logits - logits.max())
                 out[b, i, h] = (p / p.sum()) @ values
     return out
+
+
+def segmented_cte_oracle(q, k_cache, v_cache, block_tables, prior_tokens, *, block_size, num_q_heads, scale=1.0,
+                         sliding_window=None, sink=None):
+    """attention_segmented_cte per query row: the sequence's first (prior + Sq) / block_size pages, positions t;
+    query i at prior + i sees t <= prior + i (and t > prior + i - window)."""
+    q, k_cache, v_cache = f64(q), f64(k_cache), f64(v_cache)
+    rows, seq_q, d = q.shape
+    kv_heads = k_cache.shape[1]
+    prior = int(np.asarray(prior_tokens).reshape(()))
+    n_blocks = (prior + seq_q) // block_size
+    out = np.zeros_like(q)
+    for r in range(rows):
+        b, kv = r // num_q_heads, (r % num_q_heads) * kv_heads // num_q_heads
+        pages = np.asarray(block_tables)[b, :n_blocks]
+        keys = k_cache[pages, kv].reshape(-1, d)
+        values = v_cache[pages, kv].reshape(-1, d)
+        for i in range(seq_q):
+            t = np.arange(len(keys))
+            seen = t <= prior + i
+            if sliding_window:
+                seen &= t > prior + i - sliding_window
+            logits = list(scale * keys[seen] @ q[r, i])
+            vals = list(values[seen])
+            if sink is not None:
+                logits.append(float(f64(sink)[r, 0]))
+                vals.append(np.zeros(d))
+            logits = np.array(logits)
+            p = np.exp(logits - logits.max())
+            out[r, i] = (p / p.sum()) @ np.array(vals)
+    return out

@@ -23,7 +23,8 @@ def test_every_catalog_kernel_has_one_row():
 def test_bound_rows_are_exactly_the_registered_catalog_kernels():
     rows = {row.kernel: row for row in jax_nkilib.support_matrix()}
     assert {name for name, row in rows.items() if row.status == "bound"} == {
-        "RoPE", "rope_hf", "attention_cte", "attention_bwd", "attention_tkg", "gen_mask_tkg_hbm"}
+        "RoPE", "rope_hf", "attention_cte", "attention_bwd", "attention_tkg", "gen_mask_tkg_hbm",
+        "attention_segmented_cte"}
     assert rows["RoPE"].idiomatic == "jax_nkilib.rope" and "kernel" in rows["RoPE"].vjp
     assert rows["attention_cte"].idiomatic == "jax_nkilib.attention" and "attention_bwd" in rows["attention_cte"].vjp
     assert rows["gen_mask_tkg"].status == "not bound yet (planned in issue 3)"

@@ -47,9 +47,18 @@ def _block_sizes(rule: MaskRule, block_q: int | None, block_k: int | None) -> tu
     return min(block_q or DEFAULT_BLOCK_Q, rule.n_queries), min(block_k or DEFAULT_BLOCK_K, rule.n_keys)
 
 
+def _matmul(spec: str, a, b, acc):
+    """``einsum`` of two input-dtype operands accumulated in ``acc``.
+
+    Products of two bfloat16/float16 values are exact in float32, so casting before the contraction gives the same
+    result as a low-precision matmul with float32 accumulation (which XLA:CPU does not support for every shape).
+    """
+    return jnp.einsum(spec, a.astype(acc), b.astype(acc))
+
+
 def _scores(q_block, k_block, scale, acc):
     """``scale * q k^T`` in the accumulation dtype: [H_kv, G, bq, bk]."""
-    return jnp.einsum("hgqd,hkd->hgqk", q_block, k_block, preferred_element_type=acc) * scale
+    return _matmul("hgqd,hkd->hgqk", q_block, k_block, acc) * scale
 
 
 def _block(x, index, block: int, axis: int):
@@ -84,7 +93,7 @@ def attention_forward(q, k, v, rule: MaskRule, scale: float, sink=None, *, block
             p = jnp.exp(s - safe_max[..., None])
             correction = jnp.exp(row_max - safe_max)
             row_sum = row_sum * correction + p.sum(-1)
-            pv = jnp.einsum("hgqk,hkd->hgqd", p.astype(v.dtype), v_block, preferred_element_type=acc)
+            pv = _matmul("hgqk,hkd->hgqd", p.astype(v.dtype), v_block, acc)
             return new_max, row_sum, out * correction[..., None] + pv
 
         init = (jnp.full((n_kv, groups, bq), -jnp.inf, acc), jnp.zeros((n_kv, groups, bq), acc),
@@ -136,12 +145,11 @@ def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=N
             allowed = rule.allowed(i * bq + jnp.arange(bq), k_index)
             s = _scores(q_block, k_block, scale, acc)
             p = jnp.where(allowed, jnp.exp(s - lse_block[..., None]), 0.0)
-            dv_block = dv_block + jnp.einsum("hgqk,hgqd->hkd", p.astype(dy.dtype), dy_block,
-                                             preferred_element_type=acc)
-            dp = jnp.einsum("hgqd,hkd->hgqk", dy_block, v_block, preferred_element_type=acc)
+            dv_block = dv_block + _matmul("hgqk,hgqd->hkd", p.astype(dy.dtype), dy_block, acc)
+            dp = _matmul("hgqd,hkd->hgqk", dy_block, v_block, acc)
             ds = (p * (dp - delta_block[..., None])).astype(q.dtype)
-            dq_block = jnp.einsum("hgqk,hkd->hgqd", ds, k_block, preferred_element_type=acc) * scale
-            dk_block = dk_block + jnp.einsum("hgqk,hgqd->hkd", ds, q_block, preferred_element_type=acc) * scale
+            dq_block = _matmul("hgqk,hkd->hgqd", ds, k_block, acc) * scale
+            dk_block = dk_block + _matmul("hgqk,hgqd->hkd", ds, q_block, acc) * scale
             return _put(dq, _block(dq, i, bq, 2) + dq_block, i, bq, 2), dk_block, dv_block
 
         zeros = varying_like(jnp.zeros((k.shape[0], bk, k.shape[2]), acc), *inputs)
