@@ -44,7 +44,9 @@ def reference_attention_segmented_cte(q, k_cache, v_cache, block_tables, prior_t
                                       tp_out=False, sliding_window=None, num_q_heads=1, k_pre_transposed=False,
                                       **unused):
     """JAX reference of ``attention_segmented_cte`` (blockwise online softmax over the gathered pages)."""
-    del prior_seg_size, unused  # tiling and KV-parallel knobs: no effect on the values
+    # prior_seg_size is the kernel's tiling and the kvp_* knobs are rejected by the checks; block_size and
+    # num_q_heads equal what the shapes say (checked), so the values follow from the operands alone
+    del prior_seg_size, block_size, num_q_heads, unused
     kv_heads = v_cache.shape[1]
     if k_pre_transposed:  # [num_blocks * kv_heads, d, block] -> [num_blocks, kv_heads, block, d]
         k_cache = jnp.swapaxes(k_cache.reshape(-1, kv_heads, *k_cache.shape[1:]), 2, 3)
