@@ -1,8 +1,9 @@
 """Memory-efficient attention in JAX: online-softmax forward and the matching backward, block by block.
 
-No ``[Sq, Sk]`` score matrix is ever formed: queries and keys are processed in blocks (``fori_loop`` over query
-and key blocks, slicing the inputs in place and accumulating results with in-place updates), so the working memory
-is ``O(block_q * block_k)`` per (kv-head, group) plus the outputs.
+No ``[Sq, Sk]`` score matrix is ever formed: queries and keys are processed in blocks (one ``fori_loop`` over the
+(query block, key block) pairs, slicing the inputs in place and accumulating results with in-place updates), so
+the working memory is ``O(block_q * block_k)`` per (kv-head, group) plus the outputs. Pairs that a causal or
+sliding-window mask hides entirely are skipped when the mask is known at trace time.
 
 Layouts (the engine's own): ``q [H_kv, G, Sq, d]`` (``G`` query heads share each KV head: grouped-query
 attention), ``k, v [H_kv, Sk, d]``; ``sink`` ``[H_kv, G, n_sinks]`` holds extra softmax logits per row (unscaled).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..framework.compat import varying_like
@@ -76,36 +78,34 @@ def attention_forward(q, k, v, rule: MaskRule, scale: float, sink=None, *, block
     bq, bk = _block_sizes(rule, block_q, block_k)
     n_kv, groups, seq_q, d = q.shape
     q, k, v = _pad_to(q, 2, bq), _pad_to(k, 1, bk), _pad_to(v, 1, bk)
-    n_q_blocks, n_k_blocks = q.shape[2] // bq, k.shape[1] // bk
+    q_blocks, k_blocks, starts_row = block_pairs(rule, q.shape[2] // bq, k.shape[1] // bk, bq, bk, by="query")
     runtime = rule.runtime_values()
 
-    def one_q_block(i, outputs):
-        out_all, max_all, sum_all = outputs
-        q_block, q_index = _block(q, i, bq, 2), i * bq + jnp.arange(bq)
+    def one_pair(t, carry):
+        out_all, max_all, sum_all, row_max, row_sum, out = carry
+        i, j = q_blocks[t], k_blocks[t]
+        fresh = starts_row[t]  # the first key block of a query block: start its running statistics anew
+        row_max = jnp.where(fresh, -jnp.inf, row_max)
+        row_sum, out = jnp.where(fresh, 0.0, row_sum), jnp.where(fresh, 0.0, out)
+        q_block, k_block, v_block = _block(q, i, bq, 2), _block(k, j, bk, 1), _block(v, j, bk, 1)
+        allowed = rule.allowed(i * bq + jnp.arange(bq), j * bk + jnp.arange(bk))
+        s = jnp.where(allowed, _scores(q_block, k_block, scale, acc), -jnp.inf)
+        new_max = jnp.maximum(row_max, s.max(-1))
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        p = jnp.exp(s - safe_max[..., None])
+        correction = jnp.exp(row_max - safe_max)
+        row_sum = row_sum * correction + p.sum(-1)
+        out = out * correction[..., None] + _matmul("hgqk,hkd->hgqd", p.astype(v.dtype), v_block, acc)
+        # written at every step; the last key block of a query block leaves the final values
+        return (_put(out_all, out, i, bq, 2), _put(max_all, new_max, i, bq, 2), _put(sum_all, row_sum, i, bq, 2),
+                new_max, row_sum, out)
 
-        def one_k_block(j, carry):
-            row_max, row_sum, out = carry
-            k_block, v_block = _block(k, j, bk, 1), _block(v, j, bk, 1)
-            allowed = rule.allowed(q_index, j * bk + jnp.arange(bk))
-            s = jnp.where(allowed, _scores(q_block, k_block, scale, acc), -jnp.inf)
-            new_max = jnp.maximum(row_max, s.max(-1))
-            safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-            p = jnp.exp(s - safe_max[..., None])
-            correction = jnp.exp(row_max - safe_max)
-            row_sum = row_sum * correction + p.sum(-1)
-            pv = _matmul("hgqk,hkd->hgqd", p.astype(v.dtype), v_block, acc)
-            return new_max, row_sum, out * correction[..., None] + pv
-
-        init = (jnp.full((n_kv, groups, bq), -jnp.inf, acc), jnp.zeros((n_kv, groups, bq), acc),
-                jnp.zeros((n_kv, groups, bq, d), acc))
-        init = tuple(varying_like(x, q, k, v, *runtime) for x in init)
-        row_max, row_sum, out = lax.fori_loop(0, n_k_blocks, one_k_block, init)
-        return _put(out_all, out, i, bq, 2), _put(max_all, row_max, i, bq, 2), _put(sum_all, row_sum, i, bq, 2)
-
-    outputs = (jnp.zeros(q.shape, acc), jnp.zeros(q.shape[:3], acc), jnp.zeros(q.shape[:3], acc))
-    outputs = tuple(varying_like(x, q, k, v, *runtime) for x in outputs)
+    init = (jnp.zeros(q.shape, acc), jnp.full(q.shape[:3], -jnp.inf, acc), jnp.zeros(q.shape[:3], acc),
+            jnp.full((n_kv, groups, bq), -jnp.inf, acc), jnp.zeros((n_kv, groups, bq), acc),
+            jnp.zeros((n_kv, groups, bq, d), acc))
+    init = tuple(varying_like(x, q, k, v, *runtime) for x in init)
     out, row_max, row_sum = (lax.slice_in_dim(x, 0, seq_q, axis=2)
-                             for x in lax.fori_loop(0, n_q_blocks, one_q_block, outputs))
+                             for x in lax.fori_loop(0, len(q_blocks), one_pair, init)[:3])
     if sink is not None:
         sink = sink.astype(acc)[:, :, None, :]  # the same logits for every row
         new_max = jnp.maximum(row_max, sink.max(-1))
@@ -131,34 +131,32 @@ def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=N
     delta = jnp.sum(dy.astype(acc) * o.astype(acc), axis=-1)
     q, dy, lse_p, delta_p = (_pad_to(x, 2, bq) for x in (q, dy, lse.astype(acc), delta))
     k, v = _pad_to(k, 1, bk), _pad_to(v, 1, bk)
-    n_q_blocks, n_k_blocks = q.shape[2] // bq, k.shape[1] // bk
+    q_blocks, k_blocks, starts_column = block_pairs(rule, q.shape[2] // bq, k.shape[1] // bk, bq, bk, by="key")
     inputs = (q, k, v, o, dy, lse, *rule.runtime_values())
 
-    def one_k_block(j, grads):
-        dq, dk, dv = grads
-        k_block, v_block, k_index = _block(k, j, bk, 1), _block(v, j, bk, 1), j * bk + jnp.arange(bk)
+    def one_pair(t, carry):
+        dq, dk, dv, dk_block, dv_block = carry
+        i, j = q_blocks[t], k_blocks[t]
+        fresh = starts_column[t]  # the first query block of a key block: start its accumulators anew
+        dk_block, dv_block = jnp.where(fresh, 0.0, dk_block), jnp.where(fresh, 0.0, dv_block)
+        q_block, dy_block = _block(q, i, bq, 2), _block(dy, i, bq, 2)
+        lse_block, delta_block = _block(lse_p, i, bq, 2), _block(delta_p, i, bq, 2)
+        k_block, v_block = _block(k, j, bk, 1), _block(v, j, bk, 1)
+        allowed = rule.allowed(i * bq + jnp.arange(bq), j * bk + jnp.arange(bk))
+        p = jnp.where(allowed, jnp.exp(_scores(q_block, k_block, scale, acc) - lse_block[..., None]), 0.0)
+        dv_block = dv_block + _matmul("hgqk,hgqd->hkd", p.astype(dy.dtype), dy_block, acc)
+        dp = _matmul("hgqd,hkd->hgqk", dy_block, v_block, acc)
+        ds = (p * (dp - delta_block[..., None])).astype(q.dtype)
+        dq_block = _matmul("hgqk,hkd->hgqd", ds, k_block, acc) * scale
+        dk_block = dk_block + _matmul("hgqk,hgqd->hkd", ds, q_block, acc) * scale
+        # written at every step; the last query block of a key block leaves the final values
+        return (_put(dq, _block(dq, i, bq, 2) + dq_block, i, bq, 2), _put(dk, dk_block, j, bk, 1),
+                _put(dv, dv_block, j, bk, 1), dk_block, dv_block)
 
-        def one_q_block(i, carry):
-            dq, dk_block, dv_block = carry
-            q_block, dy_block = _block(q, i, bq, 2), _block(dy, i, bq, 2)
-            lse_block, delta_block = _block(lse_p, i, bq, 2), _block(delta_p, i, bq, 2)
-            allowed = rule.allowed(i * bq + jnp.arange(bq), k_index)
-            s = _scores(q_block, k_block, scale, acc)
-            p = jnp.where(allowed, jnp.exp(s - lse_block[..., None]), 0.0)
-            dv_block = dv_block + _matmul("hgqk,hgqd->hkd", p.astype(dy.dtype), dy_block, acc)
-            dp = _matmul("hgqd,hkd->hgqk", dy_block, v_block, acc)
-            ds = (p * (dp - delta_block[..., None])).astype(q.dtype)
-            dq_block = _matmul("hgqk,hkd->hgqd", ds, k_block, acc) * scale
-            dk_block = dk_block + _matmul("hgqk,hgqd->hkd", ds, q_block, acc) * scale
-            return _put(dq, _block(dq, i, bq, 2) + dq_block, i, bq, 2), dk_block, dv_block
-
-        zeros = varying_like(jnp.zeros((k.shape[0], bk, k.shape[2]), acc), *inputs)
-        dq, dk_block, dv_block = lax.fori_loop(0, n_q_blocks, one_q_block, (dq, zeros, zeros))
-        return dq, _put(dk, dk_block, j, bk, 1), _put(dv, dv_block, j, bk, 1)
-
-    grads = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
-    grads = tuple(varying_like(x, *inputs) for x in grads)
-    dq, dk, dv = lax.fori_loop(0, n_k_blocks, one_k_block, grads)
+    block_zeros = jnp.zeros((k.shape[0], bk, k.shape[2]), acc)
+    init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc), block_zeros, block_zeros)
+    init = tuple(varying_like(x, *inputs) for x in init)
+    dq, dk, dv = lax.fori_loop(0, len(q_blocks), one_pair, init)[:3]
     dq, dk, dv = lax.slice_in_dim(dq, 0, seq_q, axis=2), lax.slice_in_dim(dk, 0, seq_k, axis=1), \
         lax.slice_in_dim(dv, 0, seq_k, axis=1)
     dsink = None
@@ -166,6 +164,26 @@ def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=N
         p_sink = jnp.exp(sink.astype(acc)[:, :, None, :] - lse.astype(acc)[..., None])  # [H_kv, G, Sq, n_sinks]
         dsink = -jnp.sum(p_sink * delta[..., None], axis=2)
     return dq, dk, dv, dsink
+
+
+def block_pairs(rule: MaskRule, n_q_blocks: int, n_k_blocks: int, bq: int, bk: int, *, by: str):
+    """The (query block, key block) pairs that can hold an allowed entry, as int32 arrays ``(i, j, starts)``.
+
+    Pairs are ordered by query block (``by="query"``) or key block (``by="key"``); ``starts`` flags the first pair
+    of each group. Fully masked pairs are skipped when the mask is known at trace time (causal and sliding-window
+    rules without runtime offsets or lengths); otherwise every pair is visited.
+    """
+    pairs = [(i, j) for i in range(n_q_blocks) for j in range(n_k_blocks)
+             if rule.block_may_attend(i * bq, min((i + 1) * bq, rule.n_queries) - 1, j * bk,
+                                      min((j + 1) * bk, rule.n_keys) - 1)]
+    if not pairs:  # nothing is visible: one pair keeps the loop well-formed (its entries are all masked)
+        pairs = [(0, 0)]
+    if by == "key":
+        pairs.sort(key=lambda pair: (pair[1], pair[0]))
+    group = 0 if by == "query" else 1
+    starts = [t == 0 or pairs[t][group] != pairs[t - 1][group] for t in range(len(pairs))]
+    as_array = lambda values: jnp.asarray(np.asarray(values, np.int32))  # noqa: E731
+    return as_array([i for i, _ in pairs]), as_array([j for _, j in pairs]), jnp.asarray(np.asarray(starts))
 
 
 def group_queries(x, n_kv: int):

@@ -38,6 +38,24 @@ class MaskRule:
         values = (self.prior_used, self.q_base, self.bound_min, self.bound_max)
         return tuple(value for value in values if value is not None and not isinstance(value, int))
 
+    def block_may_attend(self, q_first: int, q_last: int, k_first: int, k_last: int) -> bool:
+        """Whether queries ``q_first..q_last`` may attend to any of keys ``k_first..k_last`` (True when unknown
+        at trace time: runtime offsets, lengths or bounds)."""
+        if self.runtime_values():
+            return True
+        used = self.n_prior if self.prior_used is None else self.prior_used
+        q_lo, q_hi = self.q_base + q_first * self.q_stride, self.q_base + q_last * self.q_stride
+        # key positions rise with the index inside the prior and inside the active part
+        k_lo = k_first - used if k_first < self.n_prior else k_first - self.n_prior
+        k_hi = k_last - used if k_last < self.n_prior else k_last - self.n_prior
+        if k_first < self.n_prior <= k_last:  # the block straddles prior and active keys
+            k_lo, k_hi = min(k_first - used, 0), max(self.n_prior - 1 - used, k_last - self.n_prior)
+        if self.causal and k_lo > q_hi:
+            return False
+        if self.window > 0 and k_hi <= q_lo - self.window:
+            return False
+        return True
+
     @property
     def n_keys(self) -> int:
         return self.n_prior + self.n_active
