@@ -1,10 +1,11 @@
 """Adapters for the NKI Library's attention subkernels (``nkilib.core.attention``).
 
 ``attention_cte`` and ``attention_bwd`` are HBM-in/HBM-out ``@nki.jit`` kernels and need no adapter.
-``attention_tkg`` is a subkernel: it takes its outputs, an ``AttnTKGConfig`` and an SBUF manager, and (without
+``attention_tkg`` and ``gen_mask_tkg`` are subkernels. ``attention_tkg`` it takes its outputs, an ``AttnTKGConfig`` and an SBUF manager, and (without
 ``fuse_rope``) wants ``q``/``k_active`` already in SBUF. The adapter below builds the config from the shapes,
 stages ``q``/``k_active`` in SBUF in the kernel's ``[d, B*H*s_a]`` / ``[d, B*s_a]`` layouts, allocates the HBM
-outputs and calls the library. Not yet run on Trainium by this project: check it on a trn2 instance.
+outputs and calls the library; ``gen_mask_tkg`` writes its mask into SBUF, which the adapter stores to HBM. Not yet
+run on Trainium by this project: check them on a trn2 instance.
 """
 
 import nki
@@ -14,10 +15,12 @@ import nki.language as nl
 try:  # neuronx-cc bundles the library as `nkilib`; the source tree installs it as `nkilib_src.nkilib`
     from nkilib.core.attention.attention_tkg import attention_tkg as _library_attention_tkg
     from nkilib.core.attention.attention_tkg_utils import AttnTKGConfig
+    from nkilib.core.attention.gen_mask_tkg import gen_mask_tkg as _library_gen_mask_tkg
     from nkilib.core.utils.allocator import SbufManager
 except ImportError:  # pragma: no cover - depends on how the NKI Library is installed
     from nkilib_src.nkilib.core.attention.attention_tkg import attention_tkg as _library_attention_tkg
     from nkilib_src.nkilib.core.attention.attention_tkg_utils import AttnTKGConfig
+    from nkilib_src.nkilib.core.attention.gen_mask_tkg import gen_mask_tkg as _library_gen_mask_tkg
     from nkilib_src.nkilib.core.utils.allocator import SbufManager
 
 
@@ -52,3 +55,27 @@ def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None,
                            rope_pos_ids=rope_pos_ids, start_pos_ids=start_pos_ids, sink=sink,
                            active_blocks_table=active_blocks_table, k_out=k_out)
     return (out, k_out) if fuse_rope else out
+
+
+@nki.jit
+def gen_mask_tkg(pos_ids, start_pos=None, active_mask=None, bs=None, q_head=None, s_active=None,
+                 is_s_prior_sharded=False, s_prior_per_shard=None, n_sprior_tile=None, s_prior_offset=0, block_len=0,
+                 strided_mm1=True, is_batch_sharded=False, batch_offset=0, n_sprior_tile_total=0):
+    """``mask_out [128, n_sprior_tile, bs, q_head, s_active]`` in HBM from the SBUF subkernel ``gen_mask_tkg``."""
+    p_max = pos_ids.shape[0]
+    pos_sb = nl.ndarray(pos_ids.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=pos_sb, src=pos_ids)
+    start_sb = None
+    if start_pos is not None:
+        start_sb = nl.ndarray(start_pos.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=start_sb, src=start_pos)
+    mask_sb = nl.ndarray((p_max, n_sprior_tile, bs, q_head, s_active), dtype=nl.float32, buffer=nl.sbuf)
+    sbm = SbufManager()
+    _library_gen_mask_tkg(pos_sb, mask_sb, bs, q_head, s_active, is_s_prior_sharded, s_prior_per_shard,
+                          start_pos=start_sb, s_prior_offset=s_prior_offset, block_len=block_len,
+                          strided_mm1=strided_mm1, active_mask=active_mask, sbm=sbm,
+                          is_batch_sharded=is_batch_sharded, batch_offset=batch_offset,
+                          n_sprior_tile_total=n_sprior_tile_total)
+    mask_out = nl.ndarray((p_max, n_sprior_tile, bs, q_head, s_active), dtype=nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=mask_out, src=mask_sb)
+    return mask_out

@@ -24,10 +24,10 @@ def test_bound_rows_are_exactly_the_registered_catalog_kernels():
     rows = {row.kernel: row for row in jax_nkilib.support_matrix()}
     assert {name for name, row in rows.items() if row.status == "bound"} == {
         "RoPE", "rope_hf", "attention_cte", "attention_bwd", "attention_tkg", "gen_mask_tkg_hbm",
-        "attention_segmented_cte"}
+        "attention_segmented_cte", "gen_mask_tkg"}
     assert rows["RoPE"].idiomatic == "jax_nkilib.rope" and "kernel" in rows["RoPE"].vjp
     assert rows["attention_cte"].idiomatic == "jax_nkilib.attention" and "attention_bwd" in rows["attention_cte"].vjp
-    assert rows["gen_mask_tkg"].status == "not bound yet (planned in issue 3)"
+    assert rows["swa_fused_cte"].status == "not bound yet (planned in issue 3)"
     assert "block cache with use_pos_id only" in rows["attention_tkg"].notes
     assert rows["attention_tkg"].idiomatic == "jax_nkilib.decode_attention"
     assert rows["conv1d"].status == "not bound yet" and rows["conv1d"].layer1 == ""
@@ -44,7 +44,7 @@ def test_device_adapters_parse_and_match_their_specs():
     """kernels/ adapters import nki (absent here): check them statically against the specs they serve."""
     adapters = [k.spec for k in registry.bound_kernels().values()
                 if k.spec.entry_point.startswith("jax_nkilib_kernels.")]
-    assert {spec.name for spec in adapters} == {"rope_hf", "attention_tkg"}
+    assert {spec.name for spec in adapters} == {"rope_hf", "attention_tkg", "gen_mask_tkg"}
     for spec in adapters:
         module, function = spec.entry_point.split(":")
         path = ROOT / "kernels" / (module.split(".", 1)[1].replace(".", "/") + ".py")

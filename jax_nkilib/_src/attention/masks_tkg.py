@@ -24,27 +24,55 @@ P_MAX = 128
 _POSITIONS = INT_DTYPES + (jnp.float32,)
 
 
+def natural_mask(pos_ids, start_pos, active_mask, *, bs, q_head, s_active, s_ctx, batch_start=0):
+    """The visibility mask ``[bs, q_head, s_active, s_ctx]`` float32 of the kernels' torch references.
+
+    Slot ``k`` is visible to query ``i`` of row ``b`` when ``k < pos_ids[0, b * s_active]`` (the row's cache
+    length), or with ``start_pos`` when ``k`` lies in ``[start, pos)`` of that query (wrapping around when
+    ``start > pos``). ``active_mask [s_active, bs_full, q_head, s_active]`` (from row ``batch_start``) overrides the
+    last ``s_active`` slots.
+    """
+    slots = jnp.arange(s_ctx, dtype=jnp.float32)[None, None, :]
+    ends = pos_ids[0, : bs * s_active].astype(jnp.float32).reshape(bs, s_active, 1)
+    if start_pos is None:
+        visible = jnp.broadcast_to(slots < ends[:, :1], (bs, s_active, s_ctx))
+    else:
+        starts = start_pos[0, : bs * s_active].astype(jnp.float32).reshape(bs, s_active, 1)
+        visible = jnp.where(starts <= ends, (slots >= starts) & (slots < ends), (slots >= starts) | (slots < ends))
+    mask = jnp.broadcast_to(visible[:, None].astype(jnp.float32), (bs, q_head, s_active, s_ctx))
+    if active_mask is not None:
+        rows = active_mask[:, batch_start: batch_start + bs].astype(jnp.float32)
+        mask = mask.at[..., s_ctx - s_active:].set(jnp.transpose(rows, (1, 2, 3, 0)))  # [bs, q_head, i, j]
+    return mask
+
+
+def kernel_tiles(mask, n_tiles: int, *, block_len: int = 0, strided_mm1: bool = True):
+    """``[bs, q_head, s_active, n_tiles * 128]`` to the kernels' SBUF order ``[128, n_tiles, bs, q_head, s_active]``.
+
+    Slot ``k`` goes to ``(p, f) = (k // n_tiles, k % n_tiles)`` (strided MM1), ``(k % 128, k // 128)`` (not
+    strided), or, for a block cache, ``k = fold * block_len * 128 + p * block_len + offset`` to
+    ``(p, fold * block_len + offset)``.
+    """
+    bs, q_head, s_active, _ = mask.shape
+    if block_len > 0:
+        folded = mask.reshape(bs, q_head, s_active, n_tiles // block_len, P_MAX, block_len)
+        return jnp.transpose(folded, (4, 3, 5, 0, 1, 2)).reshape(P_MAX, n_tiles, bs, q_head, s_active)
+    if strided_mm1:
+        return jnp.transpose(mask.reshape(bs, q_head, s_active, P_MAX, n_tiles), (3, 4, 0, 1, 2))
+    return jnp.transpose(mask.reshape(bs, q_head, s_active, n_tiles, P_MAX), (4, 3, 0, 1, 2))
+
+
 def reference_gen_mask_tkg_hbm(pos_ids_hbm, start_pos_hbm=None, active_mask=None, *, bs, q_head, s_active, s_prior,
                                block_len=0, enable_fa_s_prior_tiling=True, fuse_rope=False):
     """JAX reference of ``gen_mask_tkg_hbm`` for a flat cache: ``[s_prior, bs, q_head, s_active]`` float32."""
     del block_len, enable_fa_s_prior_tiling, fuse_rope  # flat cache only; no effect on the mask values
-    slots = jnp.arange(s_prior, dtype=jnp.float32)[None, None, :]
-    ends = pos_ids_hbm[0, : bs * s_active].astype(jnp.float32).reshape(bs, s_active, 1)
-    if start_pos_hbm is None:
-        visible = jnp.broadcast_to(slots < ends[:, :1], (bs, s_active, s_prior))
-    else:
-        starts = start_pos_hbm[0, : bs * s_active].astype(jnp.float32).reshape(bs, s_active, 1)
-        visible = jnp.where(starts <= ends, (slots >= starts) & (slots < ends), (slots >= starts) | (slots < ends))
-    mask = jnp.broadcast_to(visible[:, None].astype(jnp.float32), (bs, q_head, s_active, s_prior))
-    if active_mask is not None:
-        tail = jnp.transpose(active_mask[:, :bs].astype(jnp.float32), (1, 2, 3, 0))  # [bs, q_head, i, j]
-        mask = mask.at[..., s_prior - s_active:].set(tail)
-    tiles = s_prior // P_MAX  # slot p * tiles + t goes to row t * 128 + p
-    tiled = jnp.transpose(mask.reshape(bs, q_head, s_active, P_MAX, tiles), (4, 3, 0, 1, 2))
+    mask = natural_mask(pos_ids_hbm, start_pos_hbm, active_mask, bs=bs, q_head=q_head, s_active=s_active,
+                        s_ctx=s_prior)
+    tiled = jnp.swapaxes(kernel_tiles(mask, s_prior // P_MAX), 0, 1)  # tile-major rows: t * 128 + p
     return (tiled.reshape(s_prior, bs, q_head, s_active),)
 
 
-def _check(call: CallInfo) -> None:
+def _check_hbm(call: CallInfo) -> None:
     p, dims, function = call.params, call.dims, call.function
     for name in ("bs", "q_head", "s_active", "s_prior"):
         if p[name] is None or p[name] <= 0:
@@ -78,7 +106,7 @@ GEN_MASK_TKG_HBM_SPEC = KernelSpec(
     ),
     outputs=(Output.of("mask", "s_prior, bs, q_head, s_active", "float32"),),
     reference=reference_gen_mask_tkg_hbm,
-    check=_check,
+    check=_check_hbm,
     family="attention",
     catalog="1.4",
     support={"idiomatic": "", "vjp": "not differentiable (a mask)",
@@ -86,3 +114,67 @@ GEN_MASK_TKG_HBM_SPEC = KernelSpec(
 )
 
 gen_mask_tkg_hbm = make_kernel(GEN_MASK_TKG_HBM_SPEC)
+
+
+# ------------------------------------------------------------------------------------------------ gen_mask_tkg
+def reference_gen_mask_tkg(pos_ids, start_pos=None, active_mask=None, *, bs, q_head, s_active, is_s_prior_sharded,
+                           s_prior_per_shard, n_sprior_tile, s_prior_offset=0, block_len=0, strided_mm1=True,
+                           is_batch_sharded=False, batch_offset=0, n_sprior_tile_total=0):
+    """JAX reference of the ``gen_mask_tkg`` subkernel on program 0: ``[128, n_sprior_tile, bs, q_head, s_active]``."""
+    del is_s_prior_sharded, is_batch_sharded, n_sprior_tile_total  # program 0: no shard offsets (checked)
+    mask = natural_mask(pos_ids, start_pos, active_mask, bs=bs, q_head=q_head, s_active=s_active,
+                        s_ctx=s_prior_per_shard, batch_start=batch_offset)
+    window = mask[..., s_prior_offset: s_prior_offset + n_sprior_tile * P_MAX]
+    return (kernel_tiles(window, n_sprior_tile, block_len=block_len, strided_mm1=strided_mm1),)
+
+
+def _check_subkernel(call: CallInfo) -> None:
+    p, dims, function = call.params, call.dims, call.function
+    for name in ("bs", "q_head", "s_active", "s_prior_per_shard", "n_sprior_tile"):
+        if p[name] is None or p[name] <= 0:
+            raise ValueError(f"{function}: `{name}` is required and must be positive; got {p[name]!r}")
+    if dims["BS"] < p["bs"] * p["s_active"]:
+        raise ValueError(f"{function}: `pos_ids` must have at least bs * s_active = {p['bs'] * p['s_active']} "
+                         f"columns; got {dims['BS']}")
+    end = p["s_prior_offset"] + p["n_sprior_tile"] * P_MAX
+    if end > p["s_prior_per_shard"] or p["s_prior_offset"] < 0:
+        raise ValueError(f"{function}: the tile window [{p['s_prior_offset']}, {end}) exceeds s_prior_per_shard="
+                         f"{p['s_prior_per_shard']}")
+    if p["block_len"] and p["n_sprior_tile"] % p["block_len"]:
+        raise ValueError(f"{function}: n_sprior_tile={p['n_sprior_tile']} must be a multiple of block_len="
+                         f"{p['block_len']}")
+    if p["n_sprior_tile_total"] not in (0, p["n_sprior_tile"]):
+        raise ValueError(f"{function}: a flash-attention-tiled strided layout (n_sprior_tile_total="
+                         f"{p['n_sprior_tile_total']} != n_sprior_tile) is not bound yet")
+    if call.lnc > 1 and (p["is_s_prior_sharded"] or p["is_batch_sharded"]):
+        raise ValueError(f"{function}: with LNC={call.lnc} each program writes its own SBUF shard of the mask, which "
+                         "a single JAX output cannot represent; bind it at LNC=1")
+
+
+GEN_MASK_TKG_SPEC = KernelSpec(
+    name="gen_mask_tkg",
+    entry_point="jax_nkilib_kernels.attention:gen_mask_tkg",
+    operands=(
+        Operand.of("pos_ids", "P, BS", dtypes=_POSITIONS),
+        Operand.of("start_pos", "P, BS", dtypes=_POSITIONS, optional=True),
+        Operand.of("active_mask", "s_a, b_full, h, s_a", dtypes=(jnp.uint8, jnp.int32, jnp.float32, jnp.bool_),
+                   optional=True),
+    ),
+    params=(
+        Param("bs", None, int), Param("q_head", None, int), Param("s_active", None, int),
+        Param("is_s_prior_sharded", False, bool), Param("s_prior_per_shard", None, int),
+        Param("n_sprior_tile", None, int, "tiles of 128 slots in the output (the shape of the kernel's mask_out)"),
+        Param("s_prior_offset", 0, int), Param("block_len", 0, int), Param("strided_mm1", True, bool),
+        Param("is_batch_sharded", False, bool), Param("batch_offset", 0, int), Param("n_sprior_tile_total", 0, int),
+    ),
+    outputs=(Output.of("mask_out", "128, n_sprior_tile, bs, q_head, s_active", "float32"),),
+    reference=reference_gen_mask_tkg,
+    check=_check_subkernel,
+    family="attention",
+    catalog="1.4",
+    support={"idiomatic": "", "vjp": "not differentiable (a mask)",
+             "notes": "SBUF subkernel bound through an HBM adapter; program 0 / LNC=1 semantics; mask_out's shape "
+                      "is the n_sprior_tile param"},
+)
+
+gen_mask_tkg = make_kernel(GEN_MASK_TKG_SPEC)
