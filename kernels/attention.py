@@ -1,8 +1,9 @@
 """Adapters for the NKI Library's attention subkernels (``nkilib.core.attention``).
 
 ``attention_cte`` and ``attention_bwd`` are HBM-in/HBM-out ``@nki.jit`` kernels and need no adapter.
-``attention_tkg`` and ``gen_mask_tkg`` are subkernels. ``attention_tkg`` it takes its outputs, an ``AttnTKGConfig`` and an SBUF manager, and (without
-``fuse_rope``) wants ``q``/``k_active`` already in SBUF. The adapter below builds the config from the shapes,
+``attention_tkg`` and ``gen_mask_tkg`` are subkernels. ``attention_tkg`` takes its outputs, an ``AttnTKGConfig``
+and an SBUF manager, and (without ``fuse_rope``) wants ``q``/``k_active`` already in SBUF. Its adapter builds the
+config from the shapes,
 stages ``q``/``k_active`` in SBUF in the kernel's ``[d, B*H*s_a]`` / ``[d, B*s_a]`` layouts, allocates the HBM
 outputs and calls the library; ``gen_mask_tkg`` writes its mask into SBUF, which the adapter stores to HBM. Not yet
 run on Trainium by this project: check them on a trn2 instance.
