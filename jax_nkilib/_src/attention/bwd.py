@@ -22,11 +22,11 @@ import jax.numpy as jnp
 from ..framework.primitive import make_kernel
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from .blockwise import attention_backward
+from .checks import head_dim_limit, require_same_dtype
 from .masks import MaskRule
 
 LSE_TILE = 128
 BWD_K_TILE = 512
-MAX_HEAD_DIM = 128
 
 
 def _to_engine(x, n_kv):
@@ -82,9 +82,7 @@ def _check(call: CallInfo) -> None:
     avals, dims, params, function = call.avals, call.dims, call.params, call.function
     if dims["H"] % dims["H_kv"]:
         raise ValueError(f"{function}: query heads H={dims['H']} must be a multiple of KV heads H_kv={dims['H_kv']}")
-    dtypes = {name: avals[name].dtype for name in ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref")}
-    if len(set(dtypes.values())) > 1:
-        raise TypeError(f"{function}: q_ref, k_ref, v_ref, o_ref and dy_ref must share one dtype; got {dtypes}")
+    require_same_dtype(call, ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref"), "q_ref, k_ref, v_ref, o_ref and dy_ref")
     if params["use_causal_mask"] and dims["Sq"] != dims["Sk"]:
         raise ValueError(f"{function}: causal masking requires Sq == Sk; got Sq={dims['Sq']}, Sk={dims['Sk']}")
     if (params["sliding_window"] or 0) > 0 and not params["use_causal_mask"]:
@@ -94,9 +92,7 @@ def _check(call: CallInfo) -> None:
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
-    dims, unmet = call.dims, []
-    if dims["d"] > MAX_HEAD_DIM:
-        unmet.append(f"head dim d={dims['d']} exceeds {MAX_HEAD_DIM}")
+    dims, unmet = call.dims, head_dim_limit(call)
     tile = min(BWD_K_TILE, dims["Sk"])
     if dims["Sk"] % tile:
         unmet.append(f"Sk={dims['Sk']} must be a multiple of {BWD_K_TILE} (or at most {BWD_K_TILE})")

@@ -34,9 +34,9 @@ from ..framework.primitive import Vjp, make_kernel
 from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from .blockwise import attention_backward, attention_forward, group_queries, log_sum_exp, ungroup_queries
 from .bwd import LSE_TILE, attention_bwd, lse_tiles
+from .checks import head_dim_limit, require_same_dtype
 from .masks import MaskRule
 
-MAX_HEAD_DIM = 128
 MAX_BATCH = 512
 MAX_SEQ = 131072
 MAX_CP_DEGREE = 32
@@ -127,9 +127,7 @@ def _check(call: CallInfo) -> None:
     if dims["B"] % dims["B_kv"]:
         raise ValueError(f"{function}: the query batch B={dims['B']} must be a multiple of the KV batch "
                          f"B_kv={dims['B_kv']}")
-    dtypes = {name: avals[name].dtype for name in ("q", "k", "v", "k_prior", "v_prior") if name in present}
-    if len(set(dtypes.values())) > 1:
-        raise TypeError(f"{function}: q, k, v (and k_prior, v_prior) must share one dtype; got {dtypes}")
+    require_same_dtype(call, ("q", "k", "v", "k_prior", "v_prior"), "q, k, v (and k_prior, v_prior)")
     if p["cache_softmax"] and dims["Sq"] % LSE_TILE:
         raise ValueError(f"{function}: cache_softmax needs Sq to be a multiple of {LSE_TILE}; got Sq={dims['Sq']}")
     for name in ("softmax_dtype", "mm_out_dtype"):
@@ -138,9 +136,7 @@ def _check(call: CallInfo) -> None:
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
-    dims, unmet = call.dims, []
-    if dims["d"] > MAX_HEAD_DIM:
-        unmet.append(f"head dim d={dims['d']} exceeds {MAX_HEAD_DIM}")
+    dims, unmet = call.dims, head_dim_limit(call)
     if dims["B"] > MAX_BATCH:
         unmet.append(f"batch B={dims['B']} exceeds {MAX_BATCH}")
     seq_k = dims["Sk"] + dims.get("S_prior", 0)

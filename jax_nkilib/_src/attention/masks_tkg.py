@@ -19,9 +19,11 @@ import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel
 from ..framework.spec import INT_DTYPES, CallInfo, KernelSpec, Operand, Output, Param
+from .checks import require_params
 
 P_MAX = 128
 _POSITIONS = INT_DTYPES + (jnp.float32,)
+_MASK_VALUES = (jnp.uint8, jnp.int32, jnp.float32, jnp.bool_)
 
 
 def natural_mask(pos_ids, start_pos, active_mask, *, bs, q_head, s_active, s_ctx, batch_start=0):
@@ -74,9 +76,7 @@ def reference_gen_mask_tkg_hbm(pos_ids_hbm, start_pos_hbm=None, active_mask=None
 
 def _check_hbm(call: CallInfo) -> None:
     p, dims, function = call.params, call.dims, call.function
-    for name in ("bs", "q_head", "s_active", "s_prior"):
-        if p[name] is None or p[name] <= 0:
-            raise ValueError(f"{function}: `{name}` is required and must be positive; got {p[name]!r}")
+    require_params(call, ("bs", "q_head", "s_active", "s_prior"), positive=True)
     if dims["BS"] != p["bs"] * p["s_active"]:
         raise ValueError(f"{function}: `pos_ids_hbm` must be [1, bs * s_active] = [1, {p['bs'] * p['s_active']}]; "
                          f"got [1, {dims['BS']}]")
@@ -97,7 +97,7 @@ GEN_MASK_TKG_HBM_SPEC = KernelSpec(
     operands=(
         Operand.of("pos_ids_hbm", "1, BS", dtypes=_POSITIONS),
         Operand.of("start_pos_hbm", "1, BS", dtypes=_POSITIONS, optional=True),
-        Operand.of("active_mask", "s_a, b, h, s_a", dtypes=(jnp.uint8, jnp.int32, jnp.float32, jnp.bool_),
+        Operand.of("active_mask", "s_a, b, h, s_a", dtypes=_MASK_VALUES,
                    optional=True),
     ),
     params=(
@@ -130,9 +130,7 @@ def reference_gen_mask_tkg(pos_ids, start_pos=None, active_mask=None, *, bs, q_h
 
 def _check_subkernel(call: CallInfo) -> None:
     p, dims, function = call.params, call.dims, call.function
-    for name in ("bs", "q_head", "s_active", "s_prior_per_shard", "n_sprior_tile"):
-        if p[name] is None or p[name] <= 0:
-            raise ValueError(f"{function}: `{name}` is required and must be positive; got {p[name]!r}")
+    require_params(call, ("bs", "q_head", "s_active", "s_prior_per_shard", "n_sprior_tile"), positive=True)
     if dims["BS"] < p["bs"] * p["s_active"]:
         raise ValueError(f"{function}: `pos_ids` must have at least bs * s_active = {p['bs'] * p['s_active']} "
                          f"columns; got {dims['BS']}")
@@ -157,7 +155,7 @@ GEN_MASK_TKG_SPEC = KernelSpec(
     operands=(
         Operand.of("pos_ids", "P, BS", dtypes=_POSITIONS),
         Operand.of("start_pos", "P, BS", dtypes=_POSITIONS, optional=True),
-        Operand.of("active_mask", "s_a, b_full, h, s_a", dtypes=(jnp.uint8, jnp.int32, jnp.float32, jnp.bool_),
+        Operand.of("active_mask", "s_a, b_full, h, s_a", dtypes=_MASK_VALUES,
                    optional=True),
     ),
     params=(

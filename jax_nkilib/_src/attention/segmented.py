@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from .blockwise import attention_forward, group_queries, ungroup_queries
+from .checks import head_dim_limit, require_params, require_same_dtype
 from .masks import MaskRule
 
-MAX_HEAD_DIM = 128
 _KVP_DEFAULTS = {"kvp_group_size": 0, "kvp_cp_offset_int": 0, "kvp_seg_block_offset_int": 0,
                  "kvp_prior_load_blocks": 0, "kvp_prior_fully_visible": False}
 
@@ -70,9 +70,7 @@ def reference_attention_segmented_cte(q, k_cache, v_cache, block_tables, prior_t
 
 def _check(call: CallInfo) -> None:
     avals, dims, p, function = call.avals, call.dims, call.params, call.function
-    for name in ("block_size", "prior_seg_size"):
-        if p[name] is None:
-            raise ValueError(f"{function}: `{name}` is required")
+    require_params(call, ("block_size", "prior_seg_size"), positive=False)
     if p["k_pre_transposed"] and dims["n_kv_blocks"] != dims["n_blocks"] * dims["kv_heads"]:
         raise ValueError(f"{function}: with k_pre_transposed, k_cache must be [num_blocks * kv_heads, d, block]; got "
                          f"{dims['n_kv_blocks']} rows for {dims['n_blocks']} blocks of {dims['kv_heads']} heads")
@@ -95,15 +93,11 @@ def _check(call: CallInfo) -> None:
     if p["prior_seg_size"] <= 0 or p["prior_seg_size"] % p["block_size"]:
         raise ValueError(f"{function}: prior_seg_size must be a positive multiple of block_size; got "
                          f"{p['prior_seg_size']}")
-    dtypes = {name: avals[name].dtype for name in ("q", "k_cache", "v_cache")}
-    if len(set(dtypes.values())) > 1:
-        raise TypeError(f"{function}: q, k_cache and v_cache must share one dtype; got {dtypes}")
+    require_same_dtype(call, ("q", "k_cache", "v_cache"), "q, k_cache and v_cache")
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
-    dims, unmet = call.dims, []
-    if dims["d"] > MAX_HEAD_DIM:
-        unmet.append(f"head dim d={dims['d']} exceeds {MAX_HEAD_DIM}")
+    dims, unmet = call.dims, head_dim_limit(call)
     if dims["Sq"] % call.params["block_size"]:
         unmet.append(f"Sq={dims['Sq']} must be a multiple of block_size={call.params['block_size']}")
     return unmet

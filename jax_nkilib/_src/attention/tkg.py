@@ -38,8 +38,8 @@ import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from .checks import head_dim_limit
 
-MAX_HEAD_DIM = 128
 SPRIOR_TILE = 128
 POSITION_DTYPES = INT_DTYPES + (jnp.float32,)
 MASK_DTYPES = (jnp.uint8, jnp.int8, jnp.int32, jnp.bool_, jnp.float32, jnp.bfloat16)
@@ -144,9 +144,7 @@ def _check(call: CallInfo) -> None:
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
-    dims, unmet = call.dims, []
-    if dims["d"] > MAX_HEAD_DIM:
-        unmet.append(f"head dim d={dims['d']} exceeds {MAX_HEAD_DIM}")
+    dims, unmet = call.dims, head_dim_limit(call)
     s_prior = call.params["curr_sprior"] if call.params["use_pos_id"] else dims["S_prior"]
     if s_prior % SPRIOR_TILE:
         unmet.append(f"curr_sprior={s_prior} must be a multiple of {SPRIOR_TILE}")

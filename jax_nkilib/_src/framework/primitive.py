@@ -97,10 +97,7 @@ class Kernel:
     # ----------------------------------------------------------------------------------------------- public call
     def __call__(self, *args, **kwargs):
         operands, raw_params, derived = split_arguments(self.spec, args, kwargs)
-        params = normalize_params(self.spec, raw_params)
-        if derived:
-            check_derived(self.spec, check_call(self.spec, operands, params), derived)
-        outs = self.call(operands, params)
+        outs = self.call(operands, normalize_params(self.spec, raw_params), derived=derived)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def params(self, **flags) -> dict[str, Any]:
@@ -108,17 +105,20 @@ class Kernel:
         return normalize_params(self.spec, flags)
 
     def call(self, operands: Mapping[str, Any], params: Mapping[str, Any],
-             view: Mapping[str, str] | None = None) -> tuple:
+             view: Mapping[str, str] | None = None, derived: Mapping[str, Any] | None = None) -> tuple:
         """Call with operands by name (``None`` for absent optional ones) and normalized params.
 
         ``view`` optionally gives operands and outputs in another order of the kernel layout's dimension names
-        (``{"x_in": "B, S, n_heads, d_head"}``); see :mod:`jax_nkilib._src.framework.views`.
+        (``{"x_in": "B, S, n_heads, d_head"}``); see :mod:`jax_nkilib._src.framework.views`. ``derived`` holds
+        shape-derived config fields the caller gave, checked against the shapes.
         """
         operands = {name: (None if value is None else jnp.asarray(value)) for name, value in operands.items()}
         if view:
             ranks = {name: operands[name].ndim for name in _present(operands)}
             params = dict(params, layout=views.make_view(self.spec, view, ranks, params))
-        check_call(self.spec, operands, params)
+        call = check_call(self.spec, operands, params)
+        if derived:
+            check_derived(self.spec, call, derived)
         outs = self.bind(operands, params) if self.vjp is None else self._differentiable(operands, params)
         if self.spec.nondifferentiable_outputs:
             produced = self.spec.present_outputs(params, _present(operands))
