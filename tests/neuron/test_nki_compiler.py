@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import jax_nkilib
+from jax_nkilib._src.neuron.compilers import kernel_arguments
 from jax_nkilib.neuron import NeuronOutputMismatchError, NkiApiError
 from jax_nkilib.nki import RoPE
 from tests.support.data import angles, random
@@ -104,3 +105,15 @@ def test_missing_entry_point_is_named(fake_sdk, monkeypatch):
     monkeypatch.delattr(sys.modules["nkilib.core.embeddings.rope"], "RoPE")
     with pytest.raises(NkiApiError, match="nkilib.core.embeddings.rope:RoPE"):
         neuron_text(RoPE, X, COS, SIN)
+
+
+def test_tensors_after_static_parameters_or_gaps_go_by_keyword():
+    def kernel(q, k, v, scale=1.0, k_scale=None, v_scale=None):  # tensors after a static parameter
+        raise AssertionError("never called")
+
+    specs = {name: jax.ShapeDtypeStruct((2,), np.float32) for name in ("q", "k", "v", "v_scale")}
+    args, kwargs = kernel_arguments(kernel, specs, {"scale": 0.5})
+    assert len(args) == 3 and set(kwargs) == {"scale", "v_scale"}
+    gap = {name: specs[name] for name in ("q", "v")}  # k absent: v must not land on k
+    args, kwargs = kernel_arguments(kernel, gap, {})
+    assert len(args) == 1 and set(kwargs) == {"v"}

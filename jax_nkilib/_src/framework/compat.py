@@ -12,6 +12,7 @@ import inspect
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.interpreters import mlir
 
 
@@ -129,3 +130,27 @@ def custom_call(target: str, *, result_types, operands, backend_config: str, ope
         op.operation.attributes["mhlo.frontend_attributes"] = mlir.ir.DictAttr.get(
             {key: mlir.ir.StringAttr.get(value) for key, value in frontend_attributes.items()})
     return op
+
+
+def bound_axis_size(names: tuple[str, ...]) -> int | None:
+    """The size of the named (mesh) axes in the current trace, or ``None`` when one is not bound here."""
+    try:
+        return int(jax.lax.axis_size(names if len(names) > 1 else names[0]))
+    except (NameError, ValueError, KeyError):
+        return None
+
+
+def replica_groups(ctx, names: tuple[str, ...]) -> list[list[int]] | None:
+    """Rank lists of the groups that communicate over mesh axes ``names`` inside the enclosing ``shard_map``.
+
+    Ranks are positions in the mesh's flattened device order (the SPMD program's partition ids, which XLA's own
+    collectives use); ``None`` outside a manual (``shard_map``) lowering context.
+    """
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    if mesh is None or any(name not in mesh.shape for name in names):
+        return None
+    axis_names = tuple(mesh.shape)
+    ranks = np.arange(int(np.prod(list(mesh.shape.values()), dtype=int))).reshape(tuple(mesh.shape.values()))
+    moved = np.moveaxis(ranks, [axis_names.index(name) for name in names], range(-len(names), 0))
+    group = int(np.prod([mesh.shape[name] for name in names], dtype=int))
+    return moved.reshape(-1, group).tolist()

@@ -173,6 +173,8 @@ class Kernel:
         """The JAX reference on operands by name, honouring the layout view in ``params`` (for VJP rules)."""
         spec, view = self.spec, params.get("layout", ())
         static = {param.name: params[param.name] for param in spec.params}
+        if spec.reference_takes_lnc:
+            static["lnc"] = params["lnc"]
         named = {op.name: operands.get(op.name) for op in spec.operands}
         if not view:
             return tuple(spec.reference(**named, **static))

@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from . import compat
 from .layout import Layout
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float64))
@@ -22,8 +23,11 @@ FOLLOW_LNC = "follow-lnc"  # default of an LNC-sharding flag: True when the LNC 
 
 
 INT_DTYPES = (jnp.dtype(jnp.int32),)
+# FP8 caches and weights: Trainium2's E4M3 (max 240), the OCP E4M3 (448) and E5M2
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
-# Layout cases selected by a static param: ("tp_q", ((True, (Layout, ...)), (False, (Layout, ...))))
+# Layout cases selected by a static param: ("tp_q", ((True, (Layout, ...)), (False, (Layout, ...)))), or by several:
+# (("k_pre_transposed", "fp8_packed"), (((False, False), (Layout, ...)), ...))
 LayoutSwitch = tuple
 
 
@@ -35,9 +39,18 @@ def _switch(param: str, cases: Mapping[Any, Any]) -> LayoutSwitch:
     return (param, tuple((value, _layouts(texts)) for value, texts in cases.items()))
 
 
+def switch_key(param: str | tuple[str, ...], params: Mapping[str, Any]) -> Any:
+    """The value(s) of the flag(s) a layout switch reads."""
+    return tuple(params[name] for name in param) if isinstance(param, tuple) else params[param]
+
+
 def _select(switch: LayoutSwitch, params: Mapping[str, Any]) -> tuple[Layout, ...]:
     param, cases = switch
-    return dict(cases)[params[param]]
+    key = switch_key(param, params)
+    layouts = dict(cases).get(key)
+    if layouts is None:
+        raise ValueError(f"flags {param}={key} cannot be combined (no layout for that combination)")
+    return layouts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +71,10 @@ class Operand:
         return cls(name, _layouts(layouts), tuple(jnp.dtype(d) for d in dtypes), optional, doc)
 
     @classmethod
-    def switched(cls, name: str, param: str, cases: Mapping[Any, Any], *, dtypes: Sequence = FLOAT_DTYPES,
-                 optional: bool = False, doc: str = "") -> "Operand":
-        """An operand whose layout the static flag ``param`` selects: ``cases`` maps flag values to layouts."""
+    def switched(cls, name: str, param: str | tuple[str, ...], cases: Mapping[Any, Any], *,
+                 dtypes: Sequence = FLOAT_DTYPES, optional: bool = False, doc: str = "") -> "Operand":
+        """An operand whose layout the static flag ``param`` selects: ``cases`` maps flag values to layouts (with a
+        tuple of flags, tuples of their values)."""
         switch = _switch(param, cases)
         return cls(name, switch[1][0][1], tuple(jnp.dtype(d) for d in dtypes), optional, doc, switch)
 
@@ -75,13 +89,25 @@ class Operand:
         return "; ".join(f"{' or '.join(map(str, layouts))} when {param}={value}" for value, layouts in cases)
 
 
+def _axis_names(value: Any, param: str, function: str) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else value
+    if not (isinstance(names, tuple) and names and all(isinstance(name, str) for name in names)):
+        raise TypeError(f"{function}: parameter `{param}` must be a mesh axis name or a tuple of names (the replica "
+                        f"group is the devices along those axes); got {value!r}")
+    if compat.bound_axis_size(names) is None:
+        raise ValueError(f"{function}: parameter `{param}` names mesh axes {names}, which are not bound here: call "
+                         f"the kernel inside jax.shard_map over a mesh with those axes")
+    return names
+
+
 @dataclasses.dataclass(frozen=True)
 class Param:
     """A static (compile-time) argument.
 
-    ``kind`` is ``bool``, ``int``, ``float``, ``"dtype"``, an ``enum.Enum`` subclass (members or member-name strings
-    accepted) or a tuple of allowed values. A ``None`` default makes the param optional. ``default`` may be
-    :data:`FOLLOW_LNC` for flags that follow the LNC degree.
+    ``kind`` is ``bool``, ``int``, ``float``, ``"dtype"``, ``"axis"`` (a replica group given as mesh axis names: a
+    name or a tuple of names bound by the enclosing ``jax.shard_map``; normalized to a tuple), an ``enum.Enum``
+    subclass (members or member-name strings accepted) or a tuple of allowed values. A ``None`` default makes the
+    param optional. ``default`` may be :data:`FOLLOW_LNC` for flags that follow the LNC degree.
     """
 
     name: str
@@ -107,6 +133,8 @@ class Param:
             except TypeError:
                 raise TypeError(f"{function}: parameter `{self.name}` must be a dtype (e.g. jnp.float32); "
                                 f"got {value!r}") from None
+        if kind == "axis":
+            return _axis_names(value, self.name, function)
         if isinstance(kind, tuple):
             if value in kind:
                 return value
@@ -209,6 +237,8 @@ class KernelSpec:
       reference: ``reference(**operands, **params) -> tuple`` in JAX, following the kernel's numerics.
       view_aware_reference: the reference also accepts ``view={name: permutation}`` (see ``views``) and then
         computes directly on operands given in that order, returning outputs in their viewed order.
+      reference_takes_lnc: the reference also takes ``lnc``, the call's LNC degree (for kernels whose semantics,
+        such as an output order, depend on how the kernel splits work over logical cores).
       check: extra semantic validation ``check(call) -> None`` raising ``TypeError``/``ValueError``.
       neuron_limits: ``neuron_limits(call) -> list[str]`` of kernel limits that the call does not meet.
       fold_plans: batching strategies tried in order before the ``lax.map`` fallback.
@@ -236,6 +266,7 @@ class KernelSpec:
     outputs: tuple[Output, ...]
     reference: Callable[..., tuple]
     view_aware_reference: bool = False
+    reference_takes_lnc: bool = False
     check: Callable[[CallInfo], None] | None = None
     neuron_limits: Callable[[CallInfo], list[str]] | None = None
     fold_plans: tuple[FoldPlan, ...] = ()

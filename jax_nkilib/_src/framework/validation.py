@@ -12,7 +12,7 @@ import numpy as np
 
 from . import compat, config, views
 from .layout import LayoutMismatch, bind_layouts
-from .spec import FOLLOW_LNC, CallInfo, KernelSpec
+from .spec import FOLLOW_LNC, CallInfo, KernelSpec, switch_key
 
 
 def split_arguments(spec: KernelSpec, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
@@ -96,11 +96,14 @@ def check_call(spec: KernelSpec, avals: Mapping[str, Any], params: Mapping[str, 
             raise TypeError(f"{function}: argument `{operand.name}` must have dtype in ({allowed}); got {dtype} "
                             f"(layout {operand.layout_text}, shape {tuple(aval.shape)})")
     try:
-        dims, _ = bind_layouts([(operand.name, tuple(aval.shape), operand.layouts_for(params))
-                                for operand, aval in present])
+        layouts = [(operand.name, tuple(aval.shape), operand.layouts_for(params)) for operand, aval in present]
+    except ValueError as err:
+        raise ValueError(f"{function}: {err}") from None
+    try:
+        dims, _ = bind_layouts(layouts)
     except LayoutMismatch as err:
         switch = spec.operand(err.operand).switch
-        selected = f" (the layout for {switch[0]}={params[switch[0]]})" if switch else ""
+        selected = f" (the layout for {switch[0]}={switch_key(switch[0], params)})" if switch else ""
         raise ValueError(f"{function}: argument `{err.operand}` {err.reason}{selected}") from None
     for name, size in dims.items():
         if size == 0:

@@ -14,6 +14,7 @@ import base64
 import dataclasses
 import enum
 import importlib
+import inspect
 import json
 import os
 from typing import Any, Mapping
@@ -130,6 +131,23 @@ def _import_entry_point(entry_point: str):
                       "ships with neuronx-cc (as `nkilib`) or as the `nki-library` source tree (`nkilib_src`).")
 
 
+def kernel_arguments(function, tensors: Mapping[str, Any], static: Mapping[str, Any]) -> tuple[list, dict]:
+    """Positional and keyword arguments for ``function``: tensors positionally while they fill the signature's
+    leading parameters in order, every other tensor (after an absent optional one, or after static parameters in
+    the kernel's signature, as ``k_scale`` in ``swa_fused_cte``) and every static parameter by keyword."""
+    try:
+        leading = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # no introspectable signature: only the first tensor is surely first
+        leading = list(tensors)[:1]
+    args, kwargs = [], dict(static)
+    for index, (name, value) in enumerate(tensors.items()):
+        if len(args) == index and index < len(leading) and leading[index] == name:
+            args.append(value)
+        else:
+            kwargs[name] = value
+    return args, kwargs
+
+
 def _probe_compile_kernel():
     for module_name in ("nki.framework.compiled", "nki.framework"):
         try:
@@ -155,13 +173,14 @@ class NkiCompiler:
 
         compile_kernel = _probe_compile_kernel()
         function = _import_entry_point(spec.entry_point)
-        names = present_operands(spec, call)
-        arg_specs = [jax.ShapeDtypeStruct(call.avals[n].shape, call.avals[n].dtype) for n in names]
+        tensors = {n: jax.ShapeDtypeStruct(call.avals[n].shape, call.avals[n].dtype)
+                   for n in present_operands(spec, call)}
         kernel = compile_kernel(function, lnc=call.lnc, target=self.target)
         build_config = getattr(kernel, "build_config", None)
         if build_config is None:
             raise NkiApiError("nki's CompileKernel object has no `build_config`; this nki version is not supported")
-        framework_config = build_config(*arg_specs, **static_kernel_kwargs(spec, call))
+        args, kwargs = kernel_arguments(function, tensors, static_kernel_kwargs(spec, call))
+        framework_config = build_config(*args, **kwargs)
         missing = [attr for attr in ("backend_config_b64", "output_specs", "operand_output_aliases",
                                      "has_collectives") if not hasattr(framework_config, attr)]
         if missing:

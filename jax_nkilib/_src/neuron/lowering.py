@@ -8,6 +8,7 @@ instead and warns once per call site naming the limit; ``"error"`` raises :class
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from typing import Callable
@@ -98,6 +99,21 @@ def emit_custom_call(ctx, operands, compiled: CompiledKernel):
     return op.results
 
 
+def _with_replica_groups(spec: KernelSpec, ctx, call: CallInfo) -> CallInfo:
+    """``call`` with each replica-group param (mesh axis names) replaced by the rank lists the kernel expects."""
+    axis_params = [param.name for param in spec.params if param.kind == "axis"]
+    if not axis_params:
+        return call
+    params = dict(call.params)
+    for name in axis_params:
+        groups = compat.replica_groups(ctx, params[name])
+        if groups is None:
+            raise ValueError(f"{spec.public_name}: `{name}`={params[name]} must name axes of the jax.shard_map that "
+                             "encloses the call; the Neuron kernel needs them as rank lists")
+        params[name] = groups
+    return dataclasses.replace(call, params=params)
+
+
 def neuron_lowering_rule(spec: KernelSpec, reference_rule: Callable) -> Callable:
     """The lowering rule registered as the primitive's default (and for ``neuron`` when that platform is known)."""
 
@@ -118,7 +134,7 @@ def neuron_lowering_rule(spec: KernelSpec, reference_rule: Callable) -> Callable
                                              f"{'; '.join(unmet)}")
             _warn_once(spec, compat.call_site(ctx.traceback), unmet)
             return reference_rule(ctx, *operands, present=present, **params)
-        compiled = active_compiler().compile(spec, call, output_avals(spec, call))
+        compiled = active_compiler().compile(spec, _with_replica_groups(spec, ctx, call), output_avals(spec, call))
         return emit_custom_call(ctx, operands, compiled)
 
     return rule

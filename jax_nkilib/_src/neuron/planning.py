@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from ..framework import compat
-from ..framework.spec import NEURON_FLOAT_DTYPES, CallInfo, KernelSpec
+from ..framework.spec import FP8_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, KernelSpec
 from ..framework.validation import layout_of, outputs_of
 
 
@@ -22,8 +23,8 @@ def unmet_neuron_limits(spec: KernelSpec, call: CallInfo) -> list[str]:
         if aval is None:
             continue
         dtype = np.dtype(aval.dtype)
-        if dtype.kind == "f" and dtype not in NEURON_FLOAT_DTYPES:
-            unmet.append(f"`{name}` has dtype {dtype}; Neuron kernels take float32, bfloat16 or float16")
+        if jnp.issubdtype(dtype, jnp.floating) and dtype not in NEURON_FLOAT_DTYPES + FP8_DTYPES:
+            unmet.append(f"`{name}` has dtype {dtype}; Neuron kernels take float32, bfloat16, float16 or FP8")
     if spec.neuron_limits is not None:
         unmet.extend(spec.neuron_limits(call))
     return unmet

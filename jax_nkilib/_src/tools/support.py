@@ -48,7 +48,7 @@ def _bound_row(entry, name: str, kernel) -> KernelSupport:
         idiomatic=", ".join(f"jax_nkilib.{op}" for op in spec.support.get("idiomatic", "").split(", ") if op),
         vjp=spec.support.get("vjp", "custom_vjp" if kernel.vjp else "not differentiable"),
         vmap=_describe_vmap(spec),
-        shard_map="per-shard (inside jax.shard_map)" + (", collectives" if spec.has_collectives else ""),
+        shard_map=spec.support.get("shard_map", "per-shard (inside jax.shard_map)"),
         neuron="one AwsNeuronCustomNativeKernel call (checked with dry run; not yet run on Trainium)",
         notes=spec.support.get("notes", ""),
     )

@@ -1,0 +1,46 @@
+"""FP8 element formats as the NKI kernels use them, emulated exactly with ``ml_dtypes`` types.
+
+``float8_e4m3`` is the Trainium2 (non-OCP) E4M3 with largest finite 240; ``float8_e4m3fn`` the OCP E4M3 (448, no
+inf); ``float8_e5m2`` has 57344. Casts round to nearest even; :func:`saturate` clips to the largest finite value
+first, as the kernels' quantisation does (a plain cast would overflow to inf/NaN).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from ..framework.spec import FP8_DTYPES  # noqa: F401  (the formats, re-exported for quantization code)
+
+
+def fp8_max(dtype) -> float:
+    """Largest finite value of an FP8 format."""
+    return float(ml_dtypes.finfo(np.dtype(dtype)).max)
+
+
+def saturate(x, dtype, bound: float | None = None):
+    """``x`` clipped to ``[-bound, bound]`` (default: the format's largest finite value) and cast to ``dtype``;
+    NaN stays NaN."""
+    bound = fp8_max(dtype) if bound is None else bound
+    return jnp.clip(x, -bound, bound).astype(dtype)
+
+
+SCALE_BYTES = 4  # a float32 scale stored as four 1-byte elements
+
+
+def scale_to_bytes(scale, dtype):
+    """float32 ``scale [...]`` as ``[..., 4]`` elements of the 1-byte type ``dtype``, bit for bit: element ``j``
+    holds bits ``8j..8j+7`` of the float32 (its little-endian byte ``j``), as rmsnorm_quant's ROW output stores it."""
+    from .mx import unpack_x4  # the x4 byte order is the same little-endian one
+
+    return unpack_x4(jnp.asarray(scale, jnp.float32)[..., None], dtype)
+
+
+def scale_from_bytes(data):
+    """Inverse of :func:`scale_to_bytes`: float32 ``[...]`` from ``[..., 4]`` 1-byte elements (any 1-byte type)."""
+    from jax import lax
+
+    from .mx import pack_x4
+
+    return lax.bitcast_convert_type(pack_x4(data), jnp.float32)[..., 0]
