@@ -95,7 +95,6 @@ def test_neuron_lowering():
     (dict(block_size=8, prior_seg_size=8, num_q_heads=4), "does not match the caches' block axis"),
     (dict(block_size=BLOCK, prior_seg_size=6, num_q_heads=4), "multiple of block_size"),
     (dict(block_size=BLOCK, prior_seg_size=8, num_q_heads=3), "bs * num_q_heads"),
-    (dict(block_size=BLOCK, prior_seg_size=8, num_q_heads=4, fp8_packed=True), "fp8_packed"),
     (dict(block_size=BLOCK, prior_seg_size=8, num_q_heads=4, kvp_group_size=2), "attention_kv_parallel"),
 ])
 def test_bad_inputs(kwargs, fragment):
@@ -103,3 +102,20 @@ def test_bad_inputs(kwargs, fragment):
     with pytest.raises(ValueError) as info:
         attention_segmented_cte(q, k_cache, v_cache, tables, jnp.array([[4]], jnp.int32), **kwargs)
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("fp8", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_fp8_packed_keys_and_fp8_values(fp8):
+    q, k_cache, v_cache, tables = problem(dtype=jnp.bfloat16)
+    k8, v8 = k_cache.astype(fp8), v_cache.astype(fp8)
+    k_packed = jnp.swapaxes(k8.reshape(*k8.shape[:2], BLOCK // 2, 2, 8), 3, 4)  # [n, h, block / 2, d, 2]
+    scales = jnp.full((128, 1), 0.5, jnp.float32), jnp.full((128, 1), 2.0, jnp.float32)
+    prior = jnp.array([[8]], jnp.int32)
+    out = attention_segmented_cte(q, k_packed, v8, tables, prior, None, *scales, block_size=BLOCK, prior_seg_size=8,
+                                  num_q_heads=4, fp8_packed=True)
+    as64 = lambda c: np.asarray(c.astype(jnp.float32), np.float64)  # noqa: E731
+    want = segmented_cte_oracle(q, as64(k8) * 0.5, as64(v8) * 2.0, tables, prior, block_size=BLOCK, num_q_heads=4)
+    assert_close(out, want, jnp.bfloat16, reduction=20)
+    with pytest.raises(ValueError, match="half_block, d, 2"):
+        attention_segmented_cte(q, k_cache, v_cache, tables, prior, block_size=BLOCK, prior_seg_size=8,
+                                num_q_heads=4, fp8_packed=True)

@@ -1,8 +1,9 @@
-"""Checks the attention kernels share: the NKI head-size limit, one dtype across tensors, required int params."""
+"""Checks the attention kernels share: the NKI head-size limit, one dtype across tensors, cache dtypes, required int
+params."""
 
 from __future__ import annotations
 
-from ..framework.spec import CallInfo
+from ..framework.spec import FP8_DTYPES, CallInfo
 
 MAX_HEAD_DIM = 128  # every NKI attention kernel tiles the head dimension on at most 128 partitions
 
@@ -27,3 +28,13 @@ def require_params(call: CallInfo, names: tuple[str, ...], *, positive: bool) ->
         if value is None or (positive and value <= 0):
             needs = " and must be positive" if positive else ""
             raise ValueError(f"{call.function}: `{name}` is required{needs}; got {value!r}")
+
+
+def require_cache_dtypes(call: CallInfo, caches: tuple[str, ...] = ("k_cache", "v_cache"), like: str = "q") -> None:
+    """``TypeError`` unless each present cache has ``like``'s dtype or an FP8 dtype (a quantized cache)."""
+    dtype = call.avals[like].dtype
+    for name in caches:
+        aval = call.avals.get(name)
+        if aval is not None and aval.dtype != dtype and aval.dtype not in FP8_DTYPES:
+            raise TypeError(f"{call.function}: `{name}` must have {like}'s dtype {dtype} or an FP8 dtype "
+                            f"{tuple(str(d) for d in FP8_DTYPES)}; got {aval.dtype}")

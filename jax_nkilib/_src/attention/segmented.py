@@ -14,8 +14,10 @@ block_size`` blocks in order (a ``-1`` entry indexes the last block, as in the r
 ``> prior_tokens + i - w``. ``scale`` multiplies the scores; ``sink`` adds one logit per row; ``k_scale``/``v_scale``
 multiply the cache by their first element (the reference's delayed dequantisation). Float32 softmax.
 
-Not bound yet: ``fp8_packed`` and the KV-parallel parameters (``kvp_*``), which belong to
-``attention_kv_parallel_segmented_cte``.
+``fp8_packed``: an FP8 K cache ``[num_blocks, kv_heads, block_size / 2, d, 2]`` holding tokens ``2i`` and ``2i + 1``
+of a block in its trailing pair (V stays token-major); FP8 caches are upcast and multiplied by the scales. The
+KV-parallel parameters (``kvp_*``) are the inner interface that
+``attention_kv_parallel_segmented_cte`` drives (bound as that kernel); here they are rejected.
 """
 
 from __future__ import annotations
@@ -23,13 +25,22 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel, reference_vjp
-from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import (FLOAT_DTYPES, FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output,
+                              Param)
 from .blockwise import attention_forward, group_queries, ungroup_queries
-from .checks import head_dim_limit, require_params, require_same_dtype
+from .checks import head_dim_limit, require_cache_dtypes, require_params
 from .masks import MaskRule
 
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 _KVP_DEFAULTS = {"kvp_group_size": 0, "kvp_cp_offset_int": 0, "kvp_seg_block_offset_int": 0,
                  "kvp_prior_load_blocks": 0, "kvp_prior_fully_visible": False}
+
+
+def unpack_token_pairs(cache):
+    """Packed FP8 K pages ``[n, kv_heads, block / 2, d, 2]`` (tokens ``2i`` and ``2i + 1`` in the trailing pair)
+    -> ``[n, kv_heads, block, d]``."""
+    n, heads, half, d, _ = cache.shape
+    return jnp.swapaxes(cache, 3, 4).reshape(n, heads, 2 * half, d)
 
 
 def _sequence_cache(cache, block_tables, kv_heads: int):
@@ -42,12 +53,14 @@ def _sequence_cache(cache, block_tables, kv_heads: int):
 def reference_attention_segmented_cte(q, k_cache, v_cache, block_tables, prior_tokens, sink=None, k_scale=None,
                                       v_scale=None, *, block_size, prior_seg_size, scale=1.0, tp_q=True,
                                       tp_out=False, sliding_window=None, num_q_heads=1, k_pre_transposed=False,
-                                      **unused):
+                                      fp8_packed=False, **unused):
     """JAX reference of ``attention_segmented_cte`` (blockwise online softmax over the gathered pages)."""
     # prior_seg_size is the kernel's tiling and the kvp_* knobs are rejected by the checks; block_size and
     # num_q_heads equal what the shapes say (checked), so the values follow from the operands alone
     del prior_seg_size, block_size, num_q_heads, unused
     kv_heads = v_cache.shape[1]
+    if fp8_packed:
+        k_cache = unpack_token_pairs(k_cache)
     if k_pre_transposed:  # [num_blocks * kv_heads, d, block] -> [num_blocks, kv_heads, block, d]
         k_cache = jnp.swapaxes(k_cache.reshape(-1, kv_heads, *k_cache.shape[1:]), 2, 3)
     acc = jnp.promote_types(q.dtype, jnp.float32)
@@ -74,13 +87,14 @@ def _check(call: CallInfo) -> None:
     if p["k_pre_transposed"] and dims["n_kv_blocks"] != dims["n_blocks"] * dims["kv_heads"]:
         raise ValueError(f"{function}: with k_pre_transposed, k_cache must be [num_blocks * kv_heads, d, block]; got "
                          f"{dims['n_kv_blocks']} rows for {dims['n_blocks']} blocks of {dims['kv_heads']} heads")
-    if p["fp8_packed"]:
-        raise ValueError(f"{function}: fp8_packed caches are not bound yet in jax_nkilib")
+    if p["fp8_packed"] and (avals["k_cache"].dtype not in FP8_DTYPES or 2 * dims["half_block"] != dims["block"]):
+        raise ValueError(f"{function}: fp8_packed needs an FP8 k_cache [n_blocks, kv_heads, block_size / 2, d, 2]; "
+                         f"got {avals['k_cache'].dtype} {tuple(avals['k_cache'].shape)}")
     changed = [name for name, default in _KVP_DEFAULTS.items() if p[name] != default]
     changed += [name for name in ("kvp_q_offset", "kvp_rank_id") if avals.get(name) is not None]
     if changed:
-        raise ValueError(f"{function}: the KV-parallel arguments ({', '.join(changed)}) belong to "
-                         "attention_kv_parallel_segmented_cte, which is not bound yet")
+        raise ValueError(f"{function}: the KV-parallel arguments ({', '.join(changed)}) are the inner interface of "
+                         "attention_kv_parallel_segmented_cte; call jax_nkilib.nki.attention_kv_parallel_segmented_cte")
     if dims["BQ"] % p["num_q_heads"] or dims["BQ"] // p["num_q_heads"] != dims["bs"]:
         raise ValueError(f"{function}: q has {dims['BQ']} rows; it must be bs * num_q_heads = {dims['bs']} * "
                          f"{p['num_q_heads']}")
@@ -93,7 +107,7 @@ def _check(call: CallInfo) -> None:
     if p["prior_seg_size"] <= 0 or p["prior_seg_size"] % p["block_size"]:
         raise ValueError(f"{function}: prior_seg_size must be a positive multiple of block_size; got "
                          f"{p['prior_seg_size']}")
-    require_same_dtype(call, ("q", "k_cache", "v_cache"), "q, k_cache and v_cache")
+    require_cache_dtypes(call)
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
@@ -108,9 +122,10 @@ ATTENTION_SEGMENTED_CTE_SPEC = KernelSpec(
     entry_point="nkilib.core.attention.attention_segmented_cte:attention_segmented_cte",
     operands=(
         Operand.switched("q", "tp_q", {True: "BQ, Sq, d", False: "BQ, d, Sq"}),
-        Operand.switched("k_cache", "k_pre_transposed", {False: "n_blocks, kv_heads, block, d",
-                                                         True: "n_kv_blocks, d, block"}),
-        Operand.of("v_cache", "n_blocks, kv_heads, block, d"),
+        Operand.switched("k_cache", ("k_pre_transposed", "fp8_packed"),
+                         {(False, False): "n_blocks, kv_heads, block, d", (True, False): "n_kv_blocks, d, block",
+                          (False, True): "n_blocks, kv_heads, half_block, d, 2"}, dtypes=CACHE_DTYPES),
+        Operand.of("v_cache", "n_blocks, kv_heads, block, d", dtypes=CACHE_DTYPES),
         Operand.of("block_tables", "bs, max_blocks", dtypes=INT_DTYPES),
         Operand.of("prior_tokens", "1, 1", dtypes=INT_DTYPES),
         Operand.of("sink", "BQ, 1", optional=True),
@@ -139,7 +154,8 @@ ATTENTION_SEGMENTED_CTE_SPEC = KernelSpec(
     catalog="row 45",
     support={"idiomatic": "",
              "vjp": "JAX (differentiates the reference; no backward kernel)",
-             "notes": "paged prefill over a cache holding prior and active tokens; fp8_packed and kvp_* not bound"},
+             "notes": "paged prefill over a cache holding prior and active tokens; FP8 (packed) caches; kvp_* are "
+                      "the inner interface of attention_kv_parallel_segmented_cte"},
 )
 
 attention_segmented_cte = make_kernel(ATTENTION_SEGMENTED_CTE_SPEC, vjp=reference_vjp)
