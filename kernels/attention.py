@@ -5,7 +5,8 @@
 and an SBUF manager, and (without ``fuse_rope``) wants ``q``/``k_active`` already in SBUF. Its adapter builds the
 config from the shapes,
 stages ``q``/``k_active`` in SBUF in the kernel's ``[d, B*H*s_a]`` / ``[d, B*s_a]`` layouts, allocates the HBM
-outputs and calls the library; ``gen_mask_tkg`` writes its mask into SBUF, which the adapter stores to HBM. Not yet
+outputs and calls the library; ``gen_mask_tkg`` writes its mask into SBUF, which the adapter stores to HBM. For a block
+KV cache both pass ``strided_mm1=False``, which the library asserts there (it does not change their results). Not yet
 run on Trainium by this project: check them on a trn2 instance.
 """
 
@@ -36,7 +37,8 @@ def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None,
     full_sprior = active_blocks_table.shape[1] * block_len if active_blocks_table is not None else v_prior.shape[2]
     cfg = AttnTKGConfig(
         bs=batch, q_head=heads, s_active=s_active, curr_sprior=curr_sprior if use_pos_id else mask.shape[0],
-        full_sprior=full_sprior, d_head=d_head, block_len=block_len, tp_k_prior=tp_k_prior, strided_mm1=strided_mm1,
+        full_sprior=full_sprior, d_head=d_head, block_len=block_len, tp_k_prior=tp_k_prior,
+        strided_mm1=strided_mm1 and active_blocks_table is None,
         use_pos_id=use_pos_id, fuse_rope=fuse_rope, use_gpsimd_sb2sb=use_gpsimd_sb2sb, qk_in_sb=not fuse_rope,
         k_out_in_sb=False, out_in_sb=False, enable_fa_s_prior_tiling=enable_fa_s_prior_tiling)
     out = nl.ndarray((batch, heads, d_head, s_active), dtype=q.dtype, buffer=nl.shared_hbm)
@@ -74,7 +76,7 @@ def gen_mask_tkg(pos_ids, start_pos=None, active_mask=None, bs=None, q_head=None
     sbm = SbufManager()
     _library_gen_mask_tkg(pos_sb, mask_sb, bs, q_head, s_active, is_s_prior_sharded, s_prior_per_shard,
                           start_pos=start_sb, s_prior_offset=s_prior_offset, block_len=block_len,
-                          strided_mm1=strided_mm1, active_mask=active_mask, sbm=sbm,
+                          strided_mm1=strided_mm1 and not block_len, active_mask=active_mask, sbm=sbm,
                           is_batch_sharded=is_batch_sharded, batch_offset=batch_offset,
                           n_sprior_tile_total=n_sprior_tile_total)
     mask_out = nl.ndarray((p_max, n_sprior_tile, bs, q_head, s_active), dtype=nl.float32, buffer=nl.shared_hbm)

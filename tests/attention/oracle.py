@@ -183,3 +183,30 @@ def segmented_cte_oracle(q, k_cache, v_cache, block_tables, prior_tokens, *, blo
             p = np.exp(logits - logits.max())
             out[r, i] = (p / p.sum()) @ np.array(vals)
     return out
+
+
+def block_rows(natural, reduced_block_len):
+    """A natural mask [B, H, s_a, S] in the TKG kernels' block-cache order [S, B, H, s_a]: with L the kernel's resized
+    block length, slot k = fold * 128 * L + p * L + o (o < L) is row (fold * L + o) * 128 + p."""
+    natural = np.asarray(natural)
+    length = reduced_block_len
+    rows = np.zeros((natural.shape[3],) + natural.shape[:3], natural.dtype)
+    for k in range(natural.shape[3]):
+        fold, rest = divmod(k, 128 * length)
+        p, o = divmod(rest, length)
+        rows[(fold * length + o) * 128 + p] = natural[..., k]
+    return rows
+
+
+def block_attention_tkg_oracle(q, k_active, v_active, k_pool, v_pool, table, mask_rows, reduced_block_len,
+                               sink=None):
+    """attention_tkg on a block KV cache with a given mask in block order: row b's flat cache is its blocks
+    table[b, :] concatenated; the mask rows are put back in slot order. Returns out [B, H, d, s_a]."""
+    table = np.asarray(table).astype(np.int64)
+    batch, d = table.shape[0], np.shape(k_pool)[-1]
+    flat = [f64(pool)[table].reshape(batch, 1, -1, d) for pool in (k_pool, v_pool)]
+    mask_rows = np.asarray(mask_rows)
+    slot_of_row = block_rows(np.arange(mask_rows.shape[0])[None, None, None, :], reduced_block_len)[:, 0, 0, 0]
+    natural = np.empty_like(mask_rows)
+    natural[slot_of_row] = mask_rows
+    return attention_tkg_oracle(q, k_active, v_active, *flat, natural, sink=sink, tp_k_prior=True)[0]

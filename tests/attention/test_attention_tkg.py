@@ -1,4 +1,4 @@
-"""jax_nkilib.nki.attention_tkg (flat KV cache) against the float64 oracle; config fields; transformations."""
+"""jax_nkilib.nki.attention_tkg (flat and block KV caches) vs the float64 oracle; config fields; transformations."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +9,8 @@ from jax.test_util import check_grads
 
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
-from jax_nkilib.nki import attention_tkg
-from tests.attention.oracle import attention_tkg_oracle
+from jax_nkilib.nki import attention_tkg, gen_mask_tkg_hbm
+from tests.attention.oracle import attention_tkg_oracle, block_attention_tkg_oracle, block_rows
 from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.numerics import assert_close
@@ -154,6 +154,120 @@ def test_block_kv_cache_equals_the_gathered_flat_cache():
                                                   tp_k_prior=True, curr_sprior=16))(jnp.stack([q, -q]),
                                                                                        jnp.stack([table, table]))
     np.testing.assert_allclose(batched[0], out, rtol=1e-6)
-    with pytest.raises(ValueError, match="use_pos_id=True and tp_k_prior=True"):
-        attention_tkg(q, k_active, v_active, *pools, jnp.ones((16, 2, 4, 3), jnp.uint8), active_blocks_table=table,
-                      block_len=4, tp_k_prior=True)
+    with pytest.raises(ValueError, match="the layout for tp_k_prior=False"):  # a block pool needs tp_k_prior=True
+        attention_tkg(q, k_active, v_active, *pools, active, rope_pos_ids=pos, active_blocks_table=table,
+                      block_len=4, use_pos_id=True, curr_sprior=16)
+
+
+def block_cache(batch=2, heads=4, s_active=3, d=8, block_len=16, n_blocks=16, dtype=jnp.float32, seed=10):
+    """q, k_active, v_active, k_pool, v_pool [n_blocks * batch + 3, block_len, d], a shuffled uint32 table."""
+    q, k_active, v_active, _, _ = inputs(batch, heads, s_active, d, dtype=dtype)
+    total = n_blocks * batch + 3
+    pools = random((total, block_len, d), dtype, seed), random((total, block_len, d), dtype, seed + 1)
+    table = np.random.default_rng(seed).permutation(total)[: batch * n_blocks].reshape(batch, n_blocks)
+    return (q, k_active, v_active, *pools, jnp.asarray(table, jnp.uint32))
+
+
+def natural_random_mask(batch, heads, s_active, s_prior, seed=12):
+    """[B, H, s_a, S] in slot order; query (0, 0, 0) sees nothing."""
+    natural = (np.random.default_rng(seed).uniform(size=(batch, heads, s_active, s_prior)) < 0.6).astype(np.uint8)
+    natural[0, 0, 0] = 0
+    return natural
+
+
+# (lnc, block_len, n_blocks, L): L is the kernel's resized block length, by hand: gcd(block_len, S / (n * 128)) with
+# n = 2 programs splitting S = n_blocks * block_len at LNC=2 (here B * H * s_a = 24 <= 128 and S > 256).
+GIVEN_MASK_CASES = [(1, 16, 16, 2), (1, 2, 128, 2), (1, 8, 64, 4), (2, 8, 64, 2)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", GIVEN_MASK_CASES, ids=lambda c: f"lnc{c[0]}-blk{c[1]}-L{c[3]}")
+def test_given_mask_on_block_cache_matches_oracle(case, dtype):
+    lnc, block_len, n_blocks, reduced = case
+    *args, table = block_cache(block_len=block_len, n_blocks=n_blocks, dtype=dtype)
+    s_prior = block_len * n_blocks
+    rows = jnp.asarray(block_rows(natural_random_mask(2, 4, 3, s_prior), reduced))
+    sink = random((4, 1), jnp.float32, 6)
+    with jax_nkilib.config(lnc=lnc):
+        out = jax.jit(lambda *a: attention_tkg(*a, sink=sink, active_blocks_table=table, block_len=block_len,
+                                               tp_k_prior=True, strided_mm1=False, full_sprior=s_prior))(*args, rows)
+    want = block_attention_tkg_oracle(*args, table, rows, reduced, sink=sink)
+    assert out.shape == (2, 4, 8, 3) and out.dtype == dtype
+    assert_close(out, want, dtype, reduction=s_prior)
+    other = block_attention_tkg_oracle(*args, table, rows, 1 if reduced > 1 else 2, sink=sink)
+    assert np.max(np.abs(want - other)) > 1e-2  # the case tells block lengths apart
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_gen_mask_tkg_hbm_block_mask_drives_attention_tkg(lnc):
+    """The two kernels agree on the block order: gen_mask_tkg_hbm's block mask on the block cache is the position
+    mask on the gathered flat cache (S = 512, block_len 8: L = 4 at LNC=1, 2 at LNC=2)."""
+    *args, table = block_cache(block_len=8, n_blocks=64)
+    pos = jnp.array([[300, 301, 302], [17, 18, 19]], jnp.int32)
+    causal = jnp.asarray(np.tril(np.ones((3, 3), np.uint8)).T[:, None, None, :].repeat(2, 1).repeat(4, 2))
+    with jax_nkilib.config(lnc=lnc):
+        mask = gen_mask_tkg_hbm(pos.reshape(1, 6), None, causal, bs=2, q_head=4, s_active=3, s_prior=512,
+                                block_len=8)
+        out = attention_tkg(*args, mask, active_blocks_table=table, block_len=8, tp_k_prior=True, strided_mm1=False)
+    flat = [np.asarray(pool)[np.asarray(table)].reshape(2, 1, 512, 8) for pool in args[3:5]]
+    want, _ = attention_tkg_oracle(*args[:3], *flat, causal, rope_pos_ids=pos, tp_k_prior=True, use_pos_id=True,
+                                   curr_sprior=512)
+    assert_close(out, want, jnp.float32, reduction=512)
+
+
+def test_given_block_mask_jit_vmap_shard_map_and_gradients():
+    *args, table = block_cache(block_len=16, n_blocks=16)
+    rows = jnp.asarray(block_rows(natural_random_mask(2, 4, 3, 256), 2))
+    flags = dict(active_blocks_table=table, block_len=16, tp_k_prior=True, strided_mm1=False)
+    fn = lambda q, *a: attention_tkg(q, *args[1:], *a, **flags)  # noqa: E731
+    want = block_attention_tkg_oracle(*args, table, rows, 2)
+    qs = jnp.stack([args[0], -args[0]])
+    for lnc, reduced in ((1, 2), (2, 2)):  # LNC=2: B * H * s_a <= 128 and S = 256: the batch is split, L as LNC=1
+        with jax_nkilib.config(lnc=lnc):
+            out = jax.jit(jax.vmap(fn, in_axes=(0, None)))(qs, rows)
+            jaxpr = str(jax.make_jaxpr(jax.vmap(fn, in_axes=(0, None)))(qs, rows))
+        assert ("while" in jaxpr or "scan" in jaxpr) == (lnc == 2)  # folded into B only where L cannot change
+        assert_close(out[0], want, jnp.float32, reduction=256)
+        assert_close(out[1], block_attention_tkg_oracle(-args[0], *args[1:], table, rows, reduced), jnp.float32,
+                     reduction=256)
+    grads = jax.grad(lambda q: (fn(q, rows) ** 2).sum())(args[0])
+    flat_rows = jnp.asarray(np.asarray(rows)[block_rows(np.arange(256)[None, None, None], 2)[:, 0, 0, 0]
+                                             .argsort()])  # slot order
+    flat = [np.asarray(pool)[np.asarray(table)].reshape(2, 1, 256, 8) for pool in args[3:5]]
+    flat_grads = jax.grad(lambda q: (attention_tkg(q, *args[1:3], jnp.asarray(flat[0]), jnp.asarray(flat[1]),
+                                                   flat_rows, tp_k_prior=True) ** 2).sum())(args[0])
+    np.testing.assert_allclose(grads, flat_grads, rtol=1e-5, atol=1e-6)
+    mesh = mesh_1d()
+    q8, ka8, va8, *pools8, table8 = block_cache(batch=8, block_len=16, n_blocks=16)
+    rows8 = jnp.asarray(block_rows(natural_random_mask(8, 4, 3, 256), 2))
+    specs = (P("data"),) * 3 + (P(), P(), P(None, "data"), P("data"))
+    sharded = jax.shard_map(lambda q, ka, va, kp, vp, m, t: attention_tkg(
+        q, ka, va, kp, vp, m, active_blocks_table=t, block_len=16, tp_k_prior=True, strided_mm1=False), mesh=mesh,
+        in_specs=specs, out_specs=P("data"))
+    out = jax.jit(sharded)(*shard(mesh, specs, q8, ka8, va8, *pools8, rows8, table8))
+    assert_close(out, block_attention_tkg_oracle(q8, ka8, va8, *pools8, table8, rows8, 2), jnp.float32,
+                 reduction=256)
+
+
+def test_given_block_mask_neuron_lowering_and_bad_inputs():
+    *args, table = block_cache(block_len=16, n_blocks=16)
+    rows = jnp.ones((256, 2, 4, 3), jnp.uint8)
+    flags = dict(active_blocks_table=table, block_len=16, tp_k_prior=True, strided_mm1=False)
+    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(lnc=2):
+        text = neuron_text(lambda *a: attention_tkg(*a, **flags), *args, rows)
+    (cfg,) = kernel_configs(text)
+    assert text.count("stablehlo.custom_call") == 1 and cfg["grid"] == 2
+    assert cfg["params"]["block_len"] == 16 and cfg["input_names"][-1] == "active_blocks_table"
+    bad = [
+        (dict(flags, strided_mm1=True), rows, "needs strided_mm1=False"),
+        (flags, rows[:128], "must cover all n_blocks * block_len = 256 slots"),
+        (dict(flags, tp_k_prior=False), rows, "the layout for tp_k_prior=False"),
+    ]
+    for kwargs, mask, fragment in bad:
+        with pytest.raises(ValueError, match=fragment.replace("*", "\\*")):
+            attention_tkg(*args, mask, **kwargs)
+    *args, table = block_cache(batch=1, block_len=12, n_blocks=32)  # S = 384: split over 2 programs at LNC=2
+    mask = jnp.ones((384, 1, 4, 3), jnp.uint8)
+    attention_tkg(*args, mask, **dict(flags, active_blocks_table=table, block_len=12))  # LNC=1: L = gcd(12, 3)
+    with jax_nkilib.config(lnc=2), pytest.raises(ValueError, match="multiple of block_len=12 and of 256"):
+        attention_tkg(*args, mask, **dict(flags, active_blocks_table=table, block_len=12))

@@ -1,4 +1,4 @@
-"""jax_nkilib.nki.gen_mask_tkg_hbm (flat cache) against a NumPy oracle of the catalog/torch-reference semantics."""
+"""jax_nkilib.nki.gen_mask_tkg_hbm (flat and block caches) against a NumPy oracle of the torch-reference semantics."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from jax_nkilib.nki import gen_mask_tkg_hbm
+from tests.attention.oracle import block_rows
 from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.sharding import mesh_1d, shard
 
@@ -15,8 +16,9 @@ BS, HEADS, S_ACTIVE, S_PRIOR = 2, 3, 3, 256
 POS = jnp.array([[5, 6, 7, 9, 10, 11]], jnp.int32)
 
 
-def oracle(pos, start=None, active=None, bs=BS, heads=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR):
-    """Natural-order mask [bs, heads, s_active, s_prior], then rows t * 128 + p <- slot p * tiles + t."""
+def oracle(pos, start=None, active=None, bs=BS, heads=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR, block=0):
+    """Natural-order mask [bs, heads, s_active, s_prior], then rows t * 128 + p <- slot p * tiles + t (flat cache), or
+    the block-cache rows for the kernel's resized block length `block`."""
     pos = np.asarray(pos, np.float64)[0].reshape(bs, s_active)
     natural = np.zeros((bs, heads, s_active, s_prior), np.float32)
     for b in range(bs):
@@ -31,6 +33,8 @@ def oracle(pos, start=None, active=None, bs=BS, heads=HEADS, s_active=S_ACTIVE, 
     if active is not None:
         for j in range(s_active):
             natural[:, :, :, s_prior - s_active + j] = np.asarray(active)[j, :bs]  # [b, h, i]
+    if block:
+        return block_rows(natural, block)
     tiles = s_prior // 128
     out = np.zeros((s_prior, bs, heads, s_active), np.float32)
     for t in range(tiles):
@@ -63,6 +67,10 @@ def test_vmap_and_replicated_shard_map():
     fn = jax.shard_map(lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR),
                        mesh=mesh, in_specs=P(), out_specs=P())
     np.testing.assert_array_equal(jax.jit(fn)(shard(mesh, (P(),), POS)), oracle(POS))
+    with jax_nkilib.config(lnc=2):  # block cache, s_prior split over 2 programs: L = gcd(4, 512 / 256) = 2
+        out = jax.vmap(lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=512,
+                                                  block_len=4))(stacked)
+    np.testing.assert_array_equal(out[1], oracle(POS + 1, s_prior=512, block=2))
 
 
 def test_neuron_lowering():
@@ -70,15 +78,59 @@ def test_neuron_lowering():
         (cfg,) = kernel_configs(neuron_text(lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE,
                                                                        s_prior=S_PRIOR), POS))
     assert cfg["func_name"] == "gen_mask_tkg_hbm" and cfg["params"]["s_prior"] == S_PRIOR
+    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(lnc=2):
+        (cfg,) = kernel_configs(neuron_text(lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE,
+                                                                       s_prior=512, block_len=4), POS))
+    assert cfg["params"]["block_len"] == 4 and cfg["grid"] == 2  # the kernel resizes block_len itself
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE), "`s_prior` is required"),
     (dict(bs=3, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR), "[1, bs * s_active] = [1, 9]"),
     (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=200), "multiple of 128"),
-    (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR, block_len=16), "not bound yet"),
+    (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR, block_len=-4), "must be 0 (flat cache) or"),
+    (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR, block_len=48), "multiple of block_len=48"),
 ])
 def test_bad_inputs(kwargs, fragment):
     with pytest.raises(ValueError) as info:
         gen_mask_tkg_hbm(POS, **kwargs)
     assert fragment in str(info.value)
+    with jax_nkilib.config(lnc=2), pytest.raises(ValueError, match="and of 256 .128 per program"):
+        gen_mask_tkg_hbm(POS, bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=384, block_len=4)  # s_prior split
+
+
+# Expected resized block lengths L, worked out by hand from resize_cache_block_len_for_attention_tkg_kernel:
+# L = gcd(block_len, s_prior / (n * 128)), n = 2 when LNC=2 splits s_prior (bs odd, or bs * heads * s_active <= 128
+# and s_prior > 256, or fuse_rope), with flash-attention tiling (s_prior / n > 8192) also dividing 64 and the last
+# tile's length / 128.
+BLOCK_CASES = [  # (lnc, s_prior, block_len, kwargs, L)
+    (1, 256, 16, {}, 2),  # 2 tiles: 16 -> 2
+    (1, 2048, 16, {}, 16),  # 16 tiles: not resized
+    (1, 512, 4, {}, 4),
+    (2, 512, 4, {}, 2),  # s_prior split over 2 programs: 2 tiles each
+    (2, 256, 4, {}, 2),  # batch split (s_prior <= 256, bs even): as LNC=1
+    (2, 256, 4, dict(fuse_rope=True), 1),  # fuse_rope never splits the batch: s_prior split, 1 tile each
+    (1, 12288, 96, dict(bs=1, q_head=1, s_active=1), 32),  # flash-attention tiles of 8192 + 4096: gcd(96, 96, 64, 32)
+    (1, 12288, 96, dict(bs=1, q_head=1, s_active=1, enable_fa_s_prior_tiling=False), 96),
+]
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: f"lnc{c[0]}-s{c[1]}-blk{c[2]}-L{c[4]}")
+def test_block_cache_order_matches_oracle(case):
+    lnc, s_prior, block_len, kwargs, reduced = case
+    shape = dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE)
+    flags = {k: v for k, v in kwargs.items() if k not in shape}
+    shape |= {k: v for k, v in kwargs.items() if k in shape}
+    pos = POS if shape["bs"] == BS else jnp.array([[7001]], jnp.int32)
+    active = None
+    if shape["bs"] == BS:  # a causal active block, placed at the last s_active slots before the shuffle
+        active = jnp.asarray(np.tril(np.ones((S_ACTIVE, S_ACTIVE)))[:, None, None, :].repeat(BS, 1)
+                             .repeat(HEADS, 2).astype(np.uint8))
+    with jax_nkilib.config(lnc=lnc):
+        out = jax.jit(lambda p, a: gen_mask_tkg_hbm(p, None, a, s_prior=s_prior, block_len=block_len, **shape,
+                                                    **flags))(pos, active)
+    want = oracle(pos, None, active, shape["bs"], shape["q_head"], shape["s_active"], s_prior, block=reduced)
+    np.testing.assert_array_equal(out, want)
+    other = oracle(pos, None, active, shape["bs"], shape["q_head"], shape["s_active"], s_prior,
+                   block=1 if reduced > 1 else 2)
+    assert not np.array_equal(want, other)  # the case tells block lengths apart

@@ -1,4 +1,4 @@
-"""``gen_mask_tkg_hbm`` (catalog 1.4): the decode attention mask, in the kernel's tiled HBM order (flat cache).
+"""``gen_mask_tkg_hbm`` (catalog 1.4): the decode attention mask, in the kernel's tiled HBM order.
 
 Inputs: ``pos_ids_hbm [1, bs * s_active]`` position ids (row ``b``'s queries at ``b * s_active + i``),
 ``start_pos_hbm [1, bs * s_active]`` optional sliding-window starts, ``active_mask [s_active, bs, q_head, s_active]``
@@ -7,13 +7,26 @@ optional visibility of active key ``j`` for query ``i`` (``active_mask[j, b, h, 
 Mask (the torch reference's): cache slot ``k`` is visible to query ``i`` of row ``b`` when ``k < pos_ids[b, 0]`` (the
 row's cache length), or with ``start_pos_hbm`` when ``k`` lies in ``[start, pos)`` (wrapping around when
 ``start > pos``); ``active_mask``, if given, overrides the last ``s_active`` slots. The ``[bs, q_head, s_active,
-s_prior]`` result is stored in the layout the strided attention kernel loads: output row ``t * 128 + p`` holds slot
-``p * (s_prior / 128) + t``, as ``[s_prior, bs, q_head, s_active]`` float32 (1 = visible).
+s_prior]`` result is stored as ``[s_prior, bs, q_head, s_active]`` float32 (1 = visible) in the tile-major order the
+kernel writes: output row ``f * 128 + p`` holds the slot at SBUF position ``(p, f)`` of the attention kernel's K
+tiles. For a flat cache (``block_len=0``, strided MM1) that is slot ``p * (s_prior / 128) + f``.
 
-``s_prior`` must be a multiple of 128. The block KV cache layout (``block_len > 0``) is not bound yet.
+Block KV cache (``block_len > 0``): the attention kernel puts 128 blocks of ``L`` slots per fold on the partitions,
+so slot ``k = fold * 128 * L + p * L + o`` (``o < L``) sits at ``(p, fold * L + o)`` and output row
+``(fold * L + o) * 128 + p`` holds it. ``L`` is the kernel's *resized* block length (its
+``resize_cache_block_len_for_attention_tkg_kernel``, :func:`resized_block_len`): ``L = gcd(block_len, s_prior /
+(n * 128))`` with ``n`` the programs ``s_prior`` is split over, and with flash-attention tiling
+(``enable_fa_s_prior_tiling`` and ``s_prior / n > 8192``) ``L`` also divides ``64`` and ``(s_prior / n mod 8192) /
+128``. ``n`` is 1 at LNC=1; at LNC=2 it is 2 when ``s_prior >= 256`` and the batch is not split instead (the batch
+is split when ``bs`` is even, ``not fuse_rope``, and ``bs * q_head * s_active > 128`` or ``s_prior <= 256``). So ``L``
+depends on the LNC degree (``jax_nkilib.config(lnc=...)``) and the shapes: build a block mask and consume it
+(``attention_tkg`` with ``active_blocks_table``) under the same LNC and shapes. ``s_prior`` must be a multiple of
+``block_len`` and of ``n * 128``.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 
@@ -22,6 +35,7 @@ from ..framework.spec import INT_DTYPES, CallInfo, KernelSpec, Operand, Output, 
 from .checks import require_params
 
 P_MAX = 128
+FA_TILE = 8192  # the kernels' flash-attention s_prior tile (and threshold)
 _POSITIONS = INT_DTYPES + (jnp.float32,)
 _MASK_VALUES = (jnp.uint8, jnp.int32, jnp.float32, jnp.bool_)
 
@@ -64,12 +78,56 @@ def kernel_tiles(mask, n_tiles: int, *, block_len: int = 0, strided_mm1: bool = 
     return jnp.transpose(mask.reshape(bs, q_head, s_active, n_tiles, P_MAX), (4, 3, 0, 1, 2))
 
 
+def sprior_programs(*, lnc: int, bs: int, q_head: int, s_active: int, s_prior: int, fuse_rope: bool = False) -> int:
+    """How many programs the TKG kernels split ``s_prior`` over: 2 at LNC=2 unless the batch is split instead."""
+    if lnc < 2:
+        return 1
+    batch_split = not fuse_rope and bs % 2 == 0 and (bs * q_head * s_active > P_MAX or s_prior <= 2 * P_MAX)
+    return lnc if not batch_split and s_prior >= 2 * P_MAX else 1
+
+
+def resized_block_len(s_prior: int, block_len: int, *, lnc: int, bs: int, q_head: int, s_active: int,
+                      enable_fa_s_prior_tiling: bool = True, fuse_rope: bool = False, function: str = "") -> int:
+    """The block length ``L`` the TKG kernels use for a block cache (see the module docstring); ``ValueError`` when
+    ``s_prior`` is not a multiple of ``block_len`` and of the ``n * 128`` slots the kernel needs."""
+    programs = sprior_programs(lnc=lnc, bs=bs, q_head=q_head, s_active=s_active, s_prior=s_prior,
+                               fuse_rope=fuse_rope)
+    if s_prior % block_len or s_prior % (programs * P_MAX):
+        raise ValueError(f"{function}: a block KV cache needs s_prior={s_prior} to be a multiple of block_len="
+                         f"{block_len} and of {programs * P_MAX} (128 per program it is split over at LNC={lnc})")
+    divisor = s_prior // (programs * P_MAX)
+    per_program = s_prior // programs
+    if enable_fa_s_prior_tiling and per_program > FA_TILE:  # each flash-attention tile holds whole folds
+        divisor = math.gcd(divisor, FA_TILE // P_MAX, (per_program % FA_TILE) // P_MAX)
+    return math.gcd(block_len, divisor)
+
+
+def block_order(mask, block_len: int):
+    """Natural ``[bs, q_head, s_active, s_prior]`` to the block-cache tile-major rows ``[s_prior, bs, q_head,
+    s_active]`` for the resized block length ``block_len`` (row ``(fold * L + o) * 128 + p`` <- slot ``fold * 128 * L
+    + p * L + o``)."""
+    bs, q_head, s_active, s_prior = mask.shape
+    tiles = kernel_tiles(mask, s_prior // P_MAX, block_len=block_len)  # [128, n_tiles, ...]
+    return jnp.swapaxes(tiles, 0, 1).reshape(s_prior, bs, q_head, s_active)
+
+
+def natural_order(rows, block_len: int):
+    """Inverse of :func:`block_order`: block-cache rows ``[s_prior, bs, q_head, s_active]`` to natural
+    ``[bs, q_head, s_active, s_prior]``."""
+    s_prior, bs, q_head, s_active = rows.shape
+    folded = rows.reshape(s_prior // (block_len * P_MAX), block_len, P_MAX, bs, q_head, s_active)
+    return jnp.transpose(folded, (3, 4, 5, 0, 2, 1)).reshape(bs, q_head, s_active, s_prior)
+
+
 def reference_gen_mask_tkg_hbm(pos_ids_hbm, start_pos_hbm=None, active_mask=None, *, bs, q_head, s_active, s_prior,
-                               block_len=0, enable_fa_s_prior_tiling=True, fuse_rope=False):
-    """JAX reference of ``gen_mask_tkg_hbm`` for a flat cache: ``[s_prior, bs, q_head, s_active]`` float32."""
-    del block_len, enable_fa_s_prior_tiling, fuse_rope  # flat cache only; no effect on the mask values
+                               block_len=0, enable_fa_s_prior_tiling=True, fuse_rope=False, lnc=1):
+    """JAX reference of ``gen_mask_tkg_hbm``: ``[s_prior, bs, q_head, s_active]`` float32 in tile-major order."""
     mask = natural_mask(pos_ids_hbm, start_pos_hbm, active_mask, bs=bs, q_head=q_head, s_active=s_active,
                         s_ctx=s_prior)
+    if block_len:
+        resized = resized_block_len(s_prior, block_len, lnc=lnc, bs=bs, q_head=q_head, s_active=s_active,
+                                    enable_fa_s_prior_tiling=enable_fa_s_prior_tiling, fuse_rope=fuse_rope)
+        return (block_order(mask, resized),)
     tiled = jnp.swapaxes(kernel_tiles(mask, s_prior // P_MAX), 0, 1)  # tile-major rows: t * 128 + p
     return (tiled.reshape(s_prior, bs, q_head, s_active),)
 
@@ -83,8 +141,12 @@ def _check_hbm(call: CallInfo) -> None:
     if p["s_prior"] % P_MAX or p["s_prior"] < p["s_active"]:
         raise ValueError(f"{function}: s_prior must be a multiple of {P_MAX} and at least s_active; got "
                          f"s_prior={p['s_prior']}")
+    if p["block_len"] < 0:
+        raise ValueError(f"{function}: block_len must be 0 (flat cache) or positive; got {p['block_len']}")
     if p["block_len"]:
-        raise ValueError(f"{function}: the block KV cache mask (block_len > 0) is not bound yet in jax_nkilib")
+        resized_block_len(p["s_prior"], p["block_len"], lnc=call.lnc, bs=p["bs"], q_head=p["q_head"],
+                          s_active=p["s_active"], enable_fa_s_prior_tiling=p["enable_fa_s_prior_tiling"],
+                          fuse_rope=p["fuse_rope"], function=function)
     active = call.avals.get("active_mask")
     if active is not None and tuple(active.shape) != (p["s_active"], p["bs"], p["q_head"], p["s_active"]):
         raise ValueError(f"{function}: `active_mask` must be [s_active, bs, q_head, s_active] = "
@@ -92,6 +154,7 @@ def _check_hbm(call: CallInfo) -> None:
 
 
 GEN_MASK_TKG_HBM_SPEC = KernelSpec(
+    reference_takes_lnc=True,
     name="gen_mask_tkg_hbm",
     entry_point="nkilib.core.attention.gen_mask_tkg:gen_mask_tkg_hbm",
     operands=(
@@ -110,7 +173,8 @@ GEN_MASK_TKG_HBM_SPEC = KernelSpec(
     family="attention",
     catalog="1.4",
     support={"idiomatic": "", "vjp": "not differentiable (a mask)",
-             "notes": "flat cache; output rows in the strided kernel's tiled order; block_len > 0 not bound yet"},
+             "notes": "flat and block KV caches; output rows in the kernel's tile-major order; the block order uses "
+                      "the kernel's resized block length, which depends on the LNC degree"},
 )
 
 gen_mask_tkg_hbm = make_kernel(GEN_MASK_TKG_HBM_SPEC)
@@ -120,7 +184,12 @@ gen_mask_tkg_hbm = make_kernel(GEN_MASK_TKG_HBM_SPEC)
 def reference_gen_mask_tkg(pos_ids, start_pos=None, active_mask=None, *, bs, q_head, s_active, is_s_prior_sharded,
                            s_prior_per_shard, n_sprior_tile, s_prior_offset=0, block_len=0, strided_mm1=True,
                            is_batch_sharded=False, batch_offset=0, n_sprior_tile_total=0):
-    """JAX reference of the ``gen_mask_tkg`` subkernel on program 0: ``[128, n_sprior_tile, bs, q_head, s_active]``."""
+    """JAX reference of the ``gen_mask_tkg`` subkernel on program 0: ``[128, n_sprior_tile, bs, q_head, s_active]``.
+
+    ``block_len`` is used as given: the subkernel does not resize it (its callers pass the already resized length
+    :func:`resized_block_len`). With ``block_len > 0`` the block placement applies whatever ``strided_mm1`` (newer
+    library versions assert ``strided_mm1=False`` there; the device adapter passes False).
+    """
     del is_s_prior_sharded, is_batch_sharded, n_sprior_tile_total  # program 0: no shard offsets (checked)
     mask = natural_mask(pos_ids, start_pos, active_mask, bs=bs, q_head=q_head, s_active=s_active,
                         s_ctx=s_prior_per_shard, batch_start=batch_offset)

@@ -21,10 +21,18 @@ give 0.
 
 Block KV cache: ``k_prior``/``v_prior`` are block pools ``[n_blocks_total, block_len, d]`` and
 ``active_blocks_table [B, n_blocks]`` lists each row's blocks in order (row ``b``'s flat cache is the concatenation
-of its blocks, ``full_sprior = n_blocks * block_len``). It is bound with ``use_pos_id=True`` (the mask is generated
-in-kernel, in natural order) and ``tp_k_prior=True``; a given mask for a block cache (which the kernel expects in a
-block-shuffled order) is not bound yet. SBUF placement flags (``qk_in_sb``, ``k_out_in_sb``, ``out_in_sb``) cannot
-apply to a JAX call and raise ``ValueError``. The config fields that the shapes
+of its blocks, ``full_sprior = n_blocks * block_len``); it needs ``tp_k_prior=True`` (the kernel asserts it). With
+``use_pos_id`` the mask is generated in-kernel and ``curr_sprior <= full_sprior``. A *given* mask must cover the
+whole table (``S_prior = n_blocks * block_len``, as the kernel asserts) and, since the kernel asserts non-strided
+MM1 for a block cache, needs ``strided_mm1=False``; its rows are in the kernel's block-cache tile-major order, the
+one ``gen_mask_tkg_hbm(..., block_len=block_len)`` writes: row ``(fold * L + o) * 128 + p`` is slot ``fold * 128 *
+L + p * L + o`` of the flat cache, where ``L`` is the kernel's resized block length (``gcd(block_len, S_prior /
+(n * 128))``, ``n`` the programs ``S_prior`` is split over at the current LNC, further limited by flash-attention
+tiling; see ``masks_tkg``). ``L`` depends on the LNC degree and on ``B``, ``H``, ``s_a`` (at LNC=2), so build the
+mask under the same LNC and shapes; ``S_prior`` must be a multiple of ``n * 128``. The resize does not change which
+slots a block holds: the block table and pools keep their meaning. With ``use_pos_id`` the device adapter passes
+``strided_mm1=False`` for a block cache (the flag does not change the result). SBUF placement flags (``qk_in_sb``,
+``k_out_in_sb``, ``out_in_sb``) cannot apply to a JAX call and raise ``ValueError``. The config fields that the shapes
 determine (``bs``, ``q_head``, ``s_active``, ``full_sprior``, ``d_head``, and ``curr_sprior`` without
 ``use_pos_id``) may be given and must then match. Reverse mode differentiates this reference (there is no backward
 kernel).
@@ -39,6 +47,7 @@ import jax.numpy as jnp
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from .checks import head_dim_limit
+from .masks_tkg import natural_order, resized_block_len
 
 SPRIOR_TILE = 128
 POSITION_DTYPES = INT_DTYPES + (jnp.float32,)
@@ -52,10 +61,11 @@ def _rotate_half(x, cos, sin):
     return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
-def _visible(mask, rope_pos_ids, start_pos_ids, *, use_pos_id, batch, heads, s_active, s_prior):
-    """Boolean [B, H, s_a, S_prior]: may active query i of row b attend to cache slot s?"""
+def _visible(mask, rope_pos_ids, start_pos_ids, *, use_pos_id, batch, heads, s_active, s_prior, block_len):
+    """Boolean [B, H, s_a, S_prior]: may active query i of row b attend to cache slot s? (``block_len``: the resized
+    block length of a given block-cache mask, else 0.)"""
     if not use_pos_id:
-        return jnp.transpose(mask, (1, 2, 3, 0)) != 0
+        return (natural_order(mask, block_len) if block_len else jnp.transpose(mask, (1, 2, 3, 0))) != 0
     slot = jnp.arange(s_prior)[None, None, :]
     ends = rope_pos_ids.astype(jnp.float32)[:, :, None]  # [B, s_a, 1]
     if start_pos_ids is None:
@@ -69,12 +79,17 @@ def _visible(mask, rope_pos_ids, start_pos_ids, *, use_pos_id, batch, heads, s_a
 
 
 def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None, rope_pos_ids=None,
-                            start_pos_ids=None, sink=None, active_blocks_table=None, **cfg):
+                            start_pos_ids=None, sink=None, active_blocks_table=None, lnc=1, **cfg):
     """JAX reference of ``attention_tkg``: ``(out [B, H, d, s_a],)``, and ``k_out [B, 1, d, s_a]`` with fuse_rope."""
     batch, heads, s_active, d = q.shape
+    s_prior = mask.shape[0] if not cfg["use_pos_id"] else cfg["curr_sprior"]
+    mask_block_len = 0
     if active_blocks_table is not None:  # gather each row's blocks into a flat [B, 1, S_full, d] cache
         k_prior, v_prior = (pool[active_blocks_table].reshape(batch, 1, -1, d) for pool in (k_prior, v_prior))
-    s_prior = mask.shape[0] if not cfg["use_pos_id"] else cfg["curr_sprior"]
+        if not cfg["use_pos_id"]:
+            mask_block_len = resized_block_len(s_prior, cfg["block_len"], lnc=lnc, bs=batch, q_head=heads,
+                                               s_active=s_active, fuse_rope=cfg["fuse_rope"],
+                                               enable_fa_s_prior_tiling=cfg["enable_fa_s_prior_tiling"])
     acc = jnp.promote_types(q.dtype, jnp.float32)
     queries, keys = q.astype(acc), k_active[:, 0].astype(acc)  # [B, H, s_a, d], [B, s_a, d]
     if cfg["fuse_rope"]:
@@ -88,7 +103,7 @@ def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_f
     cache_k = cache_k.at[:, s_prior - s_active:].set(keys)
     cache_v = cache_v.at[:, s_prior - s_active:].set(v_active[:, 0].astype(acc))
     visible = _visible(mask, rope_pos_ids, start_pos_ids, use_pos_id=cfg["use_pos_id"], batch=batch, heads=heads,
-                       s_active=s_active, s_prior=s_prior)
+                       s_active=s_active, s_prior=s_prior, block_len=mask_block_len)
     scores = jnp.where(visible, jnp.einsum("bhid,bsd->bhis", queries, cache_k), -jnp.inf)
     row_max = scores.max(-1)
     if sink is not None:
@@ -113,11 +128,21 @@ def _check(call: CallInfo) -> None:
     if block != bool(p["block_len"]) or (block and dims.get("blk") != p["block_len"]):
         raise ValueError(f"{function}: a block KV cache needs active_blocks_table and block_len equal to the pools' "
                          f"block axis; got block_len={p['block_len']}, pools {tuple(avals['k_prior'].shape)}")
-    if block and not (p["use_pos_id"] and p["tp_k_prior"]):
-        raise ValueError(f"{function}: a block KV cache is bound with use_pos_id=True and tp_k_prior=True (a given "
-                         "mask in the kernel's block-shuffled order is not bound yet)")
+    if block and not p["tp_k_prior"]:
+        raise ValueError(f"{function}: a block KV cache needs tp_k_prior=True (pools [N_blocks, blk, d])")
     if block:
         dims = dict(dims, B_cache=dims["B"], S_full=dims["n_blocks"] * p["block_len"])
+    if block and not p["use_pos_id"]:
+        if p["strided_mm1"]:
+            raise ValueError(f"{function}: a block KV cache with a given mask needs strided_mm1=False (the kernel "
+                             "asserts it; the mask is in the non-strided block order)")
+        if dims["S_prior"] != dims["S_full"]:
+            raise ValueError(f"{function}: with a block KV cache the mask must cover all n_blocks * block_len = "
+                             f"{dims['S_full']} slots of the table (the kernel asserts it); got S_prior="
+                             f"{dims['S_prior']}")
+        resized_block_len(dims["S_prior"], p["block_len"], lnc=call.lnc, bs=dims["B"], q_head=dims["H"],
+                          s_active=dims["s_a"], enable_fa_s_prior_tiling=p["enable_fa_s_prior_tiling"],
+                          fuse_rope=p["fuse_rope"], function=function)
     for flag in ("qk_in_sb", "k_out_in_sb", "out_in_sb"):
         if p[flag]:
             raise ValueError(f"{function}: `{flag}` places tensors in SBUF, which a JAX call cannot do; the device "
@@ -152,6 +177,7 @@ def _neuron_limits(call: CallInfo) -> list[str]:
 
 
 ATTENTION_TKG_SPEC = KernelSpec(
+    reference_takes_lnc=True,
     name="attention_tkg",
     entry_point="jax_nkilib_kernels.attention:attention_tkg",
     operands=(
@@ -188,7 +214,9 @@ ATTENTION_TKG_SPEC = KernelSpec(
                 FoldPlan({"q": 0, "k_active": 0, "v_active": 0, "k_prior": None, "v_prior": None, "mask": 1,
                           "rope_pos_ids": 0, "start_pos_ids": 0, "inv_freqs": None, "sink": None,
                           "active_blocks_table": 0}, outputs={"out": 0, "k_out": 0},
-                         when=lambda call: call.avals.get("active_blocks_table") is not None)),
+                         # a given block mask's order depends on B at LNC > 1: fold only where it cannot change
+                         when=lambda call: call.avals.get("active_blocks_table") is not None
+                         and (call.params["use_pos_id"] or call.lnc == 1))),
     derived_params=(("bs", "B"), ("q_head", "H"), ("s_active", "s_a"), ("d_head", "d"),
                     ("full_sprior", lambda call: call.dims.get("S_full") or call.dims["n_blocks"] * call.params[
                         "block_len"])),
@@ -198,8 +226,8 @@ ATTENTION_TKG_SPEC = KernelSpec(
     catalog="1.3",
     support={"idiomatic": "decode_attention",
              "vjp": "JAX (differentiates the reference; no backward kernel)",
-             "notes": "flat and block KV caches (block cache with use_pos_id only); no 1/sqrt(d) unless fuse_rope; "
-                      "device adapter kernels/attention.py"},
+             "notes": "flat and block KV caches (a given block-cache mask is in the kernel's block order, which "
+                      "depends on the LNC degree); no 1/sqrt(d) unless fuse_rope; device adapter kernels/attention.py"},
 )
 
 attention_tkg = make_kernel(ATTENTION_TKG_SPEC, vjp=reference_vjp)
