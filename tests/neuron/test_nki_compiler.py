@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_nkilib
-from jax_nkilib._src.neuron.compilers import kernel_arguments
+from jax_nkilib._src.neuron.compilers import kernel_arguments, library_enum
 from jax_nkilib.neuron import NeuronOutputMismatchError, NkiApiError
 from jax_nkilib.nki import RoPE
 from tests.support.data import angles, random
@@ -117,3 +117,18 @@ def test_tensors_after_static_parameters_or_gaps_go_by_keyword():
     gap = {name: specs[name] for name in ("q", "v")}  # k absent: v must not land on k
     args, kwargs = kernel_arguments(kernel, gap, {})
     assert len(args) == 1 and set(kwargs) == {"v"}
+
+
+def test_enum_flags_become_the_librarys_members(monkeypatch):
+    import enum
+
+    class NormType(enum.Enum):  # the library's own class, distinct from jax_nkilib's copy
+        RMS_NORM = 1
+
+    module = types.ModuleType("nkilib.core.utils.common_types")
+    module.NormType = NormType
+    monkeypatch.setitem(sys.modules, "nkilib.core.utils.common_types", module)
+    assert library_enum(jax_nkilib.nki.NormType.RMS_NORM) is NormType.RMS_NORM
+    assert library_enum(0.5) == 0.5
+    with pytest.raises(NkiApiError, match="no member"):
+        library_enum(jax_nkilib.nki.NormType.LAYER_NORM)

@@ -131,6 +131,21 @@ def _import_entry_point(entry_point: str):
                       "ships with neuronx-cc (as `nkilib`) or as the `nki-library` source tree (`nkilib_src`).")
 
 
+COMMON_TYPES_MODULE = "nkilib.core.utils.common_types"
+
+
+def library_enum(value: Any) -> Any:
+    """``value``, or for one of jax_nkilib's copies of the NKI Library enums (``jax_nkilib.nki.NormType.RMS_NORM``)
+    the library's own member of the same class and name, which the kernel compares against."""
+    if not isinstance(value, enum.Enum):
+        return value
+    cls = _import_entry_point(f"{COMMON_TYPES_MODULE}:{type(value).__name__}")
+    try:
+        return cls[value.name]
+    except KeyError:
+        raise NkiApiError(f"the installed NKI Library's {type(value).__name__} has no member {value.name}") from None
+
+
 def kernel_arguments(function, tensors: Mapping[str, Any], static: Mapping[str, Any]) -> tuple[list, dict]:
     """Positional and keyword arguments for ``function``: tensors positionally while they fill the signature's
     leading parameters in order, every other tensor (after an absent optional one, or after static parameters in
@@ -179,7 +194,8 @@ class NkiCompiler:
         build_config = getattr(kernel, "build_config", None)
         if build_config is None:
             raise NkiApiError("nki's CompileKernel object has no `build_config`; this nki version is not supported")
-        args, kwargs = kernel_arguments(function, tensors, static_kernel_kwargs(spec, call))
+        static = {name: library_enum(value) for name, value in static_kernel_kwargs(spec, call).items()}
+        args, kwargs = kernel_arguments(function, tensors, static)
         framework_config = build_config(*args, **kwargs)
         missing = [attr for attr in ("backend_config_b64", "output_specs", "operand_output_aliases",
                                      "has_collectives") if not hasattr(framework_config, attr)]
