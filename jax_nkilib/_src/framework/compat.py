@@ -87,6 +87,13 @@ def varying_like(x, *refs):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def sum_over_extra_varying(cotangent, primal):
+    """``cotangent`` summed over the manual mesh axes it varies over and ``primal`` does not (the transpose of using
+    a replicated value in every shard); unchanged outside ``shard_map``."""
+    extra = tuple(sorted(_varying_axes(cotangent) - _varying_axes(primal)))
+    return jax.lax.psum(cotangent, extra) if extra else cotangent
+
+
 def align_varying(values):
     """Mark every value varying over the union of the manual axes any of them varies over (a kernel's inputs must
     agree inside ``shard_map``, like the operands of any JAX primitive)."""

@@ -151,7 +151,9 @@ class Kernel:
 
         def backward(residuals, cotangents):
             grads = rule.backward(self, residuals, params, tuple(cotangents))
-            return tuple(None if grads.get(name) is None else grads[name].astype(operands[name].dtype)
+            # inside shard_map, an operand replicated over a mesh axis gets the sum of its per-shard cotangents
+            return tuple(None if grads.get(name) is None
+                         else compat.sum_over_extra_varying(grads[name], operands[name]).astype(operands[name].dtype)
                          for name in present)
 
         kernel_call.defvjp(forward, backward)
