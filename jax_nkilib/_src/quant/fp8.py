@@ -30,17 +30,16 @@ SCALE_BYTES = 4  # a float32 scale stored as four 1-byte elements
 
 
 def scale_to_bytes(scale, dtype):
-    """float32 ``scale [...]`` as ``[..., 4]`` elements of the 1-byte type ``dtype``, bit for bit: element ``j``
-    holds bits ``8j..8j+7`` of the float32 (its little-endian byte ``j``), as rmsnorm_quant's ROW output stores it."""
-    from .mx import unpack_x4  # the x4 byte order is the same little-endian one
+    """float32 ``scale [...]`` as ``[..., 4]`` elements of the 1-byte type ``dtype``, bit for bit (a bitcast):
+    element ``j`` is byte ``j`` of the float32 in memory, i.e. bits ``8j..8j+7`` on the little-endian targets (CPU,
+    Trainium), as rmsnorm_quant's ROW output stores its scale."""
+    from jax import lax
 
-    return unpack_x4(jnp.asarray(scale, jnp.float32)[..., None], dtype)
+    return lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32), dtype)
 
 
 def scale_from_bytes(data):
     """Inverse of :func:`scale_to_bytes`: float32 ``[...]`` from ``[..., 4]`` 1-byte elements (any 1-byte type)."""
     from jax import lax
 
-    from .mx import pack_x4
-
-    return lax.bitcast_convert_type(pack_x4(data), jnp.float32)[..., 0]
+    return lax.bitcast_convert_type(data, jnp.float32)

@@ -1,0 +1,205 @@
+"""Normalization and FP8 quantization in JAX layouts: ``rms_norm``, ``layer_norm``, ``quantize_fp8``,
+``dequantize_fp8``.
+
+Each normalizes or quantizes over the last axis of ``x [..., H]``. On Neuron ``rms_norm``/``layer_norm`` are the
+``rmsnorm_tkg``/``layernorm_tkg`` kernels and ``quantize_fp8`` (float8_e4m3) is ``rmsnorm_quant_kernel`` with
+``norm_type=NO_NORM``; elsewhere the kernels' JAX references run. Layout glue: the tokens become the kernels' ``B*S``
+axis; the norm kernels' output ``[128, B*S, H/128]`` comes back through a layout view as ``[B*S, 128, H/128]``,
+which is ``[..., H]`` by a reshape at LNC=1 (the transpose appears only in the Neuron lowering); at LNC=2 the two
+``H`` halves are additionally regrouped by an explicit transpose. Token counts past the TKG kernels' SBUF capacity
+become several kernel calls over equal token slices.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..common_types import NormType, QuantizationType
+from ..framework.spec import FP8_DTYPES
+from ..quant.fp8 import SCALE_BYTES, fp8_max, saturate, scale_from_bytes
+from .rmsnorm_quant import compute_dtype, rmsnorm_quant_kernel, row_quantize, static_quantize
+from .tkg import P_MAX, layernorm_rows, layernorm_tkg, rmsnorm_tkg, rows_from_tiles
+
+_NORM_VIEW = {"out": "B*S, 128, H/128"}
+QUANT_MODES = ("row", "static")
+
+
+def _require_array(where: str, name: str, value, *, floating: bool = True):
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        raise TypeError(f"{where}: `{name}` must be an array; got {type(value).__name__}")
+    if floating and not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(f"{where}: `{name}` must have a floating dtype; got {value.dtype}")
+
+
+def _check_norm_args(where: str, x, params) -> int:
+    _require_array(where, "x", x)
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{where}: `x` must have layout [..., H] with H >= 1; got shape {tuple(x.shape)}")
+    hidden = x.shape[-1]
+    for name, value in params.items():
+        if value is None:
+            continue
+        _require_array(where, name, value)
+        if tuple(value.shape) != (hidden,):
+            raise ValueError(f"{where}: `{name}` must have layout [H] = ({hidden},) for x of shape {tuple(x.shape)}; "
+                             f"got {tuple(value.shape)}")
+    return hidden
+
+
+def _norm_call(kernel, x, vectors, params):
+    """Run a TKG norm kernel on ``x [..., H]`` (tokens as ``B``, ``S = 1``) and return ``[..., H]``."""
+    hidden = x.shape[-1]
+    tokens = math.prod(x.shape[:-1])
+    operands = {"input": x.reshape(tokens, 1, hidden), **{k: None if v is None else v.reshape(1, hidden)
+                                                           for k, v in vectors.items()}}
+    (tiles,) = kernel.call(operands, params, view=_NORM_VIEW)  # [tokens, 128, H/128]
+    return rows_from_tiles(tiles, params["lnc"]).reshape(x.shape)
+
+
+def rms_norm(x, weight=None, *, eps: float = 1e-6):
+    """RMS normalization over the last axis: ``x * rsqrt(mean(x^2) + eps) * weight``.
+
+    Args:
+      x: ``[..., H]``, any float dtype; the result has ``x``'s shape and dtype.
+      weight: ``[H]`` gain (default 1), applied in float32.
+      eps: added to the mean square, inside the square root (1e-6, the kernel's and Flax's default).
+
+    Differentiable in ``x`` and ``weight`` (JAX backward). Statistics in float32 (float64 for float64 inputs). On
+    Neuron this is ``rmsnorm_tkg``; an ``H`` that is not a multiple of 128 is zero-padded to one (with
+    ``hidden_actual=H``, so the mean is over ``H``) and the output sliced back (a pad and a slice around the kernel).
+    """
+    hidden = _check_norm_args("jax_nkilib.rms_norm", x, {"weight": weight})
+    x = jnp.asarray(x)
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    gamma = jnp.ones((hidden,), x.dtype) if weight is None else jnp.asarray(weight)
+    padded = -hidden % P_MAX
+    if padded:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded)])
+        gamma = jnp.pad(gamma, (0, padded))
+    params = rmsnorm_tkg.params(eps=float(eps), hidden_actual=hidden if padded else None)
+    y = _norm_call(rmsnorm_tkg, x, {"gamma": gamma}, params)
+    return y[..., :hidden] if padded else y
+
+
+def layer_norm(x, weight=None, bias=None, *, eps: float = 1e-6):
+    """Layer normalization over the last axis: ``(x - mean) * rsqrt(var + eps) * weight + bias``.
+
+    Args:
+      x: ``[..., H]``, any float dtype; the result has ``x``'s shape and dtype.
+      weight, bias: ``[H]`` gain and offset (default: none).
+      eps: added to the variance (1e-6, the kernel's and Flax's default; PyTorch uses 1e-5).
+
+    The variance is the kernel's one pass ``mean(x^2) - mean^2`` in float32 (float64 for float64 inputs), and each
+    step is rounded to ``x``'s dtype as on the kernel's tiles. Differentiable in ``x``, ``weight`` and ``bias``
+    (JAX backward). On Neuron this is ``layernorm_tkg`` when ``H % 128 == 0``; other widths have no kernel (padding
+    would change the mean) and run the same math in JAX.
+    """
+    hidden = _check_norm_args("jax_nkilib.layer_norm", x, {"weight": weight, "bias": bias})
+    x = jnp.asarray(x)
+    weight = None if weight is None else jnp.asarray(weight)
+    bias = None if bias is None else jnp.asarray(bias)
+    if x.size == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    if hidden % P_MAX:
+        return layernorm_rows(x, weight, bias, float(eps))
+    gamma = jnp.ones((hidden,), x.dtype) if weight is None else weight
+    return _norm_call(layernorm_tkg, x, {"gamma": gamma, "beta": bias}, layernorm_tkg.params(eps=float(eps)))
+
+
+def _check_quantize_args(x, mode, scale, dtype):
+    where = "jax_nkilib.quantize_fp8"
+    _require_array(where, "x", x)
+    if x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{where}: `x` must have layout [..., H] with H >= 1; got shape {tuple(x.shape)}")
+    if mode not in QUANT_MODES:
+        raise ValueError(f"{where}: mode must be one of {QUANT_MODES}; got {mode!r}")
+    try:
+        dtype = np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        raise TypeError(f"{where}: dtype must be an FP8 dtype; got {dtype!r}") from None
+    if dtype not in FP8_DTYPES:
+        raise TypeError(f"{where}: dtype must be one of {', '.join(map(str, FP8_DTYPES))}; got {dtype}")
+    if mode == "row" and scale is not None:
+        raise ValueError(f"{where}: mode='row' computes its scales; pass scale only with mode='static'")
+    if mode == "static":
+        if scale is None:
+            raise ValueError(f"{where}: mode='static' needs `scale`, the float32 dequantization scale (a scalar)")
+        if jnp.size(scale) != 1:
+            raise ValueError(f"{where}: static `scale` must be one value (a scalar); got shape {jnp.shape(scale)}")
+    return dtype
+
+
+def quantize_fp8(x, *, mode: str = "row", scale=None, dtype=jnp.float8_e4m3):
+    """Quantize ``x [..., H]`` to FP8 with a float32 dequantization scale: ``x ~ q * scale``.
+
+    Args:
+      x: ``[..., H]``, any float dtype.
+      mode: ``"row"``: one scale per row (the last axis), ``scale = max(max|x| / fp8_max, 1e-6)``, so the largest
+        magnitude of a row maps to ``fp8_max``; ``"static"``: the given ``scale`` for the whole tensor,
+        ``q = clip(x / scale, +-fp8_max)``.
+      scale: the static dequantization scale (a scalar; ``mode="static"`` only).
+      dtype: ``jnp.float8_e4m3`` (Trainium's E4M3, largest 240; the kernel's format), ``jnp.float8_e4m3fn`` (OCP,
+        448) or ``jnp.float8_e5m2`` (57344).
+
+    Returns ``(q, scale)``: ``q`` of ``x``'s shape in ``dtype``; ``scale`` float32 ``[..., 1]`` (row) or ``[]``
+    (static). Values are rounded to nearest even after saturating at +-fp8_max. The computation follows the kernel:
+    ``x`` is read as bfloat16 (float64 inputs stay float64), the reciprocal scale multiplies; all-zero rows get
+    scale 1e-6 and ``q = 0``. A NaN in a row makes that row's scale and elements NaN; an inf makes its scale inf,
+    that element NaN and the rest 0 (row mode); static mode saturates inf and keeps NaN.
+
+    Not differentiable: ``q`` and the row scale carry zero cotangents (no straight-through estimator). On Neuron,
+    ``float8_e4m3`` is ``rmsnorm_quant_kernel(norm_type=NO_NORM)`` (its packed ``[..., H+4]`` output is split by a
+    slice and a bitcast); the other formats run in JAX (the bound kernel writes only float8_e4m3).
+    """
+    dtype = _check_quantize_args(x, mode, scale, dtype)
+    x = jnp.asarray(x)
+    hidden = x.shape[-1]
+    if mode == "static":
+        scale = jnp.asarray(scale, jnp.float32).reshape(())
+    if x.size == 0:
+        return jnp.zeros(x.shape, dtype), (jnp.zeros(x.shape[:-1] + (1,), jnp.float32) if scale is None else scale)
+    if dtype != np.dtype(jnp.float8_e4m3):
+        return _quantize_in_jax(x, mode, scale, dtype)
+    rows = x.reshape(1, -1, hidden)
+    if mode == "row":
+        params = rmsnorm_quant_kernel.params(norm_type=NormType.NO_NORM, quantization_type=QuantizationType.ROW)
+        (out,) = rmsnorm_quant_kernel.call({"hidden": rows}, params)
+        raw = jax.lax.bitcast_convert_type(out, jnp.uint8)  # slice bytes: FP8 copies may canonicalize NaN codes
+        q = jax.lax.bitcast_convert_type(raw[..., :hidden], out.dtype)
+        return q.reshape(x.shape), scale_from_bytes(raw[..., hidden:hidden + SCALE_BYTES]).reshape(x.shape[:-1] + (1,))
+    params = rmsnorm_quant_kernel.params(norm_type=NormType.NO_NORM, quantization_type=QuantizationType.STATIC)
+    in_scale = jnp.broadcast_to(scale, (P_MAX, 1))
+    (out,) = rmsnorm_quant_kernel.call({"hidden": rows, "input_dequant_scale": in_scale}, params)
+    return out.reshape(x.shape), scale
+
+
+def _quantize_in_jax(x, mode, scale, dtype):
+    """The kernel's quantization math for the formats it does not write (no kernel call)."""
+    tile_dtype = compute_dtype(x.dtype)
+    t = jax.lax.stop_gradient(x).astype(tile_dtype).astype(jnp.promote_types(tile_dtype, jnp.float32))
+    fp8_range = fp8_max(dtype)
+    if mode == "row":
+        q, row_scale = row_quantize(t, fp8_range)
+        return saturate(q, dtype), row_scale[..., None]
+    return saturate(static_quantize(t, scale, fp8_range, tile_dtype), dtype), scale
+
+
+def dequantize_fp8(q, scale, dtype=jnp.float32):
+    """``q * scale`` in float32, returned in ``dtype``: the inverse of :func:`quantize_fp8` (``scale`` ``[..., 1]``
+    per row or a scalar; anything that broadcasts against ``q``). Differentiable in ``scale``; pure JAX."""
+    where = "jax_nkilib.dequantize_fp8"
+    _require_array(where, "q", q)
+    if np.dtype(q.dtype) not in FP8_DTYPES:
+        raise TypeError(f"{where}: `q` must have an FP8 dtype ({', '.join(map(str, FP8_DTYPES))}); got {q.dtype}")
+    scale = jnp.asarray(scale)
+    try:
+        jnp.broadcast_shapes(jnp.shape(scale), q.shape)
+    except ValueError:
+        raise ValueError(f"{where}: `scale` of shape {jnp.shape(scale)} does not broadcast against q of shape "
+                         f"{tuple(q.shape)} (row scales are [..., 1])") from None
+    return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)

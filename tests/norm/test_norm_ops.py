@@ -1,0 +1,156 @@
+"""jax_nkilib.rms_norm / layer_norm: JAX layout [..., H], odd H, autodiff, vmap, shard_map, Neuron lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+import jax_nkilib
+from tests.support.data import random
+from tests.support.hlo import compute_operations, kernel_configs, neuron_text
+from tests.support.numerics import assert_close, assert_no_worse_than_plain
+from tests.support.sharding import mesh_1d, shard
+
+
+def rms_oracle(x, weight=None, eps=1e-6):
+    x = np.asarray(x, np.float64)
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if weight is None else y * np.asarray(weight, np.float64)
+
+
+def layer_oracle(x, weight=None, bias=None, eps=1e-6):
+    x = np.asarray(x, np.float64)
+    y = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + eps)
+    y = y if weight is None else y * np.asarray(weight, np.float64)
+    return y if bias is None else y + np.asarray(bias, np.float64)
+
+
+# (shape, LNC); odd H: padded (rms_norm) or plain JAX (layer_norm)
+CASES = [((2, 3, 256), 1), ((2, 3, 256), 2), ((5, 128), 1), ((256,), 1), ((2, 2, 3, 100), 2), ((3, 37), 1)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape, lnc", CASES)
+def test_rms_norm_matches_oracle(dtype, shape, lnc):
+    x, w = random(shape, dtype, 0), random(shape[-1:], dtype, 1)
+    with jax_nkilib.config(lnc=lnc):
+        out = jax_nkilib.rms_norm(x, w, eps=1e-5)
+        plain = jax_nkilib.rms_norm(x)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert_close(out, rms_oracle(x, w, 1e-5), dtype, reduction=shape[-1])
+    assert_close(plain, rms_oracle(x), dtype, reduction=shape[-1])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape, lnc", CASES)
+def test_layer_norm_matches_oracle(dtype, shape, lnc):
+    x = random(shape, dtype, 2, scale=2.0) + 1.0
+    w, b = random(shape[-1:], dtype, 3), random(shape[-1:], dtype, 4)
+    with jax_nkilib.config(lnc=lnc):
+        out = jax_nkilib.layer_norm(x, w, b)
+        plain = jax_nkilib.layer_norm(x)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert_close(out, layer_oracle(x, w, b), dtype, reduction=shape[-1], ops=8)
+    assert_close(plain, layer_oracle(x), dtype, reduction=shape[-1], ops=8)
+
+
+def test_bf16_error_is_that_of_a_plain_bf16_computation():
+    x, w = random((4, 8, 512), jnp.bfloat16), random((512,), jnp.bfloat16, 1)
+    xf = x.astype(jnp.float32)
+    plain = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6)).astype(jnp.bfloat16) * w
+    assert_no_worse_than_plain(jax_nkilib.rms_norm(x, w), plain, rms_oracle(x, w))
+    mu = xf.mean(-1, keepdims=True)
+    plain = ((xf - mu) * jax.lax.rsqrt(xf.var(-1, keepdims=True) + 1e-6)).astype(jnp.bfloat16) * w
+    assert_no_worse_than_plain(jax_nkilib.layer_norm(x, w), plain, layer_oracle(x, w), factor=3.0)
+
+
+@pytest.mark.parametrize("shape, lnc, order", [((2, 3, 128), 1, 2), ((2, 256), 2, 1), ((3, 40), 1, 1)])
+def test_gradients_float64(shape, lnc, order):
+    x, w, b = random(shape, jnp.float64, 5), random(shape[-1:], jnp.float64, 6), random(shape[-1:], jnp.float64, 7)
+    with jax_nkilib.config(lnc=lnc):
+        check_grads(jax.jit(jax_nkilib.rms_norm), (x, w), order=order, modes=["rev"])
+        check_grads(jax.jit(jax_nkilib.rms_norm), (x,), order=1, modes=["rev"])
+        check_grads(jax.jit(lambda a, c, d: jax_nkilib.layer_norm(a, c, d, eps=1e-5)), (x, w, b), order=order,
+                    modes=["rev"])
+
+
+def test_gradient_matches_oracle_gradient():
+    x, w = random((2, 128), jnp.float64, 8), random((128,), jnp.float64, 9)
+    g = random(x.shape, jnp.float64, 10)
+    for op, oracle in ((jax_nkilib.rms_norm, rms_oracle), (jax_nkilib.layer_norm, layer_oracle)):
+        _, vjp = jax.vjp(op, x, w)
+        dx, dw = vjp(g)
+        eps, idx = 1e-6, (1, 17)
+        plus, minus = np.array(x), np.array(x)
+        plus[idx] += eps
+        minus[idx] -= eps
+        numeric = np.sum(np.asarray(g) * (oracle(plus, w) - oracle(minus, w))) / (2 * eps)
+        np.testing.assert_allclose(dx[idx], numeric, rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(dw, np.sum(np.asarray(g) * (oracle(x, w) / np.asarray(w)), axis=0), rtol=1e-8)
+
+
+def test_jit_vmap_nested_and_vmap_of_grad():
+    x, w = random((2, 5, 256)), random((256,), seed=1)
+    xs = jnp.stack([x, -2 * x, x[:, ::-1]])
+    for op, oracle in ((jax_nkilib.rms_norm, rms_oracle), (jax_nkilib.layer_norm, layer_oracle)):
+        out = jax.jit(jax.vmap(op, in_axes=(0, None)))(xs, w)
+        assert_close(out[1], oracle(xs[1], w), jnp.float32, reduction=256)
+        nested = jax.vmap(jax.vmap(op, in_axes=(0, None)), in_axes=(0, None))(xs, w)
+        assert_close(nested, oracle(xs, w), jnp.float32, reduction=256)
+        ws = jnp.stack([w, 0.5 * w])
+        per_w = jax.vmap(op, in_axes=(None, 0))(x, ws)
+        assert_close(per_w[1], oracle(x, ws[1]), jnp.float32, reduction=256)
+        loss = lambda a, c: jnp.sum(op(a, c) ** 3)  # noqa: E731
+        grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None)))(xs, w)
+        for i in range(3):
+            for got, want in zip(grads, jax.jit(jax.grad(loss, argnums=(0, 1)))(xs[i], w)):
+                np.testing.assert_allclose(got[i], want, rtol=2e-4, atol=2e-4)
+
+
+def test_batch_sharded_inside_shard_map():
+    mesh = mesh_1d()
+    x, w = random((8, 3, 256)), random((256,), seed=1)
+    for op, oracle in ((jax_nkilib.rms_norm, rms_oracle), (jax_nkilib.layer_norm, layer_oracle)):
+        fn = jax.shard_map(op, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
+        args = shard(mesh, (P("data"), P()), x, w)
+        assert_close(jax.jit(fn)(*args), oracle(x, w), jnp.float32, reduction=256)
+        loss = lambda f: jax.jit(jax.grad(lambda a, c: jnp.sum(f(a, c) ** 2), argnums=(0, 1)))  # noqa: E731
+        for got, want in zip(loss(fn)(*args), loss(op)(x, w)):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_neuron_lowering_is_one_kernel_and_layout_glue():
+    x, w = random((2, 3, 256)), random((256,), seed=1)
+    with jax_nkilib.neuron.dry_run():
+        for op, name in ((jax_nkilib.rms_norm, "rmsnorm_tkg"), (jax_nkilib.layer_norm, "layernorm_tkg")):
+            text = neuron_text(op, x, w)
+            (cfg,) = kernel_configs(text)
+            assert cfg["func_name"] == name and cfg["input_specs"][0] == [[6, 1, 256], "float32"]
+            assert set(compute_operations(text)) == {"stablehlo.reshape", "stablehlo.transpose"}
+            assert compute_operations(text).count("stablehlo.transpose") == 1
+        text = neuron_text(jax_nkilib.rms_norm, x[..., :100], w[:100])  # odd H: padded to 128, hidden_actual=100
+        (cfg,) = kernel_configs(text)
+        assert cfg["params"]["hidden_actual"] == 100 and cfg["input_specs"][0][0] == [6, 1, 128]
+        assert "stablehlo.pad" in compute_operations(text) and "stablehlo.slice" in compute_operations(text)
+        assert kernel_configs(neuron_text(jax_nkilib.layer_norm, x[..., :100])) == []  # no kernel for odd H
+        grad_text = neuron_text(jax.value_and_grad(lambda a: jnp.sum(jax_nkilib.rms_norm(a, w))), x)
+        assert len(kernel_configs(grad_text)) == 1  # the forward kernel; the backward is JAX
+        with jax_nkilib.config(lnc=2):
+            (cfg,) = kernel_configs(neuron_text(jax_nkilib.rms_norm, x, w))
+            assert cfg["grid"] == 2
+
+
+@pytest.mark.parametrize("call, error, fragment", [
+    (lambda x: jax_nkilib.rms_norm(x, jnp.ones(7)), ValueError, "[H]"),
+    (lambda x: jax_nkilib.layer_norm(x, None, jnp.ones((1, 256))), ValueError, "`bias`"),
+    (lambda x: jax_nkilib.rms_norm(x.astype(jnp.int32)), TypeError, "floating"),
+    (lambda x: jax_nkilib.rms_norm([1.0, 2.0]), TypeError, "array"),
+    (lambda x: jax_nkilib.layer_norm(x[0, 0, 0]), ValueError, "[..., H]"),
+    (lambda x: jax_nkilib.rms_norm(x, jnp.ones(256, jnp.int32)), TypeError, "`weight`"),
+])
+def test_bad_inputs(call, error, fragment):
+    with pytest.raises(error) as info:
+        call(random((2, 3, 256)))
+    assert fragment in str(info.value)
