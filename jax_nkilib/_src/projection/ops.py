@@ -1,0 +1,202 @@
+"""Projections in JAX layouts: ``jax_nkilib.qkv_projection`` (on ``qkv``) and ``jax_nkilib.output_projection`` (on
+``output_projection_cte`` / ``output_projection_tkg``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..common_types import NormType
+from .output_cte import output_projection_cte
+from .output_tkg import output_projection_tkg
+from .qkv import call_qkv, qkv_params
+from .qkv_math import kv_bounds, quantize_kv, uses_tkg, write_cache
+
+_ATTENTION_VIEW = {"attention": "B, S, N, D"}
+_NORMS = {None: NormType.NO_NORM, "rms": NormType.RMS_NORM, "layer": NormType.LAYER_NORM}
+
+
+def _array(where: str, name: str, value, layout: str, rank: int | None = None):
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        raise TypeError(f"{where}: `{name}` must be an array {layout}; got {type(value).__name__}")
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.floating):
+        raise TypeError(f"{where}: `{name}` {layout} must have a floating dtype; got {value.dtype}")
+    if rank is not None and value.ndim != rank:
+        raise ValueError(f"{where}: `{name}` must be {layout}; got shape {tuple(value.shape)}")
+    return value
+
+
+def _row(where: str, name: str, value, size: int, dtype):
+    """A ``[size]`` (or ``[1, size]``) vector as the kernels' ``[1, size]`` row in ``dtype``."""
+    if value is None:
+        return None
+    value = _array(where, name, value, f"[{size}]")
+    if value.shape not in ((size,), (1, size)):
+        raise ValueError(f"{where}: `{name}` must be [{size}]; got shape {tuple(value.shape)}")
+    return value.reshape(1, size).astype(dtype)
+
+
+# ------------------------------------------------------------------------------------------- output projection
+def output_projection(attn, w, bias=None):
+    """``attn [batch, seq, heads, head_dim] · w [heads * head_dim, hidden] (+ bias [hidden])`` -> ``[batch, seq,
+    hidden]``, in ``attn``'s dtype (``w`` and ``bias`` are cast to it; accumulation in float32).
+
+    Row ``h * head_dim + d`` of ``w`` multiplies head ``h``, component ``d``. Differentiable in ``attn``, ``w`` and
+    ``bias``. On Neuron it is ``output_projection_tkg`` when ``seq <= 96`` and ``batch * seq <= 128`` (the decode
+    threshold ``qkv`` uses), else ``output_projection_cte``; the attention reaches the kernel's layout by one
+    transpose in the Neuron lowering (none on CPU/GPU).
+    """
+    where = "jax_nkilib.output_projection"
+    attn = _array(where, "attn", attn, "[batch, seq, heads, head_dim]", 4)
+    batch, seq, heads, d = attn.shape
+    w = _array(where, "w", w, "[heads * head_dim, hidden]", 2)
+    if w.shape[0] != heads * d:
+        raise ValueError(f"{where}: `w` must be [heads * head_dim, hidden] = [{heads * d}, hidden] for attn "
+                         f"{tuple(attn.shape)}; got {tuple(w.shape)}")
+    hidden = w.shape[1]
+    operands = {"attention": attn, "weight": w.astype(attn.dtype), "bias": _row(where, "bias", bias, hidden,
+                                                                                   attn.dtype)}
+    if uses_tkg(batch, seq, False):
+        kernel = output_projection_tkg
+        operands.update(weight_scale=None, input_scale=None)
+    else:
+        kernel = output_projection_cte
+        operands.update(input_scales=None, weight_scales=None)
+    (out,) = kernel.call(operands, kernel.params(), view=_ATTENTION_VIEW)
+    return out.reshape(batch, seq, hidden)
+
+
+# ---------------------------------------------------------------------------------------------- qkv projection
+def _cache_arrays(where, kv_cache, batch, seq, kv_heads, d, positions):
+    if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2):
+        raise TypeError(f"{where}: `kv_cache` must be (k_cache, v_cache), each [batch, max_len, kv_heads, head_dim]")
+    k_cache, v_cache = (_array(where, name, c, "[batch, max_len, kv_heads, head_dim]", 4)
+                        for name, c in zip(("k_cache", "v_cache"), kv_cache))
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.shape[0] != batch or \
+            k_cache.shape[2:] != (kv_heads, d):
+        raise ValueError(f"{where}: k_cache and v_cache must both be [batch={batch}, max_len, kv_heads={kv_heads}, "
+                         f"head_dim={d}] of one dtype; got {tuple(k_cache.shape)} {k_cache.dtype} and "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
+    if positions is None:
+        if k_cache.shape[1] < seq:
+            raise ValueError(f"{where}: the caches hold {k_cache.shape[1]} positions, fewer than the {seq} tokens")
+        return k_cache, v_cache, None
+    positions = jnp.asarray(positions)
+    if positions.shape != (batch, seq) or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"{where}: `cache_positions` must be an integer array [batch, seq] = ({batch}, {seq}); got "
+                         f"{positions.shape} {positions.dtype}")
+    max_len = k_cache.shape[1]
+    inside = (positions >= 0) & (positions < max_len)
+    slots = jnp.where(inside, jnp.arange(batch, dtype=jnp.int32)[:, None] * max_len + positions, -1)
+    return k_cache, v_cache, slots.astype(jnp.int32)
+
+
+def _scales(where, kv_scale):
+    if kv_scale is None:
+        return jnp.ones((128, 1), jnp.float32), jnp.ones((128, 1), jnp.float32)
+    if not (isinstance(kv_scale, (tuple, list)) and len(kv_scale) == 2):
+        raise TypeError(f"{where}: `kv_scale` must be (k_scale, v_scale), two scalars")
+    scales = []
+    for name, scale in zip(("k_scale", "v_scale"), kv_scale):
+        scale = jnp.asarray(scale, jnp.float32)
+        if scale.size != 1:
+            raise ValueError(f"{where}: `kv_scale` entries must be scalars; {name} has shape {scale.shape}")
+        scales.append(jnp.broadcast_to(scale.reshape(1, 1), (128, 1)))
+    return tuple(scales)
+
+
+def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm: str | None = None,
+                   norm_weight=None, norm_bias=None, eps: float = 1e-6, rope=None, kv_cache=None,
+                   cache_positions=None, kv_scale=None):
+    """Query, key and value heads of ``x [batch, seq, hidden]``: ``norm(x) @ w (+ bias)``, split into heads, with
+    RoPE on the query and key heads.
+
+    Args:
+      w: ``[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]``, columns ``[Q heads | K heads | V heads]``.
+      bias: ``[(num_q_heads + 2 * num_kv_heads) * head_dim]``.
+      norm: ``None``, ``"rms"`` (``x / sqrt(mean(x^2) + eps) * norm_weight``; no scale when ``norm_weight`` is
+        None) or ``"layer"`` (``(x - mean) / sqrt(var + eps) * norm_weight + norm_bias``), over ``hidden``.
+      rope: ``(cos, sin)``, each ``[batch, seq, head_dim]``, HuggingFace tables (half-width frequencies repeated):
+        halves ``[x1 | x2]`` become ``[x1 cos - x2 sin, x2 cos + x1 sin]``; the kernel reads ``cos`` in full and the
+        first half of ``sin``.
+      kv_cache: ``(k_cache, v_cache)``, each ``[batch, max_len, num_kv_heads, head_dim]``: the new keys (after RoPE)
+        and values are stored at positions ``0 .. seq-1``, or at ``cache_positions [batch, seq]`` (int; positions
+        outside ``[0, max_len)`` are skipped here, but the kernel's indirect write does not check them), as
+        ``clip(k / k_scale, ±max)`` in the caches' dtype (``max`` its largest finite value; ``kv_scale = (k_scale,
+        v_scale)``, default 1) — FP8 caches quantize.
+
+    Returns ``(q [batch, seq, num_q_heads, head_dim], k, v [batch, seq, num_kv_heads, head_dim])`` in ``x``'s dtype,
+    or with ``kv_cache`` ``(q, k_cache, v_cache)`` (a functional update; the caches carry no gradient). ``w``,
+    ``bias``, ``norm_weight``, ``norm_bias`` and the RoPE tables are cast to ``x``'s dtype. Differentiable in ``x``,
+    ``w``, ``bias``, the norm parameters and the tables. On Neuron this is the NKI ``qkv`` kernel (its CTE path for
+    ``seq > 96``, ``batch * seq > 128`` or RoPE, with the fused cache write; else its TKG path, the cache then
+    written by XLA) with the kernel's precision: float32 inputs compute in bfloat16 on the CTE path.
+    """
+    where = "jax_nkilib.qkv_projection"
+    x = _array(where, "x", x, "[batch, seq, hidden]", 3)
+    batch, seq, hidden = x.shape
+    w = _array(where, "w", w, "[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]", 2)
+    if not (isinstance(num_q_heads, int) and isinstance(num_kv_heads, int) and num_q_heads > 0 and num_kv_heads > 0):
+        raise ValueError(f"{where}: num_q_heads and num_kv_heads must be positive ints; got {num_q_heads}, "
+                         f"{num_kv_heads}")
+    heads = num_q_heads + 2 * num_kv_heads
+    if w.shape[0] != hidden or w.shape[1] % heads:
+        raise ValueError(f"{where}: `w` must be [hidden={hidden}, (num_q_heads + 2 * num_kv_heads) * head_dim] with "
+                         f"{heads} heads; got {tuple(w.shape)}")
+    d = w.shape[1] // heads
+    if norm not in _NORMS:
+        raise ValueError(f"{where}: `norm` must be None, 'rms' or 'layer'; got {norm!r}")
+    norm_type = _NORMS[norm]
+    gamma = _row(where, "norm_weight", norm_weight, hidden, x.dtype)
+    beta = _row(where, "norm_bias", norm_bias, hidden, x.dtype)
+    if norm is None and (gamma is not None or beta is not None):
+        raise ValueError(f"{where}: norm_weight/norm_bias need norm='rms' or 'layer'")
+    if beta is not None and norm != "layer":
+        raise ValueError(f"{where}: norm_bias needs norm='layer'")
+    if norm == "rms" and gamma is None:
+        norm_type = NormType.RMS_NORM_SKIP_GAMMA
+    if norm == "layer" and gamma is None:
+        gamma = jnp.ones((1, hidden), x.dtype)
+    operands = {"input": x, "fused_qkv_weights": w.astype(x.dtype), "bias": _row(where, "bias", bias, w.shape[1],
+                                                                                  x.dtype),
+                "gamma_norm_weights": gamma, "layer_norm_bias": beta}
+    flags = dict(fused_norm_type=norm_type, norm_eps=float(eps), d_head=d, num_q_heads=num_q_heads,
+                 num_kv_heads=num_kv_heads)
+    if rope is not None:
+        if not (isinstance(rope, (tuple, list)) and len(rope) == 2):
+            raise TypeError(f"{where}: `rope` must be (cos, sin), each [batch, seq, head_dim]")
+        cos, sin = (_array(where, name, t, "[batch, seq, head_dim]", 3) for name, t in zip(("cos", "sin"), rope))
+        if cos.shape != (batch, seq, d) or sin.shape != (batch, seq, d):
+            raise ValueError(f"{where}: rope tables must be [batch, seq, head_dim] = ({batch}, {seq}, {d}); got "
+                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+        operands.update(cos_cache=cos.astype(x.dtype), sin_cache=sin.astype(x.dtype))
+        flags["fused_rope"] = True
+    q_dim, kv_dim = num_q_heads * d, num_kv_heads * d
+    if kv_cache is None:
+        if cache_positions is not None or kv_scale is not None:
+            raise ValueError(f"{where}: cache_positions and kv_scale need kv_cache")
+        (out,) = call_qkv(operands, qkv_params(**flags))
+        q, k, v = out[..., :q_dim], out[..., q_dim:q_dim + kv_dim], out[..., q_dim + kv_dim:]
+        return (q.reshape(batch, seq, num_q_heads, d), k.reshape(batch, seq, num_kv_heads, d),
+                v.reshape(batch, seq, num_kv_heads, d))
+    k_cache, v_cache, slots = _cache_arrays(where, kv_cache, batch, seq, num_kv_heads, d, cache_positions)
+    k_scale, v_scale = _scales(where, kv_scale)
+    shape = k_cache.shape
+    flat = (k_cache.reshape(batch, shape[1], kv_dim), v_cache.reshape(batch, shape[1], kv_dim))
+    cache_flags = dict(kv_dtype=k_cache.dtype)
+    if slots is not None:  # a flat cache is a block cache of `batch` blocks of `max_len` slots
+        cache_flags.update(use_block_kv=True, block_size=shape[1])
+    if not uses_tkg(batch, seq, rope is not None):
+        operands.update(k_cache=flat[0], v_cache=flat[1], k_scale=k_scale, v_scale=v_scale, slot_mapping=slots)
+        q, k_new, v_new = call_qkv(operands, qkv_params(**flags, **cache_flags))
+    else:  # the TKG path ignores caches: the same write, by XLA
+        (out,) = call_qkv(operands, qkv_params(**flags))
+        q = out[..., :q_dim]
+        bounds = kv_bounds(k_cache.dtype, None, None)
+        acc = jnp.promote_types(out.dtype, jnp.float32)
+        k_new, v_new = (jax.lax.stop_gradient(write_cache(cache, quantize_kv(part.astype(acc), scale, cache.dtype,
+                                                                              bounds, acc), slots))
+                        for cache, part, scale in ((flat[0], out[..., q_dim:q_dim + kv_dim], k_scale),
+                                                   (flat[1], out[..., q_dim + kv_dim:], v_scale)))
+    return q.reshape(batch, seq, num_q_heads, d), k_new.reshape(shape), v_new.reshape(shape)

@@ -1,0 +1,107 @@
+"""``output_projection_cte`` (catalog 1.13): ``out [B, S, H] = attention · weight (+ bias)`` for prefill.
+
+Layouts: ``attention [B, N, D, S]`` (heads and head dim before the sequence), ``weight [N * D, H]`` (row ``n * D +
+d``), ``bias [1, H]``; FP8 ``STATIC``: ``input_scales``, ``weight_scales [128, 1]`` float32 (element ``[0, 0]``, see
+``numerics``). ``out[b, s, h] = sum_{n, d} attention[b, n, d, s] * weight[n * D + d, h] + bias[0, h]``.
+
+Dtypes: without quantization ``weight`` has the attention's dtype; ``STATIC`` takes ``float8_e4m3``/``e4m3fn``
+weights and quantizes the attention to ``float8_e4m3`` with the kernel's clamp 240 (see ``output_math``). The result
+is rounded to the attention's dtype, then cast to ``output_dtype`` (default: the attention's dtype).
+
+Not bound: ``MX`` and ``STATIC_MX`` (rejected with a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ..common_types import QuantizationType
+from ..framework.primitive import make_kernel
+from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, Operand, Output, Param
+from ..framework.dynamic_outputs import SelectedOutputsSpec
+from .numerics import FP8_WEIGHT_DTYPES, differentiable_vjp
+from .output_math import check_formats, project, require_scales
+
+CTE_FP8 = jnp.dtype(jnp.float8_e4m3)  # the kernel quantizes the attention to float8_e4m3 ...
+CTE_FP8_BOUND = 240.0  # ... clamped at 240, whatever the weights' FP8 format
+_KERNEL_LETTERS = "bnds"  # attention's kernel layout [B, N, D, S]
+
+
+def reference_output_projection_cte(attention, weight, bias=None, input_scales=None, weight_scales=None, *,
+                                    quantization_type=QuantizationType.NONE, output_dtype=None, view=None):
+    """JAX reference; with ``view`` the attention may come in another axis order (no transpose is made)."""
+    perm = (view or {}).get("attention", (0, 1, 2, 3))
+    given = "".join(_KERNEL_LETTERS[axis] for axis in perm)
+    n, d = (attention.shape[perm.index(axis)] for axis in (1, 2))
+    out = project(attention, f"{given},ndh->bsh", weight.reshape(n, d, weight.shape[1]), bias,
+                  quantization_type=quantization_type, input_scale=input_scales, weight_scale=weight_scales,
+                  fp8_dtype=CTE_FP8, bound=CTE_FP8_BOUND)
+    return (out if output_dtype is None else out.astype(output_dtype),)
+
+
+def _check(call: CallInfo) -> None:
+    dims, function = call.dims, call.function
+    if dims["ND"] != dims["N"] * dims["D"]:
+        raise ValueError(f"{function}: `weight` must be [N * D, H] = [{dims['N'] * dims['D']}, H] for attention "
+                         f"[B, N={dims['N']}, D={dims['D']}, S]; got {dims['ND']} rows")
+    check_formats(call, "attention", (QuantizationType.NONE, QuantizationType.STATIC))
+    static = call.params["quantization_type"] == QuantizationType.STATIC
+    require_scales(call, ("input_scales", "weight_scales") if static else (), ("input_scales", "weight_scales"))
+    out_dtype = call.params["output_dtype"]
+    if out_dtype is not None and jnp.dtype(out_dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"{function}: `output_dtype` must be a floating dtype (float32, bfloat16, float16); got "
+                        f"{out_dtype}")
+
+
+def _neuron_limits(call: CallInfo) -> list[str]:
+    dims, unmet = call.dims, []
+    if dims["B"] * dims["S"] > 131072:
+        unmet.append(f"B * S = {dims['B'] * dims['S']} exceeds 131072")
+    if dims["D"] > 128:
+        unmet.append(f"head dim D={dims['D']} exceeds 128")
+    if dims["H"] > 20705:
+        unmet.append(f"H={dims['H']} exceeds 20705 (the kernel's validated limit)")
+    if dims["N"] > 17:
+        unmet.append(f"N={dims['N']} heads exceeds 17 (the kernel's validated limit)")
+    if dims["H"] % call.lnc:
+        unmet.append(f"H={dims['H']} must be divisible by LNC={call.lnc}")
+    return unmet
+
+
+def _select(params, present):
+    return (0,) if params["output_dtype"] is None else (1,)
+
+
+OUTPUT_PROJECTION_CTE_SPEC = SelectedOutputsSpec(
+    name="output_projection_cte",
+    entry_point="nkilib.core.output_projection.output_projection_cte.output_projection_cte:output_projection_cte",
+    operands=(
+        Operand.of("attention", "B, N, D, S", doc="attention output, heads before the sequence"),
+        Operand.of("weight", "ND, H", dtypes=FLOAT_DTYPES + FP8_WEIGHT_DTYPES, doc="[N * D, H]; FP8 for STATIC"),
+        Operand.of("bias", "1, H", optional=True),
+        Operand.of("input_scales", "128, 1", dtypes=(jnp.float32,), optional=True, doc="STATIC input scale"),
+        Operand.of("weight_scales", "128, 1", dtypes=(jnp.float32,), optional=True, doc="STATIC weight scale"),
+    ),
+    params=(
+        Param("quantization_type", QuantizationType.NONE, QuantizationType, "NONE or STATIC (FP8)"),
+        Param("output_dtype", None, "dtype", "output dtype (default: the attention's)"),
+    ),
+    outputs=(Output.of("out", "B, S, H", "attention"), Output.of("out", "B, S, H", "output_dtype")),
+    select_outputs=_select,
+    reference=reference_output_projection_cte,
+    view_aware_reference=True,
+    check=_check,
+    neuron_limits=_neuron_limits,
+    fold_plans=(FoldPlan({"attention": 0, "weight": None, "bias": None, "input_scales": None,
+                          "weight_scales": None}, outputs={"out": 0}),),
+    neuron_split_dims=("B", "S"),
+    mac_count=lambda call: call.dims["B"] * call.dims["S"] * call.dims["ND"] * call.dims["H"],
+    family="projection",
+    catalog="1.13",
+    support={"idiomatic": "output_projection",
+             "vjp": "JAX (differentiates the reference; FP8 operands get no cotangent)",
+             "notes": "NONE and FP8 STATIC; MX/STATIC_MX not bound. Neuron: D <= 128, N <= 17, H <= 20705, "
+                      "B*S <= 131072, H % LNC == 0"},
+)
+
+output_projection_cte = make_kernel(OUTPUT_PROJECTION_CTE_SPEC, vjp=differentiable_vjp)

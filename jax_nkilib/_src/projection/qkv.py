@@ -1,0 +1,385 @@
+"""``qkv`` (catalog 1.15): fused residual add, RMS/Layer norm, QKV projection (+ bias, FP8 STATIC/ROW weights), fused
+RoPE and the fused KV-cache write. The math is in :mod:`qkv_math`.
+
+Layouts (the kernel's): ``input [B, S, H]``, ``fused_qkv_weights [H, I]`` (``I = (nq + 2 nkv) d``, columns ``[Q | K
+| V]`` head-major), ``bias [1, I]``, ``qkv_w_scale`` ``[1 or 128, 3]`` (STATIC, one per Q/K/V) or ``[1 or 128, I]``
+(ROW), ``qkv_in_scale [1 or 128, 1]`` (STATIC), ``mlp_prev``, ``attention_prev [B, S, H]``, ``gamma_norm_weights``,
+``layer_norm_bias [1, H]``, ``cos_cache``, ``sin_cache [B, S, d]``; KV cache: ``k_cache``, ``v_cache [B, max_S, nkv
+d]`` (flat) or ``[num_blocks, block_size, nkv d]`` (``use_block_kv``, with ``slot_mapping [B, S]`` int32),
+``k_scale``, ``v_scale [128, 1]`` float32.
+
+The NKI ``qkv`` dispatches on shapes: ``qkv_tkg`` when ``S <= 96``, ``B * S <= 128`` and no fused RoPE, else
+``qkv_cte``. The two paths return different things, so the binding has one primitive per path behind the public
+``jax_nkilib.nki.qkv`` (all lower to the same entry point ``nkilib.core.qkv.qkv:qkv``):
+
+* ``qkv`` (CTE path): ``out`` (``BSD [B, S, I]``, ``NBSd [I/d, B, S, d]``, ``NBdS [I/d, B, d, S]``); bfloat16 for
+  ``STATIC``, else the input's dtype.
+* ``qkv_tkg`` (TKG path): ``out`` in the input's dtype, and ``fused_hidden [B, S, H]`` (the residual sum) when
+  ``fused_residual_add``.
+* ``qkv_kv_cache`` (CTE path with ``k_scale`` and ``v_scale``, the kernel's condition for the cache write):
+  ``(q [B, S, nq d], k_cache, v_cache)``, the caches updated (aliased to the input caches on Neuron). The TKG path
+  ignores caches, so a cache write with TKG shapes is an error; caches without scales are ignored by the kernel and
+  are an error too (pass ``k_scale = v_scale = ones`` for an unscaled cache).
+
+Not bound: MX formats (``MX``, ``STATIC_MX``, ``ROW_MX``, MX weight layouts, ``is_h_dim_4h_transposed``) and
+``store_output_in_sbuf`` (rejected with ``ValueError``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+
+from ..common_types import NormType, QKVOutputLayout, QKVWeightLayout, QuantizationType
+from ..framework.primitive import make_kernel
+from ..framework.spec import FLOAT_DTYPES, INT_DTYPES, CallInfo, FoldPlan, Operand, Output, Param
+from ..framework.validation import normalize_params, split_arguments
+from ..framework.dynamic_outputs import ParamLayoutOutput, SelectedOutputsSpec
+from .numerics import FP8_DTYPES, FP8_WEIGHT_DTYPES, differentiable_vjp
+from .output_math import NOT_BOUND_FORMATS
+from .qkv_math import TKG_MAX_SEQ, TKG_MAX_TOKENS, head_dim, reference_qkv, uses_tkg
+
+ENTRY_POINT = "nkilib.core.qkv.qkv:qkv"
+_F32 = (jnp.float32,)
+_OPERANDS = {operand.name: operand for operand in (
+    Operand.of("input", "B, S, H", doc="hidden states"),
+    Operand.of("fused_qkv_weights", "H, I", dtypes=FLOAT_DTYPES + FP8_WEIGHT_DTYPES, doc="[H, (nq + 2 nkv) d]"),
+    Operand.of("bias", "1, I", optional=True),
+    Operand.of("qkv_w_scale", "WR, WC", dtypes=_F32, optional=True, doc="[1|128, 3] STATIC, [1|128, I] ROW"),
+    Operand.of("qkv_in_scale", "IR, 1", dtypes=_F32, optional=True, doc="[1|128, 1] STATIC"),
+    Operand.of("mlp_prev", "B, S, H", optional=True),
+    Operand.of("attention_prev", "B, S, H", optional=True),
+    Operand.of("gamma_norm_weights", "1, H", optional=True),
+    Operand.of("layer_norm_bias", "1, H", optional=True),
+    Operand.of("cos_cache", "B, S, d", optional=True),
+    Operand.of("sin_cache", "B, S, d", optional=True),
+    Operand.switched("k_cache", "use_block_kv", {False: "B, max_S, KV", True: "n_blocks, block, KV"},
+                     dtypes=FLOAT_DTYPES + FP8_DTYPES, optional=True),
+    Operand.switched("v_cache", "use_block_kv", {False: "B, max_S, KV", True: "n_blocks, block, KV"},
+                     dtypes=FLOAT_DTYPES + FP8_DTYPES, optional=True),
+    Operand.of("k_scale", "128, 1", dtypes=_F32, optional=True),
+    Operand.of("v_scale", "128, 1", dtypes=_F32, optional=True),
+    Operand.of("slot_mapping", "B, S", dtypes=INT_DTYPES, optional=True, doc="flat cache slot of each token"),
+)}
+KERNEL_ORDER = tuple(_OPERANDS)
+CACHE_OPERANDS = ("k_cache", "v_cache", "k_scale", "v_scale", "slot_mapping")
+_NO_CACHE = tuple(name for name in KERNEL_ORDER if name not in CACHE_OPERANDS)
+_KV_ORDER = ("input", "fused_qkv_weights", "k_cache", "v_cache", "k_scale", "v_scale") + _NO_CACHE[2:] + (
+    "slot_mapping",)
+
+_PARAMS = {param.name: param for param in (
+    Param("output_layout", QKVOutputLayout.BSD, QKVOutputLayout, "BSD, NBSd or NBdS"),
+    Param("quantization_type", QuantizationType.NONE, QuantizationType, "NONE, STATIC or ROW (FP8 weights)"),
+    Param("fused_residual_add", False, bool, "add mlp_prev and attention_prev first"),
+    Param("fused_norm_type", NormType.NO_NORM, NormType, "norm before the projection"),
+    Param("norm_eps", 1e-6, float),
+    Param("hidden_actual", None, int, "RMS norm divisor (unpadded H)"),
+    Param("fused_rope", False, bool, "RoPE on the Q and K heads"),
+    Param("d_head", None, int), Param("num_q_heads", None, int), Param("num_kv_heads", None, int),
+    Param("fp8_max", None, float, "KV quantization clamp (default: largest value of kv_dtype)"),
+    Param("fp8_min", None, float, "KV quantization clamp (default: -fp8_max)"),
+    Param("kv_dtype", None, "dtype", "dtype of the caches (default: the input's)"),
+    Param("use_block_kv", False, bool, "block cache addressed by slot_mapping"),
+    Param("block_size", None, int, "tokens per cache block"),
+    Param("store_output_in_sbuf", False, bool, "must be False"),
+    Param("use_auto_allocation", False, bool, "SBUF allocation mode (no numeric effect)"),
+    Param("load_input_with_DMA_transpose", True, bool, "load strategy (no numeric effect)"),
+    Param("is_h_dim_4h_transposed", False, bool, "MX input swizzle (not bound: must be False)"),
+    Param("weight_layout", QKVWeightLayout.CONTIGUOUS, QKVWeightLayout, "CONTIGUOUS (MX layouts not bound)"),
+)}
+_CACHE_REQUIRED = CACHE_OPERANDS[:4]
+CACHE_PARAMS = ("fp8_max", "fp8_min", "kv_dtype", "use_block_kv", "block_size")
+_COMMON_PARAMS = tuple(param for name, param in _PARAMS.items() if name not in CACHE_PARAMS)
+
+
+# ------------------------------------------------------------------------------------------------------ checks
+def _heads(call: CallInfo):
+    p = call.params
+    return p["num_q_heads"], p["num_kv_heads"], head_dim(p["d_head"], p["num_q_heads"], p["num_kv_heads"],
+                                                         call.dims["I"])
+
+
+def _check_formats(call: CallInfo) -> None:
+    avals, dims, p, function = call.avals, call.dims, call.params, call.function
+    if p["store_output_in_sbuf"]:
+        raise ValueError(f"{function}: store_output_in_sbuf=True leaves the output in SBUF for a fusing kernel; a "
+                         "JAX call returns HBM arrays, so it must be False")
+    qtype = p["quantization_type"]
+    if qtype in NOT_BOUND_FORMATS or p["weight_layout"] != QKVWeightLayout.CONTIGUOUS or p["is_h_dim_4h_transposed"]:
+        raise ValueError(f"{function}: MX formats are not bound in jax_nkilib (quantization_type={qtype.name}, "
+                         f"weight_layout={p['weight_layout'].name}, is_h_dim_4h_transposed="
+                         f"{p['is_h_dim_4h_transposed']}); use NONE, STATIC or ROW with CONTIGUOUS [H, I] weights")
+    weights, io = jnp.dtype(avals["fused_qkv_weights"].dtype), jnp.dtype(avals["input"].dtype)
+    if qtype == QuantizationType.NONE and weights != io:
+        raise TypeError(f"{function}: `fused_qkv_weights` must have the input's dtype ({io}) without quantization; "
+                        f"got {weights}")
+    if qtype != QuantizationType.NONE and weights not in FP8_WEIGHT_DTYPES:
+        raise TypeError(f"{function}: quantization_type={qtype.name} needs FP8 `fused_qkv_weights` (float8_e4m3 or "
+                        f"float8_e4m3fn); got {weights}")
+    given = {name: avals.get(name) is not None for name in ("qkv_w_scale", "qkv_in_scale")}
+    needed = {QuantizationType.STATIC: ("qkv_w_scale", "qkv_in_scale"), QuantizationType.ROW: ("qkv_w_scale",)}
+    for name, present in given.items():
+        if present != (name in needed.get(qtype, ())):
+            verb = "requires" if not present else "does not take"
+            raise ValueError(f"{function}: quantization_type={qtype.name} {verb} `{name}`")
+    if given["qkv_w_scale"]:
+        width = 3 if qtype == QuantizationType.STATIC else dims["I"]
+        if dims["WR"] not in (1, 128) or dims["WC"] != width:
+            raise ValueError(f"{function}: `qkv_w_scale` must be [1 or 128, {'3' if width == 3 else 'I'}] = [1 or "
+                             f"128, {width}] for quantization_type={qtype.name}; got [{dims['WR']}, {dims['WC']}]")
+    if given["qkv_in_scale"] and dims["IR"] not in (1, 128):
+        raise ValueError(f"{function}: `qkv_in_scale` must be [1 or 128, 1]; got [{dims['IR']}, 1]")
+    if qtype == QuantizationType.STATIC and (p["num_q_heads"] is None or p["num_kv_heads"] is None):
+        raise ValueError(f"{function}: quantization_type=STATIC needs num_q_heads and num_kv_heads (one weight "
+                         "scale per Q, K and V segment)")
+
+
+def _check_fusions(call: CallInfo) -> None:
+    avals, dims, p, function = call.avals, call.dims, call.params, call.function
+    has = {name: avals.get(name) is not None for name in _NO_CACHE}
+    if p["fused_residual_add"] != (has["mlp_prev"] and has["attention_prev"]) or \
+            (has["mlp_prev"] != has["attention_prev"]):
+        raise ValueError(f"{function}: fused_residual_add=True needs both `mlp_prev` and `attention_prev` [B, S, H], "
+                         f"and they are only used with it; got fused_residual_add={p['fused_residual_add']}, "
+                         f"mlp_prev {'given' if has['mlp_prev'] else 'absent'}, attention_prev "
+                         f"{'given' if has['attention_prev'] else 'absent'}")
+    norm = p["fused_norm_type"]
+    if (norm in (NormType.RMS_NORM, NormType.LAYER_NORM)) != has["gamma_norm_weights"]:
+        raise ValueError(f"{function}: `gamma_norm_weights` [1, H] is required by (and only used with) "
+                         f"fused_norm_type RMS_NORM or LAYER_NORM; got fused_norm_type={norm.name}")
+    if has["layer_norm_bias"] and norm != NormType.LAYER_NORM:
+        raise ValueError(f"{function}: `layer_norm_bias` is only used with fused_norm_type=LAYER_NORM; got "
+                         f"{norm.name}")
+    if p["hidden_actual"] is not None and not 0 < p["hidden_actual"] <= dims["H"]:
+        raise ValueError(f"{function}: hidden_actual={p['hidden_actual']} must be in [1, H={dims['H']}]")
+    for name in ("num_q_heads", "num_kv_heads", "d_head"):
+        if p[name] is not None and p[name] <= 0:
+            raise ValueError(f"{function}: `{name}` must be positive; got {p[name]}")
+    nq, nkv, d = _heads(call)
+    if nq is not None and nkv is not None and (d is None or (nq + 2 * nkv) * d != dims["I"]):
+        raise ValueError(f"{function}: (num_q_heads + 2 * num_kv_heads) * d_head = ({nq} + 2 * {nkv}) * {d} must "
+                         f"equal the weights' I={dims['I']}")
+    if p["output_layout"] != QKVOutputLayout.BSD and (d is None or dims["I"] % d):
+        raise ValueError(f"{function}: output_layout={p['output_layout'].name} needs d_head (or num_q_heads and "
+                         f"num_kv_heads) dividing I={dims['I']}; got d_head={d}")
+    if p["fused_rope"] != (has.get("cos_cache", False) and has.get("sin_cache", False)) or \
+            has.get("cos_cache", False) != has.get("sin_cache", False):
+        raise ValueError(f"{function}: fused_rope=True needs `cos_cache` and `sin_cache` [B, S, d_head], and they "
+                         f"are only used with it; got fused_rope={p['fused_rope']}")
+    if p["fused_rope"]:
+        if nq is None or nkv is None:
+            raise ValueError(f"{function}: fused_rope=True needs num_q_heads and num_kv_heads")
+        if dims["d"] != d or d % 2:
+            raise ValueError(f"{function}: cos_cache/sin_cache must be [B, S, d_head] with an even d_head={d}; got "
+                             f"last axis {dims['d']}")
+
+
+def _check_cache(call: CallInfo) -> None:
+    avals, dims, p, function = call.avals, call.dims, call.params, call.function
+    if p["output_layout"] != QKVOutputLayout.BSD:
+        raise ValueError(f"{function}: the fused KV-cache write needs output_layout=BSD; got "
+                         f"{p['output_layout'].name}")
+    if p["d_head"] is None or p["num_q_heads"] is None or p["num_kv_heads"] is None:
+        raise ValueError(f"{function}: the fused KV-cache write needs d_head, num_q_heads and num_kv_heads")
+    nq, nkv, d = _heads(call)
+    if dims["KV"] != nkv * d:
+        raise ValueError(f"{function}: k_cache/v_cache last axis must be num_kv_heads * d_head = {nkv * d}; got "
+                         f"{dims['KV']}")
+    k, v = avals["k_cache"], avals["v_cache"]
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"{function}: `k_cache` and `v_cache` must have the same shape and dtype; got "
+                         f"{tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
+    kv = jnp.dtype(avals["input"].dtype if p["kv_dtype"] is None else p["kv_dtype"])
+    if jnp.dtype(k.dtype) != kv:
+        raise TypeError(f"{function}: the caches' dtype {k.dtype} must be kv_dtype ({kv}, default: the input's "
+                        f"dtype); pass kv_dtype={jnp.dtype(k.dtype).name}")
+    if p["fp8_max"] is not None and p["fp8_min"] is not None and not p["fp8_min"] < p["fp8_max"]:
+        raise ValueError(f"{function}: fp8_min={p['fp8_min']} must be below fp8_max={p['fp8_max']}")
+    if p["use_block_kv"] != (avals.get("slot_mapping") is not None):
+        raise ValueError(f"{function}: use_block_kv=True needs `slot_mapping` [B, S] (and block_size); a flat cache "
+                         f"[B, max_S, KV] takes neither; got use_block_kv={p['use_block_kv']}")
+    if p["use_block_kv"] and p["block_size"] != dims["block"]:
+        raise ValueError(f"{function}: block_size={p['block_size']} must be given and match the caches' block axis "
+                         f"({dims['block']})")
+    if not p["use_block_kv"] and p["block_size"] is not None:
+        raise ValueError(f"{function}: block_size is only used with use_block_kv=True")
+    if not p["use_block_kv"] and dims["max_S"] < dims["S"]:
+        raise ValueError(f"{function}: the flat caches hold max_S={dims['max_S']} positions, fewer than the "
+                         f"S={dims['S']} tokens written at positions 0..S-1")
+    if uses_tkg(dims["B"], dims["S"], p["fused_rope"]):
+        raise ValueError(f"{function}: the fused KV-cache write runs only on qkv's CTE path (S > {TKG_MAX_SEQ}, B * S "
+                         f"> {TKG_MAX_TOKENS} or fused_rope); for B={dims['B']}, S={dims['S']} the kernel dispatches "
+                         "to qkv_tkg, which ignores the caches")
+
+
+def _check(call: CallInfo) -> None:
+    _check_formats(call)
+    _check_fusions(call)
+
+
+def _check_kv(call: CallInfo) -> None:
+    _check(call)
+    _check_cache(call)
+
+
+# ------------------------------------------------------------------------------------------------ Neuron limits
+def _common_limits(call: CallInfo) -> list[str]:
+    dims, unmet = call.dims, []
+    if dims["H"] % 128:
+        unmet.append(f"H={dims['H']} must be a multiple of 128")
+    if call.params["output_layout"] == QKVOutputLayout.NBdS:
+        unmet.append("output_layout=NBdS is not implemented by qkv_cte or qkv_tkg")
+    return unmet
+
+
+def _cte_limits(call: CallInfo) -> list[str]:
+    dims, p, unmet = call.dims, call.params, _common_limits(call)
+    if dims["H"] > 24576:
+        unmet.append(f"H={dims['H']} exceeds 24576")
+    if dims["I"] > 4096:
+        unmet.append(f"I={dims['I']} exceeds 4096")
+    if p["output_layout"] == QKVOutputLayout.NBSd and _heads(call)[2] != 128:
+        unmet.append(f"output_layout=NBSd needs d_head=128 on the CTE path; got {_heads(call)[2]}")
+    if p["quantization_type"] == QuantizationType.ROW:
+        unmet.append("qkv_cte applies no ROW weight scales (ROW is implemented by qkv_tkg only)")
+    return unmet
+
+
+def _tkg_limits(call: CallInfo) -> list[str]:
+    unmet = _common_limits(call)
+    if call.params["fused_norm_type"] == NormType.RMS_NORM_SKIP_GAMMA:
+        unmet.append("qkv_tkg does not implement RMS_NORM_SKIP_GAMMA")
+    if (call.dims["H"] // 128) % call.lnc:
+        unmet.append(f"H / 128 = {call.dims['H'] // 128} must be divisible by LNC={call.lnc}")
+    return unmet
+
+
+# ------------------------------------------------------------------------------------------------------- specs
+def _out_layout(params) -> str:
+    layout = params.get("output_layout")
+    d, nq, nkv = params.get("d_head"), params.get("num_q_heads"), params.get("num_kv_heads")
+    if layout in (None, QKVOutputLayout.BSD) or (d is None and (nq is None or nkv is None)):
+        return "B, S, I"
+    heads, d = (f"I/{d}", str(d)) if d is not None else (str(nq + 2 * nkv), f"I/{nq + 2 * nkv}")
+    return f"{heads}, B, S, {d}" if layout == QKVOutputLayout.NBSd else f"{heads}, B, {d}, S"
+
+
+def _q_layout(params) -> str:
+    d, nq = params.get("d_head"), params.get("num_q_heads")
+    return "B, S, I" if d is None or nq is None else f"B, S, {nq * d}"
+
+
+def _heads_first(call: CallInfo) -> bool:
+    return call.params["output_layout"] != QKVOutputLayout.BSD
+
+
+_ROW_OPERANDS = ("input", "mlp_prev", "attention_prev", "cos_cache", "sin_cache")
+_SHARED = {name: None for name in KERNEL_ORDER if name not in _ROW_OPERANDS}
+_COMMON = dict(entry_point=ENTRY_POINT, view_aware_reference=False, family="qkv", catalog="1.15", shown_name="qkv",
+               mac_count=lambda call: call.dims["B"] * call.dims["S"] * call.dims["H"] * call.dims["I"])
+_VJP = "JAX (differentiates the reference; FP8 operands get no cotangent)"
+
+QKV_SPEC = SelectedOutputsSpec(
+    name="qkv",
+    operands=tuple(_OPERANDS[name] for name in _NO_CACHE),
+    params=_COMMON_PARAMS,
+    outputs=(ParamLayoutOutput.from_params("out", _out_layout, "input"),
+             ParamLayoutOutput.from_params("out", _out_layout, "bfloat16")),
+    select_outputs=lambda params, present: (1,) if params["quantization_type"] == QuantizationType.STATIC else (0,),
+    reference=functools.partial(reference_qkv, tkg=False),
+    check=_check,
+    neuron_limits=_cte_limits,
+    fold_plans=(FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS, 0)}, {"out": 0}, lambda c: not _heads_first(c)),
+                FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS, 0)}, {"out": 1}, _heads_first)),
+    support={"idiomatic": "qkv_projection", "vjp": _VJP,
+             "notes": "one primitive per device path: qkv (CTE), qkv_tkg (S <= 96 and B*S <= 128 without RoPE; "
+                      "returns fused_hidden with fused_residual_add), qkv_kv_cache (fused KV-cache write, "
+                      "caches aliased); FP8 STATIC/ROW; MX not bound. Neuron: H % 128 == 0, H <= 24576, I <= 4096"},
+    **_COMMON,
+)
+
+QKV_TKG_SPEC = SelectedOutputsSpec(
+    name="qkv_tkg",
+    operands=tuple(_OPERANDS[name] for name in _NO_CACHE if name not in ("cos_cache", "sin_cache")),
+    params=_COMMON_PARAMS,
+    outputs=(ParamLayoutOutput.from_params("out", _out_layout, "input"),
+             Output.of("fused_hidden", "B, S, H", "input", present_if="fused_residual_add")),
+    reference=functools.partial(reference_qkv, tkg=True),
+    check=_check,
+    neuron_limits=_tkg_limits,
+    support={"vjp": _VJP, "notes": "the TKG path of qkv (lax.map under vmap: folding would change the path)"},
+    **_COMMON,
+)
+
+QKV_KV_CACHE_SPEC = SelectedOutputsSpec(
+    name="qkv_kv_cache",
+    operands=tuple(dataclasses.replace(_OPERANDS[name], optional=False) if name in _CACHE_REQUIRED else _OPERANDS[name]
+                   for name in _KV_ORDER),
+    params=tuple(_PARAMS.values()),
+    outputs=(ParamLayoutOutput.from_params("q", _q_layout, "input"), Output.like_operand("k_cache", "k_cache"),
+             Output.like_operand("v_cache", "v_cache")),
+    reference=functools.partial(reference_qkv, tkg=False),
+    check=_check_kv,
+    neuron_limits=_cte_limits,
+    fold_plans=(FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS + ("k_cache", "v_cache"), 0)},
+                         {"q": 0, "k_cache": 0, "v_cache": 0}, lambda c: not c.params["use_block_kv"]),),
+    aliases={2: 1, 3: 2},
+    nondifferentiable_outputs=("k_cache", "v_cache"),
+    support={"vjp": _VJP + "; the updated caches carry no gradient",
+             "notes": "qkv's CTE path with the fused KV-cache write"},
+    **_COMMON,
+)
+
+qkv_cte_path = make_kernel(QKV_SPEC, vjp=differentiable_vjp)
+qkv_tkg_path = make_kernel(QKV_TKG_SPEC, vjp=differentiable_vjp)
+qkv_kv_cache = make_kernel(QKV_KV_CACHE_SPEC, vjp=differentiable_vjp)
+
+_SIGNATURE = dataclasses.replace(QKV_KV_CACHE_SPEC, operands=tuple(_OPERANDS.values()))
+
+
+# ---------------------------------------------------------------------------------------------- public function
+def call_qkv(operands, params):
+    """Run ``qkv`` on the primitive of its device path; ``operands`` by name, ``params`` normalized over the full
+    signature. Returns the kernel's outputs as a tuple."""
+    x = operands["input"]
+    if any(operands.get(name) is not None for name in CACHE_OPERANDS):
+        missing = [name for name in _CACHE_REQUIRED if operands.get(name) is None]
+        if missing:
+            raise ValueError(f"jax_nkilib.nki.qkv: the fused KV-cache write needs k_cache, v_cache ([B, max_S, KV] or "
+                             f"[num_blocks, block_size, KV]), k_scale and v_scale ([128, 1] float32); missing "
+                             f"{', '.join(missing)}. The kernel writes the caches only when both scales are given and "
+                             "ignores them otherwise: pass jnp.ones((128, 1), jnp.float32) for an unscaled cache")
+        kernel = qkv_kv_cache
+    else:
+        changed = [name for name in CACHE_PARAMS if params[name] != _PARAMS[name].default]
+        if changed:
+            raise ValueError(f"jax_nkilib.nki.qkv: {', '.join(changed)} configure the fused KV-cache write; give "
+                             "k_cache, v_cache, k_scale and v_scale with them")
+        tables = operands.get("cos_cache") is not None or operands.get("sin_cache") is not None
+        tkg = getattr(x, "ndim", 0) == 3 and not tables and uses_tkg(x.shape[0], x.shape[1], params["fused_rope"])
+        kernel = qkv_tkg_path if tkg else qkv_cte_path  # (the CTE spec's checks reject tables without fused_rope)
+    names = {param.name for param in kernel.spec.params}
+    own = {key: value for key, value in params.items() if key in names or key in ("lnc", "layout")}
+    return kernel.call({operand.name: operands.get(operand.name) for operand in kernel.spec.operands}, own)
+
+
+def qkv_params(**flags):
+    """Normalized params of ``qkv`` for ``flags`` (defaults filled, over the full signature), for :func:`call_qkv`."""
+    return normalize_params(_SIGNATURE, flags)
+
+
+def qkv(*args, **kwargs):
+    """The NKI ``qkv`` kernel (see :mod:`jax_nkilib._src.projection.qkv`): tensors positional in the kernel's order
+    ``(input, fused_qkv_weights, bias, qkv_w_scale, qkv_in_scale, mlp_prev, attention_prev, gamma_norm_weights,
+    layer_norm_bias, cos_cache, sin_cache, k_cache, v_cache, k_scale, v_scale, slot_mapping)``, flags by keyword.
+
+    Returns ``out``; on the TKG path with ``fused_residual_add`` ``(out, fused_hidden)``; with the fused KV-cache
+    write ``(q, k_cache, v_cache)``."""
+    operands, raw, _ = split_arguments(_SIGNATURE, args, kwargs)
+    outs = call_qkv(operands, normalize_params(_SIGNATURE, raw))
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+qkv.__module__ = "jax_nkilib.nki"

@@ -1,0 +1,234 @@
+"""jax_nkilib.output_projection and jax_nkilib.qkv_projection: float64 oracle on both device paths, KV-cache update
+(fused and by XLA), jit, vmap, gradients, shard_map, Neuron lowering and bad inputs."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+import jax_nkilib
+from jax_nkilib import output_projection, qkv_projection
+from tests.projection.test_output_projection import projection_oracle
+from tests.projection.test_qkv import qkv_oracle
+from tests.support.data import angles, random
+from tests.support.hlo import compute_operations, kernel_configs, neuron_text, operations
+from tests.support.numerics import assert_close
+from tests.support.sharding import mesh_1d, shard
+
+NQ, NKV, D = 4, 2, 4
+WIDTH = (NQ + 2 * NKV) * D
+
+
+def split_heads(t, batch, seq):
+    q_dim, kv_dim = NQ * D, NKV * D
+    return (t[..., :q_dim].reshape(batch, seq, NQ, D), t[..., q_dim:q_dim + kv_dim].reshape(batch, seq, NKV, D),
+            t[..., q_dim + kv_dim:].reshape(batch, seq, NKV, D))
+
+
+def tables(batch, seq, dtype=jnp.float32, seed=3):
+    cos, sin = angles((batch, seq, D // 2), dtype, seed)
+    return jnp.concatenate([cos, cos], -1), jnp.concatenate([sin, sin], -1)
+
+
+# ------------------------------------------------------------------------------------------- output projection
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch, seq", [(2, 3), (1, 97), (3, 1)])  # TKG, CTE (seq > 96), TKG
+def test_output_projection_matches_the_oracle(dtype, batch, seq):
+    attn = random((batch, seq, 3, 5), dtype, 0)
+    w, bias = random((15, 9), jnp.float32, 1, 0.4), random((9,), jnp.float32, 2)
+    out = output_projection(attn, w, bias)
+    assert out.shape == (batch, seq, 9) and out.dtype == dtype
+    want = projection_oracle(attn, w.astype(dtype), bias.astype(dtype)[None])
+    assert_close(out, want, dtype, reduction=15)
+
+
+def test_output_projection_transformations():
+    attn, w = random((2, 3, 2, 4), jnp.float32, 0), random((8, 5), jnp.float32, 1)
+    stack = jnp.stack([attn, -attn, 2 * attn])
+    got = jax.jit(jax.vmap(output_projection, in_axes=(0, None)))(stack, w)
+    np.testing.assert_allclose(got[2], output_projection(stack[2], w), rtol=1e-6)
+    ws = jnp.stack([w, 2 * w])
+    nested = jax.vmap(jax.vmap(output_projection, in_axes=(0, None)), in_axes=(None, 0))(stack, ws)
+    np.testing.assert_allclose(nested[1, 0], output_projection(attn, 2 * w), rtol=1e-6)
+    attn64, w64, b64 = attn.astype(jnp.float64), w.astype(jnp.float64), jnp.arange(5.0, dtype=jnp.float64)
+    check_grads(output_projection, (attn64, w64, b64), order=2, modes=["rev"])
+    long = random((1, 97, 2, 4), jnp.float64, 3)
+    check_grads(output_projection, (long, w64, b64), order=1, modes=["rev"])
+    grad = jax.grad(lambda a: jnp.sum(jnp.sin(output_projection(a, w64))))
+    np.testing.assert_allclose(jax.vmap(grad)(jnp.stack([attn64, -attn64]))[1], grad(-attn64), rtol=1e-12)
+
+
+@pytest.mark.parametrize("seq, kernel, transposes", [(1, "output_projection_tkg", 1),
+                                                     (128, "output_projection_cte", 1)])
+def test_output_projection_neuron_lowering(seq, kernel, transposes):
+    attn, w = random((2, seq, 2, 64), jnp.bfloat16, 0), random((128, 256), jnp.bfloat16, 1)
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(output_projection, attn, w)
+    (cfg,) = kernel_configs(text)
+    assert cfg["func_name"] == kernel
+    ops = compute_operations(text)
+    assert ops.count("stablehlo.transpose") == transposes and set(ops) <= {"stablehlo.transpose",
+                                                                            "stablehlo.reshape"}
+
+
+def test_output_projection_shard_map():
+    mesh = mesh_1d()
+    attn, w = random((8, 2, 3, 4), jnp.float32, 0), random((12, 6), jnp.float32, 1)
+    fn = jax.shard_map(output_projection, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
+    got = jax.jit(fn)(*shard(mesh, (P("data"), P()), attn, w))
+    assert_close(got, projection_oracle(attn, w), jnp.float32, reduction=12)
+
+
+@pytest.mark.parametrize("args, error, fragment", [
+    ((jnp.zeros((2, 3, 4)), jnp.zeros((4, 5))), ValueError, "`attn` must be [batch, seq, heads, head_dim]"),
+    ((jnp.zeros((2, 3, 2, 4)), jnp.zeros((7, 5))), ValueError, "`w` must be [heads * head_dim, hidden] = [8, hidden]"),
+    ((jnp.zeros((2, 3, 2, 4), jnp.int32), jnp.zeros((8, 5))), TypeError, "`attn` [batch, seq, heads, head_dim] must"),
+    ((jnp.zeros((2, 3, 2, 4)), jnp.zeros((8, 5)), jnp.zeros((4,))), ValueError, "`bias` must be [5]"),
+    (([1.0], jnp.zeros((8, 5))), TypeError, "`attn` must be an array"),
+])
+def test_output_projection_bad_inputs(args, error, fragment):
+    with pytest.raises(error) as info:
+        output_projection(*args)
+    assert fragment in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- qkv projection
+def qkv_problem(batch=2, seq=3, hidden=8, dtype=jnp.float32):
+    return (random((batch, seq, hidden), dtype, 0), random((hidden, WIDTH), jnp.float32, 1, 0.4),
+            random((WIDTH,), jnp.float32, 2, 0.3), random((hidden,), jnp.float32, 3, 0.2) + 1,
+            random((hidden,), jnp.float32, 4, 0.2))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("norm", [None, "rms", "layer"])
+@pytest.mark.parametrize("seq, with_rope", [(3, False), (3, True), (97, False)])
+def test_qkv_projection_matches_the_oracle(dtype, norm, seq, with_rope):
+    x, w, bias, gamma, beta = qkv_problem(seq=seq, dtype=dtype)
+    rope = tables(2, seq) if with_rope else None
+    norm_kw = dict(norm_weight=gamma, norm_bias=beta if norm == "layer" else None) if norm else {}
+    q, k, v = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, norm=norm, rope=rope, **norm_kw)
+    assert q.shape == (2, seq, NQ, D) and k.shape == v.shape == (2, seq, NKV, D) and q.dtype == dtype
+    cast = lambda t: None if t is None else t.astype(dtype)[None]  # noqa: E731
+    want, _ = qkv_oracle(x, w.astype(dtype), nq=NQ, nkv=NKV, d=D, bias=cast(bias), norm=norm, gamma=cast(gamma),
+                         beta=cast(beta) if norm == "layer" else None, cos=None if rope is None else rope[0],
+                         sin=None if rope is None else rope[1])
+    # the CTE path (RoPE or seq > 96) computes float32 inputs in bfloat16, as the kernel does
+    tol = jnp.bfloat16 if (with_rope or seq > 96) else dtype
+    for got, expected in zip((q, k, v), split_heads(want, 2, seq)):
+        assert_close(got, expected, tol, reduction=8, ops=10)
+
+
+def test_rms_without_weight_and_rope_equal_to_jax_nkilib_rope():
+    x, w, *_ = qkv_problem()
+    q, k, v = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, norm="rms", eps=1e-5)
+    want, _ = qkv_oracle(x, w, nq=NQ, nkv=NKV, d=D, norm="rms_skip", eps=1e-5)
+    assert_close(q, split_heads(want, 2, 3)[0], jnp.float32, reduction=8, ops=8)
+    cos, sin = tables(2, 3)  # fused RoPE equals jax_nkilib.rope on the unrotated heads (half-width tables)
+    q_rot, k_rot, _ = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, rope=(cos, sin))
+    q_plain, k_plain, _ = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV)
+    for rotated, plain in ((q_rot, q_plain), (k_rot, k_plain)):
+        expected = jax_nkilib.rope(plain, cos[..., :D // 2], sin[..., :D // 2])
+        assert_close(rotated, np.asarray(expected, np.float64), jnp.bfloat16, reduction=8, ops=10)
+
+
+@pytest.mark.parametrize("seq, with_rope", [(3, False), (3, True), (100, False)])  # XLA write, fused, fused
+@pytest.mark.parametrize("positions", [False, True])
+def test_kv_cache_update_is_the_same_math_on_both_paths(seq, with_rope, positions):
+    batch, max_len = 2, 128
+    x, w, bias, *_ = qkv_problem(batch, seq, dtype=jnp.bfloat16)
+    rope = tables(batch, seq) if with_rope else None
+    caches = tuple(random((batch, max_len, NKV, D), jnp.float32, 9 + i).astype(jnp.float8_e4m3fn) for i in range(2))
+    pos = None
+    if positions:
+        pos = (jnp.arange(seq, dtype=jnp.int32)[None] + jnp.array([[5], [20]], jnp.int32))
+        pos = pos.at[1, 0].set(-1)  # skipped
+    q, k_new, v_new = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, rope=rope,
+                                     kv_cache=caches, cache_positions=pos, kv_scale=(0.5, 0.25))
+    q_ref, k_ref, v_ref = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, rope=rope)
+    np.testing.assert_array_equal(q, q_ref)
+    positions_np = np.broadcast_to(np.arange(seq), (batch, seq)) if pos is None else np.asarray(pos)
+    for new, old, fresh, scale in ((k_new, caches[0], k_ref, 0.5), (v_new, caches[1], v_ref, 0.25)):
+        want = np.array(old)
+        for b in range(batch):
+            for s in range(seq):
+                if 0 <= positions_np[b, s] < max_len:
+                    value = np.asarray(fresh[b, s], np.float64) / scale
+                    want[b, positions_np[b, s]] = np.clip(value, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        np.testing.assert_array_equal(np.asarray(new).view(np.uint8), want.view(np.uint8))
+
+
+def test_qkv_projection_gradients_vmap_and_jit():
+    x, w, bias, gamma, _ = (t.astype(jnp.float64) for t in qkv_problem())
+    cos, sin = (t.astype(jnp.float64) for t in tables(2, 3))
+
+    def fn(x, w, bias, gamma, cos):
+        return qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, norm="rms", norm_weight=gamma,
+                              rope=(cos, sin))
+
+    check_grads(fn, (x, w, bias, gamma, cos), order=1, modes=["rev"])
+    check_grads(lambda x, w: qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, norm="layer"), (x, w), order=1,
+                modes=["rev"])
+    xs = jnp.stack([x, -x])
+    got = jax.jit(jax.vmap(lambda x: fn(x, w, bias, gamma, cos)))(xs)
+    for a, b in zip(got, fn(-x, w, bias, gamma, cos)):
+        np.testing.assert_allclose(a[1], b, rtol=1e-12)
+    grad = jax.grad(lambda x: jnp.sum(fn(x, w, bias, gamma, cos)[1] ** 2))
+    np.testing.assert_allclose(jax.vmap(grad)(xs)[1], grad(-x), rtol=1e-10)
+
+
+def test_qkv_projection_shard_map():
+    mesh = mesh_1d()
+    x, w, bias, *_ = qkv_problem(batch=8)
+    cos, sin = tables(8, 3)
+    specs = (P("data"), P(), P("data"), P("data"))
+    fn = jax.shard_map(lambda x, w, c, s: qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, rope=(c, s)),
+                       mesh=mesh, in_specs=specs, out_specs=(P("data"),) * 3)
+    got = jax.jit(fn)(*shard(mesh, specs, x, w, cos, sin))
+    want, _ = qkv_oracle(x, w, nq=NQ, nkv=NKV, d=D, cos=cos, sin=sin)
+    for a, b in zip(got, split_heads(want, 8, 3)):
+        assert_close(a, b, jnp.bfloat16, reduction=8, ops=10)
+
+
+def test_qkv_projection_neuron_lowering():
+    x, w = random((1, 128, 256), jnp.bfloat16, 0), random((256, 16 * 64), jnp.bfloat16, 1)
+    heads = dict(num_q_heads=8, num_kv_heads=4)
+    caches = tuple(jnp.zeros((1, 256, 4, 64), jnp.float8_e4m3fn) for _ in range(2))
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(lambda x, w: qkv_projection(x, w, **heads), x, w)
+        assert [cfg["func_name"] for cfg in kernel_configs(text)] == ["qkv"]
+        assert "stablehlo.transpose" not in compute_operations(text)
+        text = neuron_text(lambda x, w, k, v: qkv_projection(x, w, **heads, kv_cache=(k, v)), x, w, *caches)
+        (cfg,) = kernel_configs(text)
+        assert cfg["func_name"] == "qkv_kv_cache" and cfg["aliases"] == [[2, 1], [3, 2]]
+        small = x[:, :2]
+        text = neuron_text(lambda x, w, k, v: qkv_projection(x, w, **heads, kv_cache=(k, v)), small, w, *caches)
+        assert [cfg["func_name"] for cfg in kernel_configs(text)] == ["qkv_tkg"]
+        assert "stablehlo.custom_call" in operations(text) and "stablehlo.scatter" in operations(text)
+
+
+@pytest.mark.parametrize("kwargs, error, fragment", [
+    (dict(num_q_heads=3), ValueError, "with 7 heads; got (8, 32)"),
+    (dict(num_q_heads=0), ValueError, "num_q_heads and num_kv_heads must be positive ints"),
+    (dict(norm="batch"), ValueError, "`norm` must be None, 'rms' or 'layer'"),
+    (dict(norm_weight=jnp.ones(8)), ValueError, "norm_weight/norm_bias need norm='rms' or 'layer'"),
+    (dict(norm="rms", norm_bias=jnp.ones(8)), ValueError, "norm_bias needs norm='layer'"),
+    (dict(bias=jnp.ones(5)), ValueError, "`bias` must be [32]"),
+    (dict(rope=jnp.ones((2, 3, 4))), TypeError, "`rope` must be (cos, sin)"),
+    (dict(rope=(jnp.ones((2, 3, 2)), jnp.ones((2, 3, 2)))), ValueError, "rope tables must be [batch, seq, head_dim]"),
+    (dict(kv_cache=jnp.ones(3)), TypeError, "`kv_cache` must be (k_cache, v_cache)"),
+    (dict(kv_cache=(jnp.ones((2, 8, 2, 4)), jnp.ones((2, 8, 1, 4)))), ValueError, "k_cache and v_cache must both be"),
+    (dict(kv_cache=(jnp.ones((2, 2, 2, 4)),) * 2), ValueError, "the caches hold 2 positions, fewer than the 3"),
+    (dict(kv_cache=(jnp.ones((2, 8, 2, 4)),) * 2, cache_positions=jnp.zeros((2, 3))), ValueError,
+     "`cache_positions` must be an integer array [batch, seq]"),
+    (dict(kv_scale=(1.0, 1.0)), ValueError, "cache_positions and kv_scale need kv_cache"),
+])
+def test_qkv_projection_bad_inputs(kwargs, error, fragment):
+    x, w, *_ = qkv_problem()
+    args = dict(num_q_heads=NQ, num_kv_heads=NKV)
+    args.update(kwargs)
+    with pytest.raises(error) as info:
+        qkv_projection(x, w, **args)
+    assert fragment in str(info.value)
