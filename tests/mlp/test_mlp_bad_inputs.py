@@ -1,0 +1,90 @@
+"""Bad inputs to jax_nkilib.nki.mlp and jax_nkilib.mlp raise TypeError/ValueError at trace time, naming the argument
+and the expected layout."""
+
+import jax.numpy as jnp
+import pytest
+
+import jax_nkilib
+from jax_nkilib.nki import mlp
+
+X = jnp.zeros((2, 3, 16), jnp.bfloat16)
+W = jnp.zeros((16, 8), jnp.bfloat16)
+WD = jnp.zeros((8, 16), jnp.bfloat16)
+F8, F8D = W.astype(jnp.float8_e4m3), WD.astype(jnp.float8_e4m3)
+F32 = jnp.float32
+ROW = dict(gate_w_scale=jnp.ones((128, 8), F32), up_w_scale=jnp.ones((128, 8), F32),
+           down_w_scale=jnp.ones((128, 16), F32))
+ONE = jnp.ones((128, 1), F32)
+
+
+def kernel(*args, **kwargs):
+    return lambda: mlp(*args, **kwargs)
+
+
+def op(*args, **kwargs):
+    return lambda: jax_nkilib.mlp(*args, **kwargs)
+
+
+CASES = [
+    (kernel(X[0], W, W, WD), ValueError, ["jax_nkilib.nki.mlp", "`hidden_tensor`", "[B, S, H]", "rank 2"]),
+    (kernel(X, W, W[:, :4], WD), ValueError, ["`up_proj_weights_tensor`", "[H, I]", "I=8"]),
+    (kernel(X, W, W, W), ValueError, ["`down_proj_weights_tensor`", "[I, H]"]),
+    (kernel(X, W, W, WD, jnp.ones((16,))), ValueError, ["`normalization_weights_tensor`", "[1, H]"]),
+    (kernel(X.astype(jnp.int32), W, W, WD), TypeError, ["`hidden_tensor`", "dtype", "int32"]),
+    (kernel(X.astype(jnp.float8_e4m3), W, W, WD), TypeError, ["`hidden_tensor`", "dtype"]),
+    (kernel(X, W, W, WD, normalization_type="RMS_NORM"), ValueError, ["RMS_NORM", "normalization_weights_tensor"]),
+    (kernel(X, W, W, WD, jnp.ones((1, 16)), None, None, None, jnp.ones((1, 16)), normalization_type="RMS_NORM"),
+     ValueError, ["normalization_bias_tensor", "LAYER_NORM"]),
+    (kernel(X, W, W, WD, store_fused_add_result=True), ValueError, ["store_fused_add_result", "fused_add_tensor"]),
+    (kernel(X, W, W, WD, activation_fn="Tanh"), TypeError, ["`activation_fn`", "ActFnType", "SiLU"]),
+    (kernel(X, W, W, WD, quantization_type="MX"), ValueError, ["MX weights are not bound yet"]),
+    (kernel(X, W, W, WD, quantization_type="STATIC_MX"), ValueError, ["MX weights are not bound yet"]),
+    (kernel(X, W, W, WD, store_output_in_sbuf=True), ValueError, ["store_output_in_sbuf", "not applicable"]),
+    (kernel(X, W, W, WD, output_dtype=jnp.int32), TypeError, ["output_dtype"]),
+    (kernel(X, F8, F8, F8D), TypeError, ["FP8 weights", "ROW or STATIC"]),
+    (kernel(X, W, W, WD, quantization_type="ROW", **ROW), TypeError, ["float8_e4m3", "gate_proj_weights_tensor"]),
+    (kernel(X, F8, F8, F8D, quantization_type="ROW"), ValueError, ["needs gate_w_scale, up_w_scale, down_w_scale",
+                                                                   "[128, I]"]),
+    (kernel(X, F8, F8, F8D, quantization_type="ROW", **dict(ROW, down_w_scale=jnp.ones((128, 8), F32))), ValueError,
+     ["`down_w_scale`", "[128, H]", "quantization_type=QuantizationType.ROW"]),
+    (kernel(X, F8, F8, F8D, quantization_type="STATIC", gate_w_scale=ONE, up_w_scale=ONE, down_w_scale=ONE),
+     ValueError, ["needs gate_up_in_scale, down_in_scale"]),
+    (kernel(X, F8, F8, F8D, quantization_type="STATIC", **ROW), ValueError, ["`gate_w_scale`", "[128, 1]"]),
+    (kernel(X, F8, F8, F8D, quantization_type="ROW", gate_up_in_scale=ONE, **ROW), ValueError,
+     ["gate_up_in_scale", "STATIC input scales"]),
+    (kernel(X, W, W, WD, gate_w_scale=ONE), ValueError, ["gate_w_scale", "only used with"]),
+    (kernel(X, W.astype(jnp.float8_e5m2), W, WD), TypeError, ["`gate_proj_weights_tensor`", "dtype"]),
+    (kernel(X, W, W, WD, ROW["up_w_scale"].astype(jnp.bfloat16)), ValueError, ["`normalization_weights_tensor`"]),
+    (kernel(X, W, W, WD, use_tkg_down_proj_optimized_layout=True), ValueError,
+     ["use_tkg_down_proj_optimized_layout", "use_tkg_down_proj_column_tiling=False"]),
+    (kernel(X, W, W, WD, use_tkg_down_proj_optimized_layout=True, use_tkg_down_proj_column_tiling=False),
+     ValueError, ["H % (128 * LNC)"]),
+    (kernel(X, W, W, WD, gate_clamp_upper_limit="1"), TypeError, ["`gate_clamp_upper_limit`", "float"]),
+    (kernel(X, W, W, WD, eps=None), TypeError, ["`eps`"]),
+    (kernel(X, W, W), TypeError, ["missing required tensor argument `down_proj_weights_tensor`"]),
+    (kernel(X, W, W, WD, sbm=None), TypeError, ["unexpected keyword argument `sbm`"]),
+    (op(X, W, W, WD, activation="tanh"), ValueError, ["jax_nkilib.mlp", "`activation`", "silu"]),
+    (op(X, W, W[:8], WD), ValueError, ["`w_up`", "[hidden, inter]", "hidden=16"]),
+    (op(X, W[:, :4], W, WD), ValueError, ["`w_gate`", "[hidden, inter]"]),
+    (op(X, W, W, W), ValueError, ["`w_down`", "[inter, hidden]"]),
+    (op(X, W, W, WD, norm="batch"), ValueError, ["`norm`"]),
+    (op(X, W, W, WD, norm_weight=jnp.ones(16)), ValueError, ["norm_weight", "norm='rms'"]),
+    (op(X, W, W, WD, norm="rms", norm_bias=jnp.ones(16)), ValueError, ["norm_bias", "norm='layer'"]),
+    (op(X, W, W, WD, norm="rms", norm_weight=jnp.ones(8)), ValueError, ["`norm_weight`", "[hidden]"]),
+    (op(X, W, W, WD, residual=X[0]), ValueError, ["`residual`", "x's shape"]),
+    (op(X, W, W, WD, return_residual=True), ValueError, ["return_residual", "`residual`"]),
+    (op(X, None, W, WD, gate_clamp=(None, 1.0)), ValueError, ["gate_clamp", "w_gate"]),
+    (op(X, W, W, WD, up_clamp=1.0), TypeError, ["`up_clamp`", "(lower, upper)"]),
+    (op(X, W, W, WD, up_bias=jnp.ones(16)), ValueError, ["`up_bias`", "[inter]"]),
+    (op(X.astype(jnp.int32), W, W, WD), TypeError, ["`x`", "floating"]),
+    (op([1.0], W, W, WD), TypeError, ["`x`", "array"]),
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_bad_input(case):
+    call, error, fragments = CASES[case]
+    with pytest.raises(error) as info:
+        call()
+    for fragment in fragments:
+        assert fragment in str(info.value), f"{fragment!r} not in: {info.value}"

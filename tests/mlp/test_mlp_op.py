@@ -1,0 +1,118 @@
+"""jax_nkilib.mlp (idiomatic): against the float64 oracle and plain jnp, transformations, sharding, Neuron lowering."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+import jax_nkilib
+from tests.mlp.test_mlp_kernel import mlp_oracle
+from tests.support.data import random
+from tests.support.hlo import compute_operations, kernel_configs, neuron_text, operations
+from tests.support.numerics import assert_close, assert_no_worse_than_plain
+from tests.support.sharding import mesh_1d, shard
+
+HID, INTER = 32, 24
+
+
+def weights(dtype=jnp.float32, seed=1):
+    shapes = ((HID, INTER), (HID, INTER), (INTER, HID))
+    return tuple(random(shape, dtype, seed + k, 0.25) for k, shape in enumerate(shapes))
+
+
+def test_swiglu_default_matches_plain_jnp():
+    x = random((2, 3, HID), jnp.float32)
+    wg, wu, wd = weights()
+    plain = (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+    assert_close(jax_nkilib.mlp(x, wg, wu, wd), mlp_oracle(x, wg, wu, wd)[0], jnp.float32, reduction=HID)
+    assert_close(jax_nkilib.mlp(x, wg, wu, wd), plain, jnp.float32, reduction=HID)
+
+
+def test_bfloat16_is_no_worse_than_plain():
+    x = random((4, 5, HID), jnp.bfloat16)
+    wg, wu, wd = weights(jnp.bfloat16)
+    f64 = [np.asarray(a, np.float64) for a in (x, wg, wu, wd)]
+    exact = (f64[0] @ f64[1] / (1 + np.exp(-(f64[0] @ f64[1]))) * (f64[0] @ f64[2])) @ f64[3]
+    plain = (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+    assert_no_worse_than_plain(jax_nkilib.mlp(x, wg, wu, wd), plain, exact)
+
+
+@pytest.mark.parametrize("activation, kernel_act", [("silu", "SiLU"), ("swish", "SiLU"), ("gelu", "GELU"),
+                                                    ("gelu_tanh", "GELU_Tanh_Approx"), ("gelu_sigmoid", "Swish"),
+                                                    ("relu", "ReLU")])
+def test_activations(activation, kernel_act):
+    x = random((7, HID), jnp.float32)  # [tokens, hidden]
+    wg, wu, wd = weights()
+    out = jax_nkilib.mlp(x, wg, wu, wd, activation=activation)
+    assert out.shape == (7, HID)
+    assert_close(out, mlp_oracle(x[None], wg, wu, wd, act=kernel_act)[0][0], jnp.float32, reduction=HID)
+
+
+def test_norms_residual_biases_clamps_and_plain_mlp():
+    x, res = random((2, 4, HID), jnp.float32), random((2, 4, HID), jnp.float32, 9)
+    wg, wu, wd = weights()
+    gamma, beta = random((HID,), jnp.float32, 5) + 1, random((HID,), jnp.float32, 6, 0.1)
+    bg, bu = random((INTER,), jnp.float32, 7, 0.2), random((INTER,), jnp.float32, 8, 0.2)
+    bd = random((HID,), jnp.float32, 10)
+    out, summed = jax_nkilib.mlp(x, wg, wu, wd, norm="layer", norm_weight=gamma, norm_bias=beta, residual=res,
+                                 return_residual=True, gate_bias=bg, up_bias=bu, down_bias=bd,
+                                 gate_clamp=(-0.5, 0.7), up_clamp=(None, 0.4))
+    want, want_sum = mlp_oracle(x, wg, wu, wd, norm="layer", gamma=gamma, beta=beta, gate_b=bg, up_b=bu, down_b=bd,
+                                fused_add=res, store=True, gate_clamp=(0.7, -0.5), up_clamp=(0.4, None))
+    assert_close(out, want, jnp.float32, reduction=HID)
+    assert_close(summed, np.asarray(x, np.float64) + np.asarray(res, np.float64), jnp.float32)
+    rms = jax_nkilib.mlp(x, wg, wu, wd, norm="rms", residual=res)  # no weight: unscaled RMS norm
+    assert_close(rms, mlp_oracle(x, wg, wu, wd, norm="rms_skip", fused_add=res)[0], jnp.float32, reduction=HID)
+    plain = jax_nkilib.mlp(x, None, wu, wd, activation="gelu", up_bias=bu)  # no gate: act(x w_up + b) w_down
+    assert_close(plain, mlp_oracle(x, wu, wu, wd, act="GELU", skip_gate=True, up_b=bu)[0], jnp.float32, reduction=HID)
+
+
+def test_more_than_96_tokens_take_the_cte_path():
+    x = random((2, 50, HID), jnp.bfloat16)
+    wg, wu, wd = weights(jnp.bfloat16)
+    out = jax_nkilib.mlp(x, wg, wu, wd, norm="rms")
+    assert_close(out, mlp_oracle(x, wg, wu, wd, norm="rms_skip")[0], jnp.bfloat16, ops=2)
+
+
+def test_gradients_float64_and_vmap_jit():
+    x, res = random((2, 3, 8), jnp.float64), random((2, 3, 8), jnp.float64, 9)
+    wg, wu, wd = random((8, 6), jnp.float64, 1), random((8, 6), jnp.float64, 2), random((6, 8), jnp.float64, 3)
+    gamma, bd = random((8,), jnp.float64, 4) + 1, random((8,), jnp.float64, 5)
+
+    def loss(x_, res_, wg_, wu_, wd_, gamma_, bd_):
+        out, summed = jax_nkilib.mlp(x_, wg_, wu_, wd_, norm="rms", norm_weight=gamma_, residual=res_,
+                                     return_residual=True, down_bias=bd_, activation="gelu_tanh")
+        return out * jnp.tanh(summed)
+
+    check_grads(loss, (x, res, wg, wu, wd, gamma, bd), order=1, modes=["rev"])
+    check_grads(lambda w: jax_nkilib.mlp(x, None, w, wd, activation="gelu"), (wu,), order=1, modes=["rev"])
+    batched = jax.jit(jax.vmap(lambda a: jax_nkilib.mlp(a, wg, wu, wd)))(jnp.stack([x, -x]))
+    assert_close(batched[1], mlp_oracle(-x, wg, wu, wd)[0], jnp.float64)
+    grads = jax.vmap(jax.grad(lambda a: jnp.sum(jax_nkilib.mlp(a, wg, wu, wd))))(jnp.stack([x, -x]))
+    assert_close(grads[1], jax.grad(lambda a: jnp.sum(jax_nkilib.mlp(a, wg, wu, wd)))(-x), jnp.float64)
+
+
+def test_shard_map_over_the_batch():
+    mesh = mesh_1d()
+    x = random((8, 4, HID), jnp.bfloat16)
+    wg, wu, wd = weights(jnp.bfloat16)
+    specs = (P("data"), P(), P(), P())
+    fn = jax.jit(jax.shard_map(lambda *a: jax_nkilib.mlp(*a, norm="rms"), mesh=mesh, in_specs=specs,
+                               out_specs=P("data")))
+    assert_close(fn(*shard(mesh, specs, x, wg, wu, wd)), mlp_oracle(x, wg, wu, wd, norm="rms_skip")[0],
+                 jnp.bfloat16, ops=2)
+
+
+def test_neuron_lowering_is_the_kernel_and_reshapes():
+    x = random((2, 3, 4, 256), jnp.bfloat16)
+    wg, wu, wd = (random(shape, jnp.bfloat16, s) for s, shape in enumerate([(256, 128), (256, 128), (128, 256)]))
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(lambda *a: jax_nkilib.mlp(*a, norm="rms", residual=a[0], return_residual=True), x, wg,
+                           wu, wd)
+    (cfg,) = kernel_configs(text)
+    assert operations(text).count("stablehlo.custom_call") == 1
+    assert set(compute_operations(text)) <= {"stablehlo.reshape"}
+    assert cfg["input_specs"][0] == [[6, 4, 256], "bfloat16"]
+    assert cfg["params"]["normalization_type"] == "RMS_NORM_SKIP_GAMMA" and cfg["params"]["store_fused_add_result"]
