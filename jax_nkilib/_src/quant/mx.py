@@ -104,7 +104,7 @@ def _dequantize(elements, scales):
     half = shift // 2
     normal = lax.bitcast_convert_type(significand.astype(jnp.float32) * _pow2(half) * _pow2(shift - half), _U32)
     subnormal = (significand >> jnp.clip(-149 - shift, 0, 31)).astype(_U32)  # exact: fp8 has <= 4 significant bits
-    sign = bits & 0x80000000
+    sign = bits & jnp.uint32(0x80000000)  # a Python int literal overflows int32 without jax_enable_x64
     out = jnp.where(shift >= -149, normal, subnormal) | sign
     out = jnp.where(biased == 0, sign, jnp.where(biased == 255, bits, out))
     return lax.bitcast_convert_type(out, jnp.float32)
@@ -277,3 +277,182 @@ def decode_mx_block(block, contraction: str = "d_head", dtype=ELEMENT_DTYPE):
     scales = unpack_x4(scales_from_quadrants(words[..., n:]), jnp.uint8)  # [C // 32, N]
     operand = unswizzle_mx(dequantize_mx(elements, scales))  # [N, C]
     return _block_operand(operand, contraction, "decode_mx_block")
+
+
+# ----------------------------------------------------------------------------- matmul_mxfp8-family operands (wrapX)
+# The MXFP8 matmul kernels (matmul_mxfp8, mlp_forward/backward_mxfp8) quantize an operand ``[F, K]`` (K contracted)
+# after the "wrapX" swizzle of their golden (``matmul_mxfp8_torch._swizzle``, the DGT load): K is cut into tiles of
+# 512, then a remainder that is a multiple of 128 into tiles of 256 and 128 (any other remainder is one tile); in a
+# tile of size T starting at k0, swizzled row ``k0/4 + p`` lane ``j`` holds K index ``k0 + j*(T/4) + p``. The
+# swizzled operand ``[K/4, 4F]`` (element ``[r, 4f + j]``) is MX-quantized in 8 x 4 blocks, so one scale covers
+# K indices {8g..8g+7 of the tile's rows} x {4 lanes} of one f: 4 runs of 8 consecutive K, T/4 apart.
+# Their quantization uses the "alternative emax" (the neuronxcc default, ``--enable-mx-alternative-emax``; the
+# goldens' ``_get_mx_max_exp``): emax 7 for e4m3 and 14 for e5m2, one less than the OCP rule above, so a block's
+# largest magnitude maps into [128, 256) (e4m3) and never saturates; the scale byte is ``clip(E - 7, 0, 255)``.
+# Pre-quantized operands are x4 words ``[K/4, F]`` (word ``[r, f]`` packs lanes j = 0..3 of swizzled row r, byte j)
+# with scales ``[K/4, F]`` ("oversized": dense scale row c at row (c // 4) * 32 + c % 4) or, packed, ``[ceil(K /
+# 2048) * 128, F]`` (dense row c = 16 t + i of K-tile t at row (t // 4) * 128 + 4 (t % 4) + (i // 4) * 32 + i % 4).
+WRAP_TILE = 512
+ALT_EMAX_OFFSET = 1  # the alternative emax is the format's emax minus this
+PACKED_SCALE_GROUP = 2048  # K elements per 128-row group of packed scales
+
+
+def wrapx_tiles(k: int) -> tuple[tuple[int, int], ...]:
+    """``(start, size)`` of the wrapX swizzle tiles along a contraction of ``k`` (``k % 32 == 0``)."""
+    _require(k > 0 and k % BLOCK_SIZE == 0, "wrapx_tiles",
+             f"the contraction must be a positive multiple of 32; got {k}")
+    tiles, start = [], 0
+    while k - start >= WRAP_TILE:
+        tiles.append((start, WRAP_TILE))
+        start += WRAP_TILE
+    rest = k - start
+    if rest % 128 == 0:  # 0, 128, 256 or 384: the DGT's 256 and 128 sub-tiles
+        sizes = [size for size in (256, 128) if rest & size]
+    else:
+        sizes = [rest]
+    for size in sizes:
+        tiles.append((start, size))
+        start += size
+    return tuple(tiles)
+
+
+@functools.lru_cache(maxsize=None)
+def wrapx_index(k: int):
+    """numpy int ``[k // 4, 4]``: the K index that wrapX swizzled row ``r``, lane ``j`` holds."""
+    import numpy as np
+
+    index = np.zeros((k // 4, 4), np.int64)
+    for start, size in wrapx_tiles(k):
+        rows = np.arange(size // 4)
+        index[start // 4 + rows] = start + np.arange(4)[None, :] * (size // 4) + rows[:, None]
+    return index
+
+
+def _quantize_blocks(blocks, dtype, emax_offset: int):
+    """``(elements, scale bytes)`` of float32 ``blocks [..., n, 32]``, the module's rule with emax - offset."""
+    exponent = _biased_exponent(blocks).max(axis=-1, keepdims=True) + emax_offset
+    return _elements(blocks, exponent, dtype), _scale_bytes(exponent, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "dtype"))
+def mx_round_trip_wrapx(x, axis: int = -1, dtype=ELEMENT_DTYPE):
+    """float32 ``dequantize(quantize(x))`` of a matmul_mxfp8-family operand contracted along ``axis``: wrapX blocks,
+    alternative emax (see above). A contraction that is not a multiple of 32 is zero-padded at its end first (the
+    kernels never see one: their loads need multiples of 128)."""
+    import numpy as np
+
+    _format(dtype, "mx_round_trip_wrapx")
+    x = jnp.moveaxis(jnp.asarray(x).astype(jnp.float32), axis, -1)
+    n = x.shape[-1]
+    k = n + (-n % BLOCK_SIZE)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, k - n)])
+    order = wrapx_index(k).reshape(k // BLOCK_SIZE, 8, 4).reshape(-1)  # each run of 32 is one MX block
+    blocks = jnp.take(x, order, axis=-1).reshape(*x.shape[:-1], k // BLOCK_SIZE, BLOCK_SIZE)
+    elements, scales = _quantize_blocks(blocks, dtype, ALT_EMAX_OFFSET)
+    values = _dequantize(elements, scales).reshape(x.shape)
+    return jnp.moveaxis(jnp.take(values, np.argsort(order)[:n], axis=-1), -1, axis)
+
+
+@jax.jit
+def swizzle_wrapx(x):
+    """``[..., F, K]`` -> wrapX swizzled ``[..., K // 4, 4F]``: ``out[r, 4f + j] = x[f, index[r, j]]``, the layout of
+    a pre-swizzled bfloat16 operand (``*_is_swizzled=True``)."""
+    x = jnp.asarray(x)
+    _require(x.ndim >= 2, "swizzle_wrapx", f"expected [..., F, K]; got {x.shape}")
+    f, k = x.shape[-2:]
+    gathered = jnp.take(x, wrapx_index(k).reshape(-1), axis=-1).reshape(*x.shape[:-1], k // 4, 4)  # [F, K/4, 4]
+    return jnp.swapaxes(gathered, -3, -2).reshape(*x.shape[:-2], k // 4, 4 * f)
+
+
+@jax.jit
+def unswizzle_wrapx(y):
+    """Inverse of :func:`swizzle_wrapx`: ``[..., K // 4, 4F]`` -> ``[..., F, K]``."""
+    y = jnp.asarray(y)
+    _require(y.ndim >= 2 and y.shape[-1] % 4 == 0, "unswizzle_wrapx", f"expected [..., K // 4, 4F]; got {y.shape}")
+    rows, f4 = y.shape[-2:]
+    k = 4 * rows
+    lanes = jnp.swapaxes(y.reshape(*y.shape[:-2], rows, f4 // 4, 4), -3, -2).reshape(*y.shape[:-2], f4 // 4, k)
+    inverse = jnp.zeros(k, jnp.int32).at[wrapx_index(k).reshape(-1)].set(jnp.arange(k, dtype=jnp.int32))
+    return jnp.take(lanes, inverse, axis=-1)
+
+
+def matmul_scale_rows(k: int, packed: bool) -> int:
+    """Rows of a pre-quantized operand's scales for contraction ``k``: ``k // 4``, or ``ceil(k / 2048) * 128``."""
+    return -(-k // PACKED_SCALE_GROUP) * 128 if packed else k // 4
+
+
+def _scale_row_index(k: int, packed: bool):
+    """numpy int ``[k // 32]``: the scale row holding dense scale row ``c`` (see the layout note above)."""
+    import numpy as np
+
+    c = np.arange(k // BLOCK_SIZE)
+    if not packed:
+        return (c // 4) * QUADRANT + c % 4
+    tile, row = c // 16, c % 16
+    return (tile // 4) * 128 + 4 * (tile % 4) + (row // 4) * QUADRANT + row % 4
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "packed"))
+def quantize_matmul_operand(x, dtype=ELEMENT_DTYPE, packed: bool = False):
+    """Pre-quantize a matmul_mxfp8-family operand ``[..., F, K]``: ``(words [..., K // 4, F] uint32, scales [...,
+    rows, F] uint8)`` with rows from :func:`matmul_scale_rows`; unused scale rows are 0."""
+    _format(dtype, "quantize_matmul_operand")
+    x = jnp.asarray(x).astype(jnp.float32)
+    f, k = x.shape[-2:]
+    swizzled = swizzle_wrapx(x)  # [K/4, 4F]
+    blocks = jnp.swapaxes(swizzled.reshape(*x.shape[:-2], k // 32, 8, f, 4), -3, -2)  # [K/32, F, 8, 4]
+    elements, scales = _quantize_blocks(blocks.reshape(*blocks.shape[:-2], 32), dtype, ALT_EMAX_OFFSET)
+    elements = jnp.swapaxes(elements.reshape(blocks.shape), -3, -2).reshape(swizzled.shape)
+    words = pack_x4(elements)  # [K/4, F]
+    dense = scales[..., 0]  # [K/32, F]
+    out = jnp.zeros((*x.shape[:-2], matmul_scale_rows(k, packed), f), jnp.uint8)
+    return words, out.at[..., _scale_row_index(k, packed), :].set(dense)
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def dequantize_matmul_operand(words, scales, dtype=ELEMENT_DTYPE):
+    """float32 ``[..., F, K]`` of a pre-quantized operand: x4 ``words [..., K // 4, F]`` (uint32, int32 or float32
+    bit patterns) and ``scales [..., rows, F]`` (uint8), packed or not as their row count says."""
+    words = _words(words, "dequantize_matmul_operand")
+    scales = jnp.asarray(scales)
+    rows, f = words.shape[-2:]
+    k = 4 * rows
+    packed = scales.shape[-2] != k // 4
+    _require(scales.shape[-2] == matmul_scale_rows(k, packed) and scales.shape[-1] == f, "dequantize_matmul_operand",
+             f"scales must be [K/4, F] = {(k // 4, f)} or packed [ceil(K/2048)*128, F] = "
+             f"{(matmul_scale_rows(k, True), f)}; got {scales.shape}")
+    dense = jnp.take(scales, _scale_row_index(k, packed), axis=-2)  # [K/32, F]
+    elements = unpack_x4(words, dtype)  # [K/4, 4F]
+    return unswizzle_wrapx(dequantize_mx(elements, dense))
+
+
+# ------------------------------------------------------------------ plain layout: blocks of consecutive elements
+@functools.partial(jax.jit, static_argnames=("axis", "dtype", "block", "emax_offset"))
+def quantize_mx_along(x, axis: int = -1, dtype=ELEMENT_DTYPE, block: int = BLOCK_SIZE,
+                      emax_offset: int = ALT_EMAX_OFFSET):
+    """MX-quantize ``x`` in blocks of ``block`` consecutive elements along ``axis`` (its size a multiple of
+    ``block``): ``(elements, scales)``, the fp8 ``elements`` of ``x``'s shape and uint8 ``scales`` of ``x``'s shape
+    with ``axis`` divided by ``block``. The module's rule with emax minus ``emax_offset`` (default: the alternative
+    emax of the matmul_mxfp8 family, the quantize kernel's ``1x32`` blocks; 0 gives the OCP rule)."""
+    _format(dtype, "quantize_mx_along")
+    x = jnp.moveaxis(jnp.asarray(x).astype(jnp.float32), axis, -1)
+    n = x.shape[-1]
+    _require(block > 0 and n % block == 0, "quantize_mx_along",
+             f"the quantized axis (size {n}) must be a multiple of the block size {block}")
+    elements, scales = _quantize_blocks(x.reshape(*x.shape[:-1], n // block, block), dtype, emax_offset)
+    return jnp.moveaxis(elements.reshape(x.shape), -1, axis), jnp.moveaxis(scales[..., 0], -1, axis)
+
+
+@functools.partial(jax.jit, static_argnames="axis")
+def dequantize_mx_along(elements, scales, axis: int = -1):
+    """float32 inverse of :func:`quantize_mx_along`: ``element * 2**(scale - 127)``, one scale per block of
+    consecutive elements along ``axis`` (the block size is the ratio of the two sizes along ``axis``)."""
+    elements, scales = jnp.asarray(elements), jnp.asarray(scales)
+    _format(elements.dtype, "dequantize_mx_along")
+    _require(scales.dtype == jnp.uint8, "dequantize_mx_along", f"scales must be uint8; got {scales.dtype}")
+    e, s = jnp.moveaxis(elements, axis, -1), jnp.moveaxis(scales, axis, -1)
+    _require(e.shape[:-1] == s.shape[:-1] and s.shape[-1] > 0 and e.shape[-1] % s.shape[-1] == 0,
+             "dequantize_mx_along", f"scales {scales.shape} must be the elements' shape {elements.shape} with the "
+             f"axis {axis} divided by the block size")
+    blocks = e.reshape(*s.shape, e.shape[-1] // s.shape[-1])
+    return jnp.moveaxis(_dequantize(blocks, s[..., None]).reshape(e.shape), -1, axis)

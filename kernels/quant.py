@@ -1,0 +1,67 @@
+"""Adapters for the NKI Library's MXFP8 matmul kernels (``nkilib.experimental.matmul_mxfp8``).
+
+``matmul_mxfp8`` and ``matmul_mxfp8_backward`` are plain functions (not ``@nki.jit``) that take a pre-quantized
+operand as its data plus a ``*_scales`` keyword and the backward's per-phase tiling as ``MatmulMxfp8KernelConfig``
+objects: the adapters are the ``@nki.jit`` entry points, build the configs from jax_nkilib's tiling mappings and pass
+``quant_scheme`` only when it is not the default (older libraries lack it). ``output_dtype=None`` means the
+kernels' ``nl.bfloat16``. Not yet run on Trainium by this project.
+"""
+
+import nki
+import nki.language as nl
+
+try:  # neuronx-cc bundles the library as `nkilib`; the source tree installs it as `nkilib_src.nkilib`
+    from nkilib.experimental.matmul_mxfp8.matmul_mxfp8_config import MatmulMxfp8KernelConfig
+    from nkilib.experimental.matmul_mxfp8.matmul_mxfp8_generic_backward_kernel import (
+        matmul_mxfp8_backward as _library_backward,
+    )
+    from nkilib.experimental.matmul_mxfp8.matmul_mxfp8_generic_kernel import matmul_mxfp8 as _library_matmul
+except ImportError:  # pragma: no cover - depends on how the NKI Library is installed
+    from nkilib_src.nkilib.experimental.matmul_mxfp8.matmul_mxfp8_config import MatmulMxfp8KernelConfig
+    from nkilib_src.nkilib.experimental.matmul_mxfp8.matmul_mxfp8_generic_backward_kernel import (
+        matmul_mxfp8_backward as _library_backward,
+    )
+    from nkilib_src.nkilib.experimental.matmul_mxfp8.matmul_mxfp8_generic_kernel import matmul_mxfp8 as _library_matmul
+
+
+def _config(fields, m, k, n):
+    """A ``MatmulMxfp8KernelConfig`` for a phase computing ``[m, n]`` over ``k`` from ``(field, value)`` pairs."""
+    return None if fields is None else MatmulMxfp8KernelConfig(M=m, K=k, N=n, **dict(fields))
+
+
+@nki.jit
+def matmul_mxfp8(lhs, rhs, lhs_scales=None, rhs_scales=None, TILES_IN_BLOCK_M=None, TILES_IN_BLOCK_N=None,
+                 TILES_IN_BLOCK_K=None, TILES_IN_LOAD_M=None, TILES_IN_LOAD_N=None,
+                 lhs_matmul_tile_shape_logical=None, rhs_matmul_tile_shape_logical=None, block_loop_order="mnk",
+                 tile_loop_order="mnk", float8_dtype="float8_e5m2", output_dtype=None, run_with_lnc2=True,
+                 lnc_2_shard_rhs=None, use_scale_packing=False, spill_reload=False, lhs_is_swizzled=True,
+                 rhs_is_swizzled=True, quant_scheme="wrapX"):
+    """``out [M, N]`` from the library's ``matmul_mxfp8``."""
+    newer = {} if quant_scheme == "wrapX" else {"quant_scheme": quant_scheme}
+    return _library_matmul(
+        lhs, rhs, TILES_IN_BLOCK_M=TILES_IN_BLOCK_M, TILES_IN_BLOCK_N=TILES_IN_BLOCK_N,
+        TILES_IN_BLOCK_K=TILES_IN_BLOCK_K, TILES_IN_LOAD_M=TILES_IN_LOAD_M, TILES_IN_LOAD_N=TILES_IN_LOAD_N,
+        lhs_matmul_tile_shape_logical=lhs_matmul_tile_shape_logical,
+        rhs_matmul_tile_shape_logical=rhs_matmul_tile_shape_logical, block_loop_order=block_loop_order,
+        tile_loop_order=tile_loop_order, float8_dtype=float8_dtype,
+        output_dtype=nl.bfloat16 if output_dtype is None else output_dtype, run_with_lnc2=run_with_lnc2,
+        lnc_2_shard_rhs=lnc_2_shard_rhs, lhs_scales=lhs_scales, rhs_scales=rhs_scales,
+        use_scale_packing=use_scale_packing, spill_reload=spill_reload, lhs_is_swizzled=lhs_is_swizzled,
+        rhs_is_swizzled=rhs_is_swizzled, **newer)
+
+
+@nki.jit
+def matmul_mxfp8_backward(output_grad, weights, input_activation, input_grad_config=None, weight_grad_config=None,
+                          tile_loop_order="mnk", float8_dtype="float8_e5m2", output_dtype=None, run_with_lnc2=True,
+                          lnc_2_shard_rhs=True, use_scale_packing=False, spill_reload=False,
+                          output_grad_is_swizzled=False, weights_is_swizzled=False, input_is_swizzled=False):
+    """``(input_grad [M, K], weight_grad [N, K])`` from the library's ``matmul_mxfp8_backward``."""
+    m, n = output_grad.shape
+    k = weights.shape[1]
+    return _library_backward(
+        output_grad, weights, input_activation, input_grad_config=_config(input_grad_config, m, n, k),
+        weight_grad_config=_config(weight_grad_config, n, m, k), tile_loop_order=tile_loop_order,
+        float8_dtype=float8_dtype, output_dtype=nl.bfloat16 if output_dtype is None else output_dtype,
+        run_with_lnc2=run_with_lnc2, lnc_2_shard_rhs=lnc_2_shard_rhs, use_scale_packing=use_scale_packing,
+        spill_reload=spill_reload, output_grad_is_swizzled=output_grad_is_swizzled,
+        weights_is_swizzled=weights_is_swizzled, input_is_swizzled=input_is_swizzled)
