@@ -1,11 +1,12 @@
-"""A tiny attention layer built from jax_nkilib ops, trained for a few steps on CPU.
+"""A small transformer block built from jax_nkilib ops, trained for a few steps on CPU.
 
 Run: python examples/quickstart.py
 
-The layer uses `jax_nkilib.rope` for the rotary embeddings and `jax_nkilib.attention` for causal grouped-query
-attention. On CPU they run the kernels' JAX references; lowered for Neuron they become the NKI RoPE, attention_cte
-and (in the gradient) attention_bwd kernels. The script jits a forward pass and a gradient step, then prints
-`jax_nkilib.explain` of the step: every kernel call, its shapes, and whether Neuron would run the kernel.
+The block is pre-norm: ``rms_norm -> qkv_projection -> rope -> attention -> output_projection`` with a residual add,
+then ``rms_norm -> mlp`` (SwiGLU) with a residual add. On CPU every op runs its kernel's JAX reference; lowered for
+Neuron each op becomes one NKI kernel (rmsnorm_tkg, qkv, RoPE, attention_cte, output_projection_cte, mlp) and the
+gradient adds attention_bwd. The script jits a forward pass and a gradient step, trains for a few steps, and prints
+`jax_nkilib.explain` of the forward: every kernel call, its shapes, and whether Neuron would run the kernel.
 """
 
 import jax
@@ -13,9 +14,8 @@ import jax.numpy as jnp
 
 import jax_nkilib
 
-BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM = 2, 128, 4, 2, 64
+BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 2, 128, 4, 2, 64, 512
 MODEL = HEADS * HEAD_DIM
-KV = KV_HEADS * HEAD_DIM
 
 
 def rotary_tables(seq: int, head_dim: int, base: float = 10000.0):
@@ -26,24 +26,29 @@ def rotary_tables(seq: int, head_dim: int, base: float = 10000.0):
 
 
 def init_params(key):
-    k_qkv, k_out = jax.random.split(key)
-    scale = MODEL ** -0.5
-    return {"qkv": jax.random.normal(k_qkv, (MODEL, MODEL + 2 * KV), jnp.float32) * scale,
-            "out": jax.random.normal(k_out, (MODEL, MODEL), jnp.float32) * scale}
+    keys = jax.random.split(key, 5)
+    normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32) * shape[0] ** -0.5  # noqa: E731
+    return {"attn_norm": jnp.ones((MODEL,), jnp.float32),
+            "qkv": normal(keys[0], (MODEL, (HEADS + 2 * KV_HEADS) * HEAD_DIM)),
+            "out": normal(keys[1], (MODEL, MODEL)),
+            "mlp_norm": jnp.ones((MODEL,), jnp.float32),
+            "gate": normal(keys[2], (MODEL, INTERMEDIATE)),
+            "up": normal(keys[3], (MODEL, INTERMEDIATE)),
+            "down": normal(keys[4], (INTERMEDIATE, MODEL))}
 
 
-def attention_layer(params, x, cos, sin):
-    """Causal grouped-query self-attention with rotary embeddings on queries and keys. x: [batch, seq, model]."""
-    q, k, v = jnp.split(x @ params["qkv"], [MODEL, MODEL + KV], axis=-1)
-    q = q.reshape(BATCH, SEQ, HEADS, HEAD_DIM)
-    k, v = (t.reshape(BATCH, SEQ, KV_HEADS, HEAD_DIM) for t in (k, v))
+def transformer_block(params, x, cos, sin):
+    """x: [batch, seq, model] -> [batch, seq, model]."""
+    h = jax_nkilib.rms_norm(x, params["attn_norm"])
+    q, k, v = jax_nkilib.qkv_projection(h, params["qkv"], num_q_heads=HEADS, num_kv_heads=KV_HEADS)
     q, k = jax_nkilib.rope(q, cos, sin), jax_nkilib.rope(k, cos, sin)
-    out = jax_nkilib.attention(q, k, v, causal=True).reshape(BATCH, SEQ, MODEL)
-    return out @ params["out"]
+    x = x + jax_nkilib.output_projection(jax_nkilib.attention(q, k, v, causal=True), params["out"])
+    h = jax_nkilib.rms_norm(x, params["mlp_norm"])
+    return x + jax_nkilib.mlp(h, params["gate"], params["up"], params["down"], activation="silu")
 
 
 def loss_fn(params, x, target, cos, sin):
-    return jnp.mean((attention_layer(params, x, cos, sin) - target) ** 2)
+    return jnp.mean((transformer_block(params, x, cos, sin) - target) ** 2)
 
 
 @jax.jit
@@ -59,7 +64,7 @@ def main():
     target = jax.random.normal(key_target, (BATCH, SEQ, MODEL), jnp.float32)
     cos, sin = rotary_tables(SEQ, HEAD_DIM)
 
-    out = jax.jit(attention_layer)(params, x, cos, sin)
+    out = jax.jit(transformer_block)(params, x, cos, sin)
     print(f"forward: output {out.shape} {out.dtype}")
     losses = []
     for _ in range(5):
@@ -67,7 +72,7 @@ def main():
         losses.append(float(loss))
     print("training losses:", " ".join(f"{loss:.4f}" for loss in losses))
     print()
-    print(jax_nkilib.explain(train_step, params, x, target, cos, sin))
+    print(jax_nkilib.explain(transformer_block, params, x, cos, sin))
     return losses
 
 

@@ -7,6 +7,10 @@ On CPU/GPU each op runs a faithful JAX reference of its kernel; lowered for ``ne
 from jax_nkilib import neuron, nki
 from jax_nkilib._src.attention.ops import attention, decode_attention
 from jax_nkilib._src.framework.config import config, current_lnc
+from jax_nkilib._src.mlp.ops import mlp
+from jax_nkilib._src.norm.ops import dequantize_fp8, layer_norm, quantize_fp8, rms_norm
+from jax_nkilib._src.projection.ops import output_projection, qkv_projection
+from jax_nkilib._src.quant.ops import dequantize_mx, mxfp8_matmul, quantize_mx
 from jax_nkilib._src.rope import rope
 from jax_nkilib._src.tools.explain import Explanation, KernelCallReport, explain, neuron_hlo
 from jax_nkilib._src.tools.support import KernelSupport, support_matrix
@@ -15,5 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Explanation", "KernelCallReport", "KernelSupport", "attention", "config", "current_lnc", "decode_attention",
-    "explain", "neuron", "neuron_hlo", "nki", "rope", "support_matrix",
+    "dequantize_fp8", "explain", "layer_norm", "mlp", "neuron", "neuron_hlo", "nki", "quantize_fp8", "rms_norm",
+    "rope", "support_matrix", "output_projection", "qkv_projection",
+    "dequantize_mx", "mxfp8_matmul", "quantize_mx",
 ]
