@@ -28,14 +28,34 @@ TKG keeps activations in the compute dtype (``a_scale = 1``, in-scales unused); 
 the intermediate to the consuming weight's FP8 format (ROW: per row, ``d = max(absmax/240, 1e-6)`` after clipping
 to ``quant_clipping_bound`` when > 0; STATIC: ``clip(a / in_scale, +-240)``), see ``math.quantize_activation``.
 
-Not bound: MX quantization (MX, STATIC_MX, ROW_MX: the swizzled MXFP4/MXFP8 weights; rejected with an error until
-the MX helpers land), FP8 pre-quantized hidden input (``[B, S, H+4]`` with a packed row scale), ``[T, H]`` and SBUF
+MX (``quantization_type=MX``, the kernel's ``mlp_tkg_mx``; TKG only, so B*S <= 96 and not force_cte_mode; RMS_NORM,
+RMS_NORM_SKIP_GAMMA or NO_NORM; no fused_add, no use_tkg_down_proj_optimized_layout). Weights are x4 words
+(``float8_e4m3fn_x4`` / ``float8_e5m2_x4``: uint32 or int32, byte ``j`` = lane ``j``; ``float4_e2m1fn_x4``:
+uint16, nibble ``j`` = lane ``j``), their element type given by ``mx_weight_dtype`` (the x4 dtype the kernel reads),
+with dense uint8 e8m0 scales, one per 8 partitions x 4 lanes (``value = element * 2**(scale - 127)``):
+
+* gate/up ``[128, H/512, I]``, scales ``[16, H/512, I]``: lane ``j`` of word ``[p, t, i]`` is ``W[j H/4 + 128 t + p,
+  i]``; H % 512 == 0;
+* down ``[P_I, ceil(I/512), H]``, scales ``[P_I/8, ceil(I/512), H]`` with ``P_I = min(128, I/4)``: lane ``j`` of word
+  ``[q, k, h]`` is ``W[512 k + j R_k + q, h]``, ``R_k`` = (size of I tile ``k``) / 4, rows ``q >= R_k`` of a partial
+  last tile are padding; I % 32 == 0;
+* gate/up biases ``[P_I, ceil(I/512), 4]`` in the same (q, k, j) order over I; down bias ``[1, H]``.
+
+The kernel quantizes the activations online to MXFP8 ``float8_e4m3fn`` (``nisa.quantize_mx``, OCP scale rule,
+:mod:`jax_nkilib._src.quant.mx`): the gate/up input in the layout of the gate/up words (blocks of 8 consecutive
+``p`` x the 4 lanes of one token and tile) and the intermediate (after its rounding to the compute dtype) in the
+down words' layout; the matmuls are exact products of the decoded values accumulated in float32 (oracle:
+``test_mlp_common.norm_mlp_ref_mx``, ``_gate_up_proj_golden_mx``, ``_down_proj_golden_mx``). Neuron needs bfloat16
+or float16 hidden states (``quantize_mx``'s inputs); the reference quantizes float32 ones as they are.
+
+Not bound: STATIC_MX and ROW_MX (the CTE MX paths with the ``MLPGateUpWeightLayout`` swizzles), FP8 pre-quantized
+hidden input (``[B, S, H+4]`` with a packed row scale), ``[T, H]`` and SBUF
 hidden layouts, and ``store_output_in_sbuf`` (there is no SBUF in JAX; ``True`` is rejected).
 
 Reverse mode: JAX math. The backward is ``jax.vjp`` of ``math.mlp_forward(exact=True)`` (the same math without the
-roundings; activation quantization is the identity, a straight-through estimate). Gradients flow to the hidden
-state, fused add, weights, biases, norm weight and bias, and the FP8 dequantization scales (row 0); FP8 weights and
-the static input scales get none.
+roundings; activation quantization, FP8 and MX alike, is the identity, a straight-through estimate). Gradients flow
+to the hidden state, fused add, weights, biases, norm weight and bias, and the FP8 dequantization scales (row 0); FP8
+and MX weights, MX scales and the static input scales get none.
 """
 
 from __future__ import annotations
@@ -46,19 +66,23 @@ import numpy as np
 
 from ..common_types import ActFnType, NormType, QuantizationType
 from ..framework.primitive import Kernel
+from ..quant import mx
 from ..framework.spec import FLOAT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
-from .math import is_tkg, mlp_forward
+from .math import MX_TILE, is_tkg, mlp_forward
 
 WEIGHT_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn))
-MX_TYPES = (QuantizationType.MX, QuantizationType.STATIC_MX, QuantizationType.ROW_MX)
+UNBOUND_MX_TYPES = (QuantizationType.STATIC_MX, QuantizationType.ROW_MX)
+MX_WORD_DTYPES = (jnp.dtype(jnp.uint32), jnp.dtype(jnp.int32), jnp.dtype(jnp.uint16))
+MX_WEIGHT_DTYPES = tuple(mx.X4_WORD_DTYPES)
 FP8_TYPES = (QuantizationType.ROW, QuantizationType.STATIC)
 SCALES = ("gate_w_scale", "up_w_scale", "down_w_scale")
 IN_SCALES = ("gate_up_in_scale", "down_in_scale")
 CLAMPS = ("gate_clamp_upper_limit", "gate_clamp_lower_limit", "up_clamp_upper_limit", "up_clamp_lower_limit")
 
 
-def _by_quantization(row: str, other: str) -> dict:
-    return {member: (row if member == QuantizationType.ROW else other) for member in QuantizationType}
+def _by_quantization(row: str, other: str, mx_layout: str | None = None) -> dict:
+    cases = {member: (row if member == QuantizationType.ROW else other) for member in QuantizationType}
+    return cases if mx_layout is None else {**cases, QuantizationType.MX: mx_layout}
 
 
 def reference_mlp(hidden_tensor, gate_proj_weights_tensor, up_proj_weights_tensor, down_proj_weights_tensor,
@@ -79,12 +103,57 @@ def _tkg(call: CallInfo) -> bool:
 
 def _reject_unbound(params, function: str) -> None:
     quant = params["quantization_type"]
-    if quant in MX_TYPES:
-        raise ValueError(f"{function}: quantization_type={quant.name}: MX weights are not bound yet in jax_nkilib "
-                         "(the swizzled MXFP4/MXFP8 layouts); use NONE, ROW or STATIC")
+    if quant in UNBOUND_MX_TYPES:
+        raise ValueError(f"{function}: quantization_type={quant.name} is not bound yet in jax_nkilib (the CTE MX "
+                         "paths and their weight swizzles); use NONE, ROW, STATIC or MX (TKG)")
     if params["store_output_in_sbuf"]:
         raise ValueError(f"{function}: store_output_in_sbuf=True is not applicable in JAX (there is no SBUF to leave "
                          "the output in); the output is returned")
+
+
+def _check_mx(call: CallInfo, weights: list[str]) -> None:
+    """MX (TKG only): x4 words of ``mx_weight_dtype``, uint8 scales, RMS or no norm, no fused add."""
+    avals, p, function, dims = call.avals, call.params, call.function, call.dims
+    if not _tkg(call):
+        raise ValueError(f"{function}: quantization_type=MX runs only on the TKG path (B*S <= 96, force_cte_mode="
+                         f"False); got B*S={dims['B'] * dims['S']}, force_cte_mode={p['force_cte_mode']}")
+    if p["normalization_type"] == NormType.LAYER_NORM:
+        raise ValueError(f"{function}: quantization_type=MX supports RMS_NORM, RMS_NORM_SKIP_GAMMA or NO_NORM, not "
+                         "LAYER_NORM")
+    if avals.get("fused_add_tensor") is not None:
+        raise ValueError(f"{function}: quantization_type=MX does not support fused_add_tensor")
+    if p["use_tkg_down_proj_optimized_layout"]:
+        raise ValueError(f"{function}: quantization_type=MX takes down weights [P_I, ceil(I/512), H], not "
+                         "use_tkg_down_proj_optimized_layout")
+    fmt = np.dtype(p["mx_weight_dtype"])
+    if fmt not in MX_WEIGHT_DTYPES:
+        raise TypeError(f"{function}: mx_weight_dtype must be one of {', '.join(map(str, MX_WEIGHT_DTYPES))}; got "
+                        f"{fmt}")
+    words = mx.X4_WORD_DTYPES[fmt]
+    wrong = [f"{name} ({avals[name].dtype})" for name in weights if np.dtype(avals[name].dtype) not in words]
+    if wrong:
+        raise TypeError(f"{function}: quantization_type=MX with mx_weight_dtype={fmt} needs x4 words of dtype "
+                        f"{' or '.join(map(str, words))} (gate/up [128, H/512, I], down [P_I, ceil(I/512), H]); got "
+                        f"{', '.join(wrong)}")
+    needed = [name for name in SCALES if not (name == "gate_w_scale" and p["skip_gate_proj"])]
+    missing = [name for name in needed if avals.get(name) is None]
+    if missing:
+        raise ValueError(f"{function}: quantization_type=MX needs {', '.join(missing)} (uint8, gate/up [16, H/512, I], "
+                         "down [P_I/8, ceil(I/512), H])")
+    wrong = [f"{name} ({avals[name].dtype})" for name in needed if np.dtype(avals[name].dtype) != np.uint8]
+    if wrong:
+        raise TypeError(f"{function}: quantization_type=MX needs uint8 scales; got {', '.join(wrong)}")
+    given = [name for name in IN_SCALES if avals.get(name) is not None]
+    if given:
+        raise ValueError(f"{function}: {', '.join(given)} are STATIC input scales; MX quantizes activations itself")
+    inter = dims["I"]
+    if inter % mx.BLOCK_SIZE:
+        raise ValueError(f"{function}: quantization_type=MX needs I % 32 == 0; got I={inter}")
+    rows, tiles = min(128, inter // 4), -(-inter // MX_TILE)
+    if (dims["PI"], dims["NI"]) != (rows, tiles):
+        raise ValueError(f"{function}: down_proj_weights_tensor must be [P_I, ceil(I/512), H] = [{rows}, {tiles}, "
+                         f"{dims['H']}] for I={inter} (P_I = min(128, I/4)); got "
+                         f"{tuple(avals['down_proj_weights_tensor'].shape)}")
 
 
 def _check_quantization(call: CallInfo) -> None:
@@ -92,6 +161,15 @@ def _check_quantization(call: CallInfo) -> None:
     quant = p["quantization_type"]
     weights = [name for name in ("gate_proj_weights_tensor", "up_proj_weights_tensor", "down_proj_weights_tensor")
                if not (name == "gate_proj_weights_tensor" and p["skip_gate_proj"])]
+    if quant == QuantizationType.MX:
+        return _check_mx(call, weights)
+    mx_words = [name for name in weights if np.dtype(avals[name].dtype) in MX_WORD_DTYPES]
+    if mx_words:
+        raise TypeError(f"{function}: integer (MX x4 word) weights ({', '.join(mx_words)}) need quantization_type=MX")
+    uint8 = [name for name in SCALES if avals.get(name) is not None and np.dtype(avals[name].dtype) == np.uint8]
+    if uint8:
+        raise TypeError(f"{function}: uint8 scales ({', '.join(uint8)}) are MX scales; quantization_type="
+                        f"{quant.name} takes float32 scales")
     if quant == QuantizationType.NONE:
         fp8 = [name for name in weights if np.dtype(avals[name].dtype) in WEIGHT_FP8_DTYPES]
         if fp8:
@@ -157,6 +235,11 @@ def _neuron_limits(call: CallInfo) -> list[str]:
             unmet.append("gate/up clamps run only on the TKG path (B*S <= 96, force_cte_mode=False)")
         if p["quantization_type"] != QuantizationType.NONE and call.avals.get("down_proj_bias_tensor") is not None:
             unmet.append("the CTE path has no down projection bias with FP8 quantization")
+    if p["quantization_type"] == QuantizationType.MX:
+        if np.dtype(call.avals["hidden_tensor"].dtype) not in MX_HIDDEN_DTYPES:
+            unmet.append("MX quantizes the hidden state with nisa.quantize_mx, which takes bfloat16 or float16")
+        if (dims["H"] // MX_TILE) % call.lnc:
+            unmet.append(f"MX at LNC={call.lnc} splits H/512={dims['H'] // MX_TILE} tiles over the cores")
     if p["activation_fn"] == ActFnType.ReLU:
         unmet.append("ReLU needs NKI Library 2.32 (2.29's mlp has SiLU, GELU, GELU_Tanh_Approx, Swish)")
     if np.dtype(p["output_dtype"]) not in NEURON_FLOAT_DTYPES:
@@ -185,29 +268,41 @@ def _mac_count(call: CallInfo) -> int:
     return projections * call.dims["B"] * call.dims["S"] * call.dims["H"] * call.dims["I"]
 
 
-_WEIGHT_DTYPES = FLOAT_DTYPES + WEIGHT_FP8_DTYPES
+MX_HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_WEIGHT_DTYPES = FLOAT_DTYPES + WEIGHT_FP8_DTYPES + MX_WORD_DTYPES
 _F32 = (jnp.float32,)
+_SCALE_DTYPES = (jnp.float32, jnp.uint8)
+_MX_GATE_UP = "128, H/512, I"  # x4 words; lane j of [p, t, i] is W[j H/4 + 128 t + p, i]
+_MX_DOWN = "PI, NI, H"  # x4 words; P_I = min(128, I/4), NI = ceil(I/512); lanes along I (math.mx_inter_index)
+_MX_GU_BIAS = "PI, NI, 4"
 MLP_SPEC = KernelSpec(
     name="mlp",
     entry_point="nkilib.core.mlp.mlp:mlp",
     operands=(
         Operand.of("hidden_tensor", "B, S, H", doc="input hidden states"),
-        Operand.of("gate_proj_weights_tensor", "H, I", dtypes=_WEIGHT_DTYPES, doc="gate projection (unread when "
-                   "skip_gate_proj)"),
-        Operand.of("up_proj_weights_tensor", "H, I", dtypes=_WEIGHT_DTYPES, doc="up projection"),
-        Operand.of("down_proj_weights_tensor", "I, H", dtypes=_WEIGHT_DTYPES, doc="down projection"),
+        Operand.switched("gate_proj_weights_tensor", "quantization_type", _by_quantization("H, I", "H, I", _MX_GATE_UP),
+                         dtypes=_WEIGHT_DTYPES, doc="gate projection (unread when skip_gate_proj)"),
+        Operand.switched("up_proj_weights_tensor", "quantization_type", _by_quantization("H, I", "H, I", _MX_GATE_UP),
+                         dtypes=_WEIGHT_DTYPES, doc="up projection"),
+        Operand.switched("down_proj_weights_tensor", "quantization_type", _by_quantization("I, H", "I, H", _MX_DOWN),
+                         dtypes=_WEIGHT_DTYPES, doc="down projection"),
         Operand.of("normalization_weights_tensor", "1, H", optional=True, doc="RMS/Layer norm gamma"),
-        Operand.of("gate_proj_bias_tensor", "1, I", optional=True),
-        Operand.of("up_proj_bias_tensor", "1, I", optional=True),
+        Operand.switched("gate_proj_bias_tensor", "quantization_type", _by_quantization("1, I", "1, I", _MX_GU_BIAS),
+                         optional=True),
+        Operand.switched("up_proj_bias_tensor", "quantization_type", _by_quantization("1, I", "1, I", _MX_GU_BIAS),
+                         optional=True),
         Operand.of("down_proj_bias_tensor", "1, H", optional=True),
         Operand.of("normalization_bias_tensor", "1, H", optional=True, doc="LayerNorm beta"),
         Operand.of("fused_add_tensor", "B, S, H", optional=True, doc="residual added to hidden first"),
-        Operand.switched("gate_w_scale", "quantization_type", _by_quantization("128, I", "128, 1"), dtypes=_F32,
-                         optional=True, doc="gate dequantization scale (ROW [128, I], STATIC [128, 1])"),
-        Operand.switched("up_w_scale", "quantization_type", _by_quantization("128, I", "128, 1"), dtypes=_F32,
-                         optional=True, doc="up dequantization scale (ROW [128, I], STATIC [128, 1])"),
-        Operand.switched("down_w_scale", "quantization_type", _by_quantization("128, H", "128, 1"), dtypes=_F32,
-                         optional=True, doc="down dequantization scale (ROW [128, H], STATIC [128, 1])"),
+        Operand.switched("gate_w_scale", "quantization_type", _by_quantization("128, I", "128, 1", "16, H/512, I"),
+                         dtypes=_SCALE_DTYPES, optional=True,
+                         doc="gate dequantization scale (ROW [128, I], STATIC [128, 1]; MX uint8 [16, H/512, I])"),
+        Operand.switched("up_w_scale", "quantization_type", _by_quantization("128, I", "128, 1", "16, H/512, I"),
+                         dtypes=_SCALE_DTYPES, optional=True,
+                         doc="up dequantization scale (ROW [128, I], STATIC [128, 1]; MX uint8 [16, H/512, I])"),
+        Operand.switched("down_w_scale", "quantization_type", _by_quantization("128, H", "128, 1", "PI/8, NI, H"),
+                         dtypes=_SCALE_DTYPES, optional=True,
+                         doc="down dequantization scale (ROW [128, H], STATIC [128, 1]; MX uint8 [P_I/8, NI, H])"),
         Operand.of("gate_up_in_scale", "128, 1", dtypes=_F32, optional=True, doc="STATIC gate/up input scale"),
         Operand.of("down_in_scale", "128, 1", dtypes=_F32, optional=True, doc="STATIC down input scale"),
     ),
@@ -215,7 +310,10 @@ MLP_SPEC = KernelSpec(
         Param("store_fused_add_result", False, bool, "also return hidden + fused_add"),
         Param("activation_fn", ActFnType.SiLU, ActFnType),
         Param("normalization_type", NormType.NO_NORM, NormType),
-        Param("quantization_type", QuantizationType.NONE, QuantizationType, "NONE, ROW or STATIC (MX not bound)"),
+        Param("quantization_type", QuantizationType.NONE, QuantizationType,
+              "NONE, ROW, STATIC or MX (TKG); STATIC_MX and ROW_MX not bound"),
+        Param("mx_weight_dtype", "float8_e4m3fn", "dtype", "MX: the x4 weights' element type (the kernel reads it "
+              "from the x4 dtype): float8_e4m3fn or float8_e5m2 (32-bit words), float4_e2m1fn (uint16 words)"),
         Param("quant_clipping_bound", 0.0, float, "CTE ROW activation clip (0: none)"),
         Param("output_dtype", None, "dtype", "default: the hidden dtype"),
         Param("store_output_in_sbuf", False, bool, "not applicable in JAX (must be False)"),
@@ -243,8 +341,9 @@ MLP_SPEC = KernelSpec(
     catalog="1.9",
     support={"idiomatic": "mlp",
              "vjp": "JAX (jax.vjp of the smooth MLP math; straight-through FP8 activation quantization)",
-             "notes": "CTE/TKG dispatch at B*S = 96 (CTE computes float32 in bfloat16); FP8 ROW/STATIC; MX, "
-                      "pre-quantized input and SBUF output not bound; Neuron: H % 128, clamps TKG only"},
+             "notes": "CTE/TKG dispatch at B*S = 96 (CTE computes float32 in bfloat16); FP8 ROW/STATIC; MX "
+                      "(MXFP8/MXFP4 x4 weights, TKG); STATIC_MX/ROW_MX, pre-quantized input and SBUF output not "
+                      "bound; Neuron: H % 128, clamps TKG only"},
 )
 
 

@@ -6,7 +6,8 @@ Rounding points of the reference, in the path's compute dtype ``c`` (``c`` = the
 path computes float32 inputs in bfloat16, as the kernel's ``compute_data_type`` does): the fused-add sum, the
 normalized input, CTE's float weights and biases as loaded, the gate/up product, and the down projection after its
 dequantization and bias. Everything else (statistics, matmul accumulation, dequantization, bias, clamps,
-activation, product) is float32 (float64 for float64 inputs).
+activation, product) is float32 (float64 for float64 inputs). MX (:func:`_mlp_mx`) adds MXFP8 round trips of the
+gate/up input and of the intermediate, in the kernel's layouts.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ..common_types import ActFnType, NormType, QuantizationType
+from ..norm.fused import fused_norm
+from ..quant import mx
 from ..quant.fp8 import fp8_max, saturate
 
 TKG_TOKEN_THRESHOLD = 96  # TKG_BS_SEQLEN_THRESHOLD: B*S at or below it runs the token-generation path
@@ -53,27 +57,6 @@ def activation(x, fn: ActFnType):
     if fn == ActFnType.ReLU:
         return jnp.maximum(x, 0.0)
     raise AssertionError(fn)
-
-
-def normalize(s, norm_type: NormType, gamma, beta, eps: float):
-    """RMS norm ``s * rsqrt(mean(s^2) + eps) [* gamma]`` or LayerNorm ``(s - mean) * rsqrt(var + eps) * gamma
-    [+ beta]`` (biased variance) over the last axis, in ``s``'s dtype.
-
-    Private to the MLP for now; it should be folded with ``jax_nkilib._src.norm`` once that module exists.
-    """
-    if norm_type == NormType.NO_NORM:
-        return s
-    if norm_type == NormType.LAYER_NORM:
-        mean = jnp.mean(s, axis=-1, keepdims=True)
-        centered = s - mean
-        out = centered * lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + eps)
-    else:
-        out = s * lax.rsqrt(jnp.mean(s * s, axis=-1, keepdims=True) + eps)
-    if norm_type != NormType.RMS_NORM_SKIP_GAMMA:
-        out = out * gamma.reshape(-1).astype(s.dtype)
-    if beta is not None and norm_type == NormType.LAYER_NORM:
-        out = out + beta.reshape(-1).astype(s.dtype)
-    return out
 
 
 def clamp(x, upper: float | None, lower: float | None):
@@ -130,7 +113,7 @@ def mlp_forward(ops: Mapping[str, Any], p: Mapping[str, Any], *, exact: bool, ln
     tkg = is_tkg(batch * seq, p["force_cte_mode"])
     c = compute_dtype(hidden.dtype, tkg)
     quant = p["quantization_type"]
-    quantize_acts = quant != QuantizationType.NONE and not tkg and not exact
+    quantize_acts = quant in (QuantizationType.ROW, QuantizationType.STATIC) and not tkg and not exact
 
     def rounded(v, dtype=c):
         return v if exact else v.astype(dtype).astype(acc)
@@ -148,19 +131,21 @@ def mlp_forward(ops: Mapping[str, Any], p: Mapping[str, Any], *, exact: bool, ln
         x = rounded(x)
     n = x
     if p["normalization_type"] != NormType.NO_NORM:
-        n = rounded(normalize(x, p["normalization_type"], ops.get("normalization_weights_tensor"),
-                              ops.get("normalization_bias_tensor"), p["eps"]))
+        n = rounded(fused_norm(x, p["normalization_type"], ops.get("normalization_weights_tensor"),
+                               ops.get("normalization_bias_tensor"), p["eps"]))
 
     def project(inp, in_dequant, weight, scale, bias):
         w = weight.astype(acc) if quant != QuantizationType.NONE else loaded(weight)
         out = jnp.einsum("bsh,hi->bsi", inp, w, preferred_element_type=acc)
-        if quant != QuantizationType.NONE:
+        if quant in (QuantizationType.ROW, QuantizationType.STATIC):
             out = out * _row0(scale, acc) * in_dequant
         if bias is not None:
             out = out + loaded(bias).reshape(-1)
         return out
 
     inp, in_dequant = n, 1.0
+    if quant == QuantizationType.MX:
+        return _mlp_mx(ops, p, n, project, rounded, exact), add_out
     if quantize_acts:
         inp, in_dequant = quantize_activation(n, quant, ops["up_proj_weights_tensor"].dtype,
                                               ops.get("gate_up_in_scale"), p["quant_clipping_bound"], rounded)
@@ -184,3 +169,94 @@ def mlp_forward(ops: Mapping[str, Any], p: Mapping[str, Any], *, exact: bool, ln
                                                    p["quant_clipping_bound"], rounded)
     out = rounded(project(inter, inter_dequant, down, ops.get("down_w_scale"), ops.get("down_proj_bias_tensor")))
     return out, add_out
+
+
+# ------------------------------------------------------------------------------------------- MX (TKG) weights
+MX_TILE = 512  # contraction elements per x4 tile: 128 partitions x 4 lanes
+MX_ACT_DTYPE = jnp.float8_e4m3fn  # nisa.quantize_mx output (float8_e4m3fn_x4), OCP scale rule
+
+
+def mx_inter_index(inter: int):
+    """numpy int ``[P_I, ceil(I/512), 4]`` (``P_I = min(128, I/4)``): the intermediate index held by partition ``q``,
+    tile ``k``, lane ``j`` of the MX TKG layout, ``512 k + j R_k + q`` with ``R_k`` = the tile's size / 4, or -1
+    for the zero rows of a partial last tile (``q >= R_k``). Needs ``I % 32 == 0``."""
+    rows = min(128, inter // 4)
+    index = np.full((rows, -(-inter // MX_TILE), 4), -1, np.int64)
+    for k in range(index.shape[1]):
+        r = min(MX_TILE, inter - MX_TILE * k) // 4
+        index[:r, k, :] = MX_TILE * k + np.arange(4)[None, :] * r + np.arange(r)[:, None]
+    return index
+
+
+def decode_mx_gate_up(words, scales, fmt):
+    """``W [H, I]`` of MX gate/up weights: x4 words ``[128, H/512, I]`` (lane ``j`` of ``[p, t, i]`` is
+    ``W[j H/4 + 128 t + p, i]``) with uint8 scales ``[16, H/512, I]``."""
+    values = mx.decode_x4_weight(words, scales, fmt)  # [128, H/512, I, 4]
+    return jnp.transpose(values, (3, 1, 0, 2)).reshape(-1, values.shape[2])
+
+
+def decode_mx_down(words, scales, fmt, inter: int):
+    """``W [I, H]`` of MX down weights: x4 words ``[P_I, ceil(I/512), H]`` (lane ``j`` of ``[q, k, h]`` is row
+    :func:`mx_inter_index` ``[q, k, j]``) with uint8 scales ``[P_I/8, ceil(I/512), H]``."""
+    values = mx.decode_x4_weight(words, scales, fmt)  # [P_I, nI, H, 4]
+    index = mx_inter_index(inter)
+    valid = index >= 0
+    return jnp.transpose(values, (0, 1, 3, 2))[valid][np.argsort(index[valid])]
+
+
+def mx_quantize_hidden(x):
+    """MXFP8 round trip of the gate/up input ``x [..., H]`` as the kernel quantizes it: element ``h = j H/4 + 128 t
+    + p`` sits at partition ``p``, tile ``t``, lane ``j``; one scale per 8 partitions x 4 lanes of one token."""
+    *lead, hidden = x.shape
+    tiles = x.reshape(-1, 4, hidden // MX_TILE, 128).transpose(3, 2, 0, 1)  # [128, H/512, T, 4]
+    flat = tiles.reshape(128, -1)
+    out = mx.dequantize_mx(*mx.quantize_mx(flat, MX_ACT_DTYPE)).reshape(tiles.shape)
+    return out.transpose(2, 3, 1, 0).reshape(*lead, hidden).astype(x.dtype)
+
+
+def mx_quantize_inter(v):
+    """MXFP8 round trip of the intermediate ``v [..., I]`` in the down projection's layout (:func:`mx_inter_index`):
+    one scale per 8 partitions x 4 lanes of one tile and token; padding rows are zeros."""
+    *lead, inter = v.shape
+    index = mx_inter_index(inter)
+    rows = v.reshape(-1, inter)
+    padded = jnp.concatenate([rows, jnp.zeros_like(rows[:, :1])], axis=-1)  # index -1 reads the zero column
+    tiles = jnp.transpose(padded[:, index], (1, 2, 0, 3))  # [P_I, nI, T, 4]
+    out = mx.dequantize_mx(*mx.quantize_mx(tiles.reshape(index.shape[0], -1), MX_ACT_DTYPE)).reshape(tiles.shape)
+    valid = index >= 0
+    flat = jnp.transpose(out, (2, 0, 1, 3))[:, valid]  # [T, I] in index order
+    return flat[:, np.argsort(index[valid])].reshape(*lead, inter).astype(v.dtype)
+
+
+def _mlp_mx(ops, p, n, project, rounded, exact: bool):
+    """The MX TKG datapath after the norm: MXFP8 round trips of the gate/up input and of the intermediate (skipped
+    when ``exact``), matmuls with the decoded MX weights, no weight-scale multiply (the scales are in the decode)."""
+    fmt = p["mx_weight_dtype"]
+    gate_up = {name: decode_mx_gate_up(ops[f"{name}_proj_weights_tensor"], ops[f"{name}_w_scale"], fmt)
+               for name in (("up",) if p["skip_gate_proj"] else ("gate", "up"))}
+    down = ops["down_proj_weights_tensor"]
+    inter_size = gate_up["up"].shape[1]
+    down = decode_mx_down(down, ops["down_w_scale"], fmt, inter_size)
+    inp = n if exact else mx_quantize_hidden(n)
+    bias = {name: None if ops.get(f"{name}_proj_bias_tensor") is None
+            else mx_bias_vector(ops[f"{name}_proj_bias_tensor"], inter_size) for name in gate_up}
+    up = clamp(project(inp, 1.0, gate_up["up"], None, bias["up"]), p["up_clamp_upper_limit"],
+               p["up_clamp_lower_limit"])
+    if p["skip_gate_proj"]:
+        inter = activation(up, p["activation_fn"])
+    else:
+        gate = clamp(project(inp, 1.0, gate_up["gate"], None, bias["gate"]), p["gate_clamp_upper_limit"],
+                     p["gate_clamp_lower_limit"])
+        inter = activation(gate, p["activation_fn"]) * up
+    inter = rounded(inter)
+    if not exact:
+        inter = mx_quantize_inter(inter)
+    return rounded(project(inter, 1.0, down, None, ops.get("down_proj_bias_tensor")))
+
+
+def mx_bias_vector(bias, inter: int):
+    """``[I]`` of an MX gate/up bias ``[P_I, ceil(I/512), 4]`` (entry ``[q, k, j]`` is :func:`mx_inter_index`
+    ``[q, k, j]``; the padding entries are ignored)."""
+    index = mx_inter_index(inter)
+    valid = index >= 0
+    return bias[valid][np.argsort(index[valid])]

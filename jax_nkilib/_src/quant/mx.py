@@ -456,3 +456,50 @@ def dequantize_mx_along(elements, scales, axis: int = -1):
              f"axis {axis} divided by the block size")
     blocks = e.reshape(*s.shape, e.shape[-1] // s.shape[-1])
     return jnp.moveaxis(_dequantize(blocks, s[..., None]).reshape(e.shape), -1, axis)
+
+
+# ------------------------------------------------------------------ x4 weight words with dense block scales (MLP TKG)
+# MXFP4 ``float4_e2m1fn_x4``: four e2m1 codes in one 16-bit word, element ``j`` in bits ``4j..4j+3`` (sign bit 3;
+# magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; largest 6, emax 2). MXFP8 x4 words are 32-bit (see :func:`pack_x4`).
+FP4_DTYPE = jnp.float4_e2m1fn
+_FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+X4_WORD_DTYPES = {jnp.dtype(jnp.float8_e4m3fn): (jnp.dtype(_U32), jnp.dtype(_I32)),
+                  jnp.dtype(jnp.float8_e5m2): (jnp.dtype(_U32), jnp.dtype(_I32)),
+                  jnp.dtype(FP4_DTYPE): (jnp.dtype(jnp.uint16),)}
+
+
+@jax.jit
+def unpack_fp4_x4(words):
+    """float32 ``[..., n, 4]`` e2m1 values from uint16 ``float4_e2m1fn_x4`` words ``[..., n]`` (exact)."""
+    words = jnp.asarray(words).astype(_U32)
+    codes = jnp.stack([(words >> (4 * j)) & 0xF for j in range(4)], axis=-1)
+    magnitude = jnp.asarray(_FP4_MAGNITUDES, jnp.float32)[(codes & 7).astype(_I32)]
+    return jnp.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+@jax.jit
+def pack_fp4_x4(values):
+    """Inverse of :func:`unpack_fp4_x4`: uint16 words ``[..., n]`` from e2m1-representable values ``[..., n, 4]``
+    (other values are rounded to nearest even by the ``float4_e2m1fn`` cast)."""
+    values = jnp.asarray(values).astype(jnp.float32).astype(FP4_DTYPE).astype(jnp.float32)
+    magnitude = jnp.abs(values)
+    codes = jnp.argmax(magnitude[..., None] == jnp.asarray(_FP4_MAGNITUDES, jnp.float32), axis=-1).astype(_U32)
+    codes = codes | jnp.where(jnp.signbit(values), 8, 0).astype(_U32)
+    return functools.reduce(lambda a, b: a | b, [codes[..., j] << (4 * j) for j in range(4)]).astype(jnp.uint16)
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def decode_x4_weight(words, scales, dtype=ELEMENT_DTYPE):
+    """float32 ``[P, ..., 4]`` of MX x4 weight words ``[P, ...]`` (partitions first; 32-bit for fp8 ``dtype``,
+    uint16 for ``float4_e2m1fn``) with dense uint8 scales ``[P // 8, ...]``: lane ``j`` of word ``[p, *f]`` times
+    ``2**(scales[p // 8, *f] - 127)`` (one scale per 8 partitions x 4 lanes), exact."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.dtype(FP4_DTYPE):
+        elements = unpack_fp4_x4(words)
+    else:
+        _format(dtype, "decode_x4_weight")
+        words = _words(words, "decode_x4_weight")
+        elements = unpack_x4(words, dtype).reshape(*words.shape, 4).astype(jnp.float32)
+    scales = jnp.repeat(jnp.asarray(scales), BLOCK_PARTITIONS, axis=0)
+    return _dequantize(elements, scales[..., None])
+
