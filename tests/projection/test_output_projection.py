@@ -220,7 +220,8 @@ def test_neuron_limits_fall_back():
     ("rows", ValueError, "`weight` must be [N * D, H] = [12, H]"),
     ("rank", ValueError, "argument `attention` must have layout [B, N, D, S]"),
     ("weight_dtype", TypeError, "`weight` must have the dtype of `attention`"),
-    ("mx", ValueError, "quantization_type=MX: MX (MXFP4"),
+    ("mx", ValueError, "quantization_type=MX needs N * D % 32 == 0"),
+    ("static_mx", ValueError, "quantization_type=STATIC_MX: STATIC_MX"),
     ("row_on_cte", ValueError, "quantization_type=ROW is not supported by this kernel"),
     ("static_no_scale", ValueError, "quantization_type=STATIC requires `weight_scales`"),
     ("static_float_weight", TypeError, "needs FP8 weights"),
@@ -240,6 +241,8 @@ def test_cte_bad_inputs(case, error, fragment):
         args[0] = w.astype(jnp.bfloat16)
     if case == "mx":
         flags["quantization_type"] = "MX"
+    if case == "static_mx":
+        flags["quantization_type"] = "STATIC_MX"
     if case == "row_on_cte":
         flags["quantization_type"] = "ROW"
     if case == "static_no_scale":
@@ -261,6 +264,7 @@ def test_cte_bad_inputs(case, error, fragment):
 
 @pytest.mark.parametrize("case, fragment", [
     ("row_scale", "`weight_scale` must be [128, H] = [128, 7]"),
+    ("mx", "quantization_type=MX is not supported by this kernel"),
     ("row_in_scale", "`input_scale` is only used with quantized weights; got it with quantization_type=ROW"),
     ("out_in_sb", "OUT_IN_SB=True leaves the output in SBUF"),
     ("transpose", "H=7 must be a multiple of 128 * LNC = 128"),
@@ -273,6 +277,7 @@ def test_tkg_bad_inputs(case, fragment):
         "row_scale": lambda: output_projection_tkg(tkg_layout(a), w8, None, one, quantization_type="ROW"),
         "row_in_scale": lambda: output_projection_tkg(tkg_layout(a), w8, None, jnp.ones((128, 7), jnp.float32), one,
                                                       quantization_type="ROW"),
+        "mx": lambda: output_projection_tkg(tkg_layout(a), w, quantization_type="MX"),
         "out_in_sb": lambda: output_projection_tkg(tkg_layout(a), w, OUT_IN_SB=True),
         "transpose": lambda: output_projection_tkg(tkg_layout(a), w, TRANSPOSE_OUT=True),
         "flag": lambda: output_projection_tkg(tkg_layout(a), w, TRANSPOSE_OUT=1),

@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from ..framework.spec import FP8_DTYPES as _OCP_FP8
+from ..quant import mx
 from ..quant.fp8 import fp8_max, saturate
 
 FP8_WEIGHT_DTYPES = (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn))  # the kernels' FP8 weight formats
@@ -64,3 +65,17 @@ def differentiable_vjp(kernel, operands, params, outs, cotangents):
 
     _, vjp = jax.vjp(from_floats, *(operands[name] for name in names))
     return dict(zip(names, vjp(tuple(cotangents))))
+
+
+def mx_activation(x, axis: int = -1):
+    """The MXFP8 (e4m3fn) round trip of ``x`` in blocks of 32 consecutive elements along ``axis`` (OCP emax 8,
+    ``quant.mx.mx_round_trip``), in ``x``'s dtype; its gradient passes the quantization straight through."""
+    return x + jax.lax.stop_gradient(mx.mx_round_trip(x, axis=axis).astype(x.dtype) - x)
+
+
+def mx_weight(words, scales, dtype):
+    """float32 ``W [K, N]`` of an x4-packed MX weight ``words [K/4, N]`` (``dtype`` elements, 4 per word) with e8m0
+    ``scales [K/32, N]``: ``W[4k + j, n]`` is element ``j`` of word ``[k, n]`` times ``2**(scales[(4k + j) // 32, n]
+    - 127)``."""
+    lanes = mx.decode_x4_weight(words, scales, dtype)  # [K/4, N, 4]
+    return jnp.swapaxes(lanes, -1, -2).reshape(4 * words.shape[0], words.shape[1])

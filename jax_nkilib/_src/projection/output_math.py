@@ -3,6 +3,7 @@
 * ``NONE``: ``out = round_io(attention @ W + bias)``, accumulated in float32 (float64 for float64 inputs).
 * ``STATIC``: ``q = fp8(clip(attention * (1 / in_scale), ±bound))``; ``out = round_io(round_io(q @ W *
   (w_scale * in_scale)) + bias)`` with FP8 weights ``W`` and per-tensor scales.
+* ``MX`` (``output_projection_cte`` only): ``out = bf16(mx(attention) @ W + bias)``, see :func:`project_mx`.
 * ``ROW`` (``output_projection_tkg`` only): the attention is not quantized; ``out = round_io(round_io(attention @ W *
   w_scale[h]) + bias)`` with one scale per output column ``h``.
 
@@ -15,10 +16,13 @@ import jax.numpy as jnp
 
 from ..common_types import QuantizationType
 from ..framework.spec import CallInfo
-from .numerics import FP8_WEIGHT_DTYPES, accumulation_dtype, contract, first_element, quantize, rounded
+from ..quant import mx
+from .numerics import (FP8_WEIGHT_DTYPES, accumulation_dtype, contract, first_element, mx_activation, mx_weight,
+                       quantize, rounded)
+
+MX_WORDS = jnp.dtype(jnp.uint16)  # float4_e2m1fn_x4 weight words
 
 NOT_BOUND_FORMATS = {
-    QuantizationType.MX: "MX (MXFP4 x4-packed weights with on-device MX quantization of the attention)",
     QuantizationType.STATIC_MX: "STATIC_MX (FP8 x4-packed weights through the MX engine)",
     QuantizationType.ROW_MX: "ROW_MX",
 }
@@ -43,6 +47,19 @@ def project(attention, subscripts: str, weight, bias, *, quantization_type, inpu
     if bias is not None:
         y = y + bias[0].astype(acc)
     return y.astype(io)
+
+
+def project_mx(attention, to_bsnd: str, words, scales, bias):
+    """``MX``: ``mx(attention) @ W (+ bias)`` as bfloat16; ``to_bsnd`` einsum-permutes the attention to ``[B, S, N,
+    D]``, ``W [N * D, H]`` is decoded from MXFP4 x4 ``words`` and e8m0 ``scales``, ``mx`` is the MXFP8 round trip
+    along ``N * D`` (:func:`numerics.mx_activation`)."""
+    acc = accumulation_dtype(attention.dtype)
+    x = jnp.einsum(to_bsnd, attention.astype(acc))
+    x = mx_activation(x.reshape(*x.shape[:2], -1))
+    y = contract("bsk,kh->bsh", x, mx_weight(words, scales, mx.FP4_DTYPE), acc)
+    if bias is not None:
+        y = y + bias[0].astype(acc)
+    return y.astype(jnp.bfloat16)
 
 
 def check_formats(call: CallInfo, attention: str, allowed: tuple) -> None:

@@ -21,8 +21,16 @@ The NKI ``qkv`` dispatches on shapes: ``qkv_tkg`` when ``S <= 96``, ``B * S <= 1
   ignores caches, so a cache write with TKG shapes is an error; caches without scales are ignored by the kernel and
   are an error too (pass ``k_scale = v_scale = ones`` for an unscaled cache).
 
-Not bound: MX formats (``MX``, ``STATIC_MX``, ``ROW_MX``, MX weight layouts, ``is_h_dim_4h_transposed``) and
-``store_output_in_sbuf`` (rejected with ``ValueError``).
+MX (``quantization_type=MX``, CTE path only): ``fused_qkv_weights [H/4, I]`` uint32 words of four
+``float8_e4m3fn`` (``weight_layout=MX_CONTIGUOUS``: ``W[4k + j, i]`` in byte ``j`` of word ``[k, i]``), ``qkv_w_scale
+[H/32, I]`` uint8 e8m0 (one per 32 consecutive ``H`` rows); the activations are MX-quantized on the fly along ``H``
+(see ``qkv_math``). ``is_h_dim_4h_transposed=True`` (MX only, without norm or residual add) takes the input with
+``H`` stored as ``[4, H/4]``: stored ``[j * H/4 + r]`` is logical ``[4r + j]``. The MX weights and scales get no
+cotangent; the activations' gradient passes the quantization straight through.
+
+Not bound (rejected with ``ValueError``): ``STATIC_MX`` and ``ROW_MX``; ``MX_INTERLEAVED`` (the kernel takes it only
+on its DMA-transpose MX paths, with FP8 input or static dequant scales ``qkv_in_scale``, whose input interleave is
+not emulated); FP8 input; ``store_output_in_sbuf``.
 """
 
 from __future__ import annotations
@@ -43,11 +51,16 @@ from .qkv_math import TKG_MAX_SEQ, TKG_MAX_TOKENS, head_dim, reference_qkv, uses
 
 ENTRY_POINT = "nkilib.core.qkv.qkv:qkv"
 _F32 = (jnp.float32,)
+_MX_WORDS = jnp.dtype(jnp.uint32)  # float8_e4m3fn_x4 words
 _OPERANDS = {operand.name: operand for operand in (
     Operand.of("input", "B, S, H", doc="hidden states"),
-    Operand.of("fused_qkv_weights", "H, I", dtypes=FLOAT_DTYPES + FP8_WEIGHT_DTYPES, doc="[H, (nq + 2 nkv) d]"),
+    Operand.switched("fused_qkv_weights", "quantization_type",
+                     {q: "H4, I" if q == QuantizationType.MX else "H, I" for q in QuantizationType},
+                     dtypes=FLOAT_DTYPES + FP8_WEIGHT_DTYPES + (_MX_WORDS,),
+                     doc="[H, (nq + 2 nkv) d]; MX: [H/4, I] uint32 x4 words"),
     Operand.of("bias", "1, I", optional=True),
-    Operand.of("qkv_w_scale", "WR, WC", dtypes=_F32, optional=True, doc="[1|128, 3] STATIC, [1|128, I] ROW"),
+    Operand.of("qkv_w_scale", "WR, WC", dtypes=_F32 + (jnp.uint8,), optional=True,
+               doc="[1|128, 3] STATIC, [1|128, I] ROW, [H/32, I] uint8 MX"),
     Operand.of("qkv_in_scale", "IR, 1", dtypes=_F32, optional=True, doc="[1|128, 1] STATIC"),
     Operand.of("mlp_prev", "B, S, H", optional=True),
     Operand.of("attention_prev", "B, S, H", optional=True),
@@ -71,7 +84,7 @@ _KV_ORDER = ("input", "fused_qkv_weights", "k_cache", "v_cache", "k_scale", "v_s
 
 _PARAMS = {param.name: param for param in (
     Param("output_layout", QKVOutputLayout.BSD, QKVOutputLayout, "BSD, NBSd or NBdS"),
-    Param("quantization_type", QuantizationType.NONE, QuantizationType, "NONE, STATIC or ROW (FP8 weights)"),
+    Param("quantization_type", QuantizationType.NONE, QuantizationType, "NONE, STATIC, ROW (FP8) or MX (CTE only)"),
     Param("fused_residual_add", False, bool, "add mlp_prev and attention_prev first"),
     Param("fused_norm_type", NormType.NO_NORM, NormType, "norm before the projection"),
     Param("norm_eps", 1e-6, float),
@@ -86,8 +99,8 @@ _PARAMS = {param.name: param for param in (
     Param("store_output_in_sbuf", False, bool, "must be False"),
     Param("use_auto_allocation", False, bool, "SBUF allocation mode (no numeric effect)"),
     Param("load_input_with_DMA_transpose", True, bool, "load strategy (no numeric effect)"),
-    Param("is_h_dim_4h_transposed", False, bool, "MX input swizzle (not bound: must be False)"),
-    Param("weight_layout", QKVWeightLayout.CONTIGUOUS, QKVWeightLayout, "CONTIGUOUS (MX layouts not bound)"),
+    Param("is_h_dim_4h_transposed", False, bool, "MX: input H stored as [4, H/4]"),
+    Param("weight_layout", QKVWeightLayout.CONTIGUOUS, QKVWeightLayout, "CONTIGUOUS; MX_CONTIGUOUS for MX"),
 )}
 _CACHE_REQUIRED = CACHE_OPERANDS[:4]
 CACHE_PARAMS = ("fp8_max", "fp8_min", "kv_dtype", "use_block_kv", "block_size")
@@ -107,11 +120,23 @@ def _check_formats(call: CallInfo) -> None:
         raise ValueError(f"{function}: store_output_in_sbuf=True leaves the output in SBUF for a fusing kernel; a "
                          "JAX call returns HBM arrays, so it must be False")
     qtype = p["quantization_type"]
-    if qtype in NOT_BOUND_FORMATS or p["weight_layout"] != QKVWeightLayout.CONTIGUOUS or p["is_h_dim_4h_transposed"]:
-        raise ValueError(f"{function}: MX formats are not bound in jax_nkilib (quantization_type={qtype.name}, "
-                         f"weight_layout={p['weight_layout'].name}, is_h_dim_4h_transposed="
-                         f"{p['is_h_dim_4h_transposed']}); use NONE, STATIC or ROW with CONTIGUOUS [H, I] weights")
+    if qtype in (QuantizationType.STATIC_MX, QuantizationType.ROW_MX):
+        raise ValueError(f"{function}: quantization_type={qtype.name}: {NOT_BOUND_FORMATS[qtype]} is not bound in "
+                         "jax_nkilib; use NONE, STATIC, ROW, or MX with MX_CONTIGUOUS [H/4, I] uint32 weights")
+    if qtype == QuantizationType.MX:
+        _check_mx(call)
+        return
+    if p["weight_layout"] != QKVWeightLayout.CONTIGUOUS or p["is_h_dim_4h_transposed"]:
+        raise ValueError(f"{function}: weight_layout={p['weight_layout'].name} and is_h_dim_4h_transposed="
+                         f"{p['is_h_dim_4h_transposed']} are MX options; quantization_type={qtype.name} takes "
+                         "CONTIGUOUS [H, I] weights and is_h_dim_4h_transposed=False")
     weights, io = jnp.dtype(avals["fused_qkv_weights"].dtype), jnp.dtype(avals["input"].dtype)
+    if weights == _MX_WORDS:
+        raise TypeError(f"{function}: uint32 `fused_qkv_weights` are MX x4 words; pass quantization_type=MX and "
+                        "weight_layout=MX_CONTIGUOUS")
+    if avals.get("qkv_w_scale") is not None and jnp.dtype(avals["qkv_w_scale"].dtype) != jnp.float32:
+        raise TypeError(f"{function}: `qkv_w_scale` must be float32 for quantization_type={qtype.name}; got "
+                        f"{avals['qkv_w_scale'].dtype}")
     if qtype == QuantizationType.NONE and weights != io:
         raise TypeError(f"{function}: `fused_qkv_weights` must have the input's dtype ({io}) without quantization; "
                         f"got {weights}")
@@ -134,6 +159,38 @@ def _check_formats(call: CallInfo) -> None:
     if qtype == QuantizationType.STATIC and (p["num_q_heads"] is None or p["num_kv_heads"] is None):
         raise ValueError(f"{function}: quantization_type=STATIC needs num_q_heads and num_kv_heads (one weight "
                          "scale per Q, K and V segment)")
+
+
+def _check_mx(call: CallInfo) -> None:
+    """MX: x4 weights [H/4, I] uint32 in MX_CONTIGUOUS layout, scales [H/32, I] uint8, no qkv_in_scale."""
+    avals, dims, p, function = call.avals, call.dims, call.params, call.function
+    if p["weight_layout"] != QKVWeightLayout.MX_CONTIGUOUS:
+        raise ValueError(f"{function}: quantization_type=MX takes weight_layout=MX_CONTIGUOUS ([H/4, I] x4 words, "
+                         f"W[4k + j, i] in byte j of word [k, i]); got {p['weight_layout'].name} (MX_INTERLEAVED "
+                         "belongs to the kernel's DMA-transpose paths with FP8 input or static dequant scales, not "
+                         "bound)")
+    weights, io = jnp.dtype(avals["fused_qkv_weights"].dtype), jnp.dtype(avals["input"].dtype)
+    if weights != _MX_WORDS:
+        raise TypeError(f"{function}: quantization_type=MX needs `fused_qkv_weights` as uint32 float8_e4m3fn_x4 "
+                        f"words [H/4, I]; got {weights}")
+    if io not in FLOAT_DTYPES:
+        raise TypeError(f"{function}: quantization_type=MX takes a floating `input` (float32, bfloat16, float16); "
+                        f"got {io}")
+    if dims["H"] % 32 or dims["H4"] * 4 != dims["H"]:
+        raise ValueError(f"{function}: quantization_type=MX needs H % 32 == 0 and `fused_qkv_weights` [H/4, I] = "
+                         f"[{dims['H'] // 4}, I]; got H={dims['H']} and {dims['H4']} weight rows")
+    if avals.get("qkv_in_scale") is not None:
+        raise ValueError(f"{function}: quantization_type=MX does not take `qkv_in_scale` (the static-dequant MX path "
+                         "with MX_INTERLEAVED weights is not bound)")
+    scale = avals.get("qkv_w_scale")
+    if scale is None or jnp.dtype(scale.dtype) != jnp.uint8 or (dims["WR"], dims["WC"]) != (dims["H"] // 32,
+                                                                                              dims["I"]):
+        got = "none" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
+        raise ValueError(f"{function}: quantization_type=MX requires `qkv_w_scale` as uint8 e8m0 scales [H/32, I] = "
+                         f"[{dims['H'] // 32}, {dims['I']}]; got {got}")
+    if p["is_h_dim_4h_transposed"] and (p["fused_norm_type"] != NormType.NO_NORM or p["fused_residual_add"]):
+        raise ValueError(f"{function}: is_h_dim_4h_transposed=True does not combine with a fused norm or the fused "
+                         "residual add")
 
 
 def _check_fusions(call: CallInfo) -> None:
@@ -219,6 +276,16 @@ def _check(call: CallInfo) -> None:
     _check_fusions(call)
 
 
+def _check_tkg(call: CallInfo) -> None:
+    p = call.params
+    if p["quantization_type"] == QuantizationType.MX or p["is_h_dim_4h_transposed"] or \
+            p["weight_layout"] != QKVWeightLayout.CONTIGUOUS:
+        raise ValueError(f"{call.function}: MX (quantization_type=MX, MX weight layouts, is_h_dim_4h_transposed) runs "
+                         f"only on qkv's CTE path; B={call.dims['B']}, S={call.dims['S']} dispatch to qkv_tkg (S <= "
+                         f"{TKG_MAX_SEQ} and B * S <= {TKG_MAX_TOKENS} without fused_rope)")
+    _check(call)
+
+
 def _check_kv(call: CallInfo) -> None:
     _check(call)
     _check_cache(call)
@@ -244,6 +311,11 @@ def _cte_limits(call: CallInfo) -> list[str]:
         unmet.append(f"output_layout=NBSd needs d_head=128 on the CTE path; got {_heads(call)[2]}")
     if p["quantization_type"] == QuantizationType.ROW:
         unmet.append("qkv_cte applies no ROW weight scales (ROW is implemented by qkv_tkg only)")
+    if p["quantization_type"] == QuantizationType.MX:
+        if dims["H"] % 512:
+            unmet.append(f"MX needs H % 512 == 0; got H={dims['H']}")
+        if (dims["S"] // call.lnc) % 2:
+            unmet.append(f"MX needs an even S per LNC shard; got S={dims['S']}, LNC={call.lnc}")
     return unmet
 
 
@@ -296,7 +368,8 @@ QKV_SPEC = SelectedOutputsSpec(
     support={"idiomatic": "qkv_projection", "vjp": _VJP,
              "notes": "one primitive per device path: qkv (CTE), qkv_tkg (S <= 96 and B*S <= 128 without RoPE; "
                       "returns fused_hidden with fused_residual_add), qkv_kv_cache (fused KV-cache write, "
-                      "caches aliased); FP8 STATIC/ROW; MX not bound. Neuron: H % 128 == 0, H <= 24576, I <= 4096"},
+                      "caches aliased); FP8 STATIC/ROW; MX (MX_CONTIGUOUS, CTE only). Neuron: H % 128 == 0, "
+                      "H <= 24576, I <= 4096"},
     **_COMMON,
 )
 
@@ -307,7 +380,7 @@ QKV_TKG_SPEC = SelectedOutputsSpec(
     outputs=(ParamLayoutOutput.from_params("out", _out_layout, "input"),
              Output.of("fused_hidden", "B, S, H", "input", present_if="fused_residual_add")),
     reference=functools.partial(reference_qkv, tkg=True),
-    check=_check,
+    check=_check_tkg,
     neuron_limits=_tkg_limits,
     support={"vjp": _VJP, "notes": "the TKG path of qkv (lax.map under vmap: folding would change the path)"},
     **_COMMON,

@@ -7,7 +7,10 @@ With ``x [B, S, H]``, ``W [H, I]``, ``I = (nq + 2 nkv) d``, columns ``[Q heads |
    Layer ``(x - mean) / sqrt(var + eps) * gamma + beta`` (mean and variance over all ``H``);
 3. ``t = x @ W + bias``; FP8 ``STATIC``: ``t = fp8(clip(x / in_scale, ±m)) @ W * (w_scale[seg] * in_scale) + bias``
    with ``seg`` the Q/K/V segment of the column and ``m`` the largest finite value of the weights' format; FP8
-   ``ROW``: ``t = x @ W * w_scale[0, col] + bias``;
+   ``ROW``: ``t = x @ W * w_scale[0, col] + bias``; ``MX``: ``t = mx(x) @ W + bias`` with ``W`` decoded from its x4
+   words and e8m0 scales and ``mx(x)`` the MXFP8 (e4m3fn) round trip of ``x`` in blocks of 32 consecutive ``H`` per
+   token (``quant.mx.mx_round_trip``: the OCP emax 8 of the nkilib ``quantize_mx_golden`` the CTE goldens use; newer
+   compilers' alternative emax 7 would differ), the gradient passed straight through;
 4. fused RoPE on the Q and K heads, ``X = [X1 | X2]`` (halves): ``[X1 * cos[:d/2] - X2 * sin[:d/2], X2 * cos[d/2:] +
    X1 * sin[:d/2]]`` — the kernel reads ``cos`` full width and only the first half of ``sin`` (tables built by
    repeating the half-width frequencies, as HuggingFace does, give the usual rotation);
@@ -24,14 +27,15 @@ inputs in bfloat16), and ``STATIC`` without cache gives bfloat16 output there; t
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from ..common_types import NormType, QKVOutputLayout, QuantizationType
 from ..quant.fp8 import fp8_max as format_max
-from .numerics import accumulation_dtype, contract, first_element, quantize, rounded
+from ..norm.fused import fused_norm
+from ..quant import mx
+from .numerics import accumulation_dtype, contract, first_element, mx_activation, mx_weight, quantize, rounded
 
 TKG_MAX_SEQ = 96  # qkv runs qkv_tkg when S <= 96, B * S <= 128 and there is no fused RoPE, else qkv_cte
 TKG_MAX_TOKENS = 128
@@ -56,23 +60,6 @@ def head_dim(d_head, num_q_heads, num_kv_heads, width: int):
     return None
 
 
-def normalize(x, norm_type, gamma, beta, eps, hidden_actual, acc):
-    """The fused norm in ``acc`` (to be folded with the norm module's math)."""
-    if norm_type == NormType.NO_NORM:
-        return x
-    if norm_type in (NormType.RMS_NORM, NormType.RMS_NORM_SKIP_GAMMA):
-        count = x.shape[-1] if hidden_actual is None else hidden_actual
-        y = x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / count + eps)
-    else:
-        mean = jnp.mean(x, axis=-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True) + eps)
-    if gamma is not None and norm_type != NormType.RMS_NORM_SKIP_GAMMA:
-        y = y * gamma[0].astype(acc)
-    if beta is not None and norm_type == NormType.LAYER_NORM:
-        y = y + beta[0].astype(acc)
-    return y
-
-
 def _rope(t, cos, sin, heads: int, d: int, store, acc):
     """RoPE on the first ``heads`` heads of ``t [B, S, I]`` with the kernel's per-operation rounding."""
     batch, seq, width = t.shape
@@ -86,10 +73,17 @@ def _rope(t, cos, sin, heads: int, d: int, store, acc):
     return jnp.concatenate([out.reshape(batch, seq, heads * d), t[..., heads * d:]], axis=-1)
 
 
+def unswizzle_4h(x):
+    """``is_h_dim_4h_transposed``: ``H`` stored as ``[4, H/4]`` (stored ``[j * H/4 + r]`` = logical ``[4r + j]``)."""
+    return jnp.swapaxes(x.reshape(*x.shape[:-1], 4, x.shape[-1] // 4), -1, -2).reshape(x.shape)
+
+
 def _project(x, w, bias, quantization_type, w_scale, in_scale, seg, store, io, tkg, acc):
     """``t`` of step 3 (rounded to ``store``; quantized: see the module docstring)."""
     b = None if bias is None else bias[0].astype(acc)
-    if quantization_type == QuantizationType.NONE:
+    if quantization_type in (QuantizationType.NONE, QuantizationType.MX):
+        if quantization_type == QuantizationType.MX:
+            x, w = mx_activation(x), mx_weight(w, w_scale, mx.ELEMENT_DTYPE)
         t = contract("bsh,hi->bsi", x, rounded(w.astype(acc), store, acc), acc)
         return rounded(t if b is None else t + b, store, acc)
     if quantization_type == QuantizationType.STATIC:
@@ -136,7 +130,7 @@ def reference_qkv(input, fused_qkv_weights, bias=None, qkv_w_scale=None, qkv_in_
                   tkg=False, output_layout=QKVOutputLayout.BSD, quantization_type=QuantizationType.NONE,
                   fused_residual_add=False, fused_norm_type=NormType.NO_NORM, norm_eps=1e-6, hidden_actual=None,
                   fused_rope=False, d_head=None, num_q_heads=None, num_kv_heads=None, fp8_max=None, fp8_min=None,
-                  kv_dtype=None, use_block_kv=False, block_size=None, **unused):
+                  kv_dtype=None, use_block_kv=False, block_size=None, is_h_dim_4h_transposed=False, **unused):
     """JAX reference of ``qkv`` on the path ``tkg`` selects; returns the kernel's outputs (module docstring)."""
     del unused, block_size  # block_size equals the cache's block axis (checked)
     io = jnp.dtype(input.dtype)
@@ -145,14 +139,16 @@ def reference_qkv(input, fused_qkv_weights, bias=None, qkv_w_scale=None, qkv_in_
     width = fused_qkv_weights.shape[1]
     d = head_dim(d_head, num_q_heads, num_kv_heads, width)
     x = input.astype(acc)
+    if is_h_dim_4h_transposed:
+        x = unswizzle_4h(x)
     fused_hidden = None
     if fused_residual_add:
         x = x + mlp_prev.astype(acc) + attention_prev.astype(acc)
         fused_hidden = x.astype(io)
     x = rounded(x, store, acc)
     if fused_norm_type != NormType.NO_NORM:
-        x = rounded(normalize(x, fused_norm_type, gamma_norm_weights, layer_norm_bias, norm_eps, hidden_actual, acc),
-                    store, acc)
+        x = rounded(fused_norm(x, fused_norm_type, gamma_norm_weights, layer_norm_bias, norm_eps, hidden_actual), store,
+                    acc)
     seg = None
     if quantization_type == QuantizationType.STATIC:
         seg = (num_q_heads * d, num_kv_heads * d, num_kv_heads * d)
