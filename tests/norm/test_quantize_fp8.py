@@ -119,6 +119,36 @@ def test_jit_vmap_and_shard_map():
     np.testing.assert_array_equal(s8, want_s)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("mode", ["row", "static"])
+def test_kernel_path_equals_the_jax_path(dtype, mode):
+    from jax_nkilib._src.norm.ops import _quantize_in_jax
+    x = random((3, 5, 48), jnp.bfloat16, 4, scale=4.0)
+    scale = None if mode == "row" else jnp.float32(0.01)
+    q, s = jax_nkilib.quantize_fp8(x, mode=mode, scale=scale, dtype=dtype)
+    want_q, want_s = _quantize_in_jax(x, mode, scale, np.dtype(dtype))
+    assert q.dtype == want_q.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
+    np.testing.assert_array_equal(s, want_s)
+
+
+def test_ocp_jit_vmap_and_shard_map():
+    x = random((4, 6, 48), jnp.float32, 5)
+    quantize = lambda a: jax_nkilib.quantize_fp8(a, dtype=jnp.float8_e4m3fn)  # noqa: E731
+    want_q, want_s = quantize(x)
+    for got_q, got_s in (jax.jit(quantize)(x), jax.vmap(quantize)(x), jax.vmap(jax.vmap(quantize))(x)):
+        assert got_q.dtype == jnp.float8_e4m3fn
+        np.testing.assert_array_equal(np.asarray(got_q).view(np.uint8), np.asarray(want_q).view(np.uint8))
+        np.testing.assert_array_equal(got_s, want_s)
+    mesh = mesh_1d()
+    x8 = random((8, 5, 48), jnp.float32, 6)
+    q8, s8 = jax.jit(jax.shard_map(quantize, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(
+        shard(mesh, (P("data"),), x8))
+    want_q, want_s = quantize(x8)
+    np.testing.assert_array_equal(np.asarray(q8).view(np.uint8), np.asarray(want_q).view(np.uint8))
+    np.testing.assert_array_equal(s8, want_s)
+
+
 def test_neuron_lowering():
     x = random((2, 3, 64))
     with jax_nkilib.neuron.dry_run():
@@ -130,7 +160,14 @@ def test_neuron_lowering():
         (cfg,) = kernel_configs(neuron_text(lambda a: jax_nkilib.quantize_fp8(a, mode="static", scale=0.1), x))
         assert cfg["params"]["quantization_type"] == "STATIC" and cfg["input_names"] == ["hidden",
                                                                                          "input_dequant_scale"]
-        assert kernel_configs(neuron_text(lambda a: jax_nkilib.quantize_fp8(a, dtype=jnp.float8_e4m3fn), x)) == []
+        assert cfg["params"]["dtype_mode"] == "NON_OCP"
+        for mode in ("row", "static"):  # the OCP format is the kernel with dtype_mode=OCP
+            text = neuron_text(lambda a: jax_nkilib.quantize_fp8(a, mode=mode, scale=None if mode == "row" else 0.1,
+                                                                 dtype=jnp.float8_e4m3fn), x)
+            (cfg,) = kernel_configs(text)
+            assert cfg["params"]["dtype_mode"] == "OCP" and "quant_dtype" not in cfg["params"]
+            assert ("tensor<1x6x68xf8E4M3FN>" if mode == "row" else "tensor<1x6x64xf8E4M3FN>") in text
+        assert kernel_configs(neuron_text(lambda a: jax_nkilib.quantize_fp8(a, dtype=jnp.float8_e5m2), x)) == []
         long = jax.ShapeDtypeStruct((40000, 64), jnp.bfloat16)  # S <= 32768 per kernel call
         assert len(kernel_configs(neuron_text(jax_nkilib.quantize_fp8, long))) == 2
 

@@ -17,6 +17,7 @@ from tests.support.numerics import assert_close
 from tests.support.sharding import mesh_1d, shard
 
 E4M3 = ml_dtypes.float8_e4m3
+MODES = {"NON_OCP": (ml_dtypes.float8_e4m3, 240.0), "OCP": (ml_dtypes.float8_e4m3fn, 448.0)}
 
 
 def bf16(v):
@@ -24,9 +25,10 @@ def bf16(v):
 
 
 def oracle(hidden, ln_w=None, in_scale=None, pre_gamma=None, residual=None, *, lower_bound=0.0, norm=True,
-           row=True, eps=1e-6):
+           row=True, eps=1e-6, mode="NON_OCP"):
     """The kernel's steps with bfloat16 tiles, in float64 except the ROW scale steps (float32, as the kernel):
-    (fp8 values [.., H], float32 scale [..] or None, residual_out or None)."""
+    (fp8 values [.., H], float32 scale [..] or None, residual_out or None). ``mode`` is the resolved dtype_mode."""
+    fp8, top = MODES[mode]
     exact = np.dtype(hidden.dtype) == np.float64
     tile = (lambda v: np.asarray(v, np.float64)) if exact else bf16
     eps_t = eps if exact else float(bf16(eps))
@@ -47,24 +49,24 @@ def oracle(hidden, ln_w=None, in_scale=None, pre_gamma=None, residual=None, *, l
         a = np.max(np.abs(t), axis=-1, keepdims=True)
         if lower_bound > 1e-6:
             a, t = np.minimum(a, lower_bound), np.clip(t, -lower_bound, lower_bound)
-        # the kernel's float32 steps: s = max(a * f32(1/240), f32(1e-6)), q = t * (1/s)
+        # the kernel's float32 steps: s = max(a * f32(1/top), f32(1e-6)), q = t * (1/s)
         f32 = np.float32
-        s = np.maximum(a.astype(f32) * f32(1 / 240), f32(1e-6))
+        s = np.maximum(a.astype(f32) * f32(1 / top), f32(1e-6))
         v = t * (f32(1) / s) if exact else t.astype(f32) * (f32(1) / s)
-        q = np.clip(v, -240, 240).astype(E4M3).astype(np.float64)
+        q = np.clip(v, -top, top).astype(fp8).astype(np.float64)
         return q, s[..., 0], res_out
-    q = np.clip(tile(t / np.float64(np.asarray(in_scale)[0, 0])), -240, 240).astype(E4M3).astype(np.float64)
+    q = np.clip(tile(t / np.float64(np.asarray(in_scale)[0, 0])), -top, top).astype(fp8).astype(np.float64)
     return q, None, res_out
 
 
 def fp8_ulp(values):
-    """The spacing of float8_e4m3 at |values| (at least the subnormal spacing 2**-9)."""
+    """The spacing of an E4M3 format at |values| (at least the subnormal spacing 2**-9; the same for both)."""
     mag = np.maximum(np.abs(values), 2.0**-6)
     return 2.0 ** (np.floor(np.log2(mag)) - 3)
 
 
 def assert_fp8_close(got, want):
-    """Equal up to one float8_e4m3 step (the oracle rounds float64 values, the reference float32 ones)."""
+    """Equal up to one E4M3 step (the oracle rounds float64 values, the reference float32 ones)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert got.shape == want.shape
     np.testing.assert_array_less(np.abs(got - want), fp8_ulp(want) * 1.001 + 1e-30)
@@ -115,6 +117,67 @@ def test_static_quantization_matches_oracle(dtype, norm):
     want, _, _ = oracle(np.asarray(hidden), ln_w, in_scale, norm=norm, row=False)
     assert_fp8_close(out.astype(jnp.float32), want)
     assert np.max(np.abs(np.asarray(out.astype(jnp.float32)))) == 240.0  # 3-sigma inputs / 0.011 saturate
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("mode", ["NON_OCP", "OCP"])
+@pytest.mark.parametrize("config", [dict(), dict(norm=False, lower_bound=0.5), dict(shape=(1, 3, 37))])
+def test_dtype_mode_row_matches_oracle(dtype, mode, config):
+    hidden, ln_w = problem(config.get("shape", (2, 5, 40)), dtype, seed=3)
+    h, norm = hidden.shape[-1], config.get("norm", True)
+    kw = dict(lower_bound=config.get("lower_bound", 0.0))
+    out = rmsnorm_quant_kernel(hidden, ln_w if norm else None, norm_type="RMS_NORM" if norm else "NO_NORM",
+                               dtype_mode=mode, **kw)
+    assert out.shape == hidden.shape[:-1] + (h + 4,) and out.dtype == MODES[mode][0]
+    values, scale = unpack(out, h)
+    want_q, want_s, _ = oracle(np.asarray(hidden), ln_w, norm=norm, mode=mode, **kw)
+    assert_fp8_close(values, want_q)
+    assert_close(scale, want_s, jnp.float32)
+    assert np.max(np.abs(values)) == MODES[mode][1]  # each row's largest magnitude maps to the format's maximum
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("mode", ["NON_OCP", "OCP"])
+def test_dtype_mode_static_saturates_at_the_mode_maximum(dtype, mode):
+    hidden, ln_w = problem(dtype=dtype, seed=4)
+    in_scale = jnp.full((128, 1), 0.002, jnp.float32)  # normalized values past 1 saturate both formats
+    out, res = rmsnorm_quant_kernel(hidden, ln_w, in_scale, ln_w, hidden, quantization_type="STATIC",
+                                    dtype_mode=mode)
+    assert out.shape == hidden.shape and out.dtype == MODES[mode][0] and res.dtype == dtype
+    want, _, _ = oracle(np.asarray(hidden), ln_w, in_scale, ln_w, hidden, row=False, mode=mode)
+    assert_fp8_close(out.astype(jnp.float32), want)
+    assert np.max(np.abs(np.asarray(out.astype(jnp.float32)))) == MODES[mode][1]
+
+
+def test_ocp_scale_bytes_and_saturation():
+    hidden = jnp.array([[[1.0, -2.0, 0.5, 0.25], [0.0, 0.0, 0.0, 0.0], [3.0e-3, 1.0, -7.0, 2.0]]], jnp.float32)
+    out = rmsnorm_quant_kernel(hidden, None, norm_type="NO_NORM", dtype_mode="OCP")
+    assert out.dtype == jnp.float8_e4m3fn
+    raw = np.asarray(jax.lax.bitcast_convert_type(out[..., 4:], jnp.uint8))
+    f32 = np.float32
+    expected = np.array([f32(2) * f32(1 / 448), 1e-6, f32(7) * f32(1 / 448)], "<f4")
+    np.testing.assert_array_equal(raw[0], np.asarray(expected.reshape(3, 1).view(np.uint8)))
+    values = np.asarray(out[0, :, :4].astype(jnp.float32))
+    assert values[0, 1] == -448.0 and values[2, 2] == -448.0 and np.all(values[1] == 0)
+    static = rmsnorm_quant_kernel(jnp.array([[[1e6, -1e6, np.inf, 3.0]]], jnp.float32), None,
+                                  jnp.full((128, 1), 0.5, jnp.float32), norm_type="NO_NORM",
+                                  quantization_type="STATIC", dtype_mode="OCP")
+    np.testing.assert_array_equal(np.asarray(static.astype(jnp.float32)), [[[448.0, -448.0, 448.0, 6.0]]])
+
+
+@pytest.mark.parametrize("target, mode", [(None, "NON_OCP"), ("trn2", "NON_OCP"), ("trn3", "OCP"),
+                                          ("trn1", "NON_OCP")])
+def test_auto_follows_the_platform_target_at_trace_time(monkeypatch, target, mode):
+    from jax_nkilib._src.neuron.compilers import PLATFORM_TARGET_ENV_VAR
+    if target is None:
+        monkeypatch.delenv(PLATFORM_TARGET_ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(PLATFORM_TARGET_ENV_VAR, target)
+    hidden, ln_w = problem(seed=5)
+    out = jax.jit(lambda x: rmsnorm_quant_kernel(x, ln_w, dtype_mode="AUTO"))(hidden)
+    want = rmsnorm_quant_kernel(hidden, ln_w, dtype_mode=mode)
+    assert out.dtype == want.dtype == MODES[mode][0]
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(want).view(np.uint8))
 
 
 def test_scale_bytes_are_the_float32_bytes_little_endian():
@@ -192,6 +255,29 @@ def test_jit_vmap_gradients_and_shard_map():
                                   np.asarray(rmsnorm_quant_kernel(h8, ln_w)).view(np.uint8))
 
 
+def test_ocp_jit_vmap_and_shard_map():
+    hidden, ln_w = problem(dtype=jnp.bfloat16, seed=6)
+    ocp = lambda x, w=ln_w: rmsnorm_quant_kernel(x, w, dtype_mode="OCP")  # noqa: E731
+    want = np.asarray(ocp(hidden)).view(np.uint8)
+    np.testing.assert_array_equal(np.asarray(jax.jit(ocp)(hidden)).view(np.uint8), want)
+    xs = jnp.stack([hidden, -hidden])
+    batched = jax.vmap(ocp)(xs)
+    assert batched.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(batched[0]).view(np.uint8), want)
+    nested = jax.vmap(jax.vmap(ocp, in_axes=(0, None)), in_axes=(0, None))(xs[:, :, None], ln_w)
+    np.testing.assert_array_equal(np.asarray(nested[0, :, 0]).view(np.uint8), want)
+    in_scale = jnp.full((128, 1), 0.02, jnp.float32)
+    static = lambda x: rmsnorm_quant_kernel(x, None, in_scale, None, x, norm_type="NO_NORM",  # noqa: E731
+                                            quantization_type="STATIC", dtype_mode="OCP")
+    vgrad = jax.vmap(jax.grad(lambda x: jnp.sum(static(x)[1].astype(jnp.float32))))(xs.astype(jnp.float32))
+    np.testing.assert_array_equal(vgrad, 2.0)
+    mesh = mesh_1d()
+    h8 = random((2, 16, 40), jnp.float32, 9)
+    sharded = jax.jit(jax.shard_map(ocp, mesh=mesh, in_specs=P(None, "data"), out_specs=P(None, "data")))
+    np.testing.assert_array_equal(np.asarray(sharded(shard(mesh, (P(None, "data"),), h8))).view(np.uint8),
+                                  np.asarray(ocp(h8)).view(np.uint8))
+
+
 def test_neuron_lowering_one_call_and_split_past_the_batch_limit():
     hidden, ln_w = problem()
     with jax_nkilib.neuron.dry_run():
@@ -205,13 +291,29 @@ def test_neuron_lowering_one_call_and_split_past_the_batch_limit():
         assert len(kernel_configs(neuron_text(lambda x: rmsnorm_quant_kernel(x, ln_w), four))) == 2  # B <= 2
         with_residual = kernel_configs(neuron_text(lambda x, w: rmsnorm_quant_kernel(x, w, None, w, x), hidden, ln_w))
         assert with_residual[0]["output_names"] == ["out", "residual_out"]
+        assert cfg["params"]["dtype_mode"] == "NON_OCP" and "quant_dtype" not in cfg["params"]
+
+
+@pytest.mark.parametrize("mode, target, element", [("OCP", "trn2", "f8E4M3FN"), ("AUTO", "trn3", "f8E4M3FN"),
+                                                   ("AUTO", "trn2", "f8E4M3")])
+def test_neuron_lowering_dtype_mode(monkeypatch, mode, target, element):
+    from jax_nkilib._src.neuron.compilers import PLATFORM_TARGET_ENV_VAR
+    monkeypatch.setenv(PLATFORM_TARGET_ENV_VAR, target)
+    hidden, ln_w = problem()
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(lambda x, w: rmsnorm_quant_kernel(x, w, dtype_mode=mode), hidden, ln_w)
+        (cfg,) = kernel_configs(text)
+        assert operations(text) == ["stablehlo.custom_call"]
+        assert cfg["params"]["dtype_mode"] == {"f8E4M3FN": "OCP", "f8E4M3": "NON_OCP"}[element]  # AUTO resolved
+        assert f"tensor<2x5x44x{element}>" in text
 
 
 @pytest.mark.parametrize("call, error, fragment", [
     (lambda h, w: rmsnorm_quant_kernel(h, None), ValueError, "needs `ln_w`"),
     (lambda h, w: rmsnorm_quant_kernel(h, w, quantization_type="STATIC"), ValueError, "needs `input_dequant_scale`"),
     (lambda h, w: rmsnorm_quant_kernel(h, w, None, w), ValueError, "`pre_norm_gamma` needs `residual`"),
-    (lambda h, w: rmsnorm_quant_kernel(h, w, dtype_mode="OCP"), ValueError, "not bound yet"),
+    (lambda h, w: rmsnorm_quant_kernel(h, w, dtype_mode="E5M2"), TypeError, "DtypeMode"),
+    (lambda h, w: rmsnorm_quant_kernel(h, w, dtype_mode=jnp.float8_e4m3fn), TypeError, "`dtype_mode`"),
     (lambda h, w: rmsnorm_quant_kernel(h, w, norm_type="LAYER_NORM"), ValueError, "RMS_NORM or NO_NORM"),
     (lambda h, w: rmsnorm_quant_kernel(h, w, quantization_type="MX"), ValueError, "ROW or STATIC"),
     (lambda h, w: rmsnorm_quant_kernel(h, w, lower_bound=-1.0), ValueError, "must be >= 0"),

@@ -161,13 +161,14 @@ class Output:
 
     Its shape comes from ``layout`` over the dimensions the operands bound and the static int params (or from the
     layout a static flag selects, ``switch``), or is that of operand ``like``. Its dtype is that of operand
-    ``dtype_of``, or the value of the dtype param of that name, or that dtype (``"float32"``). ``present_if`` names
+    ``dtype_of``, or the value of the dtype param of that name, or that dtype (``"float32"``), or ``dtype_of(params)``
+    when it is a function (a dtype a flag selects, e.g. ``dtype_mode``). ``present_if`` names
     a bool param or an optional operand: the output exists only when the param is true or the operand is given.
     """
 
     name: str
     layout: Layout | None
-    dtype_of: str
+    dtype_of: str | Callable[[Mapping[str, Any]], Any]
     switch: LayoutSwitch | None = None
     like: str | None = None
     present_if: str | None = None
@@ -237,6 +238,9 @@ class KernelSpec:
       reference: ``reference(**operands, **params) -> tuple`` in JAX, following the kernel's numerics.
       view_aware_reference: the reference also accepts ``view={name: permutation}`` (see ``views``) and then
         computes directly on operands given in that order, returning outputs in their viewed order.
+      resolve_params: ``resolve_params(params) -> params`` applied when a call's params are normalised, for values
+        that resolve from the environment at trace time (``dtype_mode=AUTO``): the resolved value is then part of
+        the params, so abstract evaluation, lowering and the jit caches agree on it.
       reference_takes_lnc: the reference also takes ``lnc``, the call's LNC degree (for kernels whose semantics,
         such as an output order, depend on how the kernel splits work over logical cores).
       check: extra semantic validation ``check(call) -> None`` raising ``TypeError``/``ValueError``.
@@ -267,6 +271,7 @@ class KernelSpec:
     reference: Callable[..., tuple]
     view_aware_reference: bool = False
     reference_takes_lnc: bool = False
+    resolve_params: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     check: Callable[[CallInfo], None] | None = None
     neuron_limits: Callable[[CallInfo], list[str]] | None = None
     fold_plans: tuple[FoldPlan, ...] = ()

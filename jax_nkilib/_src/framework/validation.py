@@ -75,7 +75,7 @@ def normalize_params(spec: KernelSpec, raw: Mapping[str, Any]) -> dict[str, Any]
             params[param.name] = param.normalize(value, spec.public_name)
     params["lnc"] = lnc
     params["layout"] = ()
-    return params
+    return spec.resolve_params(params) if spec.resolve_params is not None else params
 
 
 def check_call(spec: KernelSpec, avals: Mapping[str, Any], params: Mapping[str, Any]) -> CallInfo:
@@ -141,9 +141,10 @@ def output_avals(spec: KernelSpec, call: CallInfo) -> list:
         else:  # output dimensions come from the operands' dimensions or from static int params
             sizes = {**{k: v for k, v in call.params.items() if isinstance(v, int)}, **call.dims}
             shape = tuple(dim.expected(sizes) for dim in output.layout_for(call.params).dims)
-        source = call.avals.get(output.dtype_of)
-        if source is not None:
-            dtype = source.dtype
+        if callable(output.dtype_of):
+            dtype = np.dtype(output.dtype_of(call.params))
+        elif call.avals.get(output.dtype_of) is not None:
+            dtype = call.avals[output.dtype_of].dtype
         else:  # a dtype param, or a fixed dtype name
             dtype = call.params[output.dtype_of] if output.dtype_of in call.params else np.dtype(output.dtype_of)
         aval = compat.ShapedArray(shape, dtype)

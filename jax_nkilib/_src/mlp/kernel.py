@@ -48,14 +48,22 @@ down words' layout; the matmuls are exact products of the decoded values accumul
 ``test_mlp_common.norm_mlp_ref_mx``, ``_gate_up_proj_golden_mx``, ``_down_proj_golden_mx``). Neuron needs bfloat16
 or float16 hidden states (``quantize_mx``'s inputs); the reference quantizes float32 ones as they are.
 
-Not bound: STATIC_MX and ROW_MX (the CTE MX paths with the ``MLPGateUpWeightLayout`` swizzles), FP8 pre-quantized
+STATIC_MX (the kernel's "FP8 tensor-wise quantization with 4x perf mode", CTE only: B*S > 96 or force_cte_mode) is
+STATIC with float8 weights in the kernel's swizzles (H % 512 == I % 512 == 0), see ``math.unswizzle_static_mx_gate_up``
+and ``math.unswizzle_static_mx_down``: gate/up ``W.reshape(2, H/512, 128, 2, I/512, 128, 4).transpose(2, 1, 4, 6, 5,
+0, 3).reshape(H, I)``, down ``W.reshape(I/512, 128, 4, H).transpose(1, 0, 3, 2).reshape(I, H)``; scales as STATIC
+(``[128, 1]`` weight and input scales); the activations are quantized as STATIC; the raw projections accumulate in
+bfloat16 (rounded once in the reference; the kernel's partial-sum roundings are not modelled).
+
+Not bound: ROW_MX (not in the 2.29 kernel's supported quantization types; a TKG path with x4 words in 2.32+), the
+2.32+ ``gate_up_w_layout`` (``MLPGateUpWeightLayout``) parameter and its swizzles, FP8 pre-quantized
 hidden input (``[B, S, H+4]`` with a packed row scale), ``[T, H]`` and SBUF
 hidden layouts, and ``store_output_in_sbuf`` (there is no SBUF in JAX; ``True`` is rejected).
 
 Reverse mode: JAX math. The backward is ``jax.vjp`` of ``math.mlp_forward(exact=True)`` (the same math without the
 roundings; activation quantization, FP8 and MX alike, is the identity, a straight-through estimate). Gradients flow
-to the hidden state, fused add, weights, biases, norm weight and bias, and the FP8 dequantization scales (row 0); FP8
-and MX weights, MX scales and the static input scales get none.
+to the hidden state, fused add, weights, biases, norm weight and bias, and the FP8 (ROW, STATIC, STATIC_MX)
+dequantization scales (row 0); FP8 and MX weights, MX scales and the static input scales get none.
 """
 
 from __future__ import annotations
@@ -68,13 +76,12 @@ from ..common_types import ActFnType, NormType, QuantizationType
 from ..framework.primitive import Kernel
 from ..quant import mx
 from ..framework.spec import FLOAT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
-from .math import MX_TILE, is_tkg, mlp_forward
+from .math import MX_TILE, STATIC_MX_TILE, STATIC_TYPES, is_tkg, mlp_forward
 
 WEIGHT_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn))
-UNBOUND_MX_TYPES = (QuantizationType.STATIC_MX, QuantizationType.ROW_MX)
+UNBOUND_MX_TYPES = (QuantizationType.ROW_MX,)
 MX_WORD_DTYPES = (jnp.dtype(jnp.uint32), jnp.dtype(jnp.int32), jnp.dtype(jnp.uint16))
 MX_WEIGHT_DTYPES = tuple(mx.X4_WORD_DTYPES)
-FP8_TYPES = (QuantizationType.ROW, QuantizationType.STATIC)
 SCALES = ("gate_w_scale", "up_w_scale", "down_w_scale")
 IN_SCALES = ("gate_up_in_scale", "down_in_scale")
 CLAMPS = ("gate_clamp_upper_limit", "gate_clamp_lower_limit", "up_clamp_upper_limit", "up_clamp_lower_limit")
@@ -104,8 +111,8 @@ def _tkg(call: CallInfo) -> bool:
 def _reject_unbound(params, function: str) -> None:
     quant = params["quantization_type"]
     if quant in UNBOUND_MX_TYPES:
-        raise ValueError(f"{function}: quantization_type={quant.name} is not bound yet in jax_nkilib (the CTE MX "
-                         "paths and their weight swizzles); use NONE, ROW, STATIC or MX (TKG)")
+        raise ValueError(f"{function}: quantization_type={quant.name} is not bound in jax_nkilib (the pinned NKI "
+                         "Library 2.29 mlp does not support it); use NONE, ROW, STATIC, STATIC_MX (CTE) or MX (TKG)")
     if params["store_output_in_sbuf"]:
         raise ValueError(f"{function}: store_output_in_sbuf=True is not applicable in JAX (there is no SBUF to leave "
                          "the output in); the output is returned")
@@ -173,11 +180,12 @@ def _check_quantization(call: CallInfo) -> None:
     if quant == QuantizationType.NONE:
         fp8 = [name for name in weights if np.dtype(avals[name].dtype) in WEIGHT_FP8_DTYPES]
         if fp8:
-            raise TypeError(f"{function}: FP8 weights ({', '.join(fp8)}) need quantization_type=ROW or STATIC and "
-                            "their dequantization scales")
+            raise TypeError(f"{function}: FP8 weights ({', '.join(fp8)}) need quantization_type=ROW, STATIC or "
+                            "STATIC_MX and their dequantization scales")
         given = [name for name in SCALES + IN_SCALES if avals.get(name) is not None]
         if given:
-            raise ValueError(f"{function}: {', '.join(given)} are only used with quantization_type ROW or STATIC")
+            raise ValueError(f"{function}: {', '.join(given)} are only used with quantization_type ROW, STATIC or "
+                             "STATIC_MX")
         return
     wrong = [f"{name} ({avals[name].dtype})" for name in weights
              if np.dtype(avals[name].dtype) not in WEIGHT_FP8_DTYPES]
@@ -186,7 +194,7 @@ def _check_quantization(call: CallInfo) -> None:
                         f"{', '.join(wrong)}")
     layout = "[128, I] (gate, up) and [128, H] (down)" if quant == QuantizationType.ROW else "[128, 1]"
     needed = [name for name in SCALES if not (name == "gate_w_scale" and p["skip_gate_proj"])]
-    if quant == QuantizationType.STATIC:
+    if quant in STATIC_TYPES:
         needed += list(IN_SCALES)
     missing = [name for name in needed if avals.get(name) is None]
     if missing:
@@ -197,6 +205,20 @@ def _check_quantization(call: CallInfo) -> None:
         if given:
             raise ValueError(f"{function}: {', '.join(given)} are STATIC input scales; ROW quantization computes "
                              "row scales itself")
+    if quant == QuantizationType.STATIC_MX:
+        _check_static_mx(call)
+
+
+def _check_static_mx(call: CallInfo) -> None:
+    """STATIC_MX: CTE only; the swizzled weights need H and I multiples of 512."""
+    p, dims, function = call.params, call.dims, call.function
+    if _tkg(call):
+        raise ValueError(f"{function}: quantization_type=STATIC_MX runs only on the CTE path (B*S > 96 or "
+                         f"force_cte_mode=True); got B*S={dims['B'] * dims['S']}, force_cte_mode={p['force_cte_mode']}")
+    if dims["H"] % STATIC_MX_TILE or dims["I"] % STATIC_MX_TILE:
+        raise ValueError(f"{function}: quantization_type=STATIC_MX takes swizzled weights (gate/up [H, I] as "
+                         "[128, H/512, I/512, 4, 128, 2, 2], down [I, H] as [128, I/512, H, 4]) and needs H % 512 == 0 "
+                         f"and I % 512 == 0; got H={dims['H']}, I={dims['I']}")
 
 
 def _check(call: CallInfo) -> None:
@@ -311,7 +333,7 @@ MLP_SPEC = KernelSpec(
         Param("activation_fn", ActFnType.SiLU, ActFnType),
         Param("normalization_type", NormType.NO_NORM, NormType),
         Param("quantization_type", QuantizationType.NONE, QuantizationType,
-              "NONE, ROW, STATIC or MX (TKG); STATIC_MX and ROW_MX not bound"),
+              "NONE, ROW, STATIC, STATIC_MX (CTE, swizzled FP8 weights) or MX (TKG); ROW_MX not bound"),
         Param("mx_weight_dtype", "float8_e4m3fn", "dtype", "MX: the x4 weights' element type (the kernel reads it "
               "from the x4 dtype): float8_e4m3fn or float8_e5m2 (32-bit words), float4_e2m1fn (uint16 words)"),
         Param("quant_clipping_bound", 0.0, float, "CTE ROW activation clip (0: none)"),
@@ -342,8 +364,9 @@ MLP_SPEC = KernelSpec(
     support={"idiomatic": "mlp",
              "vjp": "JAX (jax.vjp of the smooth MLP math; straight-through FP8 activation quantization)",
              "notes": "CTE/TKG dispatch at B*S = 96 (CTE computes float32 in bfloat16); FP8 ROW/STATIC; MX "
-                      "(MXFP8/MXFP4 x4 weights, TKG); STATIC_MX/ROW_MX, pre-quantized input and SBUF output not "
-                      "bound; Neuron: H % 128, clamps TKG only"},
+                      "(MXFP8/MXFP4 x4 weights, TKG); STATIC_MX (swizzled FP8 weights, CTE); ROW_MX, "
+                      "gate_up_w_layout (2.32), pre-quantized input and SBUF output not bound; Neuron: H % 128, "
+                      "clamps TKG only"},
 )
 
 

@@ -7,7 +7,9 @@ path computes float32 inputs in bfloat16, as the kernel's ``compute_data_type`` 
 normalized input, CTE's float weights and biases as loaded, the gate/up product, and the down projection after its
 dequantization and bias. Everything else (statistics, matmul accumulation, dequantization, bias, clamps,
 activation, product) is float32 (float64 for float64 inputs). MX (:func:`_mlp_mx`) adds MXFP8 round trips of the
-gate/up input and of the intermediate, in the kernel's layouts.
+gate/up input and of the intermediate, in the kernel's layouts. STATIC_MX (CTE) is STATIC on unswizzled weights
+(:func:`unswizzle_static_mx_gate_up`, :func:`unswizzle_static_mx_down`) whose raw projections are rounded to bfloat16
+(the kernel's PSUM accumulation dtype for STATIC_MX) before the dequantization.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from ..quant.fp8 import fp8_max, saturate
 TKG_TOKEN_THRESHOLD = 96  # TKG_BS_SEQLEN_THRESHOLD: B*S at or below it runs the token-generation path
 QUANT_BOUND = fp8_max(jnp.float8_e4m3)  # 240: the kernel clips activations to the Trainium2 E4M3 range
 ROW_SCALE_FLOOR = 1e-6  # _MINVAL of the kernel's row quantization
+STATIC_TYPES = (QuantizationType.STATIC, QuantizationType.STATIC_MX)
+FP8_TYPES = (QuantizationType.ROW,) + STATIC_TYPES  # float8 weights with float32 dequantization scales
+STATIC_MX_TILE = 512  # STATIC_MX swizzles H and I in tiles of 512
 SWISH_BETA = 1.702  # ActFnType.Swish is nl.gelu_apprx_sigmoid: x * sigmoid(1.702 x)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -80,6 +85,24 @@ def unswizzle_down(down, lnc: int):
     return down.reshape(inter, lnc, hidden // 128 // lnc, 128).transpose(0, 1, 3, 2).reshape(inter, hidden)
 
 
+def unswizzle_static_mx_gate_up(w):
+    """``W [H, I]`` of STATIC_MX gate/up weights. The kernel takes ``W.reshape(2, H/512, 128, 2, I/512, 128, 4)
+    .transpose(2, 1, 4, 6, 5, 0, 3).reshape(H, I)``: row ``h = a H/2 + 256 t + 2 p + b`` and column
+    ``i = 512 k + 4 r + j`` of ``W`` sit at index ``(p, t, k, j, r, a, b)`` of the given array viewed as
+    ``[128, H/512, I/512, 4, 128, 2, 2]``. Needs ``H % 512 == I % 512 == 0``."""
+    hidden, inter = w.shape
+    t, k = hidden // STATIC_MX_TILE, inter // STATIC_MX_TILE
+    return w.reshape(128, t, k, 4, 128, 2, 2).transpose(5, 1, 0, 6, 2, 4, 3).reshape(hidden, inter)
+
+
+def unswizzle_static_mx_down(w):
+    """``W [I, H]`` of STATIC_MX down weights. The kernel takes ``W.reshape(I/512, 128, 4, H).transpose(1, 0, 3, 2)
+    .reshape(I, H)``: row ``i = 512 k + 4 q + j`` of ``W`` sits at ``(q, k, h, j)`` of the given array viewed as
+    ``[128, I/512, H, 4]``. Needs ``I % 512 == 0``."""
+    inter, hidden = w.shape
+    return w.reshape(128, inter // STATIC_MX_TILE, hidden, 4).transpose(1, 0, 3, 2).reshape(inter, hidden)
+
+
 def quantize_activation(v, kind: QuantizationType, fmt, in_scale, clipping_bound: float, rounded: Callable):
     """FP8 activation quantization of the CTE path: ``(q, dequant scale)`` with ``v ~= q * scale``.
 
@@ -113,7 +136,12 @@ def mlp_forward(ops: Mapping[str, Any], p: Mapping[str, Any], *, exact: bool, ln
     tkg = is_tkg(batch * seq, p["force_cte_mode"])
     c = compute_dtype(hidden.dtype, tkg)
     quant = p["quantization_type"]
-    quantize_acts = quant in (QuantizationType.ROW, QuantizationType.STATIC) and not tkg and not exact
+    quantize_acts = quant in FP8_TYPES and not tkg and not exact
+    if quant == QuantizationType.STATIC_MX:
+        ops = dict(ops, down_proj_weights_tensor=unswizzle_static_mx_down(ops["down_proj_weights_tensor"]),
+                   **{name: unswizzle_static_mx_gate_up(ops[name]) for name in
+                      ("gate_proj_weights_tensor", "up_proj_weights_tensor") if ops.get(name) is not None
+                      and not (p["skip_gate_proj"] and name.startswith("gate"))})
 
     def rounded(v, dtype=c):
         return v if exact else v.astype(dtype).astype(acc)
@@ -137,7 +165,9 @@ def mlp_forward(ops: Mapping[str, Any], p: Mapping[str, Any], *, exact: bool, ln
     def project(inp, in_dequant, weight, scale, bias):
         w = weight.astype(acc) if quant != QuantizationType.NONE else loaded(weight)
         out = jnp.einsum("bsh,hi->bsi", inp, w, preferred_element_type=acc)
-        if quant in (QuantizationType.ROW, QuantizationType.STATIC):
+        if quant == QuantizationType.STATIC_MX:  # STATIC_MX accumulates in a bfloat16 PSUM
+            out = rounded(out, jnp.bfloat16)
+        if quant in FP8_TYPES:
             out = out * _row0(scale, acc) * in_dequant
         if bias is not None:
             out = out + loaded(bias).reshape(-1)

@@ -2,7 +2,7 @@
 ``dequantize_fp8``.
 
 Each normalizes or quantizes over the last axis of ``x [..., H]``. On Neuron ``rms_norm``/``layer_norm`` are the
-``rmsnorm_tkg``/``layernorm_tkg`` kernels and ``quantize_fp8`` (float8_e4m3) is ``rmsnorm_quant_kernel`` with
+``rmsnorm_tkg``/``layernorm_tkg`` kernels and ``quantize_fp8`` (E4M3 formats) is ``rmsnorm_quant_kernel`` with
 ``norm_type=NO_NORM``; elsewhere the kernels' JAX references run. Layout glue: the tokens become the kernels' ``B*S``
 axis; the norm kernels' output ``[128, B*S, H/128]`` comes back through a layout view as ``[B*S, 128, H/128]``,
 which is ``[..., H]`` by a reshape at LNC=1 (the transpose appears only in the Neuron lowering); at LNC=2 the two
@@ -18,13 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..common_types import NormType, QuantizationType
+from ..common_types import DtypeMode, NormType, QuantizationType
 from ..framework.spec import FP8_DTYPES
 from ..quant.fp8 import SCALE_BYTES, fp8_max, saturate, scale_from_bytes
 from .rmsnorm_quant import compute_dtype, rmsnorm_quant_kernel, row_quantize, static_quantize
 from .tkg import P_MAX, layernorm_rows, layernorm_tkg, rmsnorm_tkg, rows_from_tiles
 
 _NORM_VIEW = {"out": "B*S, 128, H/128"}
+_KERNEL_MODES = {np.dtype(jnp.float8_e4m3): DtypeMode.NON_OCP, np.dtype(jnp.float8_e4m3fn): DtypeMode.OCP}
 QUANT_MODES = ("row", "static")
 
 
@@ -143,8 +144,8 @@ def quantize_fp8(x, *, mode: str = "row", scale=None, dtype=jnp.float8_e4m3):
         magnitude of a row maps to ``fp8_max``; ``"static"``: the given ``scale`` for the whole tensor,
         ``q = clip(x / scale, +-fp8_max)``.
       scale: the static dequantization scale (a scalar; ``mode="static"`` only).
-      dtype: ``jnp.float8_e4m3`` (Trainium's E4M3, largest 240; the kernel's format), ``jnp.float8_e4m3fn`` (OCP,
-        448) or ``jnp.float8_e5m2`` (57344).
+      dtype: ``jnp.float8_e4m3`` (Trainium2's E4M3, largest 240; the kernel's default format), ``jnp.float8_e4m3fn``
+        (OCP, 448; the kernel's ``dtype_mode=OCP``) or ``jnp.float8_e5m2`` (57344).
 
     Returns ``(q, scale)``: ``q`` of ``x``'s shape in ``dtype``; ``scale`` float32 ``[..., 1]`` (row) or ``[]``
     (static). Values are rounded to nearest even after saturating at +-fp8_max. The computation follows the kernel:
@@ -153,8 +154,9 @@ def quantize_fp8(x, *, mode: str = "row", scale=None, dtype=jnp.float8_e4m3):
     that element NaN and the rest 0 (row mode); static mode saturates inf and keeps NaN.
 
     Not differentiable: ``q`` and the row scale carry zero cotangents (no straight-through estimator). On Neuron,
-    ``float8_e4m3`` is ``rmsnorm_quant_kernel(norm_type=NO_NORM)`` (its packed ``[..., H+4]`` output is split by a
-    slice and a bitcast); the other formats run in JAX (the bound kernel writes only float8_e4m3).
+    ``float8_e4m3`` and ``float8_e4m3fn`` are ``rmsnorm_quant_kernel(norm_type=NO_NORM)`` with ``dtype_mode``
+    NON_OCP and OCP (its packed ``[..., H+4]`` output is split by a slice and a bitcast); ``float8_e5m2``, which the
+    kernel cannot write, runs the same math in JAX.
     """
     dtype = _check_quantize_args(x, mode, scale, dtype)
     x = jnp.asarray(x)
@@ -163,23 +165,25 @@ def quantize_fp8(x, *, mode: str = "row", scale=None, dtype=jnp.float8_e4m3):
         scale = jnp.asarray(scale, jnp.float32).reshape(())
     if x.size == 0:
         return jnp.zeros(x.shape, dtype), (jnp.zeros(x.shape[:-1] + (1,), jnp.float32) if scale is None else scale)
-    if dtype != np.dtype(jnp.float8_e4m3):
+    if dtype not in _KERNEL_MODES:
         return _quantize_in_jax(x, mode, scale, dtype)
     rows = x.reshape(1, -1, hidden)
     if mode == "row":
-        params = rmsnorm_quant_kernel.params(norm_type=NormType.NO_NORM, quantization_type=QuantizationType.ROW)
+        params = rmsnorm_quant_kernel.params(norm_type=NormType.NO_NORM, quantization_type=QuantizationType.ROW,
+                                             dtype_mode=_KERNEL_MODES[dtype])
         (out,) = rmsnorm_quant_kernel.call({"hidden": rows}, params)
         raw = jax.lax.bitcast_convert_type(out, jnp.uint8)  # slice bytes: FP8 copies may canonicalize NaN codes
         q = jax.lax.bitcast_convert_type(raw[..., :hidden], out.dtype)
         return q.reshape(x.shape), scale_from_bytes(raw[..., hidden:hidden + SCALE_BYTES]).reshape(x.shape[:-1] + (1,))
-    params = rmsnorm_quant_kernel.params(norm_type=NormType.NO_NORM, quantization_type=QuantizationType.STATIC)
+    params = rmsnorm_quant_kernel.params(norm_type=NormType.NO_NORM, quantization_type=QuantizationType.STATIC,
+                                         dtype_mode=_KERNEL_MODES[dtype])
     in_scale = jnp.broadcast_to(scale, (P_MAX, 1))
     (out,) = rmsnorm_quant_kernel.call({"hidden": rows, "input_dequant_scale": in_scale}, params)
     return out.reshape(x.shape), scale
 
 
 def _quantize_in_jax(x, mode, scale, dtype):
-    """The kernel's quantization math for the formats it does not write (no kernel call)."""
+    """The kernel's quantization math for the format it does not write, float8_e5m2 (no kernel call)."""
     tile_dtype = compute_dtype(x.dtype)
     t = jax.lax.stop_gradient(x).astype(tile_dtype).astype(jnp.promote_types(tile_dtype, jnp.float32))
     fp8_range = fp8_max(dtype)

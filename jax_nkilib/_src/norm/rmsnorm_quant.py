@@ -2,8 +2,9 @@
 
 Layouts: ``hidden [B, S, H]``; ``ln_w [H]`` or ``[1, H]``; ``input_dequant_scale [128, 1]`` float32 (one value
 broadcast over the partitions); 2.32's ``pre_norm_gamma [H]`` or ``[1, H]`` and ``residual [B, S, H]``. Outputs:
-``out`` float8_e4m3 ``[B, S, H+4]`` (ROW) or ``[B, S, H]`` (STATIC), then ``residual_out [B, S, H]`` in ``hidden``'s
-dtype when ``residual`` is given. The kernel also takes a 2-D ``[outer, H]`` input: pass ``hidden[None]``.
+``out`` in the FP8 format of ``dtype_mode`` (below), ``[B, S, H+4]`` (ROW) or ``[B, S, H]`` (STATIC), then
+``residual_out [B, S, H]`` in ``hidden``'s dtype when ``residual`` is given. The kernel also takes a 2-D
+``[outer, H]`` input: pass ``hidden[None]``.
 
 Math, per row (the last axis) on the kernel's bfloat16 tiles (``bf(.)`` rounds to bfloat16; everything else is
 float32; float64 inputs, which the kernel cannot take, compute in float64 without rounding)::
@@ -13,13 +14,17 @@ float32; float64 inputs, which the kernel cannot take, compute in float64 withou
     with residual:        t = bf(t + bf(residual));  residual_out = t in hidden's dtype
     RMS_NORM:             t = bf(t * rsqrt(sum(t^2) * (1/H) + bf(eps)) * ln_w)
     ROW:     a = max|t|;  if lower_bound > 1e-6: a = min(a, lower_bound), t = clip(t, +-lower_bound)
-             s = max(a * float32(1/240), 1e-6);  q = fp8(t * (1/s));  out[..., :H] = q, out[..., H:] = bytes(s)
-    STATIC:  q = fp8(clip(bf(t * (1/input_dequant_scale[0, 0])), +-240))
+             s = max(a * float32(1/M), 1e-6);  q = fp8(t * (1/s));  out[..., :H] = q, out[..., H:] = bytes(s)
+    STATIC:  q = fp8(clip(bf(t * (1/input_dequant_scale[0, 0])), +-M))
 
-``fp8`` rounds to nearest even after clipping to +-240, the largest float8_e4m3 (Trainium2's E4M3, not the OCP
-``float8_e4m3fn``). The ``1e-6`` floor keeps zero rows finite (all-zero ``q``, scale ``1e-6``). ``bytes(s)`` are the
-four bytes of the float32 ``s``, byte ``j`` = bits ``8j..8j+7`` (little-endian), each stored as a float8_e4m3
-element: read them back with ``lax.bitcast_convert_type`` (:func:`jax_nkilib._src.quant.fp8.scale_from_bytes`).
+``dtype_mode`` picks the FP8 format ``fp8`` of ``out`` and its largest value ``M`` (nothing else changes):
+``NON_OCP`` ``float8_e4m3`` (Trainium2's E4M3, M = 240; the default), ``OCP`` ``float8_e4m3fn`` (M = 448; the
+library documents it for Trainium3), ``AUTO`` the target's choice, resolved when the call is traced from the Neuron
+platform target (``$NEURON_PLATFORM_TARGET_OVERRIDE``, default ``trn2``): ``trn3*`` gives OCP, anything else
+NON_OCP. The kernel gets AUTO resolved. ``fp8`` rounds to nearest even after clipping to +-M. The ``1e-6``
+floor keeps zero rows finite (all-zero ``q``, scale ``1e-6``). ``bytes(s)`` are the four bytes of the float32 ``s``,
+byte ``j`` = bits ``8j..8j+7`` (little-endian), each stored as an ``fp8`` element: read them back with
+``lax.bitcast_convert_type`` (:func:`jax_nkilib._src.quant.fp8.scale_from_bytes`).
 Bitcast the output to uint8 before slicing, concatenating or stacking it: some XLA:CPU ops (concatenate,
 dynamic_update_slice) canonicalize FP8 NaN encodings, which scale bytes can look like; vmap over a batched ``ln_w``
 (``lax.map``, which stacks the outputs) can therefore change low scale bits on CPU. ``lower_bound`` is, despite its
@@ -29,17 +34,19 @@ name, an upper clip on magnitudes. The kernel reads the static scale of row ``r`
 
 NaN and inf are not defined by the kernel; the reference keeps IEEE semantics: a NaN anywhere in a row makes its
 ROW scale and its elements NaN; a +-inf element in a ROW row gives scale inf, NaN at that element and 0 elsewhere;
-STATIC clips +-inf to +-240 and keeps NaN. The test oracle of the kernel puts ``eps`` outside the square root
+STATIC clips +-inf to +-M and keeps NaN. The test oracle of the kernel puts ``eps`` outside the square root
 (``1/(rms + eps)``) and has no scale floor; this follows the kernel (``rsqrt(mean + eps)``, floor ``1e-6``).
 
-Not bound yet: ``dtype_mode`` OCP (float8_e4m3fn output) and AUTO (hardware-dependent output dtype); the output dtype
-of a bound kernel cannot depend on a flag yet. Gradients: ``out`` is quantized (zero cotangents, no straight-through
-estimator); ``residual_out`` is differentiable in ``hidden``, ``residual`` and ``pre_norm_gamma``.
+``out``'s dtype is that of ``dtype_mode``; AUTO is resolved from the platform target when the call is traced and
+the kernel receives the resolved mode (OCP or NON_OCP).
+Gradients: ``out`` is quantized (zero cotangents, no straight-through estimator); ``residual_out`` is differentiable
+in ``hidden``, ``residual`` and ``pre_norm_gamma``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -49,11 +56,25 @@ from ..framework.primitive import make_kernel
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from ..quant.fp8 import fp8_max, saturate, scale_to_bytes
 from ..framework.dynamic_outputs import parse_layout as output_layout
+from ..neuron.compilers import DEFAULT_PLATFORM_TARGET, PLATFORM_TARGET_ENV_VAR
 
-OUT_DTYPE = jnp.float8_e4m3  # the kernel's quant_data_type (Trainium2 E4M3, largest 240)
+MODE_DTYPES = {DtypeMode.NON_OCP: jnp.dtype(jnp.float8_e4m3), DtypeMode.OCP: jnp.dtype(jnp.float8_e4m3fn)}
 MIN_DEQUANT_SCALE = 1e-6
 LOWER_BOUND_EPS = 1e-6  # the kernel clips only when lower_bound > 1e-6
 MAX_B, MAX_S, MAX_H = 2, 32768, 16384  # the kernel's asserted limits for [B, S, H] inputs
+
+
+def resolve_dtype_mode(mode: DtypeMode) -> DtypeMode:
+    """``AUTO`` -> OCP on a ``trn3*`` Neuron platform target, NON_OCP elsewhere (read now, at trace time)."""
+    if mode != DtypeMode.AUTO:
+        return mode
+    target = os.environ.get(PLATFORM_TARGET_ENV_VAR, DEFAULT_PLATFORM_TARGET)
+    return DtypeMode.OCP if target.lower().startswith("trn3") else DtypeMode.NON_OCP
+
+
+def quant_dtype(mode: DtypeMode):
+    """The FP8 dtype of ``out`` for a ``dtype_mode``."""
+    return MODE_DTYPES[resolve_dtype_mode(mode)]
 
 
 def compute_dtype(dtype):
@@ -118,20 +139,20 @@ def reference_rmsnorm_quant_kernel(hidden, ln_w=None, input_dequant_scale=None, 
                                    lower_bound=0.0, norm_type=NormType.RMS_NORM,
                                    quantization_type=QuantizationType.ROW, eps=1e-6, dtype_mode=DtypeMode.NON_OCP):
     """JAX reference of ``rmsnorm_quant_kernel`` (the module docstring's math)."""
-    del dtype_mode  # NON_OCP only (checked)
+    out_dtype = quant_dtype(dtype_mode)
     tile_dtype = compute_dtype(hidden.dtype)
     t = residual_tile(hidden, residual, pre_norm_gamma, eps, tile_dtype)
     residual_out = None if residual is None else t.astype(hidden.dtype)
     if norm_type == NormType.RMS_NORM:
         t = rms_normalize_tile(t, ln_w, eps, tile_dtype)
-    fp8_range = fp8_max(OUT_DTYPE)
+    fp8_range = fp8_max(out_dtype)
     if quantization_type == QuantizationType.ROW:
         q, s = row_quantize(t, fp8_range, lower_bound)
         # joined as uint8: XLA:CPU's concatenate canonicalizes FP8 NaN encodings, which scale bytes may look like
-        pieces = [jax.lax.bitcast_convert_type(saturate(q, OUT_DTYPE), jnp.uint8), scale_to_bytes(s, jnp.uint8)]
-        out = jax.lax.bitcast_convert_type(jnp.concatenate(pieces, axis=-1), OUT_DTYPE)
+        pieces = [jax.lax.bitcast_convert_type(saturate(q, out_dtype), jnp.uint8), scale_to_bytes(s, jnp.uint8)]
+        out = jax.lax.bitcast_convert_type(jnp.concatenate(pieces, axis=-1), out_dtype)
     else:
-        out = saturate(static_quantize(t, input_dequant_scale[0, 0], fp8_range, tile_dtype), OUT_DTYPE)
+        out = saturate(static_quantize(t, input_dequant_scale[0, 0], fp8_range, tile_dtype), out_dtype)
     return (out,) if residual_out is None else (out, residual_out)
 
 
@@ -144,9 +165,6 @@ def _check(call: CallInfo) -> None:
     if p["lower_bound"] < 0 or p["eps"] < 0:
         raise ValueError(f"{function}: lower_bound and eps must be >= 0; got lower_bound={p['lower_bound']}, "
                          f"eps={p['eps']}")
-    if p["dtype_mode"] != DtypeMode.NON_OCP:
-        raise ValueError(f"{function}: dtype_mode={p['dtype_mode'].name} is not bound yet in jax_nkilib (only NON_OCP, "
-                         "float8_e4m3 output); for float8_e4m3fn use jax_nkilib.quantize_fp8(..., dtype=...)")
     if p["norm_type"] == NormType.RMS_NORM and avals.get("ln_w") is None:
         raise ValueError(f"{function}: norm_type=RMS_NORM needs `ln_w` with layout [H] or [1, H]")
     if p["quantization_type"] == QuantizationType.STATIC and avals.get("input_dequant_scale") is None:
@@ -199,14 +217,16 @@ RMSNORM_QUANT_SPEC = KernelSpec(
         Param("norm_type", "RMS_NORM", NormType, "RMS_NORM or NO_NORM"),
         Param("quantization_type", "ROW", QuantizationType, "ROW (per-row scale packed in the output) or STATIC"),
         Param("eps", 1e-6, float, "RMS norm epsilon (rounded to bfloat16 by the kernel)"),
-        Param("dtype_mode", "NON_OCP", DtypeMode, "FP8 E4M3 variant of the output; only NON_OCP is bound"),
+        Param("dtype_mode", "NON_OCP", DtypeMode, "FP8 E4M3 of the output: NON_OCP float8_e4m3 (240), OCP "
+              "float8_e4m3fn (448), AUTO (OCP on a trn3 platform target, resolved at trace time)"),
     ),
     outputs=(
-        Output("out", _ROW, "float8_e4m3", switch=("quantization_type", ((QuantizationType.ROW, (_ROW,)),
-                                                                          (QuantizationType.STATIC, (_STATIC,))))),
+        Output("out", _ROW, lambda params: MODE_DTYPES[params["dtype_mode"]],
+               switch=("quantization_type", ((QuantizationType.ROW, (_ROW,)), (QuantizationType.STATIC, (_STATIC,))))),
         Output.like_operand("residual_out", "hidden", present_if="residual"),
     ),
     reference=reference_rmsnorm_quant_kernel,
+    resolve_params=lambda params: dict(params, dtype_mode=resolve_dtype_mode(params["dtype_mode"])),
     check=_check,
     neuron_limits=_neuron_limits,
     fold_plans=(FoldPlan({"hidden": 1, "residual": 1, "ln_w": None, "input_dequant_scale": None,
@@ -218,8 +238,10 @@ RMSNORM_QUANT_SPEC = KernelSpec(
     nondifferentiable_outputs=("out",),
     support={"idiomatic": "quantize_fp8",
              "vjp": "JAX for residual_out; the quantized output has zero cotangents",
-             "notes": "ROW packs the float32 scale into 4 trailing float8_e4m3 bytes (little-endian); dtype_mode "
-                      "OCP/AUTO not bound; Neuron: B <= 2, S <= 32768, H <= 16384; device adapter kernels/norm.py"},
+             "notes": "ROW packs the float32 scale into 4 trailing FP8 bytes (little-endian); dtype_mode AUTO "
+                      "follows the platform target at trace time; Neuron: B <= 2, S <= 32768, H <= 16384; device "
+                      "adapter kernels/norm.py"},
 )
+
 
 rmsnorm_quant_kernel = make_kernel(RMSNORM_QUANT_SPEC, vjp=_vjp)
