@@ -28,8 +28,6 @@ inputs in bfloat16), and ``STATIC`` without cache gives bfloat16 output there; t
 from __future__ import annotations
 
 import jax.numpy as jnp
-import ml_dtypes
-import numpy as np
 
 from ..common_types import NormType, QKVOutputLayout, QuantizationType
 from ..quant.fp8 import fp8_max as format_max
@@ -119,7 +117,7 @@ def quantize_kv(values, scale, kv_dtype, bounds, acc):
 
 def kv_bounds(kv_dtype, fp8_max_value, fp8_min_value):
     """The clamp of the KV quantization: the given bounds, else ``±`` the largest finite value of ``kv_dtype``."""
-    top = float(ml_dtypes.finfo(np.dtype(kv_dtype)).max)
+    top = format_max(kv_dtype)
     high = top if fp8_max_value is None else fp8_max_value
     return (-high if fp8_min_value is None else fp8_min_value), high
 

@@ -1,4 +1,4 @@
-"""FP8 element formats as the NKI kernels use them, emulated exactly with ``ml_dtypes`` types.
+"""FP8 element formats as the NKI kernels use them, emulated exactly with JAX's FP8 types (``ml_dtypes``).
 
 ``float8_e4m3`` is the Trainium2 (non-OCP) E4M3 with largest finite 240; ``float8_e4m3fn`` the OCP E4M3 (448, no
 inf); ``float8_e5m2`` has 57344. Casts round to nearest even; :func:`saturate` clips to the largest finite value
@@ -8,7 +8,6 @@ first, as the kernels' quantisation does (a plain cast would overflow to inf/NaN
 from __future__ import annotations
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from ..framework.spec import FP8_DTYPES  # noqa: F401  (the formats, re-exported for quantization code)
@@ -16,7 +15,7 @@ from ..framework.spec import FP8_DTYPES  # noqa: F401  (the formats, re-exported
 
 def fp8_max(dtype) -> float:
     """Largest finite value of an FP8 format."""
-    return float(ml_dtypes.finfo(np.dtype(dtype)).max)
+    return float(jnp.finfo(np.dtype(dtype)).max)
 
 
 def saturate(x, dtype, bound: float | None = None):
