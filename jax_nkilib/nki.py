@@ -26,9 +26,9 @@ from jax_nkilib._src.rope import RoPE, rope_hf
 
 __all__ = [
     "ActFnType", "attention_bwd", "attention_cte", "attention_kv_parallel_segmented_cte", "attention_mxfp8_tkg",
-    "attention_segmented_cte", "attention_tkg", "DtypeMode", "gen_mask_tkg", "gen_mask_tkg_hbm", "mlp",
-    "MLPGateUpWeightLayout", "NormType", "QKVOutputLayout", "QKVWeightLayout", "QuantizationType", "RoPE",
-    "rope_hf", "swa_fused_cte", "layernorm_tkg", "rmsnorm_quant_kernel", "rmsnorm_tkg", "output_projection_cte",
-    "output_projection_tkg", "qkv", "mlp_backward_mxfp8_nki", "mlp_forward_mxfp8_nki", "rmsnorm_mx_quantize_tkg",
-    "matmul_mxfp8", "matmul_mxfp8_backward", "quantize_block_mxfp8_kernel",
+    "attention_segmented_cte", "attention_tkg", "DtypeMode", "gen_mask_tkg", "gen_mask_tkg_hbm", "layernorm_tkg",
+    "matmul_mxfp8", "matmul_mxfp8_backward", "mlp", "mlp_backward_mxfp8_nki", "mlp_forward_mxfp8_nki",
+    "MLPGateUpWeightLayout", "NormType", "output_projection_cte", "output_projection_tkg", "qkv", "QKVOutputLayout",
+    "QKVWeightLayout", "QuantizationType", "quantize_block_mxfp8_kernel", "rmsnorm_mx_quantize_tkg",
+    "rmsnorm_quant_kernel", "rmsnorm_tkg", "RoPE", "rope_hf", "swa_fused_cte"
 ]

@@ -61,3 +61,9 @@ def test_device_adapters_parse_and_match_their_specs():
                 assert isinstance(defaults[param.name], bool)
             else:
                 assert defaults[param.name] == param.default, (spec.name, param.name)
+
+
+def test_every_bound_kernel_is_exported_by_the_kernel_native_layer():
+    bound = {row.kernel for row in jax_nkilib.support_matrix() if row.status == "bound"}
+    assert bound <= set(jax_nkilib.nki.__all__)
+    assert all(callable(getattr(jax_nkilib.nki, name)) for name in jax_nkilib.nki.__all__)
