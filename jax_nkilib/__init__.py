@@ -11,6 +11,7 @@ from jax_nkilib._src.mlp.ops import mlp
 from jax_nkilib._src.norm.ops import dequantize_fp8, layer_norm, quantize_fp8, rms_norm
 from jax_nkilib._src.projection.ops import output_projection, qkv_projection
 from jax_nkilib._src.quant.ops import dequantize_mx, mxfp8_matmul, quantize_mx
+from jax_nkilib._src.quant.weights import QuantizedWeight, quantize_weight_fp8
 from jax_nkilib._src.rope import rope
 from jax_nkilib._src.tools.explain import Explanation, KernelCallReport, explain, neuron_hlo
 from jax_nkilib._src.tools.support import KernelSupport, support_matrix
@@ -18,8 +19,8 @@ from jax_nkilib._src.tools.support import KernelSupport, support_matrix
 __version__ = "0.1.0"
 
 __all__ = [
-    "Explanation", "KernelCallReport", "KernelSupport", "attention", "config", "current_lnc", "decode_attention",
-    "dequantize_fp8", "explain", "layer_norm", "mlp", "neuron", "neuron_hlo", "nki", "quantize_fp8", "rms_norm",
-    "rope", "support_matrix", "output_projection", "qkv_projection",
-    "dequantize_mx", "mxfp8_matmul", "quantize_mx",
+    "attention", "config", "current_lnc", "decode_attention", "dequantize_fp8", "dequantize_mx", "explain",
+    "Explanation", "KernelCallReport", "KernelSupport", "layer_norm", "mlp", "mxfp8_matmul", "neuron", "neuron_hlo",
+    "nki", "output_projection", "qkv_projection", "quantize_fp8", "quantize_mx", "quantize_weight_fp8",
+    "QuantizedWeight", "rms_norm", "rope", "support_matrix"
 ]

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ..common_types import ActFnType, NormType
+from ..common_types import ActFnType, NormType, QuantizationType
+from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from .kernel import mlp as mlp_kernel
+from .math import TKG_TOKEN_THRESHOLD, is_tkg
 
 ACTIVATIONS = {
     "silu": ActFnType.SiLU, "swish": ActFnType.SiLU,  # jax.nn.swish is SiLU
@@ -28,6 +32,60 @@ def _array(name, value, ndim=None):
     if ndim is not None and value.ndim != ndim:
         raise ValueError(f"{_WHERE}: `{name}` must have rank {ndim}; got shape {tuple(value.shape)}")
     return jnp.asarray(value)
+
+
+def _weight(name, w, ndim=None):
+    """A float weight array or a :class:`QuantizedWeight` (validated); returns it."""
+    if isinstance(w, QuantizedWeight):
+        check_weight(_WHERE, name, w)
+        return w
+    w = _array(name, w, ndim)
+    if jnp.dtype(w.dtype) in (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+        raise TypeError(f"{_WHERE}: `{name}` is a raw FP8 array; pass FP8 weights with their scales as "
+                        "jax_nkilib.quantize_weight_fp8(w, mode=...) (a QuantizedWeight)")
+    return w
+
+
+def _quantization(w_gate, w_up, w_down) -> QuantizationType:
+    """NONE for float weights; ROW or STATIC when all given weights are QuantizedWeights of that mode."""
+    given = {"w_up": w_up, "w_down": w_down, **({} if w_gate is None else {"w_gate": w_gate})}
+    quantized = [name for name, w in given.items() if isinstance(w, QuantizedWeight)]
+    if not quantized:
+        return QuantizationType.NONE
+    modes = {w.mode for w in given.values() if isinstance(w, QuantizedWeight)}
+    if len(quantized) != len(given) or len(modes) != 1:
+        raise ValueError(f"{_WHERE}: quantized weights must be all of {', '.join(given)}, with one mode; got "
+                         + ", ".join(f"{name}: {w.mode if isinstance(w, QuantizedWeight) else 'float'}"
+                                     for name, w in given.items()))
+    (mode,) = modes
+    if mode == "static" and w_gate is not None:
+        _same_input_scale(w_gate.input_scale, w_up.input_scale)
+    return {"row": QuantizationType.ROW, "static": QuantizationType.STATIC}[mode]
+
+
+def _same_input_scale(a, b) -> None:
+    """The kernel has one gate/up input scale: w_gate's and w_up's must agree (checked when concrete)."""
+    if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):  # traced: w_up's is used
+        return
+    if np.asarray(a) != np.asarray(b):
+        raise ValueError(f"{_WHERE}: w_gate and w_up (mode='static') must share one input_scale (the kernel's "
+                         f"gate_up_in_scale); got {float(np.asarray(a))} and {float(np.asarray(b))}")
+
+
+def _data(w):
+    return fp8_data(w) if isinstance(w, QuantizedWeight) else w
+
+
+def _scales(quant, w_gate, w_up, w_down) -> dict:
+    """The kernel's scale operands: ROW ``[128, I]`` (gate, up) / ``[128, H]`` (down) copies of the column scales;
+    STATIC ``[128, 1]`` weight scales and the gate/up (``w_up``'s) and down input scales."""
+    if quant == QuantizationType.NONE:
+        return {}
+    out = {"gate_w_scale": None if w_gate is None else scale_tile(w_gate), "up_w_scale": scale_tile(w_up),
+           "down_w_scale": scale_tile(w_down)}
+    if quant == QuantizationType.STATIC:
+        out.update(gate_up_in_scale=input_scale_tile(w_up), down_in_scale=input_scale_tile(w_down))
+    return out
 
 
 def _vector(name, value, size, what):
@@ -65,6 +123,15 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
     the gate / up projections before the activation (either may be ``None``). Returns ``out`` with ``x``'s shape
     (dtype ``output_dtype``, default ``x``'s), and ``(out, x + residual)`` when ``return_residual``.
 
+    Quantized weights: ``w_gate``, ``w_up`` and ``w_down`` may instead all be ``jax_nkilib.QuantizedWeight`` of one
+    mode (from ``jax_nkilib.quantize_weight_fp8``; ``W ~= data * scale``), the kernel's FP8 ROW / STATIC
+    quantization: each projection is ``(a data) * scale * a_scale``. The TKG path (<= 96 tokens) keeps the activations
+    ``a`` in the compute dtype (``a_scale = 1``); the CTE path quantizes the gate/up input and the intermediate to
+    the consuming weight's FP8 format (ROW: per token, ``a_scale = max(absmax / 240, 1e-6)``; STATIC: ``fp8(clip(a /
+    input_scale, +-240))``, ``a_scale = input_scale``, ``w_up``'s for gate and up, which must equal ``w_gate``'s).
+    Not with ``down_bias`` on the CTE path (the kernel has none there). Quantized weights get no gradient; ``x`` and
+    the other float arguments get the kernel's VJP (activation quantization passed straight through).
+
     Differentiable in every array argument. It is one ``jax_nkilib.nki.mlp`` call on ``x`` reshaped to
     ``[batch, seq, hidden]``, so it follows that kernel's numerics: calls with more than 96 tokens take the CTE path,
     which computes float32 inputs in bfloat16 (on CPU as on Neuron).
@@ -73,17 +140,17 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
     if x.ndim < 1:
         raise ValueError(f"{_WHERE}: `x` must have layout [..., hidden]; got a scalar")
     hidden = x.shape[-1]
-    w_up = _array("w_up", w_up, 2)
-    inter = w_up.shape[1]
-    if w_up.shape[0] != hidden:
+    hidden_in, inter = _weight("w_up", w_up, 2).shape
+    if hidden_in != hidden:
         raise ValueError(f"{_WHERE}: `w_up` must have layout [hidden, inter] with hidden={hidden}; got "
                          f"{tuple(w_up.shape)}")
-    if w_gate is not None and _array("w_gate", w_gate, 2).shape != w_up.shape:
-        raise ValueError(f"{_WHERE}: `w_gate` must have layout [hidden, inter] = {tuple(w_up.shape)}; got "
+    if w_gate is not None and _weight("w_gate", w_gate, 2).shape != (hidden, inter):
+        raise ValueError(f"{_WHERE}: `w_gate` must have layout [hidden, inter] = {(hidden, inter)}; got "
                          f"{tuple(w_gate.shape)}")
-    if _array("w_down", w_down, 2).shape != (inter, hidden):
+    if _weight("w_down", w_down, 2).shape != (inter, hidden):
         raise ValueError(f"{_WHERE}: `w_down` must have layout [inter, hidden] = ({inter}, {hidden}); got "
                          f"{tuple(w_down.shape)}")
+    quant = _quantization(w_gate, w_up, w_down)
     if activation not in ACTIVATIONS:
         raise ValueError(f"{_WHERE}: `activation` must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
     if norm not in NORMS:
@@ -107,22 +174,28 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
 
     lead = x.shape[:-1]
     shape3 = (math.prod(lead[:-1]), lead[-1], hidden) if lead else (1, 1, hidden)
+    tokens = math.prod(shape3[:2])
+    if quant != QuantizationType.NONE and not is_tkg(tokens, False) and down_bias is not None:
+        raise ValueError(f"{_WHERE}: `down_bias` with quantized weights needs the TKG path (<= {TKG_TOKEN_THRESHOLD} "
+                         f"tokens): the kernel's CTE path has no FP8 down-projection bias; got {tokens} tokens")
     operands = {
         "hidden_tensor": x.reshape(shape3),
-        "gate_proj_weights_tensor": w_up if w_gate is None else w_gate,  # unread with skip_gate_proj
-        "up_proj_weights_tensor": w_up,
-        "down_proj_weights_tensor": w_down,
+        "gate_proj_weights_tensor": _data(w_up if w_gate is None else w_gate),  # unread with skip_gate_proj
+        "up_proj_weights_tensor": _data(w_up),
+        "down_proj_weights_tensor": _data(w_down),
         "normalization_weights_tensor": gamma,
         "gate_proj_bias_tensor": None if w_gate is None else _vector("gate_bias", gate_bias, inter, "inter"),
         "up_proj_bias_tensor": _vector("up_bias", up_bias, inter, "inter"),
         "down_proj_bias_tensor": _vector("down_bias", down_bias, hidden, "hidden"),
         "normalization_bias_tensor": _vector("norm_bias", norm_bias, hidden, "hidden"),
         "fused_add_tensor": None if residual is None else jnp.asarray(residual).reshape(shape3),
+        **_scales(quant, w_gate, w_up, w_down),
     }
     params = mlp_kernel.params(
         store_fused_add_result=return_residual, activation_fn=ACTIVATIONS[activation], normalization_type=norm_type,
         output_dtype=output_dtype, eps=eps, skip_gate_proj=w_gate is None, gate_clamp_upper_limit=gate_high,
-        gate_clamp_lower_limit=gate_low, up_clamp_upper_limit=up_high, up_clamp_lower_limit=up_low)
+        gate_clamp_lower_limit=gate_low, up_clamp_upper_limit=up_high, up_clamp_lower_limit=up_low,
+        quantization_type=quant)
     outs = mlp_kernel.call(operands, params)
     outs = tuple(out.reshape(x.shape) for out in outs)
     return outs if return_residual else outs[0]

@@ -17,7 +17,7 @@ from jax import lax
 
 from ..framework.spec import FP8_DTYPES as _OCP_FP8
 from ..quant import mx
-from ..quant.fp8 import fp8_max, saturate
+from ..quant.fp8 import fake_quantize, fp8_max
 
 FP8_WEIGHT_DTYPES = (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn))  # the kernels' FP8 weight formats
 FP8_DTYPES = tuple(dict.fromkeys(FP8_WEIGHT_DTYPES + _OCP_FP8))
@@ -43,8 +43,9 @@ def first_element(scale, acc):
 
 
 def quantize(x, fp8_dtype, bound: float | None = None):
-    """``clip(x, -bound, bound)`` cast to ``fp8_dtype`` (default bound: the format's largest finite value)."""
-    return saturate(x, fp8_dtype, fp8_max(fp8_dtype) if bound is None else bound)
+    """``clip(x, -bound, bound)`` rounded to ``fp8_dtype`` (default bound: the format's largest finite value), kept
+    in ``x``'s dtype, with a straight-through gradient (the kernels' activation quantization)."""
+    return fake_quantize(x, fp8_dtype, fp8_max(fp8_dtype) if bound is None else bound)
 
 
 def contract(subscripts: str, x, w, acc):

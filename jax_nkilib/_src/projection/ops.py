@@ -6,7 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..common_types import NormType
+from ..common_types import NormType, QuantizationType
+from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from .output_cte import output_projection_cte
 from .output_tkg import output_projection_tkg
 from .qkv import call_qkv, qkv_params
@@ -37,33 +38,63 @@ def _row(where: str, name: str, value, size: int, dtype):
     return value.reshape(1, size).astype(dtype)
 
 
+def _weight(where: str, w, layout: str):
+    """A float weight ``[in, out]`` or a validated :class:`QuantizedWeight`; raw FP8 arrays are refused."""
+    if isinstance(w, QuantizedWeight):
+        check_weight(where, "w", w)
+        return w
+    w = _array(where, "w", w, layout, 2)
+    if w.dtype.itemsize == 1:
+        raise TypeError(f"{where}: `w` is a raw FP8 array; pass FP8 weights with their scales as "
+                        "jax_nkilib.quantize_weight_fp8(w, mode=...) (a QuantizedWeight)")
+    return w
+
+
+def _quantization(where: str, w, tkg: bool, path: str) -> QuantizationType:
+    """The kernel's quantization type for ``w``: ROW needs the TKG path (``path`` names the dispatch rule)."""
+    if not isinstance(w, QuantizedWeight):
+        return QuantizationType.NONE
+    if w.mode == "row" and not tkg:
+        raise ValueError(f"{where}: mode='row' weights run only on the kernel's TKG path ({path}); this call takes "
+                         "the CTE path, which supports mode='static' only")
+    return QuantizationType.ROW if w.mode == "row" else QuantizationType.STATIC
+
+
 # ------------------------------------------------------------------------------------------- output projection
 def output_projection(attn, w, bias=None):
     """``attn [batch, seq, heads, head_dim] · w [heads * head_dim, hidden] (+ bias [hidden])`` -> ``[batch, seq,
     hidden]``, in ``attn``'s dtype (``w`` and ``bias`` are cast to it; accumulation in float32).
 
     Row ``h * head_dim + d`` of ``w`` multiplies head ``h``, component ``d``. Differentiable in ``attn``, ``w`` and
-    ``bias``. On Neuron it is ``output_projection_tkg`` when ``seq <= 96`` and ``batch * seq <= 128`` (the decode
-    threshold ``qkv`` uses), else ``output_projection_cte``; the attention reaches the kernel's layout by one
-    transpose in the Neuron lowering (none on CPU/GPU).
+    ``bias``. ``w`` may be a ``jax_nkilib.QuantizedWeight`` (``W ~= data * scale``, see
+    ``jax_nkilib.quantize_weight_fp8``; no gradient): ``mode="static"`` (both paths) quantizes the attention as
+    ``fp8(clip(attn / input_scale, +-bound))`` and computes ``(q @ data) * (scale * input_scale)``; ``mode="row"``
+    (TKG path only, else ``ValueError``) computes ``(attn @ data) * scale[col]`` with unquantized attention.
+    On Neuron it is ``output_projection_tkg`` when ``seq <= 96`` and ``batch * seq <= 128`` (the decode threshold
+    ``qkv`` uses), else ``output_projection_cte``; the attention reaches the kernel's layout by one transpose in the
+    Neuron lowering (none on CPU/GPU).
     """
     where = "jax_nkilib.output_projection"
     attn = _array(where, "attn", attn, "[batch, seq, heads, head_dim]", 4)
     batch, seq, heads, d = attn.shape
-    w = _array(where, "w", w, "[heads * head_dim, hidden]", 2)
+    w = _weight(where, w, "[heads * head_dim, hidden]")
     if w.shape[0] != heads * d:
         raise ValueError(f"{where}: `w` must be [heads * head_dim, hidden] = [{heads * d}, hidden] for attn "
                          f"{tuple(attn.shape)}; got {tuple(w.shape)}")
     hidden = w.shape[1]
-    operands = {"attention": attn, "weight": w.astype(attn.dtype), "bias": _row(where, "bias", bias, hidden,
-                                                                                   attn.dtype)}
-    if uses_tkg(batch, seq, False):
+    tkg = uses_tkg(batch, seq, False)
+    quant = _quantization(where, w, tkg, "seq <= 96 and batch * seq <= 128")
+    weight = fp8_data(w) if quant != QuantizationType.NONE else w.astype(attn.dtype)
+    w_scale = None if quant == QuantizationType.NONE else scale_tile(w)
+    in_scale = input_scale_tile(w) if quant == QuantizationType.STATIC else None
+    operands = {"attention": attn, "weight": weight, "bias": _row(where, "bias", bias, hidden, attn.dtype)}
+    if tkg:
         kernel = output_projection_tkg
-        operands.update(weight_scale=None, input_scale=None)
+        operands.update(weight_scale=w_scale, input_scale=in_scale)
     else:
         kernel = output_projection_cte
-        operands.update(input_scales=None, weight_scales=None)
-    (out,) = kernel.call(operands, kernel.params(), view=_ATTENTION_VIEW)
+        operands.update(input_scales=in_scale, weight_scales=w_scale)
+    (out,) = kernel.call(operands, kernel.params(quantization_type=quant), view=_ATTENTION_VIEW)
     return out.reshape(batch, seq, hidden)
 
 
@@ -128,15 +159,19 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
 
     Returns ``(q [batch, seq, num_q_heads, head_dim], k, v [batch, seq, num_kv_heads, head_dim])`` in ``x``'s dtype,
     or with ``kv_cache`` ``(q, k_cache, v_cache)`` (a functional update; the caches carry no gradient). ``w``,
-    ``bias``, ``norm_weight``, ``norm_bias`` and the RoPE tables are cast to ``x``'s dtype. Differentiable in ``x``,
-    ``w``, ``bias``, the norm parameters and the tables. On Neuron this is the NKI ``qkv`` kernel (its CTE path for
-    ``seq > 96``, ``batch * seq > 128`` or RoPE, with the fused cache write; else its TKG path, the cache then
-    written by XLA) with the kernel's precision: float32 inputs compute in bfloat16 on the CTE path.
+    ``bias``, ``norm_weight``, ``norm_bias`` and the RoPE tables are cast to ``x``'s dtype. ``w`` may be a
+    ``jax_nkilib.QuantizedWeight`` (``W ~= data * scale``, see ``jax_nkilib.quantize_weight_fp8``; no gradient):
+    ``mode="static"`` (both paths) computes ``fp8(clip(x' / input_scale, +-max)) @ data * (scale * input_scale)``
+    (``x'`` the normed input, ``max`` the data format's largest value); ``mode="row"`` (TKG path only, else
+    ``ValueError``: the CTE kernel applies no row scales) computes ``(x' @ data) * scale[col]``. Differentiable in
+    ``x``, ``w``, ``bias``, the norm parameters and the tables. On Neuron this is the NKI ``qkv`` kernel (its CTE
+    path for ``seq > 96``, ``batch * seq > 128`` or RoPE, with the fused cache write; else its TKG path, the cache
+    then written by XLA) with the kernel's precision: float32 inputs compute in bfloat16 on the CTE path.
     """
     where = "jax_nkilib.qkv_projection"
     x = _array(where, "x", x, "[batch, seq, hidden]", 3)
     batch, seq, hidden = x.shape
-    w = _array(where, "w", w, "[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]", 2)
+    w = _weight(where, w, "[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]")
     if not (isinstance(num_q_heads, int) and isinstance(num_kv_heads, int) and num_q_heads > 0 and num_kv_heads > 0):
         raise ValueError(f"{where}: num_q_heads and num_kv_heads must be positive ints; got {num_q_heads}, "
                          f"{num_kv_heads}")
@@ -158,11 +193,18 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
         norm_type = NormType.RMS_NORM_SKIP_GAMMA
     if norm == "layer" and gamma is None:
         gamma = jnp.ones((1, hidden), x.dtype)
-    operands = {"input": x, "fused_qkv_weights": w.astype(x.dtype), "bias": _row(where, "bias", bias, w.shape[1],
-                                                                                  x.dtype),
+    quant = _quantization(where, w, uses_tkg(batch, seq, rope is not None), "seq <= 96, batch * seq <= 128, no rope")
+    operands = {"input": x, "bias": _row(where, "bias", bias, w.shape[1], x.dtype),
                 "gamma_norm_weights": gamma, "layer_norm_bias": beta}
+    if quant == QuantizationType.NONE:
+        operands["fused_qkv_weights"] = w.astype(x.dtype)
+    else:  # FP8: STATIC takes one weight scale per Q/K/V segment (all equal here), ROW one per column
+        tile = scale_tile(w)
+        operands.update(fused_qkv_weights=fp8_data(w),
+                        qkv_w_scale=jnp.broadcast_to(tile, (128, 3)) if quant == QuantizationType.STATIC else tile,
+                        qkv_in_scale=input_scale_tile(w) if quant == QuantizationType.STATIC else None)
     flags = dict(fused_norm_type=norm_type, norm_eps=float(eps), d_head=d, num_q_heads=num_q_heads,
-                 num_kv_heads=num_kv_heads)
+                 num_kv_heads=num_kv_heads, quantization_type=quant)
     if rope is not None:
         if not (isinstance(rope, (tuple, list)) and len(rope) == 2):
             raise TypeError(f"{where}: `rope` must be (cos, sin), each [batch, seq, head_dim]")
@@ -177,6 +219,7 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
         if cache_positions is not None or kv_scale is not None:
             raise ValueError(f"{where}: cache_positions and kv_scale need kv_cache")
         (out,) = call_qkv(operands, qkv_params(**flags))
+        out = out.astype(x.dtype)  # STATIC on the CTE path returns bfloat16
         q, k, v = out[..., :q_dim], out[..., q_dim:q_dim + kv_dim], out[..., q_dim + kv_dim:]
         return (q.reshape(batch, seq, num_q_heads, d), k.reshape(batch, seq, num_kv_heads, d),
                 v.reshape(batch, seq, num_kv_heads, d))
@@ -190,6 +233,7 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
     if not uses_tkg(batch, seq, rope is not None):
         operands.update(k_cache=flat[0], v_cache=flat[1], k_scale=k_scale, v_scale=v_scale, slot_mapping=slots)
         q, k_new, v_new = call_qkv(operands, qkv_params(**flags, **cache_flags))
+        q = q.astype(x.dtype)
     else:  # the TKG path ignores caches: the same write, by XLA
         (out,) = call_qkv(operands, qkv_params(**flags))
         q = out[..., :q_dim]

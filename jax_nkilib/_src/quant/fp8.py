@@ -7,6 +7,9 @@ first, as the kernels' quantisation does (a plain cast would overflow to inf/NaN
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -42,3 +45,22 @@ def scale_from_bytes(data):
     from jax import lax
 
     return lax.bitcast_convert_type(data, jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def fake_quantize(x, dtype, bound: float | None = None):
+    """:func:`saturate` returned in ``x``'s dtype (FP8 values are exact in bfloat16, float16 and float32), with a
+    straight-through gradient: the cotangent passes unchanged (no FP8 rounding of the gradient)."""
+    return saturate(x, dtype, bound).astype(x.dtype)
+
+
+def _fake_quantize_fwd(x, dtype, bound):
+    return fake_quantize(x, dtype, bound), None
+
+
+def _fake_quantize_bwd(dtype, bound, _, cotangent):
+    del dtype, bound
+    return (cotangent,)
+
+
+fake_quantize.defvjp(_fake_quantize_fwd, _fake_quantize_bwd)
