@@ -27,20 +27,17 @@ import jax
 import jax.numpy as jnp
 
 from .framework.primitive import make_kernel
-from .framework.spec import FOLLOW_LNC, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from .framework.spec import FOLLOW_LNC, CallInfo, accumulation_dtype, FoldPlan, KernelSpec, Operand, Output, Param
 
 ROPE_SBUF_BYTES = 73728 * 2  # the kernel's documented SBUF cap: B * n_heads * S <= 73728 elements of bf16
 ROPE_HEAD_SIZES = (64, 128)
 ROPE_HF_SEQ_TILE = 128
 
 
-def _compute_dtype(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
-
 
 def _rotate_pairs(a, b, cos_a, sin_a, cos_b, sin_b, out_dtype, transpose=False):
     """``(a*cos_a - b*sin_a, b*cos_b + a*sin_b)`` (or its transpose), rounding each product and sum to out_dtype."""
-    compute = _compute_dtype(out_dtype)
+    compute = accumulation_dtype(out_dtype)
     a, b = a.astype(compute), b.astype(compute)
     cos_a, sin_a, cos_b, sin_b = (t.astype(compute) for t in (cos_a, sin_a, cos_b, sin_b))
 

@@ -24,14 +24,12 @@ import numpy as np
 from jax import lax
 
 from ..framework.compat import varying_like
+from ..framework.spec import accumulation_dtype
 from .masks import MaskRule
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 
-
-def _accumulation_dtype(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _pad_to(x, axis: int, block: int):
@@ -74,7 +72,7 @@ def _put(x, update, index, block: int, axis: int):
 def attention_forward(q, k, v, rule: MaskRule, scale: float, sink=None, *, block_q=None, block_k=None):
     """Returns ``(o, row_max, row_sum)``: ``o [H_kv, G, Sq, d]`` in the accumulation dtype, statistics
     ``[H_kv, G, Sq]`` over the allowed keys and the sinks (``row_max`` is ``-inf`` for empty rows)."""
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     bq, bk = _block_sizes(rule, block_q, block_k)
     n_kv, groups, seq_q, d = q.shape
     q, k, v = _pad_to(q, 2, bq), _pad_to(k, 1, bk), _pad_to(v, 1, bk)
@@ -125,7 +123,7 @@ def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=N
                        block_k=None):
     """Gradients ``(dq, dk, dv, dsink)`` in the accumulation dtype from the forward output ``o`` and its row
     log-sum-exp ``lse [H_kv, G, Sq]`` (FlashAttention-2: ``D = rowsum(dy * o)``, ``dS = P * (dP - D)``)."""
-    acc = _accumulation_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     bq, bk = _block_sizes(rule, block_q, block_k)
     seq_q, seq_k = q.shape[2], k.shape[1]
     delta = jnp.sum(dy.astype(acc) * o.astype(acc), axis=-1)

@@ -26,6 +26,11 @@ INT_DTYPES = (jnp.dtype(jnp.int32),)
 # FP8 caches and weights: Trainium2's E4M3 (max 240), the OCP E4M3 (448) and E5M2
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
+def accumulation_dtype(dtype) -> np.dtype:
+    """The kernels' accumulation/statistics dtype for ``dtype`` inputs: float32, or float64 for float64 inputs."""
+    return np.dtype(jnp.promote_types(dtype, jnp.float32))
+
+
 # Layout cases selected by a static param: ("tp_q", ((True, (Layout, ...)), (False, (Layout, ...)))), or by several:
 # (("k_pre_transposed", "fp8_packed"), (((False, False), (Layout, ...)), ...))
 LayoutSwitch = tuple

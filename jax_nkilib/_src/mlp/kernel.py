@@ -75,10 +75,10 @@ import numpy as np
 from ..common_types import ActFnType, NormType, QuantizationType
 from ..framework.primitive import Kernel
 from ..quant import mx
+from ..quant.fp8 import FP8_WEIGHT_DTYPES
 from ..framework.spec import FLOAT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from .math import MX_TILE, STATIC_MX_TILE, STATIC_TYPES, is_tkg, mlp_forward
 
-WEIGHT_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn))
 UNBOUND_MX_TYPES = (QuantizationType.ROW_MX,)
 MX_WORD_DTYPES = (jnp.dtype(jnp.uint32), jnp.dtype(jnp.int32), jnp.dtype(jnp.uint16))
 MX_WEIGHT_DTYPES = tuple(mx.X4_WORD_DTYPES)
@@ -178,7 +178,7 @@ def _check_quantization(call: CallInfo) -> None:
         raise TypeError(f"{function}: uint8 scales ({', '.join(uint8)}) are MX scales; quantization_type="
                         f"{quant.name} takes float32 scales")
     if quant == QuantizationType.NONE:
-        fp8 = [name for name in weights if np.dtype(avals[name].dtype) in WEIGHT_FP8_DTYPES]
+        fp8 = [name for name in weights if np.dtype(avals[name].dtype) in FP8_WEIGHT_DTYPES]
         if fp8:
             raise TypeError(f"{function}: FP8 weights ({', '.join(fp8)}) need quantization_type=ROW, STATIC or "
                             "STATIC_MX and their dequantization scales")
@@ -188,7 +188,7 @@ def _check_quantization(call: CallInfo) -> None:
                              "STATIC_MX")
         return
     wrong = [f"{name} ({avals[name].dtype})" for name in weights
-             if np.dtype(avals[name].dtype) not in WEIGHT_FP8_DTYPES]
+             if np.dtype(avals[name].dtype) not in FP8_WEIGHT_DTYPES]
     if wrong:
         raise TypeError(f"{function}: quantization_type={quant.name} needs float8_e4m3 or float8_e4m3fn weights; got "
                         f"{', '.join(wrong)}")
@@ -291,7 +291,7 @@ def _mac_count(call: CallInfo) -> int:
 
 
 MX_HIDDEN_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-_WEIGHT_DTYPES = FLOAT_DTYPES + WEIGHT_FP8_DTYPES + MX_WORD_DTYPES
+_WEIGHT_DTYPES = FLOAT_DTYPES + FP8_WEIGHT_DTYPES + MX_WORD_DTYPES
 _F32 = (jnp.float32,)
 _SCALE_DTYPES = (jnp.float32, jnp.uint8)
 _MX_GATE_UP = "128, H/512, I"  # x4 words; lane j of [p, t, i] is W[j H/4 + 128 t + p, i]

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 
 from ..common_types import DtypeMode, NormType, QuantizationType
 from ..framework.primitive import make_kernel
-from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import CallInfo, FoldPlan, accumulation_dtype, KernelSpec, Operand, Output, Param
 from ..quant.fp8 import fp8_max, saturate, scale_to_bytes
 from ..framework.dynamic_outputs import parse_layout as output_layout
 from ..neuron.compilers import DEFAULT_PLATFORM_TARGET, PLATFORM_TARGET_ENV_VAR
@@ -82,18 +82,15 @@ def compute_dtype(dtype):
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.bfloat16)
 
 
-def _wide(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
-
 
 def _tile(x, tile_dtype):
     """``x`` rounded to the tile dtype, returned in float32 (float64 in exact mode) for the next operation."""
-    return x.astype(tile_dtype).astype(_wide(tile_dtype))
+    return x.astype(tile_dtype).astype(accumulation_dtype(tile_dtype))
 
 
 def rms_normalize_tile(t, gamma, eps: float, tile_dtype):
     """``bf(t * rsqrt(sum(t^2) * (1/H) + bf(eps)) * gamma)`` over the last axis (``t`` already on the tile)."""
-    wide = _wide(tile_dtype)
+    wide = accumulation_dtype(tile_dtype)
     h = t.shape[-1]
     eps_tile = jnp.asarray(eps, tile_dtype).astype(wide)
     mean_sq = jnp.sum(t * t, axis=-1, keepdims=True) * jnp.asarray(1.0 / h, wide)
@@ -192,7 +189,7 @@ def _vjp(kernel, operands, params, outs, cotangents):
 
     def residual_out(*values):
         named = dict(operands, **dict(zip(names, values)))
-        wide = _wide(operands["hidden"].dtype)
+        wide = accumulation_dtype(operands["hidden"].dtype)
         return residual_tile(named["hidden"], named["residual"], named["pre_norm_gamma"], params["eps"], wide)
 
     _, pullback = jax.vjp(residual_out, *(operands[name] for name in names))

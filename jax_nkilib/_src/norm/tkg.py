@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel
-from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import CallInfo, FoldPlan, accumulation_dtype, KernelSpec, Operand, Output, Param
 from ..framework.dynamic_outputs import parse_layout as output_layout
 
 P_MAX = 128
@@ -88,9 +88,6 @@ def from_kernel_order(out, n: int, hidden_dim_tp: bool = False):
     return rows_from_tiles(jnp.swapaxes(out, 0, 1), n, hidden_dim_tp)
 
 
-def _wide(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
-
 
 def _rows(x):
     return x.reshape(-1, x.shape[-1])
@@ -103,7 +100,7 @@ def rms_statistics(x, hidden_actual: int, eps: float):
 
 
 def _rmsnorm_rows(x, gamma, eps, hidden_actual):
-    wide = _wide(x.dtype)
+    wide = accumulation_dtype(x.dtype)
     xw = _rows(x).astype(wide)
     return ((xw * gamma.reshape(1, -1).astype(wide)) * rms_statistics(xw, hidden_actual, eps)).astype(x.dtype)
 
@@ -131,7 +128,7 @@ def layer_statistics(x, eps: float):
 
 def layernorm_rows(x, gamma, beta, eps: float):
     """LayerNorm of ``x [..., H]`` over the last axis, each step rounded to ``x``'s dtype (the kernel's math)."""
-    wide = _wide(x.dtype)
+    wide = accumulation_dtype(x.dtype)
 
     def rounded(v):
         return v.astype(x.dtype).astype(wide)
@@ -156,7 +153,7 @@ def reference_layernorm_tkg(input, gamma, beta=None, *, eps=1e-6, shard_on_h=Fal
 # ------------------------------------------------------------------------------------------------------ VJPs
 def _cotangent_rows(kernel, params, g, n, hidden_dim_tp=False):
     (g,) = kernel.to_kernel_layout({"out": g}, params).values()
-    return from_kernel_order(g, n, hidden_dim_tp).astype(_wide(g.dtype))
+    return from_kernel_order(g, n, hidden_dim_tp).astype(accumulation_dtype(g.dtype))
 
 
 def _rmsnorm_tkg_vjp(kernel, operands, params, outs, cotangents):
@@ -166,7 +163,7 @@ def _rmsnorm_tkg_vjp(kernel, operands, params, outs, cotangents):
     x, gamma = ops["input"], ops["gamma"]
     n = params["lnc"] if not (params["hidden_dim_tp"] or params["single_core_forced"]) else 1
     dy = _cotangent_rows(kernel, params, cotangents[0], n, params["hidden_dim_tp"])
-    wide = _wide(x.dtype)
+    wide = accumulation_dtype(x.dtype)
     xw, gw = _rows(x).astype(wide), gamma.reshape(1, -1).astype(wide)
     hidden_actual = params["hidden_actual"] or x.shape[-1]
     r = rms_statistics(xw, hidden_actual, params["eps"])
@@ -183,7 +180,7 @@ def _layernorm_tkg_vjp(kernel, operands, params, outs, cotangents):
     ops = kernel.to_kernel_layout(operands, params)
     x, gamma, beta = ops["input"], ops["gamma"], ops["beta"]
     dy = _cotangent_rows(kernel, params, cotangents[0], params["lnc"])
-    wide = _wide(x.dtype)
+    wide = accumulation_dtype(x.dtype)
     xw = _rows(x).astype(wide)
     mean, r = layer_statistics(xw, params["eps"])
     xhat = (xw - mean) * r

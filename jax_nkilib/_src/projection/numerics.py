@@ -15,21 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..framework.spec import FP8_DTYPES as _OCP_FP8
+from ..framework.spec import FP8_DTYPES
 from ..quant import mx
 from ..quant.fp8 import fake_quantize, fp8_max
 
-FP8_WEIGHT_DTYPES = (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn))  # the kernels' FP8 weight formats
-FP8_DTYPES = tuple(dict.fromkeys(FP8_WEIGHT_DTYPES + _OCP_FP8))
 
 
 def is_fp8(dtype) -> bool:
     return np.dtype(dtype) in FP8_DTYPES
-
-
-def accumulation_dtype(dtype):
-    """float32, or float64 for float64 inputs."""
-    return jnp.dtype(jnp.float64 if np.dtype(dtype) == np.float64 else jnp.float32)
 
 
 def rounded(x, dtype, acc):

@@ -26,7 +26,8 @@ from ..common_types import QuantizationType
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, Operand, Output, Param
 from ..framework.dynamic_outputs import SelectedOutputsSpec
-from .numerics import FP8_WEIGHT_DTYPES, differentiable_vjp
+from ..quant.fp8 import FP8_WEIGHT_DTYPES
+from .numerics import differentiable_vjp
 from .output_math import MX_WORDS, check_formats, project, project_mx, require_scales
 
 CTE_FP8 = jnp.dtype(jnp.float8_e4m3)  # the kernel quantizes the attention to float8_e4m3 ...

@@ -15,9 +15,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..common_types import QuantizationType
-from ..framework.spec import CallInfo
+from ..framework.spec import CallInfo, accumulation_dtype
 from ..quant import mx
-from .numerics import (FP8_WEIGHT_DTYPES, accumulation_dtype, contract, first_element, mx_activation, mx_weight,
+from ..quant.fp8 import FP8_WEIGHT_DTYPES
+from .numerics import (contract, first_element, mx_activation, mx_weight,
                        quantize, rounded)
 
 MX_WORDS = jnp.dtype(jnp.uint16)  # float4_e2m1fn_x4 weight words

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from ..common_types import QuantizationType
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, Operand, Param
-from ..quant.fp8 import fp8_max
+from ..quant.fp8 import FP8_WEIGHT_DTYPES, fp8_max
 from ..framework.dynamic_outputs import ParamLayoutOutput, SelectedOutputsSpec
-from .numerics import FP8_WEIGHT_DTYPES, differentiable_vjp
+from .numerics import differentiable_vjp
 from .output_math import check_formats, project, require_scales
 
 _KERNEL_LETTERS = "dbns"  # attention's kernel layout [D, B, N, S]

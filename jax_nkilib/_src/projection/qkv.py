@@ -42,10 +42,11 @@ import jax.numpy as jnp
 
 from ..common_types import NormType, QKVOutputLayout, QKVWeightLayout, QuantizationType
 from ..framework.primitive import make_kernel
-from ..framework.spec import FLOAT_DTYPES, INT_DTYPES, CallInfo, FoldPlan, Operand, Output, Param
+from ..framework.spec import FLOAT_DTYPES, FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, Operand, Output, Param
 from ..framework.validation import normalize_params, split_arguments
 from ..framework.dynamic_outputs import ParamLayoutOutput, SelectedOutputsSpec
-from .numerics import FP8_DTYPES, FP8_WEIGHT_DTYPES, differentiable_vjp
+from ..quant.fp8 import FP8_WEIGHT_DTYPES
+from .numerics import differentiable_vjp
 from .output_math import NOT_BOUND_FORMATS
 from .qkv_math import TKG_MAX_SEQ, TKG_MAX_TOKENS, head_dim, reference_qkv, uses_tkg
 

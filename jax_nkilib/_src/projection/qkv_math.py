@@ -32,8 +32,9 @@ import jax.numpy as jnp
 from ..common_types import NormType, QKVOutputLayout, QuantizationType
 from ..quant.fp8 import fp8_max as format_max
 from ..norm.fused import fused_norm
+from ..framework.spec import accumulation_dtype
 from ..quant import mx
-from .numerics import accumulation_dtype, contract, first_element, mx_activation, mx_weight, quantize, rounded
+from .numerics import contract, first_element, mx_activation, mx_weight, quantize, rounded
 
 TKG_MAX_SEQ = 96  # qkv runs qkv_tkg when S <= 96, B * S <= 128 and there is no fused RoPE, else qkv_cte
 TKG_MAX_TOKENS = 128

@@ -15,6 +15,9 @@ import numpy as np
 
 from ..framework.spec import FP8_DTYPES  # noqa: F401  (the formats, re-exported for quantization code)
 
+# the formats the kernels read FP8 weights in
+FP8_WEIGHT_DTYPES = (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn))
+
 
 def fp8_max(dtype) -> float:
     """Largest finite value of an FP8 format."""

@@ -32,10 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .fp8 import fp8_max, saturate
+from .fp8 import FP8_WEIGHT_DTYPES, fp8_max, saturate
 
 MODES = ("row", "static")
-WEIGHT_DTYPES = (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn))  # the FP8 weight formats the kernels read
 
 
 @jax.tree_util.register_pytree_node_class
@@ -84,10 +83,10 @@ def quantize_weight_fp8(w, mode: str = "row", dtype=jnp.float8_e4m3, *, input_sc
     where = "jax_nkilib.quantize_weight_fp8"
     if mode not in MODES:
         raise ValueError(f"{where}: `mode` must be 'row' or 'static'; got {mode!r}")
-    if np.dtype(dtype) not in WEIGHT_DTYPES:
+    if np.dtype(dtype) not in FP8_WEIGHT_DTYPES:
         raise TypeError(f"{where}: `dtype` must be float8_e4m3 or float8_e4m3fn; got {np.dtype(dtype)}")
     if not (hasattr(w, "shape") and hasattr(w, "dtype")) or not jnp.issubdtype(w.dtype, jnp.floating) or \
-            jnp.dtype(w.dtype) in WEIGHT_DTYPES or w.ndim != 2:
+            jnp.dtype(w.dtype) in FP8_WEIGHT_DTYPES or w.ndim != 2:
         got = f"{w.dtype} {tuple(w.shape)}" if hasattr(w, "shape") else type(w).__name__
         raise TypeError(f"{where}: `w` must be a float (not FP8) array [in, out]; got {got}")
     if mode == "row" and input_scale is not None:
@@ -111,7 +110,7 @@ def check_weight(where: str, name: str, w: QuantizedWeight, shape: tuple[int, in
     if w.mode not in MODES:
         raise ValueError(f"{where}: `{name}`.mode must be 'row' or 'static'; got {w.mode!r}")
     data = w.data
-    if not hasattr(data, "dtype") or jnp.dtype(data.dtype) not in WEIGHT_DTYPES or data.ndim != 2:
+    if not hasattr(data, "dtype") or jnp.dtype(data.dtype) not in FP8_WEIGHT_DTYPES or data.ndim != 2:
         got = f"{data.dtype} {tuple(data.shape)}" if hasattr(data, "dtype") else type(data).__name__
         raise TypeError(f"{where}: `{name}`.data must be float8_e4m3 or float8_e4m3fn [in, out]; got {got}")
     if shape is not None and tuple(data.shape) != tuple(shape):
