@@ -26,6 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from .parallel import auto
 from .framework.primitive import make_kernel
 from .framework.spec import FOLLOW_LNC, CallInfo, accumulation_dtype, FoldPlan, KernelSpec, Operand, Output, Param
 
@@ -286,6 +287,10 @@ def _rope_argument_errors(x, cos, sin) -> None:
                              f"leading axes {lead} of `x`")
 
 
+ROPE_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.rope", free={**auto.LEADING, "s": "sequence", "n": "heads"}))
+
+
 def rope(x, cos, sin, *, interleaved: bool = False):
     """Apply rotary position embeddings to ``x [..., seq, heads, head_dim]``.
 
@@ -301,6 +306,12 @@ def rope(x, cos, sin, *, interleaved: bool = False):
     """
     _rope_argument_errors(x, cos, sin)
     x, cos, sin = jnp.asarray(x), jnp.asarray(cos), jnp.asarray(sin)
+    lead_dims = auto.leading(x.ndim - 3)
+    table_dims = ("_" if cos.shape[0] == 1 else lead_dims[-1:]) + "s_" if cos.ndim == 3 else "s_"
+    sharded = auto.plan(ROPE_SHARDING, [auto.Operand("x", x, lead_dims + "snd"), auto.Operand("cos", cos, table_dims),
+                                        auto.Operand("sin", sin, table_dims)])
+    if sharded:
+        return sharded.run(lambda x, cos, sin, axes: rope(x, cos, sin, interleaved=interleaved), lead_dims + "snd")
     *lead, seq, heads, head_dim = x.shape
     batch = math.prod(lead)
     table_shape = (batch, seq, head_dim // 2)

@@ -7,6 +7,7 @@ import math
 
 import jax.numpy as jnp
 
+from ..parallel import auto
 from .cte import attention_cte
 from .tkg import attention_tkg
 
@@ -47,6 +48,34 @@ def _check(q, k, v, sinks, prefix, causal, sliding_window) -> None:
                              f"matching k {k.shape}; got {jnp.shape(k_prior)} and {jnp.shape(v_prior)}")
 
 
+ATTENTION_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.attention", free={"b": "batch", "n": "heads"},
+    collective={"s": ("sequence", "ring attention over the mesh axis (K/V blocks travel by ppermute; q, k and v "
+                      "split alike, contiguous layout; no sliding window, sinks or prefix)")},
+    note="query and kv heads split over the same mesh axis (kv_heads divisible by its size)"))
+DECODE_ATTENTION_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.decode_attention", free={"b": "batch", "n": "heads"},
+    note="with a block_table (paged caches shared by the batch) only heads shard"))
+
+
+def _entry(mesh_axes):
+    return mesh_axes[0] if len(mesh_axes) == 1 else tuple(mesh_axes)
+
+
+def _plan_attention(q, k, v, sinks, prefix, sliding_window):
+    """The shard_map plan of :func:`attention`: batch and heads free; a sharded sequence selects ring attention."""
+    operands = [auto.Operand("q", q, "bsnd"), auto.Operand("k", k, "bsnd"), auto.Operand("v", v, "bsnd"),
+                auto.Operand("sinks", sinks, None if sinks is None else "bn"[2 - jnp.ndim(sinks):])]
+    operands.append(auto.Operand("prefix", None if prefix is None else tuple(prefix), ("b_nd", "b_nd", None)))
+    sharded = auto.plan(ATTENTION_SHARDING, operands)
+    if sharded and "s" in sharded.axes:
+        if sliding_window or sinks is not None or prefix is not None:
+            raise ValueError("jax_nkilib.attention: a sequence sharded over mesh axis "
+                             f"{_entry(sharded.axes['s'])!r} runs ring attention, which supports no sliding_window, "
+                             "sinks or prefix; replicate the sequence axis")
+    return sharded
+
+
 def attention(q, k, v, *, causal: bool = True, scale: float | None = None, sliding_window: int | None = None,
               sinks=None, prefix=None):
     """Multi-head attention ``softmax(scale * q k^T + mask [‖ sinks]) v`` for prefill.
@@ -68,6 +97,16 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None, slidi
     ``attention_bwd`` in reverse mode); elsewhere a blockwise reference that never forms the score matrix.
     """
     _check(q, k, v, sinks, prefix, causal, sliding_window)
+    sharded = _plan_attention(q, k, v, sinks, prefix, sliding_window)
+    if sharded:
+        def local(q, k, v, sinks, prefix, axes):
+            if "s" in axes:
+                from ..parallel.ring_attention import ring_attention
+                return ring_attention(q, k, v, axis_name=_entry(axes["s"]), causal=causal, layout="contiguous",
+                                      scale=scale)
+            return attention(q, k, v, causal=causal, scale=scale, sliding_window=sliding_window, sinks=sinks,
+                             prefix=prefix)
+        return sharded.run(local, "bsnd")
     batch, seq_q, heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     q_rows = _heads_into_batch(q)
@@ -148,6 +187,20 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
     k_cache, v_cache, cache_len = jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(cache_len)
     block_table = None if block_table is None else jnp.asarray(block_table)
     _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table)
+    cache_dims = "bn_d" if block_table is None else "_n_d"
+    sharded = auto.plan(DECODE_ATTENTION_SHARDING, [
+        auto.Operand("q", q, "bsnd"), auto.Operand("k_new", k_new, "bsnd"), auto.Operand("v_new", v_new, "bsnd"),
+        auto.Operand("k_cache", k_cache, cache_dims), auto.Operand("v_cache", v_cache, cache_dims),
+        auto.Operand("cache_len", cache_len, "b"), auto.Operand("block_table", block_table, "b_")])
+    if sharded:
+        if block_table is not None and "b" in sharded.axes:
+            raise ValueError("jax_nkilib.decode_attention: with a block_table the paged caches are shared by the "
+                             f"whole batch, so the batch cannot be split over mesh axis {_entry(sharded.axes['b'])!r};"
+                             " shard the heads, or replicate the batch")
+        def local(q, k_new, v_new, k_cache, v_cache, cache_len, block_table, axes):
+            return decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, scale=scale,
+                                    block_table=block_table)
+        return sharded.run(local, ("bsnd", cache_dims, cache_dims))
     batch, s_new, heads, d = q.shape
     kv_heads = k_new.shape[2]
     groups = heads // kv_heads

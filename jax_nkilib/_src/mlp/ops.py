@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..common_types import ActFnType, NormType, QuantizationType
+from ..parallel import auto
 from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from .kernel import mlp as mlp_kernel
 from .math import TKG_TOKEN_THRESHOLD, is_tkg
@@ -106,6 +107,25 @@ def _clamp(name, value):
     return tuple(None if v is None else float(v) for v in value)
 
 
+MLP_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.mlp", free=auto.LEADING,
+    collective={"i": ("intermediate", "Megatron: w_gate/w_up split by columns, w_down by rows; local MLPs + one "
+                      "all-reduce (psum), then down_bias")},
+    note="tokens may take the other kernel path (TKG <= 96 local tokens); quantized weights must be replicated"))
+
+
+def _plan_mlp(x, w_gate, w_up, w_down, norm_weight, norm_bias, residual, gate_bias, up_bias, down_bias, *,
+              quantized: bool):
+    rows = auto.leading(x.ndim - 1) + "h"
+    hi, ih = (None, None) if quantized else ("hi", "ih")  # quantized weights must be replicated
+    return auto.plan(MLP_SHARDING, [
+        auto.Operand("x", x, rows), auto.Operand("w_gate", w_gate, hi),
+        auto.Operand("w_up", w_up, hi), auto.Operand("w_down", w_down, ih),
+        auto.Operand("norm_weight", norm_weight, "h"), auto.Operand("norm_bias", norm_bias, "h"),
+        auto.Operand("residual", residual, rows), auto.Operand("gate_bias", gate_bias, "i"),
+        auto.Operand("up_bias", up_bias, "i"), auto.Operand("down_bias", down_bias, "h")])
+
+
 def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None = None, norm_weight=None,
         norm_bias=None, eps: float = 1e-6, residual=None, return_residual: bool = False, gate_bias=None,
         up_bias=None, down_bias=None, gate_clamp=None, up_clamp=None, output_dtype=None):
@@ -151,6 +171,26 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
         raise ValueError(f"{_WHERE}: `w_down` must have layout [inter, hidden] = ({inter}, {hidden}); got "
                          f"{tuple(w_down.shape)}")
     quant = _quantization(w_gate, w_up, w_down)
+    sharded = _plan_mlp(x, w_gate, w_up, w_down, norm_weight, norm_bias, residual, gate_bias, up_bias, down_bias,
+                        quantized=quant != QuantizationType.NONE)
+    if sharded:
+        flags = dict(activation=activation, norm=norm, eps=eps, return_residual=return_residual, gate_clamp=gate_clamp,
+                     up_clamp=up_clamp, output_dtype=output_dtype)
+
+        def local(x, w_gate, w_up, w_down, norm_weight, norm_bias, residual, gate_bias, up_bias, down_bias, axes):
+            if "i" not in axes:
+                return mlp(x, w_gate, w_up, w_down, norm_weight=norm_weight, norm_bias=norm_bias, residual=residual,
+                           gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, **flags)
+            # Megatron: gate/up column-parallel, down row-parallel; one all-reduce, then the down bias
+            outs = mlp(x, w_gate, w_up, w_down, norm_weight=norm_weight, norm_bias=norm_bias, residual=residual,
+                       gate_bias=gate_bias, up_bias=up_bias, **flags)
+            out = outs[0] if return_residual else outs
+            out = jax.lax.psum(out, axes["i"])
+            if down_bias is not None:
+                out = out + jnp.asarray(down_bias).astype(out.dtype)
+            return (out, outs[1]) if return_residual else out
+        rows = auto.leading(x.ndim - 1) + "h"
+        return sharded.run(local, (rows, rows) if return_residual else rows)
     if activation not in ACTIVATIONS:
         raise ValueError(f"{_WHERE}: `activation` must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
     if norm not in NORMS:

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..common_types import DtypeMode, NormType, QuantizationType
 from ..framework.spec import FP8_DTYPES
+from ..parallel import auto
 from ..quant.fp8 import SCALE_BYTES, fp8_max, saturate, scale_from_bytes
 from .rmsnorm_quant import compute_dtype, rmsnorm_quant_kernel, row_quantize, static_quantize
 from .tkg import P_MAX, layernorm_rows, layernorm_tkg, rmsnorm_tkg, rows_from_tiles
@@ -61,6 +62,23 @@ def _norm_call(kernel, x, vectors, params):
     return rows_from_tiles(tiles, params["lnc"]).reshape(x.shape)
 
 
+RMS_NORM_SHARDING = auto.register_rule(auto.ShardingRule("jax_nkilib.rms_norm", free=auto.LEADING))
+LAYER_NORM_SHARDING = auto.register_rule(auto.ShardingRule("jax_nkilib.layer_norm", free=auto.LEADING))
+auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.dequantize_fp8", free={"*": "every axis"}, note="pure JAX: explicit shardings propagate through "
+    "jnp (no kernel, no shard_map)"))
+QUANTIZE_FP8_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.quantize_fp8", free=auto.LEADING, note="a static scale is replicated"))
+
+
+def _plan_rows(rule, x, **per_hidden):
+    """Plan a row-wise op on ``x [..., H]``: rows shard freely; ``[H]`` operands (and a scalar scale) replicate."""
+    operands = [auto.Operand("x", x, auto.leading(x.ndim - 1) + "h")]
+    operands += [auto.Operand(name, value, None if value is None or jnp.ndim(value) == 0 else "h")
+                 for name, value in per_hidden.items()]
+    return auto.plan(rule, operands)
+
+
 def rms_norm(x, weight=None, *, eps: float = 1e-6):
     """RMS normalization over the last axis: ``x * rsqrt(mean(x^2) + eps) * weight``.
 
@@ -75,6 +93,9 @@ def rms_norm(x, weight=None, *, eps: float = 1e-6):
     """
     hidden = _check_norm_args("jax_nkilib.rms_norm", x, {"weight": weight})
     x = jnp.asarray(x)
+    sharded = _plan_rows(RMS_NORM_SHARDING, x, weight=weight)
+    if sharded:
+        return sharded.run(lambda x, weight, axes: rms_norm(x, weight, eps=eps), auto.leading(x.ndim - 1) + "h")
     if x.size == 0:
         return jnp.zeros(x.shape, x.dtype)
     gamma = jnp.ones((hidden,), x.dtype) if weight is None else jnp.asarray(weight)
@@ -104,6 +125,10 @@ def layer_norm(x, weight=None, bias=None, *, eps: float = 1e-6):
     x = jnp.asarray(x)
     weight = None if weight is None else jnp.asarray(weight)
     bias = None if bias is None else jnp.asarray(bias)
+    sharded = _plan_rows(LAYER_NORM_SHARDING, x, weight=weight, bias=bias)
+    if sharded:
+        return sharded.run(lambda x, weight, bias, axes: layer_norm(x, weight, bias, eps=eps),
+                           auto.leading(x.ndim - 1) + "h")
     if x.size == 0:
         return jnp.zeros(x.shape, x.dtype)
     if hidden % P_MAX:
@@ -163,6 +188,11 @@ def quantize_fp8(x, *, mode: str = "row", scale=None, dtype=jnp.float8_e4m3):
     hidden = x.shape[-1]
     if mode == "static":
         scale = jnp.asarray(scale, jnp.float32).reshape(())
+    sharded = _plan_rows(QUANTIZE_FP8_SHARDING, x, scale=scale)
+    if sharded:
+        rows = auto.leading(x.ndim - 1)
+        return sharded.run(lambda x, scale, axes: quantize_fp8(x, mode=mode, scale=scale, dtype=dtype),
+                           (rows + "h", rows + "_" if mode == "row" else None))
     if x.size == 0:
         return jnp.zeros(x.shape, dtype), (jnp.zeros(x.shape[:-1] + (1,), jnp.float32) if scale is None else scale)
     if dtype not in _KERNEL_MODES:

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from ..common_types import NormType, QuantizationType
 from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
+from ..parallel import auto
 from .output_cte import output_projection_cte
 from .output_tkg import output_projection_tkg
 from .qkv import call_qkv, qkv_params
@@ -61,6 +62,13 @@ def _quantization(where: str, w, tkg: bool, path: str) -> QuantizationType:
 
 
 # ------------------------------------------------------------------------------------------- output projection
+OUTPUT_PROJECTION_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.output_projection", free={"b": "batch", "s": "sequence", "h": "hidden (w's columns)"},
+    collective={"n": ("heads (the contraction)", "row-parallel: local projections + one all-reduce (psum), then "
+                      "the bias")},
+    note="a QuantizedWeight must be replicated"))
+
+
 def output_projection(attn, w, bias=None):
     """``attn [batch, seq, heads, head_dim] · w [heads * head_dim, hidden] (+ bias [hidden])`` -> ``[batch, seq,
     hidden]``, in ``attn``'s dtype (``w`` and ``bias`` are cast to it; accumulation in float32).
@@ -82,6 +90,16 @@ def output_projection(attn, w, bias=None):
         raise ValueError(f"{where}: `w` must be [heads * head_dim, hidden] = [{heads * d}, hidden] for attn "
                          f"{tuple(attn.shape)}; got {tuple(w.shape)}")
     hidden = w.shape[1]
+    sharded = auto.plan(OUTPUT_PROJECTION_SHARDING, [
+        auto.Operand("attn", attn, "bsnd"), auto.Operand("w", w, None if isinstance(w, QuantizedWeight) else "nh"),
+        auto.Operand("bias", bias, None if bias is None else "h")])
+    if sharded:
+        def local(attn, w, bias, axes):
+            if "n" not in axes:
+                return output_projection(attn, w, bias)
+            out = jax.lax.psum(output_projection(attn, w), axes["n"])  # row-parallel: partial sums over heads
+            return out if bias is None else out + jnp.asarray(bias).astype(out.dtype)
+        return sharded.run(local, "bsh")
     tkg = uses_tkg(batch, seq, False)
     quant = _quantization(where, w, tkg, "seq <= 96 and batch * seq <= 128")
     weight = fp8_data(w) if quant != QuantizationType.NONE else w.astype(attn.dtype)
@@ -137,6 +155,42 @@ def _scales(where, kv_scale):
     return tuple(scales)
 
 
+QKV_PROJECTION_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.qkv_projection", free={"b": "batch", "s": "sequence", "n": "heads"},
+    note="heads shard when w is given as (w_q, w_k, w_v) (column-parallel; num_q_heads and num_kv_heads divisible "
+         "by the mesh axis size); not the sequence with kv_cache"))
+
+
+def _split_weights(where: str, w, bias):
+    """Validate ``w = (w_q, w_k, w_v)`` (and a matching ``bias`` triple)."""
+    if len(w) != 3 or not all(hasattr(part, "shape") and jnp.ndim(part) == 2 for part in w):
+        raise TypeError(f"{where}: a split `w` must be (w_q, w_k, w_v), arrays [hidden, heads * head_dim]")
+    if bias is not None and not (isinstance(bias, (tuple, list)) and len(bias) == 3):
+        raise TypeError(f"{where}: with a split `w`, `bias` must be (b_q, b_k, b_v) or None")
+    return tuple(jnp.asarray(part) for part in w), None if bias is None else tuple(jnp.asarray(b) for b in bias)
+
+
+def _sharded_qkv(sharded, x, w, bias, norm_weight, norm_bias, rope, kv_cache, cache_positions, kv_scale, *,
+                 num_q_heads: int, num_kv_heads: int, **flags):
+    """Run :func:`qkv_projection` on local shards: batch and tokens split freely; heads split with ``w``'s
+    columns (each shard projects its own query and kv heads)."""
+    where = "jax_nkilib.qkv_projection"
+    parts = sharded.axis_size("n")
+    if num_q_heads % parts or num_kv_heads % parts:
+        raise ValueError(f"{where}: {num_q_heads} query and {num_kv_heads} kv heads cannot be split evenly over mesh "
+                         f"axis {sharded.axes['n']} of size {parts}")
+    if kv_cache is not None and "s" in sharded.axes:
+        raise ValueError(f"{where}: the sequence is split over mesh axis {sharded.axes['s']}, but the kv_cache write "
+                         "needs every token of a sequence on one device; replicate the sequence axis")
+
+    def local(x, w, bias, norm_weight, norm_bias, rope, kv_cache, cache_positions, kv_scale, axes):
+        return qkv_projection(x, w, num_q_heads=num_q_heads // parts, num_kv_heads=num_kv_heads // parts, bias=bias,
+                              norm_weight=norm_weight, norm_bias=norm_bias, rope=rope, kv_cache=kv_cache,
+                              cache_positions=cache_positions, kv_scale=kv_scale, **flags)
+    cache_dims = "bsnd" if kv_cache is None else "b_nd"
+    return sharded.run(local, ("bsnd", cache_dims, cache_dims))
+
+
 def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm: str | None = None,
                    norm_weight=None, norm_bias=None, eps: float = 1e-6, rope=None, kv_cache=None,
                    cache_positions=None, kv_scale=None):
@@ -144,8 +198,10 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
     RoPE on the query and key heads.
 
     Args:
-      w: ``[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]``, columns ``[Q heads | K heads | V heads]``.
-      bias: ``[(num_q_heads + 2 * num_kv_heads) * head_dim]``.
+      w: ``[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]``, columns ``[Q heads | K heads | V heads]``, or
+        ``(w_q, w_k, w_v)`` (``[hidden, num_q_heads * head_dim]``, ``[hidden, num_kv_heads * head_dim]`` twice), the
+        same projection, concatenated for the kernel; split weights let the heads shard (column parallelism).
+      bias: ``[(num_q_heads + 2 * num_kv_heads) * head_dim]`` (``(b_q, b_k, b_v)`` with a split ``w``).
       norm: ``None``, ``"rms"`` (``x / sqrt(mean(x^2) + eps) * norm_weight``; no scale when ``norm_weight`` is
         None) or ``"layer"`` (``(x - mean) / sqrt(var + eps) * norm_weight + norm_bias``), over ``hidden``.
       rope: ``(cos, sin)``, each ``[batch, seq, head_dim]``, HuggingFace tables (half-width frequencies repeated):
@@ -171,6 +227,22 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
     where = "jax_nkilib.qkv_projection"
     x = _array(where, "x", x, "[batch, seq, hidden]", 3)
     batch, seq, hidden = x.shape
+    split = isinstance(w, (tuple, list))
+    if split:
+        w, bias = _split_weights(where, w, bias)
+    sharded = auto.plan(QKV_PROJECTION_SHARDING, [
+        auto.Operand("x", x, "bsh"),
+        auto.Operand("w", w, ("hn",) * 3 if split else None if isinstance(w, QuantizedWeight) else "hf"),
+        auto.Operand("bias", bias, ("n",) * 3 if split else "f"), auto.Operand("norm_weight", norm_weight, "h"),
+        auto.Operand("norm_bias", norm_bias, "h"), auto.Operand("rope", rope, ("bs_", "bs_")),
+        auto.Operand("kv_cache", kv_cache, ("b_nd", "b_nd")), auto.Operand("cache_positions", cache_positions, "bs"),
+        auto.Operand("kv_scale", kv_scale)])
+    if sharded:
+        return _sharded_qkv(sharded, x, w, bias, norm_weight, norm_bias, rope, kv_cache, cache_positions, kv_scale,
+                            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, norm=norm, eps=eps)
+    if split:
+        w = jnp.concatenate(w, axis=1)
+        bias = None if bias is None else jnp.concatenate(bias)
     w = _weight(where, w, "[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]")
     if not (isinstance(num_q_heads, int) and isinstance(num_kv_heads, int) and num_q_heads > 0 and num_kv_heads > 0):
         raise ValueError(f"{where}: num_q_heads and num_kv_heads must be positive ints; got {num_q_heads}, "

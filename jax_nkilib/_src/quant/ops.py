@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..parallel import auto
 from . import mx
 from .matmul_mxfp8 import matmul_mxfp8
 from .quantize_mxfp8 import FP8_NAMES, quantize_block_mxfp8_kernel, scale_bytes
@@ -80,6 +81,25 @@ def _quantize_with_kernel(rows, name: str):
     return data, scale_bytes(scales).T
 
 
+QUANTIZE_MX_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.quantize_mx", free={**auto.LEADING, "q": "quantized axis"}, granule={"q": mx.BLOCK_SIZE},
+    note="a shard of the quantized axis must hold whole blocks"))
+DEQUANTIZE_MX_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.dequantize_mx", free={**auto.LEADING, "q": "quantized axis"},
+    note="a shard of the quantized axis must hold whole blocks"))
+MXFP8_MATMUL_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.mxfp8_matmul", free={**auto.LEADING, "n": "output features"},
+    collective={"k": ("contraction", "local MXFP8 matmuls + all-reduce (psum); shards hold whole 32-blocks")},
+    granule={"k": mx.BLOCK_SIZE}))
+
+
+def _dims_with_blocks(ndim: int, axis: int) -> str:
+    """Dimension letters of an MX operand: leading letters with ``q`` at the quantized axis."""
+    letters = list(auto.leading(ndim))
+    letters[axis] = "q"
+    return "".join(letters)
+
+
 def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32):
     """MX-quantize ``x`` in blocks of ``block`` consecutive elements along ``axis``: ``(data, scales)``.
 
@@ -98,6 +118,10 @@ def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32):
     if length % block:
         raise ValueError(f"{where}: the quantized axis {axis} of `x` (shape {tuple(x.shape)}) must be a multiple of "
                          f"block={block}")
+    dims = _dims_with_blocks(x.ndim, axis)
+    sharded = auto.plan(QUANTIZE_MX_SHARDING, [auto.Operand("x", x, dims)], granule={"q": block})
+    if sharded:
+        return sharded.run(lambda x, axes: quantize_mx(x, axis=axis, dtype=dtype, block=block), (dims, dims))
     moved = jnp.moveaxis(x, axis, -1)
     rows = moved.reshape(math.prod(moved.shape[:-1]), length)
     if block == mx.BLOCK_SIZE and length % KERNEL_TILE == 0 and rows.shape[0] > 0:
@@ -127,6 +151,12 @@ def dequantize_mx(data, scales, *, axis: int = -1, dtype=jnp.float32):
             or scales.shape[axis] == 0 or data.shape[axis] % scales.shape[axis]):
         raise ValueError(f"{where}: `scales` must have the shape of `data` {tuple(data.shape)} with axis {axis} "
                          f"divided by the block size; got {tuple(scales.shape)}")
+    dims = _dims_with_blocks(data.ndim, axis)
+    # equal shards of data and scales along the quantized axis hold whole blocks
+    sharded = auto.plan(DEQUANTIZE_MX_SHARDING,
+                        [auto.Operand("data", data, dims), auto.Operand("scales", scales, dims)])
+    if sharded:
+        return sharded.run(lambda data, scales, axes: dequantize_mx(data, scales, axis=axis, dtype=dtype), dims)
     return mx.dequantize_mx_along(data, scale_bytes(scales), axis).astype(dtype)
 
 
@@ -146,6 +176,13 @@ def mxfp8_matmul(x, w, *, float8_dtype=jnp.float8_e4m3fn):
     if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"{where}: `x` must have layout [..., K] and `w` [K, N] with the same K; got shapes "
                          f"{tuple(x.shape)} and {tuple(w.shape)}")
+    rows_dims = auto.leading(x.ndim - 1)
+    sharded = auto.plan(MXFP8_MATMUL_SHARDING, [auto.Operand("x", x, rows_dims + "k"), auto.Operand("w", w, "kn")])
+    if sharded:
+        def local(x, w, axes):
+            out = mxfp8_matmul(x, w, float8_dtype=float8_dtype)
+            return jax.lax.psum(out, axes["k"]) if "k" in axes else out
+        return sharded.run(local, rows_dims + "n")
     dtype = jnp.result_type(x.dtype, w.dtype)
     params = matmul_mxfp8.params(lhs_is_swizzled=False, rhs_is_swizzled=False, float8_dtype=name,
                                  output_dtype=dtype)

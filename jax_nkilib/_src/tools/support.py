@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..framework import registry
+from ..parallel.auto import RULES
 from .catalog import CATALOG
 
 README_START = "<!-- support-matrix:start -->"
@@ -79,7 +80,20 @@ def markdown_table(rows: list[KernelSupport] | None = None) -> str:
     pending = [row for row in rows if row.status != "bound"]
     summary = (f"\n{len(bound)} of {len(rows)} catalog kernels are bound. Not bound yet: "
                + ", ".join(f"`{r.kernel}`" for r in pending) + ".")
-    return "\n".join(header + lines) + "\n" + summary
+    return "\n".join(header + lines) + "\n" + summary + "\n\n" + sharding_table()
+
+
+def sharding_table() -> str:
+    """The idiomatic ops' automatic sharding (``jax_nkilib._src.parallel.auto``), one row per op."""
+    header = ["Automatic sharding of the idiomatic ops (explicit mesh axes; see \"Sharding\" below):", "",
+              "| op | sharded with no communication | sharded with a collective | notes |", "|---|---|---|---|"]
+    lines = []
+    for name in sorted(RULES):
+        rule = RULES[name]
+        free = ", ".join(dict.fromkeys(rule.free.values())) or "—"
+        collective = "; ".join(f"{dim}: {how}" for dim, how in rule.collective.values()) or "—"
+        lines.append(f"| `{name}` | {free} | {collective} | {rule.note or '—'} |")
+    return "\n".join(header + lines)
 
 
 def _section_span(readme_text: str) -> tuple[int, int]:

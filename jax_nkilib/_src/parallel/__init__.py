@@ -1,0 +1,1 @@
+"""SPMD algorithms as shard_map bodies (ring attention, collective matmuls) and the collective kernels."""

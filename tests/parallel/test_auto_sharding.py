@@ -1,0 +1,197 @@
+"""Automatic sharding of the idiomatic ops on 8 CPU devices (explicit 2x4 mesh `data` x `model`).
+
+Each op in the sharding table (``jax_nkilib._src.parallel.auto.RULES``) has a case here: called under ``jit`` on
+inputs sharded over the mesh, it returns the single-device result, sharded as the rule says, with exactly the
+collectives the rule implies (read from the compiled HLO). Unsupported shardings raise errors naming the axis.
+"""
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_nkilib
+from jax_nkilib._src.parallel.auto import RULES
+from tests.support.data import angles, random
+from tests.support.hlo import kernel_configs
+from tests.support.numerics import assert_close
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+B, S, H, N, K, D, F = 2, 16, 128, 8, 4, 16, 256
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+def collectives(compiled_text: str) -> dict[str, int]:
+    found = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", compiled_text)
+    return dict(collections.Counter(found))
+
+
+def _qkv(x, wq, wk, wv):
+    return jax_nkilib.qkv_projection(x, (wq, wk, wv), num_q_heads=N, num_kv_heads=K, norm="rms")
+
+
+def _quantized(fn):
+    return lambda *args: tuple(jnp.asarray(o, jnp.float32) for o in fn(*args))
+
+
+def _cases():
+    x3, x4 = random((B, S, H), seed=0), random((B, S, N, D), seed=1)
+    cos, sin = angles((S, D // 2))
+    q, k, v = random((B, S, N, D), seed=2), random((B, S, K, D), seed=3), random((B, S, K, D), seed=4)
+    gain = random((H,), seed=5)
+    w_q, w_k, w_v = random((H, N * D), seed=6, scale=0.1), random((H, K * D), seed=7, scale=0.1), \
+        random((H, K * D), seed=8, scale=0.1)
+    w_o, w_gate, w_up, w_down = (random(shape, seed=9 + i, scale=0.1)
+                                 for i, shape in enumerate([(N * D, H), (H, F), (H, F), (F, H)]))
+    caches = random((B, K, 64, D), seed=13), random((B, K, 64, D), seed=14)
+    q1, k1, v1 = random((B, 1, N, D), seed=15), random((B, 1, K, D), seed=16), random((B, 1, K, D), seed=17)
+    cache_len = jnp.array([5, 9], jnp.int32)
+    q8, s8 = jax_nkilib.quantize_fp8(x3)
+    data_mx, scales_mx = jax_nkilib.quantize_mx(x3)
+    # op -> (function, arguments, their specs, expected collectives)
+    return {
+        "jax_nkilib.rope": (lambda x, c, s: jax_nkilib.rope(x, c, s), (x4, cos, sin),
+                            (P("data", "model"), P(), P()), {}),
+        "jax_nkilib.rms_norm": (jax_nkilib.rms_norm, (x3, gain), (P("data", "model"), P()), {}),
+        "jax_nkilib.layer_norm": (jax_nkilib.layer_norm, (x3, gain, gain), (P("data", "model"), P(), P()), {}),
+        "jax_nkilib.quantize_fp8": (_quantized(jax_nkilib.quantize_fp8), (x3,), (P("data", "model"),), {}),
+        "jax_nkilib.dequantize_fp8": (jax_nkilib.dequantize_fp8, (q8, s8), (P("data", "model"), P("data", "model")),
+                                      {}),
+        "jax_nkilib.quantize_mx": (_quantized(jax_nkilib.quantize_mx), (x3,), (P("data", None, "model"),), {}),
+        "jax_nkilib.dequantize_mx": (jax_nkilib.dequantize_mx, (data_mx, scales_mx),
+                                     (P("data", None, "model"), P("data", None, "model")), {}),
+        "jax_nkilib.mxfp8_matmul": (jax_nkilib.mxfp8_matmul, (x3, w_gate), (P("data", None, "model"), P("model")),
+                                    {"all-reduce": 1}),
+        "jax_nkilib.attention": (jax_nkilib.attention, (q, k, v), (P("data", None, "model"),) * 3, {}),
+        "jax_nkilib.decode_attention": (
+            jax_nkilib.decode_attention, (q1, k1, v1, *caches, cache_len),
+            (P("data", None, "model"), P("data", None, "model"), P(), P("data", "model"), P(), P()), {}),
+        "jax_nkilib.qkv_projection": (_qkv, (x3, w_q, w_k, w_v),
+                                      (P("data"), P(None, "model"), P(None, "model"), P(None, "model")), {}),
+        "jax_nkilib.output_projection": (jax_nkilib.output_projection, (x4, w_o, gain),
+                                         (P("data", None, "model"), P("model"), P()), {"all-reduce": 1}),
+        "jax_nkilib.mlp": (lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d, norm="rms"), (x3, w_gate, w_up, w_down),
+                           (P("data"), P(None, "model"), P(None, "model"), P("model")), {"all-reduce": 1}),
+    }
+
+
+CASES = _cases()
+
+
+def test_every_op_in_the_sharding_table_has_a_case():
+    assert set(RULES) - set(CASES) <= EXTERNAL_CASES, sorted(set(RULES) - set(CASES) - EXTERNAL_CASES)
+
+
+EXTERNAL_CASES = set()  # ops whose sharding entry is backed by their own test module
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_sharded_call_matches_single_device(mesh, op):
+    fn, args, specs, expected = CASES[op]
+    single = fn(*args)
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+        jitted = jax.jit(fn)
+        out = jitted(*placed)
+        compiled = jitted.lower(*placed).compile().as_text()
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(single)):
+        assert got.shape == want.shape
+        assert_close(np.asarray(got, np.float64), np.asarray(want, np.float64), jnp.float32, reduction=H)
+    assert collectives(compiled) == expected
+
+
+def test_outputs_keep_the_input_sharding(mesh):
+    fn, args, specs, _ = CASES["jax_nkilib.attention"]
+    with jax.set_mesh(mesh):
+        out = jax.jit(fn)(*[jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)])
+    assert out.sharding.spec == P("data", None, "model", None)
+
+
+def test_megatron_block_has_exactly_two_all_reduces(mesh):
+    """qkv (column-parallel) -> attention (heads) -> output projection (row-parallel) -> MLP (Megatron)."""
+    x = random((B, S, H), seed=0)
+    w_q, w_k, w_v = random((H, N * D), seed=6, scale=0.1), random((H, K * D), seed=7, scale=0.1), \
+        random((H, K * D), seed=8, scale=0.1)
+    w_o, w_gate, w_up, w_down = (random(shape, seed=9 + i, scale=0.1)
+                                 for i, shape in enumerate([(N * D, H), (H, F), (H, F), (F, H)]))
+
+    def block(x, w_q, w_k, w_v, w_o, w_gate, w_up, w_down):
+        q, k, v = _qkv(x, w_q, w_k, w_v)
+        h = x + jax_nkilib.output_projection(jax_nkilib.attention(q, k, v), w_o)
+        return h + jax_nkilib.mlp(h, w_gate, w_up, w_down, norm="rms")
+
+    args = (x, w_q, w_k, w_v, w_o, w_gate, w_up, w_down)
+    specs = (P("data"), P(None, "model"), P(None, "model"), P(None, "model"), P("model"), P(None, "model"),
+             P(None, "model"), P("model"))
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+        out = jax.jit(block)(*placed)
+        assert collectives(jax.jit(block).lower(*placed).compile().as_text()) == {"all-reduce": 2}
+        grads = jax.jit(jax.grad(lambda *a: block(*a).sum(), argnums=(0, 4)))(*placed)
+    assert_close(out, block(*args), jnp.float32, reduction=H * F)
+    for got, want in zip(grads, jax.grad(lambda *a: block(*a).sum(), argnums=(0, 4))(*args)):
+        assert_close(got, want, jnp.float32, reduction=H * F, ops=16)
+    assert grads[1].sharding.spec == P("model", None)
+
+
+def test_kernels_run_inside_the_manual_computation_at_per_device_shapes(mesh):
+    q, k, v = random((B, S, N, D), seed=2), random((B, S, K, D), seed=3), random((B, S, K, D), seed=4)
+    with jax.set_mesh(mesh), jax_nkilib.neuron.dry_run():
+        placed = [jax.device_put(a, NamedSharding(mesh, P("data", None, "model"))) for a in (q, k, v)]
+        text = jax_nkilib.neuron_hlo(jax_nkilib.attention, *placed)
+    assert "sdy.manual_computation" in text
+    (config,) = kernel_configs(text)
+    assert config["func_name"] == "attention_cte"
+    assert config["input_specs"][0][0] == [B // 2 * N // 4, S, D]  # local batch x local heads
+
+
+def test_ops_inside_a_user_shard_map_run_on_local_shards(mesh):
+    x = random((8, S, H), seed=0)
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(x, NamedSharding(mesh, P("data")))
+        local = jax.jit(jax.shard_map(jax_nkilib.rms_norm, in_specs=P("data"), out_specs=P("data")))(placed)
+    assert_close(local, jax_nkilib.rms_norm(x), jnp.float32, reduction=H)
+
+
+def test_an_auto_mesh_computes_globally():
+    auto_mesh = jax.make_mesh((8,), ("data",))
+    x = random((8, S, H), seed=0)
+    placed = jax.device_put(x, NamedSharding(auto_mesh, P("data")))
+    assert_close(jax.jit(jax_nkilib.rms_norm)(placed), jax_nkilib.rms_norm(x), jnp.float32, reduction=H)
+
+
+@pytest.mark.parametrize("op, fn, args, specs, message", [
+    ("rope head_dim", lambda x, c, s: jax_nkilib.rope(x, c, s), "x4 cos sin", (P(None, None, None, "model"), P(), P()),
+     "axis 3 (head_dim) over mesh axis 'model'"),
+    ("rms_norm hidden", jax_nkilib.rms_norm, "x3", (P(None, None, "model"),), "axis 2 (hidden)"),
+    ("attention window", lambda q, k, v: jax_nkilib.attention(q, k, v, sliding_window=4), "q k v",
+     (P(None, "model"),) * 3, "no sliding_window"),
+    ("attention heads vs batch", jax_nkilib.attention, "q k v", (P("data"), P(None, None, "data"), P()),
+     "mesh axis 'data' splits both batch and heads"),
+    ("attention mismatched", jax_nkilib.attention, "q k v", (P(None, None, "data"), P(None, None, "model"), P()),
+     "heads is split over mesh axis 'data' in `q` but over 'model' in `k`"),
+    ("qkv fused columns", lambda x, w: jax_nkilib.qkv_projection(x, w, num_q_heads=N, num_kv_heads=K), "x3 wqkv",
+     (P(), P(None, "model")), "pass w as (w_q, w_k, w_v)"),
+    ("mlp hidden", lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d), "x3 wg wu wd",
+     (P(None, None, "model"), P(), P(), P()), "axis 2 (hidden)"),
+    ("quantize_mx partial blocks", lambda x: jax_nkilib.quantize_mx(x, axis=1), "x64", (P(None, "model"),),
+     "multiple of 32"),
+])
+def test_unsupported_shardings_raise_naming_the_axis(mesh, op, fn, args, specs, message):
+    arrays = {"x3": random((B, S, H)), "x64": random((B, 64, H)), "x4": random((B, S, N, D)),
+              "cos": angles((S, D // 2))[0], "sin": angles((S, D // 2))[1], "q": random((B, S, N, D)),
+              "k": random((B, S, K, D)), "v": random((B, S, K, D)), "wqkv": random((H, (N + 2 * K) * D)),
+              "wg": random((H, F)), "wu": random((H, F)), "wd": random((F, H))}
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(arrays[name], NamedSharding(mesh, s)) for name, s in zip(args.split(), specs)]
+        with pytest.raises(ValueError, match=re.escape(message)):
+            jax.jit(fn)(*placed)
