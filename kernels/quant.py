@@ -1,13 +1,21 @@
-"""Adapters for the NKI Library's MXFP8 matmul kernels (``nkilib.experimental.matmul_mxfp8``).
+"""Adapters for the NKI Library's MXFP8 matmul kernels (``nkilib.experimental.matmul_mxfp8``) and FP8 quantization
+helpers (``nkilib.core.quantization.fp8_quantize``).
 
 ``matmul_mxfp8`` and ``matmul_mxfp8_backward`` are plain functions (not ``@nki.jit``) that take a pre-quantized
 operand as its data plus a ``*_scales`` keyword and the backward's per-phase tiling as ``MatmulMxfp8KernelConfig``
 objects: the adapters are the ``@nki.jit`` entry points, build the configs from jax_nkilib's tiling mappings and pass
 ``quant_scheme`` only when it is not the default (older libraries lack it). ``output_dtype=None`` means the
-kernels' ``nl.bfloat16``. Not yet run on Trainium by this project.
+kernels' ``nl.bfloat16``.
+
+The FP8 helpers of ``nkilib.core.quantization.fp8_quantize`` (``static_quantization``, ``row_quantization``,
+``pre_combine_dequant_scales``) take SBUF tiles (and an optional buffer manager, left out): their adapters load the
+HBM operands into SBUF tiles of the same shapes, call the helper and store each result to a new HBM tensor. Dtype
+parameters arrive as dtype names or objects and are passed as the ``nl`` dtypes the helpers look up.
+Not yet run on Trainium by this project.
 """
 
 import nki
+import nki.isa as nisa
 import nki.language as nl
 
 try:  # neuronx-cc bundles the library as `nkilib`; the source tree installs it as `nkilib_src.nkilib`
@@ -22,6 +30,14 @@ except ImportError:  # pragma: no cover - depends on how the NKI Library is inst
         matmul_mxfp8_backward as _library_backward,
     )
     from nkilib_src.nkilib.experimental.matmul_mxfp8.matmul_mxfp8_generic_kernel import matmul_mxfp8 as _library_matmul
+
+try:  # imported apart: a library without core/quantization still serves the MXFP8 adapters
+    from nkilib.core.quantization import fp8_quantize as _library_fp8
+except ImportError:  # pragma: no cover - depends on how the NKI Library is installed
+    try:
+        from nkilib_src.nkilib.core.quantization import fp8_quantize as _library_fp8
+    except ImportError:
+        _library_fp8 = None
 
 
 def _config(fields, m, k, n):
@@ -65,3 +81,55 @@ def matmul_mxfp8_backward(output_grad, weights, input_activation, input_grad_con
         run_with_lnc2=run_with_lnc2, lnc_2_shard_rhs=lnc_2_shard_rhs, use_scale_packing=use_scale_packing,
         spill_reload=spill_reload, output_grad_is_swizzled=output_grad_is_swizzled,
         weights_is_swizzled=weights_is_swizzled, input_is_swizzled=input_is_swizzled)
+
+
+def _fp8_helpers():
+    """The library's ``fp8_quantize`` module, or an error naming what is missing."""
+    if _library_fp8 is None:
+        raise ImportError("the installed NKI Library has no core.quantization.fp8_quantize (static_quantization, "
+                          "row_quantization, pre_combine_dequant_scales); install a newer nki-library")
+    return _library_fp8
+
+
+def _nl_dtype(dtype):
+    """The ``nl`` dtype of a dtype name (``"float8_e4m3fn"``) or dtype object; ``None`` stays ``None``."""
+    return None if dtype is None else getattr(nl, getattr(dtype, "name", str(dtype)))
+
+
+def _to_sbuf(tensor):
+    """An SBUF tile holding the HBM ``tensor`` (same shape and dtype)."""
+    tile = nl.ndarray(tensor.shape, dtype=tensor.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=tensor)
+    return tile
+
+
+def _to_hbm(tile):
+    """A new HBM tensor holding the SBUF ``tile``."""
+    out = nl.ndarray(tile.shape, dtype=tile.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=tile)
+    return out
+
+
+@nki.jit
+def static_quantization(hidden_state, input_dequant_scale, quant_scale=None, dtype="float8_e4m3fn"):
+    """``(quantized [P, F], input_dequant_scale [P, 1])`` from the library's ``static_quantization``."""
+    quantized, passed_scale = _fp8_helpers().static_quantization(
+        _to_sbuf(hidden_state), _to_sbuf(input_dequant_scale),
+        quant_scale=None if quant_scale is None else _to_sbuf(quant_scale), dtype=_nl_dtype(dtype))
+    return _to_hbm(quantized), _to_hbm(passed_scale)
+
+
+@nki.jit
+def row_quantization(hidden_state, dtype="float8_e4m3fn", output_dtype=None):
+    """``(quantized, dequant_scale)`` from the library's ``row_quantization``: ``[P, F]`` and ``[P, 1]``, or
+    ``[P0, BxS, F0]`` and ``[P0, BxS, 1]``."""
+    quantized, dequant_scale = _fp8_helpers().row_quantization(
+        _to_sbuf(hidden_state), dtype=_nl_dtype(dtype), output_dtype=_nl_dtype(output_dtype))
+    return _to_hbm(quantized), _to_hbm(dequant_scale)
+
+
+@nki.jit
+def pre_combine_dequant_scales(input_dequant_scale, weight_dequant_scale):
+    """``combined [P, F_w]`` float32 from the library's ``pre_combine_dequant_scales``."""
+    return _to_hbm(_fp8_helpers().pre_combine_dequant_scales(_to_sbuf(input_dequant_scale),
+                                                             _to_sbuf(weight_dequant_scale)))

@@ -25,11 +25,10 @@ from jax import lax
 from ..common_types import ActFnType, NormType, QuantizationType
 from ..norm.fused import fused_norm
 from ..quant import mx
-from ..quant.fp8 import fp8_max, saturate
+from ..quant.fp8 import ROW_SCALE_FLOOR, fp8_max, saturate
 
 TKG_TOKEN_THRESHOLD = 96  # TKG_BS_SEQLEN_THRESHOLD: B*S at or below it runs the token-generation path
 QUANT_BOUND = fp8_max(jnp.float8_e4m3)  # 240: the kernel clips activations to the Trainium2 E4M3 range
-ROW_SCALE_FLOOR = 1e-6  # _MINVAL of the kernel's row quantization
 STATIC_TYPES = (QuantizationType.STATIC, QuantizationType.STATIC_MX)
 FP8_TYPES = (QuantizationType.ROW,) + STATIC_TYPES  # float8 weights with float32 dequantization scales
 STATIC_MX_TILE = 512  # STATIC_MX swizzles H and I in tiles of 512

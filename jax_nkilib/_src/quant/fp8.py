@@ -18,6 +18,10 @@ from ..framework.spec import FP8_DTYPES  # noqa: F401  (the formats, re-exported
 # the formats the kernels read FP8 weights in
 FP8_WEIGHT_DTYPES = (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn))
 
+# MINVAL, the floor of the dequant scale in the library's row (dynamic) quantization: scale = max(absmax / M, 1e-6).
+# The 2.29 MLP kernel's value; fp8_quantize.py imports it from core/quantization/constants.py, not available here.
+ROW_SCALE_FLOOR = 1e-6
+
 
 def fp8_max(dtype) -> float:
     """Largest finite value of an FP8 format."""
