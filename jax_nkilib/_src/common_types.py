@@ -72,3 +72,12 @@ class MLPGateUpWeightLayout(enum.Enum):
     CONTIGUOUS = 0
     H_X4_INNERMOST = 1
     H_X4_MIDDLE = 2
+
+
+class RouterActFnType(enum.Enum):
+    """The NKI Library's router activation (``nkilib.core.utils.common_types``): ``SIGMOID`` per selected logit,
+    ``SOFTMAX`` over the top-K logits, ``NOAUX_TC`` group-limited selection (DeepSeek-V3 style)."""
+
+    SIGMOID = 0
+    SOFTMAX = 1
+    NOAUX_TC = 2
