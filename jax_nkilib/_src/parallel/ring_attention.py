@@ -1,0 +1,301 @@
+"""Ring attention: context-parallel attention inside ``jax.shard_map``, keys and values passed around a ring.
+
+The sequence axis of ``q``, ``k``, ``v`` is split over ``n`` shards (mesh axis ``axis_name``) in one of the layouts
+of ``layouts.py``. Shard ``r`` keeps its queries; at ring step ``t = 0 .. n-1`` it holds the keys and values of
+shard ``s = (r - t) mod n`` (each step they move one shard forward with ``lax.ppermute``; the permute for step
+``t + 1`` is issued before step ``t`` is computed, so communication can overlap compute) and runs the blockwise
+online-softmax engine (``attention/blockwise.py``) on (its queries, those keys). Each step yields a partial
+``(o_t, m_t, l_t)`` (output normalised over that step's keys, row max, row sum of ``exp(s - m_t)``); partials merge
+with a stable log-sum-exp: ``m = max(m_a, m_b)``, ``l = l_a e^{m_a - m} + l_b e^{m_b - m}``,
+``o = (o_a l_a e^{m_a - m} + o_b l_b e^{m_b - m}) / l``. The result is ``softmax(scale * q k^T + mask) v`` over the
+whole global sequence, exactly what ``jax_nkilib.attention`` computes on the gathered sequence.
+
+Masks. Non-causal: every step attends to all keys. Causal (``key_pos <= query_pos`` on global positions): step 0
+is the shard's own keys, where positions rise with the local index, so it is the plain causal mask. For ``t >= 1``,
+``s < r`` exactly when ``r >= t``, and the (query chunk, key chunk) structure is static per branch of a
+``lax.cond`` on ``r >= t``; fully masked work is never computed:
+
+* contiguous: ``s < r``: all keys visible (no mask); ``s > r``: nothing visible (skipped). Unbalanced: shard
+  ``r`` does ``r`` full steps.
+* striped (query ``i`` at ``i n + r``, key ``j`` at ``j n + s``): ``s < r``: ``j <= i``; ``s > r``: ``j < i``
+  (a causal mask shifted by one). Every shard does a half-masked block per step; the engine skips masked blocks.
+* zigzag (chunks ``r``, ``2n-1-r`` of length ``c = L/2``): ``s < r``: all queries see the first key chunk fully and
+  never the second; ``s > r``: only the second query chunk sees keys, all of them. Either way ``L x c`` unmasked
+  work per step on every shard.
+
+Reverse mode (``jax.custom_vjp``): the forward saves ``q, k, v``, the output and the row log-sum-exp
+``lse = m + log l`` (tagged ``checkpoint_name("ring_attention.<name>")``). The backward is a ring too: ``dq``
+accumulates locally; each step runs the engine's FlashAttention-2 backward with the global ``lse`` on the visiting
+block, and the visiting block's ``dk, dv`` accumulators travel with it and return to their owner after the last
+step (``4 (n - 1)`` permutes: K, V, dK, dV). No collective other than ``ppermute`` is used in either direction.
+
+Layouts: ``q [batch, L, heads, head_dim]``, ``k, v [batch, L, kv_heads, head_dim]`` per shard (``heads % kv_heads
+== 0``: query head ``h`` uses kv head ``h // (heads / kv_heads)``), output like ``q``.
+
+Dtypes (those of ``jax_nkilib.attention``): ``q``, ``k``, ``v`` share one floating dtype; scores, softmax statistics,
+partial outputs, their merge and the travelling ``dk, dv`` accumulators are float32 (float64 for float64 inputs);
+probabilities and score gradients are rounded to the input dtype before their matmuls; the output and the
+gradients are in the inputs' dtype. Rows with no visible key give 0 (never NaN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from ..attention.blockwise import attention_backward, attention_forward, log_sum_exp
+from ..attention.masks import MaskRule
+from ..framework.compat import bound_axis_size, varying_like
+from ..framework.spec import accumulation_dtype
+from .layouts import check_layout, check_local_length
+
+_WHERE = "jax_nkilib.ring_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    axis_names: tuple[str, ...]
+    size: int
+    causal: bool
+    layout: str
+    scale: float
+
+    @property
+    def axis(self):
+        return self.axis_names if len(self.axis_names) > 1 else self.axis_names[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Queries ``[q_start, q_stop)`` against keys ``[k_start, k_stop)`` (local indices) under a static rule:
+    none, or causal with query index shifted by ``q_base`` (``key <= query + q_base``)."""
+    q_start: int
+    q_stop: int
+    k_start: int
+    k_stop: int
+    causal: bool = False
+    q_base: int = 0
+
+    def rule(self) -> MaskRule:
+        return MaskRule(n_queries=self.q_stop - self.q_start, n_active=self.k_stop - self.k_start,
+                        causal=self.causal, q_base=self.q_base)
+
+
+def _plan(ring: _Ring, length: int, t: int) -> tuple:
+    """What step ``t`` computes: ``(piece,)`` on every shard, or ``(piece if r >= t, piece otherwise)``; ``None``
+    is a step with nothing visible."""
+    everything = _Piece(0, length, 0, length)
+    if not ring.causal:
+        return (everything,)
+    if t == 0:
+        return (_Piece(0, length, 0, length, causal=True),)
+    if ring.layout == "contiguous":
+        return everything, None
+    if ring.layout == "striped":
+        return _Piece(0, length, 0, length, causal=True), _Piece(0, length, 0, length, causal=True, q_base=-1)
+    chunk = length // 2
+    return _Piece(0, length, 0, chunk), _Piece(chunk, length, 0, length)
+
+
+def _pad_rows(x, axis: int, before: int, after: int, value=0.0):
+    if not before and not after:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (before, after)
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _forward_piece(piece, q, k, v, scale):
+    """A step's partial ``(o, row_max, row_sum)`` over all local query rows (rows outside the piece are empty)."""
+    acc = accumulation_dtype(q.dtype)
+    n_kv, groups, length, d = q.shape
+    if piece is None:
+        empty = (jnp.zeros(q.shape, acc), jnp.full(q.shape[:3], -jnp.inf, acc), jnp.zeros(q.shape[:3], acc))
+        return tuple(varying_like(x, q, k, v) for x in empty)
+    out, row_max, row_sum = attention_forward(q[:, :, piece.q_start:piece.q_stop], k[:, piece.k_start:piece.k_stop],
+                                              v[:, piece.k_start:piece.k_stop], piece.rule(), scale)
+    before, after = piece.q_start, length - piece.q_stop
+    return (_pad_rows(out, 2, before, after), _pad_rows(row_max, 2, before, after, -jnp.inf),
+            _pad_rows(row_sum, 2, before, after))
+
+
+def _backward_piece(piece, q, k, v, out, dy, lse, scale):
+    """A step's ``(dq, dk, dv)`` in the accumulation dtype, zero outside the piece."""
+    acc = accumulation_dtype(q.dtype)
+    if piece is None:
+        zeros = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
+        return tuple(varying_like(x, q, k, v, out, dy, lse) for x in zeros)
+    rows, keys = slice(piece.q_start, piece.q_stop), slice(piece.k_start, piece.k_stop)
+    dq, dk, dv, _ = attention_backward(q[:, :, rows], k[:, keys], v[:, keys], out[:, :, rows], dy[:, :, rows],
+                                       lse[:, :, rows], piece.rule(), scale)
+    q_pad, k_pad = (piece.q_start, q.shape[2] - piece.q_stop), (piece.k_start, k.shape[1] - piece.k_stop)
+    return _pad_rows(dq, 2, *q_pad), _pad_rows(dk, 1, *k_pad), _pad_rows(dv, 1, *k_pad)
+
+
+def _step(ring: _Ring, t: int, rank, compute, k, v):
+    """``compute(piece, k, v)`` for step ``t``'s plan: directly, or under ``lax.cond(rank >= t, ...)``."""
+    plan = _plan(ring, k.shape[1], t)
+    if len(plan) == 1:
+        return compute(plan[0], k, v)
+    first, otherwise = plan
+    return lax.cond(rank >= t, functools.partial(compute, first), functools.partial(compute, otherwise), k, v)
+
+
+def _shift(ring: _Ring, x):
+    """``x`` of shard ``i`` to shard ``i + 1`` (mod n)."""
+    return lax.ppermute(x, ring.axis, [(i, (i + 1) % ring.size) for i in range(ring.size)])
+
+
+def _after(k, v, state):
+    """``(k, v, state)`` unchanged, but ``k, v`` now depend on ``state``: the next transfer waits for the previous
+    step's compute, so at most two K/V blocks are alive at a time (without it XLA may issue every transfer at once,
+    keeping all ``n - 1`` blocks alive; it would also merge the backward's transfers with the forward's and keep
+    those alive until the backward)."""
+    return lax.optimization_barrier((k, v, state))
+
+
+def _merge(state, part):
+    """Combine ``(numerator, row_max, row_sum)`` with a step's ``(o, row_max, row_sum)`` (log-sum-exp stable)."""
+    numerator, max_a, sum_a = state
+    out_b, max_b, sum_b = part
+    new_max = jnp.maximum(max_a, max_b)
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    scale_a, scale_b = jnp.exp(max_a - safe_max), jnp.exp(max_b - safe_max)
+    return (numerator * scale_a[..., None] + out_b * (sum_b * scale_b)[..., None], new_max,
+            sum_a * scale_a + sum_b * scale_b)
+
+
+def _ring_forward(ring: _Ring, q, k, v):
+    """Engine layouts ``q [H_kv, G, L, d]``, ``k, v [H_kv, L, d]`` -> ``(out in q.dtype, lse [H_kv, G, L])``."""
+    rank = lax.axis_index(ring.axis)
+    compute = lambda piece, k_block, v_block: _forward_piece(piece, q, k_block, v_block, ring.scale)  # noqa: E731
+    state = None
+    for t in range(ring.size):
+        if t + 1 < ring.size:  # issue the next block's transfer before this step's compute
+            if state is not None:
+                k, v, state = _after(k, v, state)
+            k_next, v_next = _shift(ring, k), _shift(ring, v)
+        out, row_max, row_sum = _step(ring, t, rank, compute, k, v)
+        part = (out, row_max, row_sum)
+        state = (out * row_sum[..., None], row_max, row_sum) if state is None else _merge(state, part)
+        if t + 1 < ring.size:
+            k, v = k_next, v_next
+    numerator, row_max, row_sum = state
+    out = jnp.where(row_sum[..., None] > 0, numerator / jnp.where(row_sum > 0, row_sum, 1.0)[..., None], 0.0)
+    return out.astype(q.dtype), log_sum_exp(row_max, row_sum)
+
+
+def _ring_backward(ring: _Ring, residuals, dy):
+    q, k, v, out, lse = residuals
+    rank = lax.axis_index(ring.axis)
+    dy = dy.astype(q.dtype)
+    compute = lambda piece, k_block, v_block: _backward_piece(  # noqa: E731
+        piece, q, k_block, v_block, out, dy, lse, ring.scale)
+    k_block, v_block, dk_acc, dv_acc = k, v, None, None
+    for t in range(ring.size):
+        if t + 1 < ring.size:
+            if t:
+                k_block, v_block, (dq, dk_acc, dv_acc) = _after(k_block, v_block, (dq, dk_acc, dv_acc))
+            k_next, v_next = _shift(ring, k_block), _shift(ring, v_block)
+        dq_t, dk_t, dv_t = _step(ring, t, rank, compute, k_block, v_block)
+        if t == 0:
+            dq, dk_own, dv_own = dq_t, dk_t, dv_t
+        else:
+            dq = dq + dq_t
+            # the visiting block's accumulators, then on to the next shard (after the last step: to their owner)
+            dk_acc, dv_acc = (dk_t, dv_t) if dk_acc is None else (dk_acc + dk_t, dv_acc + dv_t)
+            dk_acc, dv_acc = _shift(ring, dk_acc), _shift(ring, dv_acc)
+        if t + 1 < ring.size:
+            k_block, v_block = k_next, v_next
+    dk, dv = (dk_own, dv_own) if dk_acc is None else (dk_own + dk_acc, dv_own + dv_acc)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attention(ring: _Ring, q, k, v):
+    return _ring_forward(ring, q, k, v)[0]
+
+
+def _ring_attention_fwd(ring: _Ring, q, k, v):
+    out, lse = _ring_forward(ring, q, k, v)
+    residuals = tuple(checkpoint_name(x, f"ring_attention.{name}")
+                      for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
+    return out, residuals
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_backward)
+
+
+def _axis_names(axis_name) -> tuple[str, ...]:
+    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+    if not (isinstance(names, tuple) and names and all(isinstance(name, str) for name in names)):
+        raise TypeError(f"{_WHERE}: `axis_name` must be a mesh axis name or a non-empty tuple of names; got "
+                        f"{axis_name!r}")
+    return names
+
+
+def _check(q, k, v, causal, layout, scale) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")) or x.ndim != 4:
+            raise ValueError(f"{_WHERE}: `{name}` must be a per-shard array [batch, seq, heads, head_dim]; got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+    if k.shape != v.shape:
+        raise ValueError(f"{_WHERE}: `k` and `v` must have the same shape [batch, seq, kv_heads, head_dim]; got "
+                         f"{k.shape} and {v.shape}")
+    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"{_WHERE}: `q` {q.shape} and `k` {k.shape} must agree on batch, local seq and head_dim "
+                         "(self-attention over one sharded sequence)")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"{_WHERE}: query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise TypeError(f"{_WHERE}: `q`, `k`, `v` must share one floating dtype; got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"{_WHERE}: `causal` must be a bool; got {causal!r}")
+    check_layout(layout, _WHERE)
+    check_local_length(layout, q.shape[1], _WHERE)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"{_WHERE}: `scale` must be a real number or None; got {scale!r}")
+
+
+def ring_attention(q, k, v, *, axis_name, causal: bool = True, layout: str = "zigzag", scale: float | None = None):
+    """Attention over a sequence sharded along mesh axis ``axis_name``; call inside ``jax.shard_map``.
+
+    Args:
+      q: this shard's queries ``[batch, L, heads, head_dim]``.
+      k, v: this shard's keys and values ``[batch, L, kv_heads, head_dim]`` (``heads % kv_heads == 0``).
+      axis_name: the mesh axis (a name, or a tuple of names, flattened in order) the sequence is split over.
+      causal: query at global position ``p`` sees keys at positions ``<= p``.
+      layout: ``"zigzag"`` (default), ``"striped"`` or ``"contiguous"``: which global positions a shard's tokens
+        have (see ``layouts.py``; ``to_ring_layout`` prepares a global array for it). Zigzag needs an even ``L``.
+      scale: defaults to ``1/sqrt(head_dim)``.
+
+    Returns this shard's output ``[batch, L, heads, head_dim]`` in ``q``'s dtype: gathered and put back in global
+    order it equals ``jax_nkilib.attention(q, k, v, causal=causal, scale=scale)`` on the global sequence.
+    Differentiable (a ring backward); the forward uses ``2 (n - 1)`` collective permutes and nothing else.
+    """
+    names = _axis_names(axis_name)
+    size = bound_axis_size(names)
+    if size is None:
+        raise ValueError(f"{_WHERE}: mesh axis {axis_name!r} is not bound here; call ring_attention inside "
+                         "jax.shard_map over a mesh with that axis (the sequence axis split over it)")
+    _check(q, k, v, causal, layout, scale)
+    batch, length, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    ring = _Ring(names, size, causal, layout, scale)
+    groups = heads // kv_heads
+    # engine layouts: batch folded into the kv-head axis
+    q_engine = jnp.transpose(q.reshape(batch, length, kv_heads, groups, head_dim), (0, 2, 3, 1, 4))
+    q_engine = q_engine.reshape(batch * kv_heads, groups, length, head_dim)
+    k_engine, v_engine = (jnp.transpose(x, (0, 2, 1, 3)).reshape(batch * kv_heads, length, head_dim) for x in (k, v))
+    out = _ring_attention(ring, q_engine, k_engine, v_engine)
+    out = jnp.transpose(out.reshape(batch, kv_heads, groups, length, head_dim), (0, 3, 1, 2, 4))
+    return out.reshape(batch, length, heads, head_dim)

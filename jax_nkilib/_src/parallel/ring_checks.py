@@ -1,0 +1,30 @@
+"""Checks the ring attention kernels share: the replica group is given and matches ``num_workers``; Trn2+."""
+
+from __future__ import annotations
+
+import os
+
+from ..framework import compat
+from ..framework.spec import CallInfo
+from ..neuron.compilers import DEFAULT_PLATFORM_TARGET, PLATFORM_TARGET_ENV_VAR
+
+
+def require_ring(call: CallInfo, groups: str, workers: str) -> None:
+    """``ValueError`` unless param ``groups`` names bound mesh axes whose size is param ``workers`` (>= 1)."""
+    p, function = call.params, call.function
+    if p[groups] is None:
+        raise ValueError(f"{function}: `{groups}` is required: the mesh axis name(s) of the ring (call the kernel "
+                         "inside jax.shard_map)")
+    if p[workers] < 1:
+        raise ValueError(f"{function}: `{workers}` must be >= 1; got {p[workers]}")
+    size = compat.bound_axis_size(p[groups])
+    if size is not None and size != p[workers]:
+        raise ValueError(f"{function}: {workers}={p[workers]} but the replica group {p[groups]} has {size} ranks")
+
+
+def needs_trn2() -> list[str]:
+    """The ring kernels run on Trainium2 or later: an unmet limit when the platform target is Trn1/Inf2."""
+    target = os.environ.get(PLATFORM_TARGET_ENV_VAR, DEFAULT_PLATFORM_TARGET)
+    if target.startswith(("trn1", "inf2")):
+        return [f"the kernel needs Trainium2 or later; the platform target is {target} (${PLATFORM_TARGET_ENV_VAR})"]
+    return []
