@@ -1,0 +1,257 @@
+"""all_gather_matmul and matmul_reduce_scatter: ppermute rings inside jax.shard_map on 8 CPU devices."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+from jax_nkilib._src.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from tests.support.data import random
+from tests.support.numerics import assert_close, assert_no_worse_than_plain
+from tests.support.sharding import mesh_1d, shard
+
+B, S, K, N = 2, 24, 12, 16  # S and N divide over 8 ranks; S_local = 3
+
+
+def f64(x):
+    """float64 copy of ``x`` (bfloat16 through float32, which holds it exactly)."""
+    x = jnp.asarray(x)
+    return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x, np.float64)
+
+
+def placed(mesh, specs, *args) -> tuple:
+    """``shard`` always as a tuple."""
+    out = shard(mesh, specs, *args)
+    return out if len(args) > 1 else (out,)
+
+
+def run(fn, mesh, in_specs, out_specs, *args):
+    body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    return jax.jit(body)(*placed(mesh, in_specs, *args))
+
+
+def collective_counts(fn, mesh, in_specs, out_specs, *args) -> dict:
+    body = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    text = body.lower(*placed(mesh, in_specs, *args)).compile().as_text()
+    return {op: len(re.findall(rf"\s{op}(?:-start)?\(", text))
+            for op in ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")}
+
+
+# ----------------------------------------------------------------------------------------------- all_gather_matmul
+GATHER = dict(in_specs=(P(None, "r"), P(None, "r")), out_specs=P(None, None, "r"))  # x [B, S/8, K], w [K, N/8]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
+def test_all_gather_matmul_matches_oracle(dtype):
+    x, w = random((B, S, K), dtype, 0), random((K, N), dtype, 1)
+    out = run(functools.partial(all_gather_matmul, axis_name="r", gather_axis=1), mesh_1d("r"), GATHER["in_specs"],
+              GATHER["out_specs"], x, w)
+    want = f64(x) @ f64(w)
+    assert out.dtype == dtype and out.shape == (B, S, N)
+    assert_close(out, want, dtype, reduction=K)
+    if dtype == jnp.bfloat16:
+        assert_no_worse_than_plain(out, jnp.matmul(x, w), want)
+
+
+def test_all_gather_matmul_first_axis_replicated_weight():
+    x, w = random((S, K), jnp.float32, 2), random((K, N), jnp.float32, 3)
+    out = run(functools.partial(all_gather_matmul, axis_name="r"), mesh_1d("r"), (P("r"), P()), P("r"), x, w)
+    assert out.shape == (8 * S, N)  # every rank returns the full [S, N]
+    for rank in range(8):
+        assert_close(np.asarray(out)[rank * S:(rank + 1) * S], f64(x) @ f64(w), jnp.float32, reduction=K)
+
+
+@pytest.mark.slow  # op-by-op dispatch of the rings
+def test_eager_matches_jit():
+    mesh = mesh_1d("r")
+    cases = ((all_gather_matmul, (P("r"), P()), random((S, K), seed=2), random((K, N), seed=3)),
+             (matmul_reduce_scatter, (P(None, "r"), P("r")), random((S, K8), seed=4), random((K8, N), seed=5)))
+    for fn, specs, x, w in cases:
+        body = jax.shard_map(functools.partial(fn, axis_name="r"), mesh=mesh, in_specs=specs, out_specs=P("r"))
+        args = placed(mesh, specs, x, w)
+        np.testing.assert_allclose(np.asarray(body(*args)), np.asarray(jax.jit(body)(*args)), rtol=1e-6)
+
+
+def test_all_gather_matmul_ring_over_one_axis_of_a_2x4_mesh():
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    x, w = random((B, S, K), jnp.float32, 4), random((K, N), jnp.float32, 5)
+    # batch over a, tokens over b (the ring), weight columns replicated
+    out = run(functools.partial(all_gather_matmul, axis_name="b", gather_axis=1), mesh, (P("a", "b"), P()),
+              P("a", "b"), x, w)
+    # each rank of b returns the full sequence: the output stacks 4 copies along the token axis
+    want = f64(x) @ f64(w)
+    for rank in range(4):
+        assert_close(np.asarray(out)[:, rank * S:(rank + 1) * S], want, jnp.float32, reduction=K)
+    # and over the other axis, with the weight's columns sharded over b
+    # (the ring's result is typed as varying over a: the two copies stack along the batch axis)
+    out = run(functools.partial(all_gather_matmul, axis_name="a", gather_axis=1), mesh, (P(None, "a"), P(None, "b")),
+              P("a", None, "b"), x, w)
+    assert_close(out, np.concatenate([want, want]), jnp.float32, reduction=K)
+
+
+def test_all_gather_matmul_compiles_to_n_minus_1_collective_permutes():
+    x, w = random((B, S, K)), random((K, N), seed=1)
+    fn = functools.partial(all_gather_matmul, axis_name="r", gather_axis=1)
+    counts = collective_counts(fn, mesh_1d("r"), GATHER["in_specs"], GATHER["out_specs"], x, w)
+    assert counts == {"collective-permute": 7, "all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    counts = collective_counts(functools.partial(all_gather_matmul, axis_name="b", gather_axis=1), mesh,
+                               (P("a", "b"), P()), P("a", "b"), x, w)
+    assert counts["collective-permute"] == 3 and counts["all-gather"] == 0
+
+
+# ------------------------------------------------------------------------------------------- matmul_reduce_scatter
+SCATTER = dict(in_specs=(P(None, None, "r"), P("r")), out_specs=P(None, "r"))  # x [B, S, K/8], w [K/8, N]
+K8 = 32  # contraction split over 8 ranks
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
+def test_matmul_reduce_scatter_matches_oracle(dtype):
+    x, w = random((B, S, K8), dtype, 6), random((K8, N), dtype, 7)
+    out = run(functools.partial(matmul_reduce_scatter, axis_name="r", scatter_axis=1), mesh_1d("r"),
+              SCATTER["in_specs"], SCATTER["out_specs"], x, w)
+    want = f64(x) @ f64(w)
+    assert out.dtype == dtype and out.shape == (B, S, N)
+    assert_close(out, want, dtype, reduction=K8)
+    if dtype == jnp.bfloat16:  # the partial sums travel in float32: no worse than one bf16 matmul
+        assert_no_worse_than_plain(out, jnp.matmul(x, w), want)
+
+
+def test_matmul_reduce_scatter_on_a_2x4_mesh_and_negative_axis():
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    x, w = random((B, S, K8), jnp.float32, 8), random((K8, N), jnp.float32, 9)
+    # contraction over b (the ring), batch over a; the scattered token axis given as -2
+    out = run(functools.partial(matmul_reduce_scatter, axis_name="b", scatter_axis=-2), mesh,
+              (P("a", None, "b"), P("b")), P("a", "b"), x, w)
+    assert_close(out, f64(x) @ f64(w), jnp.float32, reduction=K8)
+
+
+def test_matmul_reduce_scatter_compiles_to_n_minus_1_collective_permutes():
+    x, w = random((B, S, K8)), random((K8, N), seed=1)
+    fn = functools.partial(matmul_reduce_scatter, axis_name="r", scatter_axis=1)
+    counts = collective_counts(fn, mesh_1d("r"), SCATTER["in_specs"], SCATTER["out_specs"], x, w)
+    assert counts == {"collective-permute": 7, "all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
+
+
+# ----------------------------------------------------------------------------------------------- autodiff and vmap
+def _differentiable(fn, mesh, in_specs, out_spec):
+    body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
+    return lambda *args: body(*(jax.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)))
+
+
+@pytest.mark.parametrize("weight_spec", [P(None, "r"), P()])
+def test_all_gather_matmul_gradients(weight_spec):
+    mesh = mesh_1d("r")
+    x, w = random((S, 4), jnp.float64, 10), random((4, 8), jnp.float64, 11)
+    out_spec = P(None, "r") if weight_spec == P(None, "r") else P("r")
+    fn = _differentiable(functools.partial(all_gather_matmul, axis_name="r"), mesh, (P("r"), weight_spec), out_spec)
+    check_grads(jax.jit(fn), placed(mesh, (P("r"), weight_spec), x, w), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("weight_spec", [P("r"), P()])
+def test_matmul_reduce_scatter_gradients(weight_spec):
+    mesh = mesh_1d("r")
+    k = 16 if weight_spec == P("r") else 2
+    x_spec = P(None, "r") if weight_spec == P("r") else P()
+    x, w = random((S, k), jnp.float64, 12), random((k, 4), jnp.float64, 13)
+    fn = _differentiable(functools.partial(matmul_reduce_scatter, axis_name="r"), mesh, (x_spec, weight_spec),
+                         P("r"))
+    check_grads(jax.jit(fn), placed(mesh, (x_spec, weight_spec), x, w), order=1, modes=["rev"])
+
+
+def test_gradients_match_oracle_and_backward_is_rings_only():
+    """d/dx and d/dw of <C, y>: C w^T and x^T C (the global matrices), by ppermute rings only."""
+    mesh = mesh_1d("r")
+    x, w, c = random((S, K), jnp.float32, 14), random((K, N), jnp.float32, 15), random((S, N), jnp.float32, 16)
+
+    def grads(x_, w_, c_):
+        _, vjp = jax.vjp(functools.partial(all_gather_matmul, axis_name="r"), x_, w_)
+        return vjp(c_)
+
+    specs = (P("r"), P(None, "r"), P(None, "r"))
+    dx, dw = run(grads, mesh, specs, (P("r"), P(None, "r")), x, w, c)
+    assert_close(dx, f64(c) @ f64(w).T, jnp.float32, reduction=N)
+    assert_close(dw, f64(x).T @ f64(c), jnp.float32, reduction=S)
+    counts = collective_counts(grads, mesh, specs, (P("r"), P(None, "r")), x, w, c)
+    assert counts == {"collective-permute": 14, "all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
+
+    def grads_rs(x_, w_, c_):
+        _, vjp = jax.vjp(functools.partial(matmul_reduce_scatter, axis_name="r"), x_, w_)
+        return vjp(c_)
+
+    x2, w2 = random((S, K8), jnp.float32, 17), random((K8, N), jnp.float32, 18)
+    specs = (P(None, "r"), P("r"), P("r"))
+    dx2, dw2 = run(grads_rs, mesh, specs, (P(None, "r"), P("r")), x2, w2, c)
+    assert_close(dx2, f64(c) @ f64(w2).T, jnp.float32, reduction=N)
+    assert_close(dw2, f64(x2).T @ f64(c), jnp.float32, reduction=S)
+    counts = collective_counts(grads_rs, mesh, specs, (P(None, "r"), P("r")), x2, w2, c)
+    # both backward rings circulate dy: XLA shares their 7 permutes
+    assert counts == {"collective-permute": 7, "all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
+
+
+def test_vmap_inside_shard_map():
+    mesh = mesh_1d("r")
+    xs, w = random((3, S, K), jnp.float32, 19), random((K, N), jnp.float32, 20)
+    batched = lambda x_, w_: jax.vmap(functools.partial(all_gather_matmul, axis_name="r"), (0, None))(x_, w_)  # noqa: E731
+    out = run(batched, mesh, (P(None, "r"), P(None, "r")), P(None, None, "r"), xs, w)
+    assert_close(out, f64(xs) @ f64(w), jnp.float32, reduction=K)
+    # a batch of weights (in_axes=(None, 0)) for matmul_reduce_scatter
+    x2, ws = random((S, K8), jnp.float32, 21), random((2, K8, N), jnp.float32, 22)
+    batched = lambda x_, w_: jax.vmap(functools.partial(matmul_reduce_scatter, axis_name="r"), (None, 0))(x_, w_)  # noqa: E731
+    out = run(batched, mesh, (P(None, "r"), P(None, "r")), P(None, "r"), x2, ws)
+    assert_close(out, np.einsum("sk,bkn->bsn", f64(x2), f64(ws)), jnp.float32, reduction=K8)
+
+
+def test_vmap_of_grad_per_example():
+    mesh = mesh_1d("r")
+    xs, w, c = random((3, S, K), jnp.float64, 23), random((K, N), jnp.float64, 24), random((S, N), jnp.float64, 25)
+
+    def per_example(x_, w_, c_):
+        loss = lambda x1: jnp.vdot(all_gather_matmul(x1, w_, axis_name="r"), c_)  # noqa: E731  local partial loss
+        return jax.vmap(jax.grad(loss))(x_)
+
+    out = run(per_example, mesh, (P(None, "r"), P(None, "r"), P(None, "r")), P(None, "r"), xs, w, c)
+    want = np.broadcast_to(f64(c) @ f64(w).T, (3, S, K))
+    assert_close(out, want, jnp.float64, reduction=N)
+
+
+# ------------------------------------------------------------------------------------------------------ bad inputs
+@pytest.mark.parametrize("fn", [all_gather_matmul, matmul_reduce_scatter])
+@pytest.mark.parametrize("case, error, fragment", [
+    (dict(axis_name="nope"), ValueError, "inside jax.shard_map"),
+    (dict(axis_name=3), TypeError, "mesh axis name"),
+    (dict(w_shape=(K8, N, 1)), ValueError, "[K, N]"),
+    (dict(w_shape=(K8 + 1, N)), ValueError, "contraction dimensions differ"),
+    (dict(x_shape=(K8,)), ValueError, "rank >= 2"),
+    (dict(axis=1), ValueError, "not its last"),
+    (dict(axis=-1), ValueError, "not its last"),
+    (dict(axis=5), ValueError, "out of range"),
+    (dict(axis=0.0), TypeError, "must be an int"),
+    (dict(dtype=jnp.int32), TypeError, "floating dtype"),
+])
+def test_bad_inputs(fn, case, error, fragment):
+    mesh = mesh_1d("r")
+    x = jnp.ones(case.get("x_shape", (S, K8)), case.get("dtype", jnp.float32))
+    w = jnp.ones(case.get("w_shape", (K8, N)), jnp.float32)
+    axis_kw = "gather_axis" if fn is all_gather_matmul else "scatter_axis"
+    call = functools.partial(fn, axis_name=case.get("axis_name", "r"), **{axis_kw: case.get("axis", 0)})
+    body = jax.shard_map(call, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)
+    with pytest.raises(error) as info:
+        jax.jit(body)(x, w)
+    assert fragment in str(info.value)
+
+
+def test_scatter_axis_must_divide_over_the_ring_and_calls_need_shard_map():
+    mesh = mesh_1d("r")
+    body = jax.shard_map(functools.partial(matmul_reduce_scatter, axis_name="r"), mesh=mesh, in_specs=(P(), P()),
+                         out_specs=P(), check_vma=False)
+    with pytest.raises(ValueError, match="does not divide over the 8 ranks"):
+        jax.jit(body)(jnp.ones((12, 4)), jnp.ones((4, 2)))
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+        all_gather_matmul(jnp.ones((4, 4)), jnp.ones((4, 4)), axis_name="r")
