@@ -9,6 +9,7 @@ from jax_nkilib._src.attention.ops import attention, decode_attention
 from jax_nkilib._src.framework.config import config, current_lnc
 from jax_nkilib._src.mlp.ops import mlp
 from jax_nkilib._src.norm.ops import dequantize_fp8, layer_norm, quantize_fp8, rms_norm
+from jax_nkilib._src.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_nkilib._src.projection.ops import output_projection, qkv_projection
 from jax_nkilib._src.quant.ops import dequantize_mx, mxfp8_matmul, quantize_mx
 from jax_nkilib._src.quant.weights import QuantizedWeight, quantize_weight_fp8
@@ -19,8 +20,8 @@ from jax_nkilib._src.tools.support import KernelSupport, support_matrix
 __version__ = "0.1.0"
 
 __all__ = [
-    "attention", "config", "current_lnc", "decode_attention", "dequantize_fp8", "dequantize_mx", "explain",
-    "Explanation", "KernelCallReport", "KernelSupport", "layer_norm", "mlp", "mxfp8_matmul", "neuron", "neuron_hlo",
-    "nki", "output_projection", "qkv_projection", "quantize_fp8", "quantize_mx", "quantize_weight_fp8",
-    "QuantizedWeight", "rms_norm", "rope", "support_matrix"
+    "all_gather_matmul", "attention", "config", "current_lnc", "decode_attention", "dequantize_fp8", "dequantize_mx",
+    "explain", "Explanation", "KernelCallReport", "KernelSupport", "layer_norm", "matmul_reduce_scatter", "mlp",
+    "mxfp8_matmul", "neuron", "neuron_hlo", "nki", "output_projection", "qkv_projection", "quantize_fp8",
+    "quantize_mx", "quantize_weight_fp8", "QuantizedWeight", "rms_norm", "rope", "support_matrix"
 ]

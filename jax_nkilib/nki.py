@@ -10,25 +10,39 @@ from jax_nkilib._src.attention.segmented import attention_segmented_cte
 from jax_nkilib._src.attention.swa_fused import swa_fused_cte
 from jax_nkilib._src.attention.tkg import attention_tkg
 from jax_nkilib._src.common_types import (ActFnType, DtypeMode, MLPGateUpWeightLayout, NormType, QKVOutputLayout,
-                                           QKVWeightLayout, QuantizationType)
+                                           QKVWeightLayout, QuantizationType, RouterActFnType)
 from jax_nkilib._src.mlp.kernel import mlp
 from jax_nkilib._src.mlp_mxfp8.backward import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp_mxfp8.forward import mlp_forward_mxfp8_nki
 from jax_nkilib._src.norm.rmsnorm_quant import rmsnorm_quant_kernel
 from jax_nkilib._src.norm.tkg import layernorm_tkg, rmsnorm_tkg
+from jax_nkilib._src.parallel.allgather import (allgather_compute_matmul, allgather_sb2sb, allgather_sb2sb_tiled,
+                                                fine_grained_allgather)
+from jax_nkilib._src.parallel.batch_shard import AttnQBatchShardLayout, attn_q_batch_shard
+from jax_nkilib._src.parallel.collectives import (all_gather_hbm_kernel, all_reduce_hbm_kernel, all_to_all_hbm_kernel,
+                                                  dma_copy_rank_id_kernel, rank_id_kernel, reduce_scatter_hbm_kernel)
+from jax_nkilib._src.parallel.ring_kernels import (ring_attention_spmd_bwd, ring_attention_spmd_fwd,
+                                                   ring_attention_unpermute)
 from jax_nkilib._src.projection.output_cte import output_projection_cte
 from jax_nkilib._src.projection.output_tkg import output_projection_tkg
 from jax_nkilib._src.projection.qkv import qkv
+from jax_nkilib._src.quant.fp8_tiles import pre_combine_dequant_scales, row_quantization, static_quantization
 from jax_nkilib._src.quant.matmul_mxfp8 import matmul_mxfp8, matmul_mxfp8_backward
 from jax_nkilib._src.quant.quantize_mxfp8 import quantize_block_mxfp8_kernel
 from jax_nkilib._src.quant.rmsnorm_mx import rmsnorm_mx_quantize_tkg
+from jax_nkilib._src.quant.rmsnorm_mx_prefill import rmsnorm_mx_prefill
 from jax_nkilib._src.rope import RoPE, rope_hf
 
 __all__ = [
-    "ActFnType", "attention_bwd", "attention_cte", "attention_kv_parallel_segmented_cte", "attention_mxfp8_tkg",
-    "attention_segmented_cte", "attention_tkg", "DtypeMode", "gen_mask_tkg", "gen_mask_tkg_hbm", "layernorm_tkg",
-    "matmul_mxfp8", "matmul_mxfp8_backward", "mlp", "mlp_backward_mxfp8_nki", "mlp_forward_mxfp8_nki",
-    "MLPGateUpWeightLayout", "NormType", "output_projection_cte", "output_projection_tkg", "qkv", "QKVOutputLayout",
-    "QKVWeightLayout", "QuantizationType", "quantize_block_mxfp8_kernel", "rmsnorm_mx_quantize_tkg",
-    "rmsnorm_quant_kernel", "rmsnorm_tkg", "RoPE", "rope_hf", "swa_fused_cte"
+    "ActFnType", "all_gather_hbm_kernel", "all_reduce_hbm_kernel", "all_to_all_hbm_kernel",
+    "allgather_compute_matmul", "allgather_sb2sb", "allgather_sb2sb_tiled", "attention_bwd", "attention_cte",
+    "attention_kv_parallel_segmented_cte", "attention_mxfp8_tkg", "attention_segmented_cte", "attention_tkg",
+    "attn_q_batch_shard", "AttnQBatchShardLayout", "dma_copy_rank_id_kernel", "DtypeMode", "fine_grained_allgather",
+    "gen_mask_tkg", "gen_mask_tkg_hbm", "layernorm_tkg", "matmul_mxfp8", "matmul_mxfp8_backward", "mlp",
+    "mlp_backward_mxfp8_nki", "mlp_forward_mxfp8_nki", "MLPGateUpWeightLayout", "NormType", "output_projection_cte",
+    "output_projection_tkg", "pre_combine_dequant_scales", "qkv", "QKVOutputLayout", "QKVWeightLayout",
+    "QuantizationType", "quantize_block_mxfp8_kernel", "rank_id_kernel", "reduce_scatter_hbm_kernel",
+    "ring_attention_spmd_bwd", "ring_attention_spmd_fwd", "ring_attention_unpermute", "rmsnorm_mx_prefill",
+    "rmsnorm_mx_quantize_tkg", "rmsnorm_quant_kernel", "rmsnorm_tkg", "RoPE", "rope_hf", "RouterActFnType",
+    "row_quantization", "static_quantization", "swa_fused_cte"
 ]
