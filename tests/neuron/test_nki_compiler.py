@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_nkilib
-from jax_nkilib._src.neuron.compilers import kernel_arguments, library_enum
+from jax_nkilib._src.neuron.compilers import device_dtypes, kernel_arguments, library_enum, replica_group_arguments
 from jax_nkilib.neuron import NeuronOutputMismatchError, NkiApiError
 from jax_nkilib.nki import RoPE
 from tests.support.data import angles, random
@@ -132,3 +132,41 @@ def test_enum_flags_become_the_librarys_members(monkeypatch):
     assert library_enum(0.5) == 0.5
     with pytest.raises(NkiApiError, match="no member"):
         library_enum(jax_nkilib.nki.NormType.LAYER_NORM)
+
+
+def test_replica_groups_reach_library_kernels_as_replica_group_objects(monkeypatch):
+    class ReplicaGroup:  # the SDK's nki.collectives.ReplicaGroup
+        def __init__(self, groups):
+            self.groups = groups
+
+    module = types.ModuleType("nki.collectives")
+    module.ReplicaGroup = ReplicaGroup
+    monkeypatch.setitem(sys.modules, "nki.collectives", module)
+    from jax_nkilib._src.attention.kv_parallel import ATTENTION_KV_PARALLEL_SEGMENTED_CTE_SPEC as library_spec
+    from jax_nkilib._src.parallel.collectives import all_reduce_hbm_kernel
+
+    adapter_spec = all_reduce_hbm_kernel.spec
+
+    ranks = ((0, 2, 4, 6), (1, 3, 5, 7))
+    wrapped = replica_group_arguments(library_spec, {"replica_groups": ranks, "scale": 1.0})
+    assert isinstance(wrapped["replica_groups"], ReplicaGroup) and wrapped["replica_groups"].groups == [
+        [0, 2, 4, 6], [1, 3, 5, 7]]
+    assert wrapped["scale"] == 1.0
+    adapter_name = next(p.name for p in adapter_spec.params if p.kind == "axis")
+    assert replica_group_arguments(adapter_spec, {adapter_name: ranks}) == {adapter_name: ranks}  # adapters: lists
+
+
+def test_dtype_params_reach_library_kernels_as_nki_language_dtypes(monkeypatch):
+    language = types.ModuleType("nki.language")
+    language.float32, language.float8_e4m3fn_x4 = "nl.float32", "nl.float8_e4m3fn_x4"
+    monkeypatch.setitem(sys.modules, "nki.language", language)
+    from jax_nkilib._src.attention.cte import ATTENTION_CTE_SPEC
+    from jax_nkilib._src.quant.rmsnorm_mx_prefill import rmsnorm_mx_prefill
+
+    static = {"softmax_dtype": np.dtype(np.float32), "mm_out_dtype": None, "scale": 1.0}
+    assert device_dtypes(ATTENTION_CTE_SPEC, static) == {"softmax_dtype": "nl.float32", "mm_out_dtype": None,
+                                                         "scale": 1.0}
+    x4 = device_dtypes(rmsnorm_mx_prefill.spec, {"qmx_output_dtype": np.dtype(jax.numpy.float8_e4m3fn)})
+    assert x4 == {"qmx_output_dtype": "nl.float8_e4m3fn_x4"}  # the packed x4 type the kernel allocates
+    with pytest.raises(NkiApiError, match="no dtype float16"):
+        device_dtypes(ATTENTION_CTE_SPEC, {"softmax_dtype": np.dtype(np.float16)})

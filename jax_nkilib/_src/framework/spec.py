@@ -19,6 +19,7 @@ from .layout import Layout
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float64))
 NEURON_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+DTYPE_KINDS = ("dtype", "dtype-x4")
 FOLLOW_LNC = "follow-lnc"  # default of an LNC-sharding flag: True when the LNC degree is > 1
 
 
@@ -109,7 +110,8 @@ def _axis_names(value: Any, param: str, function: str) -> tuple[str, ...]:
 class Param:
     """A static (compile-time) argument.
 
-    ``kind`` is ``bool``, ``int``, ``float``, ``"dtype"``, ``"axis"`` (a replica group given as mesh axis names: a
+    ``kind`` is ``bool``, ``int``, ``float``, ``"dtype"``, ``"dtype-x4"`` (a packed-x4 format such as
+    ``float8_e4m3fn_x4``, given by its element dtype), ``"axis"`` (a replica group given as mesh axis names: a
     name or a tuple of names bound by the enclosing ``jax.shard_map``; normalized to a tuple), an ``enum.Enum``
     subclass (members or member-name strings accepted) or a tuple of allowed values. A ``None`` default makes the
     param optional. ``default`` may be :data:`FOLLOW_LNC` for flags that follow the LNC degree.
@@ -132,7 +134,7 @@ class Param:
             expected = ", ".join(kind.__members__)
             raise TypeError(f"{function}: parameter `{self.name}` must be a {kind.__name__} member or one of "
                             f"{expected}; got {value!r}")
-        if kind == "dtype":
+        if kind in DTYPE_KINDS:
             try:
                 return np.dtype(jnp.dtype(value))
             except TypeError:

@@ -132,7 +132,7 @@ MLP_BACKWARD_MXFP8_SPEC = KernelSpec(
     ),
     params=(
         Param("run_with_lnc2", True, bool, "split the phases over the two logical cores of LNC=2"),
-        Param("fp8_x4_dtype", "float8_e4m3fn", "dtype", "accepted, unused by the kernel (e4m3fn matmuls)"),
+        Param("fp8_x4_dtype", "float8_e4m3fn", "dtype-x4", "accepted, unused by the kernel (e4m3fn matmuls)"),
         Param("spill_reload", True, bool, "spill quantized operands to HBM (performance only)"),
         Param("use_scale_packing", True, bool, "pack the kernel's internal scales (performance only)"),
         *(Param(name, None, float, "ClampLimits field") for name in math.CLAMPS),

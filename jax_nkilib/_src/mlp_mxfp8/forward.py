@@ -132,7 +132,7 @@ MLP_FORWARD_MXFP8_SPEC = KernelSpec(
         Param("run_with_lnc2", True, bool, "split S over the two logical cores of LNC=2 (the kernel's default)"),
         *(Param(knob, 1 if knob.endswith("_n") else 8, int, "matmul tiles per block (performance only)")
           for knob in TILE_KNOBS),
-        Param("fp8_x4_dtype", "float8_e4m3fn", "dtype", "accepted, unused by the kernel (e4m3fn matmuls)"),
+        Param("fp8_x4_dtype", "float8_e4m3fn", "dtype-x4", "accepted, unused by the kernel (e4m3fn matmuls)"),
         *(Param(flag, False, bool, f"also return the `{name}` checkpoint [S, I]") for flag, name in
           zip(SAVES, CHECKPOINTS)),
         Param("dtype", "bfloat16", "dtype", "output, intermediate and checkpoint dtype"),

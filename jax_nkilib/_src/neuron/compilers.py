@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..framework import config
-from ..framework.spec import CallInfo, KernelSpec
+from ..framework.spec import DTYPE_KINDS, CallInfo, KernelSpec
 from ..framework.validation import outputs_of
 
 PLATFORM_TARGET_ENV_VAR = "NEURON_PLATFORM_TARGET_OVERRIDE"
@@ -146,6 +146,38 @@ def library_enum(value: Any) -> Any:
         raise NkiApiError(f"the installed NKI Library's {type(value).__name__} has no member {value.name}") from None
 
 
+ADAPTER_PACKAGE = "jax_nkilib_kernels."
+
+
+def replica_group_arguments(spec: KernelSpec, static: Mapping[str, Any]) -> dict[str, Any]:
+    """``static`` with each replica-group param (rank lists after lowering) as an ``nki.collectives.ReplicaGroup``,
+    the type the NKI Library's collective kernels declare. Device adapters in ``jax_nkilib_kernels`` take the rank
+    lists and build what their library call needs."""
+    axis_params = [param.name for param in spec.params if param.kind == "axis" and static.get(param.name) is not None]
+    if not axis_params or spec.entry_point.startswith(ADAPTER_PACKAGE):
+        return dict(static)
+    replica_group = _import_entry_point("nki.collectives:ReplicaGroup")
+    return {**static, **{name: replica_group([list(ranks) for ranks in static[name]]) for name in axis_params}}
+
+
+def device_dtypes(spec: KernelSpec, static: Mapping[str, Any]) -> dict[str, Any]:
+    """``static`` with dtype params as ``nki.language`` dtypes of the same name (``"dtype-x4"`` params as the packed
+    ``<name>_x4`` type, e.g. ``nl.float8_e4m3fn_x4``), the objects NKI kernels allocate with. Device adapters in
+    ``jax_nkilib_kernels`` convert their own."""
+    kinds = {param.name: param.kind for param in spec.params if param.kind in DTYPE_KINDS}
+    present = [name for name in kinds if static.get(name) is not None]
+    if not present or spec.entry_point.startswith(ADAPTER_PACKAGE):
+        return dict(static)
+    language = importlib.import_module("nki.language")
+    converted = {}
+    for name in present:
+        type_name = np.dtype(static[name]).name + ("_x4" if kinds[name] == "dtype-x4" else "")
+        if not hasattr(language, type_name):
+            raise NkiApiError(f"nki.language has no dtype {type_name} (parameter `{name}` of {spec.name})")
+        converted[name] = getattr(language, type_name)
+    return {**static, **converted}
+
+
 def kernel_arguments(function, tensors: Mapping[str, Any], static: Mapping[str, Any]) -> tuple[list, dict]:
     """Positional and keyword arguments for ``function``: tensors positionally while they fill the signature's
     leading parameters in order, every other tensor (after an absent optional one, or after static parameters in
@@ -195,6 +227,7 @@ class NkiCompiler:
         if build_config is None:
             raise NkiApiError("nki's CompileKernel object has no `build_config`; this nki version is not supported")
         static = {name: library_enum(value) for name, value in static_kernel_kwargs(spec, call).items()}
+        static = device_dtypes(spec, replica_group_arguments(spec, static))
         args, kwargs = kernel_arguments(function, tensors, static)
         framework_config = build_config(*args, **kwargs)
         missing = [attr for attr in ("backend_config_b64", "output_specs", "operand_output_aliases",

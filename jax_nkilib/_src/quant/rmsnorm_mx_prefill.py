@@ -264,7 +264,7 @@ RMSNORM_MX_PREFILL_SPEC = SelectedOutputsSpec(
         Param("n_group", 1, int, "NOAUX_TC: expert groups"),
         Param("topk_group", 1, int, "NOAUX_TC: groups kept"),
         Param("routed_scaling_factor", 1.0, float, "NOAUX_TC: affinity multiplier"),
-        Param("qmx_output_dtype", "float8_e4m3fn", "dtype", "MX element format: float8_e4m3fn (x4) only"),
+        Param("qmx_output_dtype", "float8_e4m3fn", "dtype-x4", "MX element format: float8_e4m3fn (x4) only"),
         Param("pack_scales", True, bool, "fold 4 H512 tiles' scales into one 128-byte block"),
         Param("pack_affinities", False, bool, "router: append the affinities to the packed row"),
         Param("unpadded_hidden_size", None, int, "the mean's denominator (default H)"),
