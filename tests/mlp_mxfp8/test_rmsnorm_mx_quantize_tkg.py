@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_nkilib
-from jax_nkilib.neuron import NeuronFallbackWarning
+from jax_nkilib.neuron import NeuronFallbackWarning, NeuronUnsupportedError
 from jax_nkilib.nki import rmsnorm_mx_quantize_tkg
 from tests.mlp_mxfp8.test_mlp_mxfp8_forward import assert_matches
 from tests.quant.test_mx import oracle_quantize_groups
@@ -133,6 +133,9 @@ def test_neuron_lowering():
             neuron_text(call, *problem(b=4, s=1, h=512, dtype=jnp.float32, residual=False))
     with jax_nkilib.neuron.dry_run(), pytest.warns(NeuronFallbackWarning, match="only with LNC=2; got LNC=1"):
         assert kernel_configs(neuron_text(call, inp, gamma, res)) == []
+    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(on_unsupported="error"):  # the policy: raise instead
+        with pytest.raises(NeuronUnsupportedError, match="only with LNC=2; got LNC=1"):
+            neuron_text(call, inp, gamma, res)
 
 
 @pytest.mark.parametrize("args, kwargs, error, fragment", [
