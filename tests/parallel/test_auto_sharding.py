@@ -163,11 +163,18 @@ def test_ops_inside_a_user_shard_map_run_on_local_shards(mesh):
     assert_close(local, jax_nkilib.rms_norm(x), jnp.float32, reduction=H)
 
 
-def test_an_auto_mesh_computes_globally():
+def test_an_auto_mesh_computes_globally_and_explicit_axes_gives_the_plan():
     auto_mesh = jax.make_mesh((8,), ("data",))
     x = random((8, S, H), seed=0)
     placed = jax.device_put(x, NamedSharding(auto_mesh, P("data")))
     assert_close(jax.jit(jax_nkilib.rms_norm)(placed), jax_nkilib.rms_norm(x), jnp.float32, reduction=H)
+    norm = jax.sharding.explicit_axes(jax_nkilib.rms_norm, axes=("data",), in_sharding=P("data"))  # the README's
+    with jax.set_mesh(auto_mesh):
+        assert_close(jax.jit(norm)(placed), jax_nkilib.rms_norm(x), jnp.float32, reduction=H)
+        with jax_nkilib.neuron.dry_run():
+            text = jax_nkilib.neuron_hlo(norm, placed)
+    assert "sdy.manual_computation" in text
+    assert kernel_configs(text)[0]["input_specs"][0][0] == [S, 1, H]  # one device's S tokens, not all 8 * S
 
 
 @pytest.mark.parametrize("op, fn, args, specs, message", [
