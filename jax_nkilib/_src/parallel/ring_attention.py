@@ -23,11 +23,16 @@ is the shard's own keys, where positions rise with the local index, so it is the
   never the second; ``s > r``: only the second query chunk sees keys, all of them. Either way ``L x c`` unmasked
   work per step on every shard.
 
+Steps ``1 .. n-2`` run as one rolled loop (step 0 and the last step, which has no transfer after it, run outside
+it), so one step's buffers are alive at a time and per-device memory stays ``O(L)``.
+
 Reverse mode (``jax.custom_vjp``): the forward saves ``q, k, v``, the output and the row log-sum-exp
 ``lse = m + log l`` (tagged ``checkpoint_name("ring_attention.<name>")``). The backward is a ring too: ``dq``
 accumulates locally; each step runs the engine's FlashAttention-2 backward with the global ``lse`` on the visiting
 block, and the visiting block's ``dk, dv`` accumulators travel with it and return to their owner after the last
-step (``4 (n - 1)`` permutes: K, V, dK, dV). No collective other than ``ppermute`` is used in either direction.
+step (``4 (n - 1)`` permutes: K, V, dK, dV). The backward ring turns the other way (shard ``r`` holds block
+``r + t`` at step ``t``): its transfers then differ from the forward's, so XLA cannot merge the two and keep every
+forwarded K/V block alive from the forward until the backward. No collective other than ``ppermute`` is used.
 
 Layouts: ``q [batch, L, heads, head_dim]``, ``k, v [batch, L, kv_heads, head_dim]`` per shard (``heads % kv_heads
 == 0``: query head ``h`` uses kv head ``h // (heads / kv_heads)``), output like ``q``.
@@ -54,6 +59,7 @@ from ..attention.blockwise import attention_backward, attention_forward, log_sum
 from ..attention.masks import MaskRule
 from ..framework.compat import bound_axis_size, varying_like
 from ..framework.spec import accumulation_dtype
+from . import auto
 from .layouts import check_layout, check_local_length
 
 _WHERE = "jax_nkilib.ring_attention"
@@ -89,8 +95,8 @@ class _Piece:
 
 
 def _plan(ring: _Ring, length: int, t: int) -> tuple:
-    """What step ``t`` computes: ``(piece,)`` on every shard, or ``(piece if r >= t, piece otherwise)``; ``None``
-    is a step with nothing visible."""
+    """What step ``t`` computes: ``(piece,)`` on every shard, or ``(piece when the visiting block comes from an
+    earlier shard, piece otherwise)``; ``None`` is a step with nothing visible."""
     everything = _Piece(0, length, 0, length)
     if not ring.causal:
         return (everything,)
@@ -114,8 +120,7 @@ def _pad_rows(x, axis: int, before: int, after: int, value=0.0):
 
 def _forward_piece(piece, q, k, v, scale):
     """A step's partial ``(o, row_max, row_sum)`` over all local query rows (rows outside the piece are empty)."""
-    acc = accumulation_dtype(q.dtype)
-    n_kv, groups, length, d = q.shape
+    acc, length = accumulation_dtype(q.dtype), q.shape[2]
     if piece is None:
         empty = (jnp.zeros(q.shape, acc), jnp.full(q.shape[:3], -jnp.inf, acc), jnp.zeros(q.shape[:3], acc))
         return tuple(varying_like(x, q, k, v) for x in empty)
@@ -139,26 +144,21 @@ def _backward_piece(piece, q, k, v, out, dy, lse, scale):
     return _pad_rows(dq, 2, *q_pad), _pad_rows(dk, 1, *k_pad), _pad_rows(dv, 1, *k_pad)
 
 
-def _step(ring: _Ring, t: int, rank, compute, k, v):
-    """``compute(piece, k, v)`` for step ``t``'s plan: directly, or under ``lax.cond(rank >= t, ...)``."""
-    plan = _plan(ring, k.shape[1], t)
+def _step(ring: _Ring, t, rank, compute, k, v, direction: int = 1):
+    """``compute(piece, k, v)`` for step ``t``'s plan: directly, or under ``lax.cond`` on whether the visiting
+    block comes from an earlier shard (``s < r``: ``r >= t`` when blocks move forward, ``s = r - t``; ``r >= n - t``
+    when they move backward, ``s = r + t``)."""
+    plan = _plan(ring, k.shape[1], 0 if isinstance(t, int) and t == 0 else 1)  # steps >= 1 share one plan
     if len(plan) == 1:
         return compute(plan[0], k, v)
     first, otherwise = plan
-    return lax.cond(rank >= t, functools.partial(compute, first), functools.partial(compute, otherwise), k, v)
+    earlier = rank >= (t if direction == 1 else ring.size - t)
+    return lax.cond(earlier, functools.partial(compute, first), functools.partial(compute, otherwise), k, v)
 
 
-def _shift(ring: _Ring, x):
-    """``x`` of shard ``i`` to shard ``i + 1`` (mod n)."""
-    return lax.ppermute(x, ring.axis, [(i, (i + 1) % ring.size) for i in range(ring.size)])
-
-
-def _after(k, v, state):
-    """``(k, v, state)`` unchanged, but ``k, v`` now depend on ``state``: the next transfer waits for the previous
-    step's compute, so at most two K/V blocks are alive at a time (without it XLA may issue every transfer at once,
-    keeping all ``n - 1`` blocks alive; it would also merge the backward's transfers with the forward's and keep
-    those alive until the backward)."""
-    return lax.optimization_barrier((k, v, state))
+def _shift(ring: _Ring, x, direction: int = 1):
+    """``x`` of shard ``i`` to shard ``i + direction`` (mod n)."""
+    return lax.ppermute(x, ring.axis, [(i, (i + direction) % ring.size) for i in range(ring.size)])
 
 
 def _merge(state, part):
@@ -172,22 +172,36 @@ def _merge(state, part):
             sum_a * scale_a + sum_b * scale_b)
 
 
+def _ring_steps(ring: _Ring, step, carry, blocks, shifted):
+    """Run ring steps ``1 .. n-1``: ``step(t, blocks, carry) -> carry`` on the visiting ``blocks``, which
+    ``shifted(blocks)`` passes on. Steps ``1 .. n-2`` are one rolled loop that issues the next transfer before its
+    compute (a rolled loop keeps one step's buffers alive, not ``n``); the last step, with no transfer after it,
+    runs after the loop."""
+    if ring.size == 1:
+        return carry
+
+    def body(t, state):
+        blocks, carry = state
+        following = shifted(blocks)
+        return following, step(t, blocks, carry)
+
+    blocks, carry = lax.fori_loop(1, ring.size - 1, body, (blocks, carry))
+    return step(ring.size - 1, blocks, carry)
+
+
 def _ring_forward(ring: _Ring, q, k, v):
     """Engine layouts ``q [H_kv, G, L, d]``, ``k, v [H_kv, L, d]`` -> ``(out in q.dtype, lse [H_kv, G, L])``."""
     rank = lax.axis_index(ring.axis)
     compute = lambda piece, k_block, v_block: _forward_piece(piece, q, k_block, v_block, ring.scale)  # noqa: E731
-    state = None
-    for t in range(ring.size):
-        if t + 1 < ring.size:  # issue the next block's transfer before this step's compute
-            if state is not None:
-                k, v, state = _after(k, v, state)
-            k_next, v_next = _shift(ring, k), _shift(ring, v)
-        out, row_max, row_sum = _step(ring, t, rank, compute, k, v)
-        part = (out, row_max, row_sum)
-        state = (out * row_sum[..., None], row_max, row_sum) if state is None else _merge(state, part)
-        if t + 1 < ring.size:
-            k, v = k_next, v_next
-    numerator, row_max, row_sum = state
+    shifted = lambda blocks: tuple(_shift(ring, x) for x in blocks)  # noqa: E731
+    following = shifted((k, v)) if ring.size > 1 else None  # issued before step 0's compute
+    out, row_max, row_sum = _step(ring, 0, rank, compute, k, v)
+    state = (out * row_sum[..., None], row_max, row_sum)
+
+    def step(t, blocks, state):
+        return _merge(state, _step(ring, t, rank, compute, *blocks))
+
+    numerator, row_max, row_sum = _ring_steps(ring, step, state, following, shifted)
     out = jnp.where(row_sum[..., None] > 0, numerator / jnp.where(row_sum > 0, row_sum, 1.0)[..., None], 0.0)
     return out.astype(q.dtype), log_sum_exp(row_max, row_sum)
 
@@ -198,24 +212,19 @@ def _ring_backward(ring: _Ring, residuals, dy):
     dy = dy.astype(q.dtype)
     compute = lambda piece, k_block, v_block: _backward_piece(  # noqa: E731
         piece, q, k_block, v_block, out, dy, lse, ring.scale)
-    k_block, v_block, dk_acc, dv_acc = k, v, None, None
-    for t in range(ring.size):
-        if t + 1 < ring.size:
-            if t:
-                k_block, v_block, (dq, dk_acc, dv_acc) = _after(k_block, v_block, (dq, dk_acc, dv_acc))
-            k_next, v_next = _shift(ring, k_block), _shift(ring, v_block)
-        dq_t, dk_t, dv_t = _step(ring, t, rank, compute, k_block, v_block)
-        if t == 0:
-            dq, dk_own, dv_own = dq_t, dk_t, dv_t
-        else:
-            dq = dq + dq_t
-            # the visiting block's accumulators, then on to the next shard (after the last step: to their owner)
-            dk_acc, dv_acc = (dk_t, dv_t) if dk_acc is None else (dk_acc + dk_t, dv_acc + dv_t)
-            dk_acc, dv_acc = _shift(ring, dk_acc), _shift(ring, dv_acc)
-        if t + 1 < ring.size:
-            k_block, v_block = k_next, v_next
-    dk, dv = (dk_own, dv_own) if dk_acc is None else (dk_own + dk_acc, dv_own + dv_acc)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    shifted = lambda blocks: tuple(_shift(ring, x, -1) for x in blocks)  # noqa: E731
+    following = shifted((k, v)) if ring.size > 1 else None
+    dq, dk_own, dv_own = _step(ring, 0, rank, compute, k, v, direction=-1)
+
+    def step(t, blocks, state):
+        dq, dk_acc, dv_acc = state
+        dq_t, dk_t, dv_t = _step(ring, t, rank, compute, *blocks, direction=-1)
+        # the visiting block's accumulators move on with it (after the last step: back to their owner)
+        return dq + dq_t, _shift(ring, dk_acc + dk_t, -1), _shift(ring, dv_acc + dv_t, -1)
+
+    zeros = tuple(jnp.zeros_like(x) for x in (dk_own, dv_own))
+    dq, dk_acc, dv_acc = _ring_steps(ring, step, (dq, *zeros), following, shifted)
+    return dq.astype(q.dtype), (dk_own + dk_acc).astype(k.dtype), (dv_own + dv_acc).astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -263,6 +272,14 @@ def _check(q, k, v, causal, layout, scale) -> None:
     check_local_length(layout, q.shape[1], _WHERE)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"{_WHERE}: `scale` must be a real number or None; got {scale!r}")
+
+
+auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.ring_attention", free={},
+    collective={"s": ("sequence", "inside jax.shard_map, over axis_name: K/V blocks travel a ppermute ring, "
+                      "partials merge by log-sum-exp; the backward is a ring too")},
+    note="a shard_map building block (zigzag, striped or contiguous layout); jax_nkilib.attention selects it for "
+         "a sharded sequence"))
 
 
 def ring_attention(q, k, v, *, axis_name, causal: bool = True, layout: str = "zigzag", scale: float | None = None):
