@@ -10,6 +10,8 @@ from jax_nkilib._src.framework.config import config, current_lnc
 from jax_nkilib._src.mlp.ops import mlp
 from jax_nkilib._src.norm.ops import dequantize_fp8, layer_norm, quantize_fp8, rms_norm
 from jax_nkilib._src.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from jax_nkilib._src.parallel.layouts import from_ring_layout, to_ring_layout, token_positions
+from jax_nkilib._src.parallel.ring_attention import ring_attention
 from jax_nkilib._src.projection.ops import output_projection, qkv_projection
 from jax_nkilib._src.quant.ops import dequantize_mx, mxfp8_matmul, quantize_mx
 from jax_nkilib._src.quant.weights import QuantizedWeight, quantize_weight_fp8
@@ -21,7 +23,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "all_gather_matmul", "attention", "config", "current_lnc", "decode_attention", "dequantize_fp8", "dequantize_mx",
-    "explain", "Explanation", "KernelCallReport", "KernelSupport", "layer_norm", "matmul_reduce_scatter", "mlp",
-    "mxfp8_matmul", "neuron", "neuron_hlo", "nki", "output_projection", "qkv_projection", "quantize_fp8",
-    "quantize_mx", "quantize_weight_fp8", "QuantizedWeight", "rms_norm", "rope", "support_matrix"
+    "explain", "Explanation", "from_ring_layout", "KernelCallReport", "KernelSupport", "layer_norm",
+    "matmul_reduce_scatter", "mlp", "mxfp8_matmul", "neuron", "neuron_hlo", "nki", "output_projection",
+    "qkv_projection", "quantize_fp8", "quantize_mx", "quantize_weight_fp8", "QuantizedWeight", "ring_attention",
+    "rms_norm", "rope", "support_matrix", "to_ring_layout", "token_positions"
 ]

@@ -92,7 +92,7 @@ def test_every_op_in_the_sharding_table_has_a_case():
 
 
 # shard_map building blocks whose sharding entry is backed by their own test module
-EXTERNAL_CASES = {"jax_nkilib.all_gather_matmul", "jax_nkilib.matmul_reduce_scatter"}
+EXTERNAL_CASES = {"jax_nkilib.all_gather_matmul", "jax_nkilib.matmul_reduce_scatter", "jax_nkilib.ring_attention"}
 
 
 @pytest.mark.parametrize("op", sorted(CASES))
@@ -115,6 +115,21 @@ def test_outputs_keep_the_input_sharding(mesh):
     with jax.set_mesh(mesh):
         out = jax.jit(fn)(*[jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)])
     assert out.sharding.spec == P("data", None, "model", None)
+
+
+def test_a_sharded_sequence_selects_ring_attention(mesh):
+    q, k, v = random((B, S, N, D), seed=2), random((B, S, K, D), seed=3), random((B, S, K, D), seed=4)
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(a, NamedSharding(mesh, P("data", "model"))) for a in (q, k, v)]
+        attend = jax.jit(jax_nkilib.attention)
+        out = attend(*placed)
+        kinds = collectives(attend.lower(*placed).compile().as_text())
+        grads = jax.jit(jax.grad(lambda *a: jax_nkilib.attention(*a).sum(), argnums=(0, 1)))(*placed)
+    assert set(kinds) == {"collective-permute"}  # K/V blocks around the `model` ring, nothing gathered
+    assert out.sharding.spec == P("data", "model", None, None)
+    assert_close(out, jax_nkilib.attention(q, k, v), jnp.float32, reduction=S)
+    for got, want in zip(grads, jax.grad(lambda *a: jax_nkilib.attention(*a).sum(), argnums=(0, 1))(q, k, v)):
+        assert_close(got, want, jnp.float32, reduction=S, ops=16)
 
 
 def test_megatron_block_has_exactly_two_all_reduces(mesh):
