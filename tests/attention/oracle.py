@@ -2,9 +2,9 @@
 
 import numpy as np
 
+from tests.support.numerics import f64  # noqa: F401  (oracles and their tests use it)
 
-def f64(x):
-    return None if x is None else np.asarray(x, dtype=np.float64)
+
 
 
 def allowed_mask(seq_q, n_prior, seq_k, *, prior_used=None, q_base=0, q_stride=1, causal=False, window=0,

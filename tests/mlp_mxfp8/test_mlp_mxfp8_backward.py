@@ -14,6 +14,7 @@ from jax_nkilib.nki import mlp_backward_mxfp8_nki, mlp_forward_mxfp8_nki
 from tests.mlp_mxfp8.test_mlp_mxfp8_forward import assert_matches, oracle_forward, problem, silu
 from tests.mlp_mxfp8.test_mx_operands import oracle_quantize_operand, oracle_round_trip, oracle_swizzle
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text
+from tests.support.numerics import f64
 from tests.support.sharding import mesh_1d, shard
 
 BF16 = ml_dtypes.bfloat16
@@ -26,8 +27,6 @@ def bf(x):
     return np.asarray(x, np.float64).astype(BF16).astype(np.float64)
 
 
-def f64(x):
-    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
 def clip(x, upper, lower):

@@ -14,11 +14,10 @@ from jax_nkilib.nki import rmsnorm_mx_quantize_tkg
 from tests.mlp_mxfp8.test_mlp_mxfp8_forward import assert_matches
 from tests.quant.test_mx import oracle_quantize_groups
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text
+from tests.support.numerics import f64
 from tests.support.sharding import mesh_1d, shard
 
 
-def f64(x):
-    return np.asarray(jnp.asarray(x, jnp.float32) if x.dtype != jnp.float64 else x, np.float64)
 
 
 def oracle(inp, gamma, residual=None, eps=1e-6, hidden_actual=None):

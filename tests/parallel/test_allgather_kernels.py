@@ -26,27 +26,17 @@ from jax_nkilib._src.parallel.allgather import (
 from jax_nkilib.neuron import NeuronFallbackWarning, NeuronUnsupportedError
 from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text, operations
-from tests.support.numerics import assert_close, assert_no_worse_than_plain
-from tests.support.sharding import mesh_1d, shard
+from tests.support.numerics import assert_close, assert_no_worse_than_plain, f64
+from tests.support.sharding import mesh_1d, place
+from tests.support.sharding import run_sharded as run
 
 TP, M, K, N = 8, 3, 5, 2  # odd per-rank sizes
 
 
-def f64(x):
-    """float64 copy of ``x`` (bfloat16 through float32, which holds it exactly)."""
-    x = jnp.asarray(x)
-    return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x, np.float64)
 
 
-def placed(mesh, specs, *args) -> tuple:
-    """``shard`` always as a tuple."""
-    out = shard(mesh, specs, *args)
-    return out if len(args) > 1 else (out,)
 
 
-def run(fn, mesh, in_specs, out_specs, *args):
-    body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    return jax.jit(body)(*placed(mesh, in_specs, *args))
 
 
 def fg(lhs, **kw):
@@ -154,7 +144,7 @@ def test_gradients(name):
         "sb2sb_tiled": (functools.partial(sb2sb, tiled=True), (random((2, TP), jnp.float64),), (P(None, "tp"),),
                         P("tp")),
     }[name]
-    check_grads(jax.jit(_differentiable(fn, mesh, specs, out_spec)), placed(mesh, specs, *args), order=1,
+    check_grads(jax.jit(_differentiable(fn, mesh, specs, out_spec)), place(mesh, specs, *args), order=1,
                 modes=["rev"])
 
 
@@ -189,7 +179,7 @@ def test_fgcc_gradient_oracle_and_vmap_of_grad():
 def _neuron(fn, mesh, in_specs, out_specs, *args):
     body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     with jax_nkilib.neuron.dry_run():
-        return neuron_text(body, *placed(mesh, in_specs, *args))
+        return neuron_text(body, *place(mesh, in_specs, *args))
 
 
 def _one_collective_call(text, name):

@@ -13,32 +13,22 @@ from jax.test_util import check_grads
 
 from jax_nkilib._src.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from tests.support.data import random
-from tests.support.numerics import assert_close, assert_no_worse_than_plain
-from tests.support.sharding import mesh_1d, shard
+from tests.support.numerics import assert_close, assert_no_worse_than_plain, f64
+from tests.support.sharding import mesh_1d, place
+from tests.support.sharding import run_sharded as run
 
 B, S, K, N = 2, 24, 12, 16  # S and N divide over 8 ranks; S_local = 3
 
 
-def f64(x):
-    """float64 copy of ``x`` (bfloat16 through float32, which holds it exactly)."""
-    x = jnp.asarray(x)
-    return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x, np.float64)
 
 
-def placed(mesh, specs, *args) -> tuple:
-    """``shard`` always as a tuple."""
-    out = shard(mesh, specs, *args)
-    return out if len(args) > 1 else (out,)
 
 
-def run(fn, mesh, in_specs, out_specs, *args):
-    body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    return jax.jit(body)(*placed(mesh, in_specs, *args))
 
 
 def collective_counts(fn, mesh, in_specs, out_specs, *args) -> dict:
     body = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
-    text = body.lower(*placed(mesh, in_specs, *args)).compile().as_text()
+    text = body.lower(*place(mesh, in_specs, *args)).compile().as_text()
     return {op: len(re.findall(rf"\s{op}(?:-start)?\(", text))
             for op in ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")}
 
@@ -74,7 +64,7 @@ def test_eager_matches_jit():
              (matmul_reduce_scatter, (P(None, "r"), P("r")), random((S, K8), seed=4), random((K8, N), seed=5)))
     for fn, specs, x, w in cases:
         body = jax.shard_map(functools.partial(fn, axis_name="r"), mesh=mesh, in_specs=specs, out_specs=P("r"))
-        args = placed(mesh, specs, x, w)
+        args = place(mesh, specs, x, w)
         np.testing.assert_allclose(np.asarray(body(*args)), np.asarray(jax.jit(body)(*args)), rtol=1e-6)
 
 
@@ -151,7 +141,7 @@ def test_all_gather_matmul_gradients(weight_spec):
     x, w = random((S, 4), jnp.float64, 10), random((4, 8), jnp.float64, 11)
     out_spec = P(None, "r") if weight_spec == P(None, "r") else P("r")
     fn = _differentiable(functools.partial(all_gather_matmul, axis_name="r"), mesh, (P("r"), weight_spec), out_spec)
-    check_grads(jax.jit(fn), placed(mesh, (P("r"), weight_spec), x, w), order=1, modes=["rev"])
+    check_grads(jax.jit(fn), place(mesh, (P("r"), weight_spec), x, w), order=1, modes=["rev"])
 
 
 @pytest.mark.parametrize("weight_spec", [P("r"), P()])
@@ -162,7 +152,7 @@ def test_matmul_reduce_scatter_gradients(weight_spec):
     x, w = random((S, k), jnp.float64, 12), random((k, 4), jnp.float64, 13)
     fn = _differentiable(functools.partial(matmul_reduce_scatter, axis_name="r"), mesh, (x_spec, weight_spec),
                          P("r"))
-    check_grads(jax.jit(fn), placed(mesh, (x_spec, weight_spec), x, w), order=1, modes=["rev"])
+    check_grads(jax.jit(fn), place(mesh, (x_spec, weight_spec), x, w), order=1, modes=["rev"])
 
 
 def test_gradients_match_oracle_and_backward_is_rings_only():

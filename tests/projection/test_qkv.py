@@ -15,7 +15,7 @@ from jax_nkilib.neuron import NeuronFallbackWarning
 from jax_nkilib.nki import NormType, QKVOutputLayout, qkv
 from tests.support.data import angles, random
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text
-from tests.support.numerics import assert_close
+from tests.support.numerics import assert_close, f64
 from tests.support.sharding import mesh_1d, shard
 
 NQ, NKV, D = 2, 1, 4
@@ -24,8 +24,6 @@ HEADS = dict(num_q_heads=NQ, num_kv_heads=NKV, d_head=D)
 
 
 # ----------------------------------------------------------------------------------------------- float64 oracle
-def f64(value):
-    return None if value is None else np.asarray(value).astype(np.float64)
 
 
 def qkv_oracle(x, w, *, nq=NQ, nkv=NKV, d=D, bias=None, mlp_prev=None, attention_prev=None, norm=None, gamma=None,

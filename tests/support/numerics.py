@@ -42,3 +42,14 @@ def assert_no_worse_than_plain(actual, plain, expected, factor: float = 2.0) -> 
     ours, theirs = relative_error(actual, expected), relative_error(plain, expected)
     assert ours <= factor * theirs + EPSILON[np.dtype(np.float32)], (
         f"error {ours:.3e} is more than {factor}x the plain same-precision error {theirs:.3e}")
+
+
+def f64(x):
+    """float64 NumPy copy of ``x`` (``None`` stays ``None``; low-precision floats go through float32, which holds
+    them exactly)."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if x.dtype != jnp.float64 and jnp.issubdtype(x.dtype, jnp.floating):
+        x = x.astype(jnp.float32)
+    return np.asarray(x, np.float64)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from ..framework.spec import FP8_DTYPES, CallInfo
 
+QKV_LAYOUT = "[batch, seq, heads, head_dim]"
+
 MAX_HEAD_DIM = 128  # every NKI attention kernel tiles the head dimension on at most 128 partitions
 
 
@@ -38,3 +40,21 @@ def require_cache_dtypes(call: CallInfo, caches: tuple[str, ...] = ("k_cache", "
         if aval is not None and aval.dtype != dtype and aval.dtype not in FP8_DTYPES:
             raise TypeError(f"{call.function}: `{name}` must have {like}'s dtype {dtype} or an FP8 dtype "
                             f"{tuple(str(d) for d in FP8_DTYPES)}; got {aval.dtype}")
+
+
+def check_qkv_layout(where: str, q, k, v, *, same_seq: bool = False, kind: str = "an array") -> None:
+    """``ValueError`` unless ``q [batch, seq, heads, head_dim]`` and ``k, v [batch, seq_kv, kv_heads, head_dim]``
+    agree (batch, head_dim, and ``heads % kv_heads == 0``; with ``same_seq`` also the sequence length)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")) or x.ndim != 4:
+            raise ValueError(f"{where}: `{name}` must be {kind} {QKV_LAYOUT}; got "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+    if k.shape != v.shape:
+        raise ValueError(f"{where}: `k` and `v` must have the same shape [batch, seq_kv, kv_heads, head_dim]; got "
+                         f"{k.shape} and {v.shape}")
+    agree = (0, 1, 3) if same_seq else (0, 3)
+    if any(q.shape[axis] != k.shape[axis] for axis in agree):
+        what = "batch, seq and head_dim" if same_seq else "batch and head_dim"
+        raise ValueError(f"{where}: `q` {q.shape} and `k` {k.shape} must agree on {what}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"{where}: query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")

@@ -8,6 +8,7 @@ import math
 import jax.numpy as jnp
 
 from ..parallel import auto
+from .checks import check_qkv_layout
 from .cte import attention_cte
 from .tkg import attention_tkg
 
@@ -21,17 +22,7 @@ def _heads_into_batch(x):
 
 
 def _check(q, k, v, sinks, prefix, causal, sliding_window) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")) or x.ndim != 4:
-            raise ValueError(f"{_WHERE}: `{name}` must be an array [batch, seq, heads, head_dim]; got "
-                             f"{getattr(x, 'shape', type(x).__name__)}")
-    if k.shape != v.shape:
-        raise ValueError(f"{_WHERE}: `k` and `v` must have the same shape [batch, seq_kv, kv_heads, head_dim]; got "
-                         f"{k.shape} and {v.shape}")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"{_WHERE}: `q` {q.shape} and `k` {k.shape} must agree on batch and head_dim")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"{_WHERE}: query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+    check_qkv_layout(_WHERE, q, k, v)
     if sinks is not None and jnp.shape(sinks) not in ((q.shape[2],), (q.shape[0], q.shape[2])):
         raise ValueError(f"{_WHERE}: `sinks` must be [heads] or [batch, heads] = ({q.shape[2]},) or "
                          f"{q.shape[:1] + q.shape[2:3]}; got {jnp.shape(sinks)}")

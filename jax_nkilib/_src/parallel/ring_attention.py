@@ -56,6 +56,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from ..attention.blockwise import attention_backward, attention_forward, log_sum_exp
+from ..attention.checks import check_qkv_layout
 from ..attention.masks import MaskRule
 from ..framework.compat import bound_axis_size, varying_like
 from ..framework.spec import accumulation_dtype
@@ -251,18 +252,7 @@ def _axis_names(axis_name) -> tuple[str, ...]:
 
 
 def _check(q, k, v, causal, layout, scale) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")) or x.ndim != 4:
-            raise ValueError(f"{_WHERE}: `{name}` must be a per-shard array [batch, seq, heads, head_dim]; got "
-                             f"{getattr(x, 'shape', type(x).__name__)}")
-    if k.shape != v.shape:
-        raise ValueError(f"{_WHERE}: `k` and `v` must have the same shape [batch, seq, kv_heads, head_dim]; got "
-                         f"{k.shape} and {v.shape}")
-    if q.shape[0] != k.shape[0] or q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"{_WHERE}: `q` {q.shape} and `k` {k.shape} must agree on batch, local seq and head_dim "
-                         "(self-attention over one sharded sequence)")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"{_WHERE}: query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+    check_qkv_layout(_WHERE, q, k, v, same_seq=True, kind="a per-shard array")  # self-attention, one sharded seq
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
         raise TypeError(f"{_WHERE}: `q`, `k`, `v` must share one floating dtype; got {q.dtype}, {k.dtype}, "
                         f"{v.dtype}")
