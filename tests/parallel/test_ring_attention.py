@@ -295,9 +295,10 @@ def test_backward_permutes_k_v_and_their_gradient_accumulators():
     attend = functools.partial(ring_attention, axis_name="cp", layout="zigzag")
     grads = jax.shard_map(jax.grad(lambda a, b, c: jnp.sum(attend(a, b, c)), argnums=(0, 1, 2)), mesh=mesh,
                           in_specs=(spec,) * 3, out_specs=(spec,) * 3)
-    # forward: K, V (n - 1 each); backward (the ring turned the other way): K, V, dK, dV (n - 1 each)
+    # forward: K, V (n - 1 each); backward (the ring turned the other way): K, V (n - 1 each), and dK, dV (n each:
+    # they leave home with the step-0 gradients and travel the whole ring)
     assert set(collectives(grads, *args)) == {"collective-permute"}
-    assert executed_permutes(grads, *args) == 6 * (N - 1)
+    assert executed_permutes(grads, *args) == 4 * (N - 1) + 2 * N
 
 
 def test_two_axis_mesh_permutes_only_along_the_ring_axis():

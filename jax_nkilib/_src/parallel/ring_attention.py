@@ -29,8 +29,9 @@ it), so one step's buffers are alive at a time and per-device memory stays ``O(L
 Reverse mode (``jax.custom_vjp``): the forward saves ``q, k, v``, the output and the row log-sum-exp
 ``lse = m + log l`` (tagged ``checkpoint_name("ring_attention.<name>")``). The backward is a ring too: ``dq``
 accumulates locally; each step runs the engine's FlashAttention-2 backward with the global ``lse`` on the visiting
-block, and the visiting block's ``dk, dv`` accumulators travel with it and return to their owner after the last
-step (``4 (n - 1)`` permutes: K, V, dK, dV). The backward ring turns the other way (shard ``r`` holds block
+block. Each block's ``dk, dv`` accumulators start at home with its step-0 gradients and travel the whole ring
+with the block, arriving home after the last step (``2 (n - 1)`` permutes of K and V, ``2 n`` of dK and dV; no
+separate home copy is kept). The backward ring turns the other way (shard ``r`` holds block
 ``r + t`` at step ``t``): its transfers then differ from the forward's, so XLA cannot merge the two and keep every
 forwarded K/V block alive from the forward until the backward. No collective other than ``ppermute`` is used.
 
@@ -215,7 +216,7 @@ def _ring_backward(ring: _Ring, residuals, dy):
         piece, q, k_block, v_block, out, dy, lse, ring.scale)
     shifted = lambda blocks: tuple(_shift(ring, x, -1) for x in blocks)  # noqa: E731
     following = shifted((k, v)) if ring.size > 1 else None
-    dq, dk_own, dv_own = _step(ring, 0, rank, compute, k, v, direction=-1)
+    dq, dk_acc, dv_acc = _step(ring, 0, rank, compute, k, v, direction=-1)
 
     def step(t, blocks, state):
         dq, dk_acc, dv_acc = state
@@ -223,9 +224,10 @@ def _ring_backward(ring: _Ring, residuals, dy):
         # the visiting block's accumulators move on with it (after the last step: back to their owner)
         return dq + dq_t, _shift(ring, dk_acc + dk_t, -1), _shift(ring, dv_acc + dv_t, -1)
 
-    zeros = tuple(jnp.zeros_like(x) for x in (dk_own, dv_own))
-    dq, dk_acc, dv_acc = _ring_steps(ring, step, (dq, *zeros), following, shifted)
-    return dq.astype(q.dtype), (dk_own + dk_acc).astype(k.dtype), (dv_own + dv_acc).astype(v.dtype)
+    # a block's accumulators start at home with its own step-0 gradients and travel the whole ring with it
+    moving = (_shift(ring, dk_acc, -1), _shift(ring, dv_acc, -1)) if ring.size > 1 else (dk_acc, dv_acc)
+    dq, dk, dv = _ring_steps(ring, step, (dq, *moving), following, shifted)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
