@@ -406,7 +406,7 @@ def _in_shard_map(q, k, v, **kw):
     ({"seq": 24}, dict(axis_name="cp", layout="zigzag"), ValueError, "even number of tokens per shard"),
     ({"heads": 3}, dict(axis_name="cp"), ValueError, "multiple of kv heads"),
     ({"v": (2, 64, 2, 8)}, dict(axis_name="cp"), ValueError, "same shape"),
-    ({"k": (2, 32, 2, 16), "v": (2, 32, 2, 16)}, dict(axis_name="cp"), ValueError, "must agree on batch, seq and head_dim"),
+    ({"k": (2, 32, 2, 16), "v": (2, 32, 2, 16)}, dict(axis_name="cp"), ValueError, "agree on batch, seq"),
     ({"q": (2, 64, 4)}, dict(axis_name="cp"), ValueError, "[batch, seq, heads, head_dim]"),
     ({"dtype_k": jnp.bfloat16}, dict(axis_name="cp"), TypeError, "one floating dtype"),
     ({}, dict(axis_name="cp", causal=1), TypeError, "causal"),
