@@ -98,6 +98,7 @@ def test_float32_gradients_against_oracle_gradients():
         np.testing.assert_allclose(np.sum(np.asarray(grad, np.float64) * direction), numeric, rtol=1e-4)
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_vmap_nested_and_vmap_of_grad():
     q, k, v = qkv()
     qs = jnp.stack([q, -q])

@@ -125,6 +125,7 @@ def test_swizzle_is_read_and_matches_static_on_dense_weights():
         assert_close(unswizzled, static, jnp.bfloat16, ops=3)
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_jit_vmap_and_straight_through_gradients():
     x, dense, (wg, wu, wd), scales = problem()
     fn = jax.jit(lambda a: mlp(a, wg, wu, wd, quantization_type="STATIC_MX", force_cte_mode=True, **scales))

@@ -139,6 +139,7 @@ def test_gradient_in_x_is_the_dequantized_mlp_gradient(mode, tokens):
     assert all(not np.any(np.asarray(leaf, np.float64)) for leaf in jax.tree_util.tree_leaves(wgrad))
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_jit_vmap_and_vmap_of_grad():
     x = random((2, 3, HID), jnp.float32, 0)
     _, qs = quantized("static")

@@ -159,6 +159,7 @@ def test_forward_vjp_is_the_backward_kernel_and_approximates_the_gradient():
     assert not np.any(np.asarray(with_checkpoint, np.float32))
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_vmap_of_grad_and_shard_map():
     dy, x, gate_up, down, _ = backward_problem(s=64, h=128, i=32, seed=5)
     g = dy.astype(jnp.float32)

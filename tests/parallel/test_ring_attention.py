@@ -156,6 +156,7 @@ def test_check_grads_float64(layout, causal):
 
 
 # ------------------------------------------------------------------------------------------------ transformations
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_vmap_over_a_leading_axis_and_vmap_of_grad():
     """An extra leading axis (e.g. micro-batches) vmapped inside shard_map: each slice is its own ring problem."""
     mesh = mesh_1d("cp")
@@ -193,6 +194,7 @@ def test_vmap_with_shared_keys_and_nested_vmap():
             assert_close(out[i, j], oracle(q[i, j], k, v, causal=True), jnp.float32, reduction=32)
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_residuals_are_named_for_remat_policies():
     mesh, spec = mesh_1d("cp"), P(None, "cp")
     args = shard(mesh, (spec,) * 3, *qkv(batch=1, seq=16, heads=2, kv_heads=1, d=8))

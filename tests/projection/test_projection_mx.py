@@ -166,6 +166,7 @@ def test_jit_and_vmap():
             assert_close(got[i, j], oproj_mx_oracle(batched[i, j], w4, s4, b4), jnp.bfloat16, reduction=96)
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_gradients_pass_the_activation_quantization_straight_through():
     a, words, scales, bias = oproj_problem(dtype=jnp.float32)
     cot = random((2, 5, 24), jnp.float32, 9)

@@ -45,6 +45,7 @@ def test_output_projection_matches_the_oracle(dtype, batch, seq):
     assert_close(out, want, dtype, reduction=15)
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_output_projection_transformations():
     attn, w = random((2, 3, 2, 4), jnp.float32, 0), random((8, 5), jnp.float32, 1)
     stack = jnp.stack([attn, -attn, 2 * attn])
@@ -160,6 +161,7 @@ def test_kv_cache_update_is_the_same_math_on_both_paths(seq, with_rope, position
         np.testing.assert_array_equal(np.asarray(new).view(np.uint8), want.view(np.uint8))
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_qkv_projection_gradients_vmap_and_jit():
     x, w, bias, gamma, _ = (t.astype(jnp.float64) for t in qkv_problem())
     cos, sin = (t.astype(jnp.float64) for t in tables(2, 3))

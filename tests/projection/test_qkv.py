@@ -308,6 +308,7 @@ def test_gradients_float64():
     np.testing.assert_allclose(jax.vmap(grad)(jnp.stack([pr["x"], -pr["x"]]))[1], grad(-pr["x"]), rtol=1e-12)
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_updated_caches_carry_no_gradient():
     x, w, cos, sin = (t.astype(jnp.float32) for t in _exact_cache_problem(1, 2))
     cache = jnp.zeros((1, 4, NKV * D), jnp.float32)

@@ -160,6 +160,7 @@ def test_mxfp8_matmul_gradients_are_straight_through():
     assert np.max(np.abs(f64(dx).reshape(15, 64) - exact_dx)) <= 0.3 * np.max(np.abs(exact_dx))
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_mxfp8_matmul_transformations():
     x, w = spread((4, 2, 64), 12, jnp.bfloat16), spread((64, 16), 13, jnp.bfloat16)
     fn = lambda a, b: jax_nkilib.mxfp8_matmul(a, b).astype(jnp.float32)  # noqa: E731

@@ -102,6 +102,7 @@ def test_vmap_of_batched_two_dimensional_tables_falls_back_to_map():
     assert "scan" in str(jaxpr)
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_nested_vmap_and_vmap_of_grad():
     q, k = qk(b=1, hq=2, hk=1, s=3, d=4, dtype=jnp.float64)
     cos, sin = tables((3, 4), jnp.float64)

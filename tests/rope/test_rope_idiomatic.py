@@ -76,6 +76,7 @@ def test_gradient_matches_oracle_gradient():
     np.testing.assert_allclose(dsin, numeric(2, sin.shape), atol=1e-8)
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_jit_vmap_nested_and_vmap_of_grad():
     x = random((2, 5, 3, 8))
     cos, sin = angles((5, 4))

@@ -117,6 +117,7 @@ def test_gradients_float64():
                     modes=["rev"])
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_vmap_of_grad_and_jacrev():
     x, cos, sin = inputs((4, 1, 2, 3), jnp.float64)
     loss = lambda a, c, s: jnp.sum(RoPE(a, c, s) ** 3)  # noqa: E731
