@@ -245,3 +245,29 @@ def test_scatter_axis_must_divide_over_the_ring_and_calls_need_shard_map():
         jax.jit(body)(jnp.ones((12, 4)), jnp.ones((4, 2)))
     with pytest.raises(ValueError, match="inside jax.shard_map"):
         all_gather_matmul(jnp.ones((4, 4)), jnp.ones((4, 4)), axis_name="r")
+
+
+def test_on_neuron_all_gather_matmul_is_the_fgcc_kernel():
+    """Row blocks [m, K] over a ring of consecutive ranks lower to one allgather_compute_matmul call, the ring's
+    transfers inside the kernel; a ring over a major mesh axis (ranks not consecutive) falls back to the ring."""
+    import jax_nkilib
+    from jax_nkilib.neuron import NeuronFallbackWarning
+    from tests.support.hlo import kernel_configs, operations
+
+    x, w = random((8 * 16, 64), jnp.bfloat16, 0), random((64, 8 * 32), jnp.bfloat16, 1)
+    mesh = mesh_1d("r")
+    body = jax.shard_map(functools.partial(all_gather_matmul, axis_name="r"), mesh=mesh,
+                         in_specs=(P("r"), P(None, "r")), out_specs=P(None, "r"))
+    with jax_nkilib.neuron.dry_run():
+        text = jax.jit(body).trace(*place(mesh, (P("r"), P(None, "r")), x, w)).lower(
+            lowering_platforms=("neuron",)).as_text()
+    (config,) = kernel_configs(text)
+    assert config["func_name"] == "allgather_compute_matmul" and config["params"]["tp_degree"] == 8
+    assert "stablehlo.collective_permute" not in operations(text)
+    mesh2 = jax.make_mesh((4, 2), ("a", "b"))
+    body2 = jax.shard_map(functools.partial(all_gather_matmul, axis_name="a"), mesh=mesh2,
+                          in_specs=(P("a"), P()), out_specs=P("a"))  # typed as varying over a
+    with jax_nkilib.neuron.dry_run(), pytest.warns(NeuronFallbackWarning, match="consecutive ranks"):
+        text = jax.jit(body2).trace(*place(mesh2, (P("a"), P()), x[:64], w)).lower(
+            lowering_platforms=("neuron",)).as_text()
+    assert kernel_configs(text) == [] and "stablehlo.collective_permute" in operations(text)

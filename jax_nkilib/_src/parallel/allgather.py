@@ -39,7 +39,7 @@ from jax import lax
 from ..framework import compat
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
-from .collective_matmul import all_gather_matmul
+from .collective_matmul import _gather_matmul as gather_matmul_ring
 
 SUPPORTED_TP_DEGREES = (4, 8, 16, 32, 64, 128)  # fine_grained_allgather / FGCC (even tp_degree is asserted)
 SBUF_PARTITIONS = 128
@@ -62,9 +62,10 @@ def reference_fine_grained_allgather(lhs, *, tp_degree, num_groups, force_hbm_cc
 
 
 def reference_allgather_compute_matmul(lhs, rhs, *, tp_degree, num_groups, force_hbm_cc=False, replica_groups):
-    """``[tp_degree, m, N]``: ``all_gather(lhs) @ rhs`` by a ppermute ring, float32 accumulation, lhs dtype."""
+    """``[tp_degree, m, N]``: ``all_gather(lhs) @ rhs`` by a ppermute ring, float32 accumulation, lhs dtype (the ring
+    of ``jax_nkilib.all_gather_matmul``, whose forward is this kernel)."""
     del num_groups, force_hbm_cc
-    out = all_gather_matmul(lhs, rhs, axis_name=replica_groups, gather_axis=0)
+    out = gather_matmul_ring(lhs, rhs, replica_groups, 0)
     return (out.reshape(tp_degree, lhs.shape[0], rhs.shape[1]),)
 
 
@@ -254,8 +255,8 @@ ALLGATHER_COMPUTE_MATMUL_SPEC = KernelSpec(
     mac_count=lambda call: call.params["tp_degree"] * call.dims["m"] * call.dims["K"] * call.dims["N"],
     family="collectives",
     catalog="row 34",
-    support={"vjp": "JAX: the dual ppermute rings of jax_nkilib all_gather_matmul (a matmul reduce-scatter for "
-                    "lhs, a gathered x^T dy for rhs)",
+    support={"vjp": "JAX (differentiates the reference ring; jax_nkilib.all_gather_matmul, whose forward is this "
+                    "kernel, has its own dual-ring VJP)",
              "shard_map": _SHARD_MAP, "notes": _RING_NOTES + "; N <= 512 or a multiple of 512; float32 accumulation"},
 )
 

@@ -10,6 +10,10 @@ the matmul of the block in hand, and the dual ring in reverse mode.
   ring; each rank adds its own product for the block the sum is heading to: ``n - 1`` collective-permutes, no
   reduce-scatter or all-reduce.
 
+On Neuron, ``x [m, K]`` row blocks (``gather_axis=0``, one dtype) gathering over consecutive ranks are the NKI
+``allgather_compute_matmul`` kernel (FGCC: the ring runs inside the kernel); other calls, and any call outside its
+limits, lower to the ring below (``jax_nkilib.explain`` says which). Reverse mode is the same either way.
+
 Rank ``r`` of the ring is ``lax.axis_index(axis_name)``; blocks of the gathered/scattered axis are in rank order,
 as ``lax.all_gather``/``lax.psum_scatter`` with ``tiled=True`` give them. ``axis_name`` is a mesh axis name, or a
 tuple of names (one ring over their product), bound by the enclosing ``jax.shard_map``.
@@ -26,6 +30,7 @@ inputs), the travelling partial sums of ``matmul_reduce_scatter`` included; the 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +130,26 @@ def _gather_matmul(x, w, names, axis):
     return _ring(x, names, n, step, out)
 
 
+def _mesh_devices() -> int | None:
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = tuple(getattr(mesh, "axis_sizes", ()) or ())
+    return math.prod(sizes) if sizes else None
+
+
+def _gathered_product(x, w, names, axis):
+    """``all_gather(x) @ w``: for row blocks ``x [m, K]`` of ``w``'s dtype, the NKI ``allgather_compute_matmul``
+    kernel (FGCC; on CPU/GPU its reference is :func:`_gather_matmul`, on Neuron the kernel when its limits hold);
+    otherwise the ring directly."""
+    devices = _mesh_devices()
+    if x.ndim != 2 or axis != 0 or x.dtype != w.dtype or devices is None:
+        return _gather_matmul(x, w, names, axis)
+    from .allgather import allgather_compute_matmul  # the kernel's module builds on this one
+
+    n = compat.bound_axis_size(names)
+    out = allgather_compute_matmul(x, w, tp_degree=n, num_groups=devices // n, replica_groups=names)
+    return out.reshape(n * x.shape[0], w.shape[1])
+
+
 def _matmul_scatter(x, w, names, axis):
     """``psum_scatter(x @ w, axis, tiled=True)`` by a ring of float32 partial sums; output in ``x``'s dtype."""
     n = compat.bound_axis_size(names)
@@ -171,11 +196,11 @@ def _as_cotangent(grad, primal):
 # --------------------------------------------------------------------------------------------- differentiable
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _all_gather_matmul(x, w, names, axis):
-    return _gather_matmul(x, w, names, axis)
+    return _gathered_product(x, w, names, axis)
 
 
 def _all_gather_matmul_fwd(x, w, names, axis):
-    return _gather_matmul(x, w, names, axis), (x, w)
+    return _gathered_product(x, w, names, axis), (x, w)
 
 
 def _all_gather_matmul_bwd(names, axis, residuals, dy):
@@ -199,7 +224,7 @@ def _matmul_reduce_scatter_fwd(x, w, names, axis):
 
 def _matmul_reduce_scatter_bwd(names, axis, residuals, dy):
     x, w = residuals
-    dx = _gather_matmul(dy, w.T, names, axis)
+    dx = _gathered_product(dy, w.T, names, axis)
     dw = _weight_grad_ring(dy, x, names, axis, travelling_first=False)  # x^T gather(dy)
     return _as_cotangent(dx, x), _as_cotangent(dw, w)
 
