@@ -168,6 +168,10 @@ def test_kernels_run_inside_the_manual_computation_at_per_device_shapes(mesh):
     (config,) = kernel_configs(text)
     assert config["func_name"] == "attention_cte"
     assert config["input_specs"][0][0] == [B // 2 * N // 4, S, D]  # local batch x local heads
+    with jax.set_mesh(mesh):
+        (report,) = jax_nkilib.explain(jax_nkilib.attention, *placed)
+    assert report.context == "shard_map(mesh axes: data=2, model=4; manual: data, model)"
+    assert report.inputs[0][1] == (B // 2 * N // 4, S, D)
 
 
 def test_ops_inside_a_user_shard_map_run_on_local_shards(mesh):

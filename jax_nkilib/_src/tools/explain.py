@@ -71,7 +71,8 @@ def _context_of(eqn, outer: str) -> str:
         return outer
     mesh = eqn.params.get("mesh")
     axes = ", ".join(f"{name}={size}" for name, size in getattr(mesh, "shape", {}).items())
-    manual = ", ".join(sorted(str(a) for a in eqn.params.get("manual_axes", ()))) or "none"
+    manual_axes = eqn.params.get("manual_axes") or eqn.params.get("newly_manual_axes") or ()  # name by JAX version
+    manual = ", ".join(sorted(str(a) for a in manual_axes)) or "none"
     here = f"shard_map(mesh axes: {axes}; manual: {manual})"
     return f"{outer} > {here}" if outer else here
 
