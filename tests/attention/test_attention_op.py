@@ -134,10 +134,14 @@ def test_long_sequence_forward_and_backward_fit_in_memory():
     """Issue 3's bar: batch 1, seq 32768, 8 heads, head_dim 128, causal, f32, forward+backward, peak RSS < 3 GiB.
 
     Run in a fresh process by tests/benchmarks/bench_attention.py --long (which reports time and peak memory)."""
+    import os
+    import pathlib
     import subprocess
     import sys
 
+    root = pathlib.Path(__file__).resolve().parents[2]  # importable without installing the package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run([sys.executable, "tests/benchmarks/bench_attention.py", "--long"], capture_output=True,
-                            text=True, check=True)
+                            text=True, check=True, cwd=root, env=env)
     peak_gib = float(result.stdout.split("peak_rss_gib=")[1].split()[0])
     assert peak_gib < 3.0, result.stdout
