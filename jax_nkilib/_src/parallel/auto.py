@@ -10,11 +10,11 @@ letter (``"bsnd"`` for ``[batch, seq, heads, head_dim]``) and declares which let
   axes and runs the matching collective algorithm (an all-reduce after a row-parallel matmul, ring attention);
 * anything else raises a ``ValueError`` naming the operand, the dimension and the mesh axis.
 
-The plan's body runs inside ``jax.shard_map`` over every explicit mesh axis, where the op sees local shards and plain
-(manual) types, so calling the op again from the body computes on the shards. Ops called inside a user's
-``shard_map`` (every axis manual) see no explicit axes and run unchanged. Under an auto mesh (the default axis
-type) the sharding is not visible while tracing, so the op computes globally; on Neuron a custom call cannot be
-partitioned (see ``neuron_protocol.md``), so wrap the op in ``jax.shard_map`` or use explicit axes.
+The plan's body runs inside ``jax.shard_map`` over the mesh axes that split its operands, where the op sees local
+shards and plain (manual) types for them, so calling the op again from the body computes on the shards. Ops called
+inside a user's ``shard_map`` (every axis manual) see no explicit axes and run unchanged. Under an auto mesh (the
+default axis type) the sharding is not visible while tracing, so the op computes globally; on Neuron a custom call
+cannot be partitioned (see ``neuron_protocol.md``), so wrap the op in ``jax.shard_map`` or use explicit axes.
 """
 
 from __future__ import annotations
@@ -150,12 +150,12 @@ class Plan:
             return body(*values, axes=self.axes)
 
         out_specs = jax.tree.map(self.spec, out_dims, is_leaf=lambda d: d is None or isinstance(d, str))
-        explicit = {name for name, kind in zip(self.mesh.axis_names, self.mesh.axis_types) if kind == AxisType.Explicit}
+        used = {name for mesh_axes in self.axes.values() for name in mesh_axes}  # other explicit axes stay explicit
         # a replicated operand of a split dimension is sliced locally (no communication)
         leaves = [jax.sharding.reshard(leaf, NamedSharding(self.mesh, spec)) if _needs_reshard(leaf, spec) else leaf
                   for leaf, spec in zip(leaves, in_specs)]
         return jax.shard_map(local, mesh=self.mesh, in_specs=tuple(in_specs), out_specs=out_specs,
-                             axis_names=explicit)(*leaves)
+                             axis_names=used)(*leaves)
 
 
 def _needs_reshard(leaf, spec: P) -> bool:
