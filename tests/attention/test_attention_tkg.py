@@ -215,6 +215,7 @@ def test_gen_mask_tkg_hbm_block_mask_drives_attention_tkg(lnc):
     assert_close(out, want, jnp.float32, reduction=512)
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_given_block_mask_jit_vmap_shard_map_and_gradients():
     *args, table = block_cache(block_len=16, n_blocks=16)
     rows = jnp.asarray(block_rows(natural_random_mask(2, 4, 3, 256), 2))

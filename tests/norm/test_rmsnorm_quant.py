@@ -220,6 +220,7 @@ def test_pre_norm_and_residual(dtype):
     assert_close(res2, oracle(np.asarray(hidden), residual=residual, norm=False)[2], jnp.bfloat16)
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_jit_vmap_gradients_and_shard_map():
     hidden, ln_w = problem(dtype=jnp.float32)
     fn = jax.jit(lambda x: rmsnorm_quant_kernel(x, ln_w, lower_bound=2.0))

@@ -163,6 +163,7 @@ def oracle_unswizzle(swizzled, k, scheme="wrapX"):
     return out
 
 
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_vmap_of_grad_and_grad_of_vmap():
     lhs, rhs = operands(m=8, n=16, k=128)
     loss = lambda a, b: jnp.sum(matmul_mxfp8(a, b, output_dtype=jnp.float32, **RAW) ** 2)  # noqa: E731

@@ -130,6 +130,7 @@ def test_head_sharded_inside_shard_map_with_replicated_tables():
     seq=st.integers(1, 9), heads=st.integers(1, 4), half=st.integers(1, 5),
     batched_table=st.booleans(), interleaved=st.booleans(),
 )
+@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_property_any_shape_matches_oracle(lead, seq, heads, half, batched_table, interleaved):
     x = random((*lead, seq, heads, 2 * half))
     table_shape = ((lead[-1] if lead else 1), seq, half) if batched_table else (seq, half)
