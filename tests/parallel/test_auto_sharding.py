@@ -5,7 +5,6 @@ inputs sharded over the mesh, it returns the single-device result, sharded as th
 collectives the rule implies (read from the compiled HLO). Unsupported shardings raise errors naming the axis.
 """
 
-import collections
 import re
 
 import jax
@@ -18,21 +17,16 @@ from jax.sharding import PartitionSpec as P
 import jax_nkilib
 from jax_nkilib._src.parallel.auto import RULES
 from tests.support.data import angles, random
+from tests.support.hlo import compiled_collectives as collectives
 from tests.support.hlo import kernel_configs
 from tests.support.numerics import assert_close
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 B, S, H, N, K, D, F = 2, 16, 128, 8, 4, 16, 256
 
 
 @pytest.fixture(scope="module")
 def mesh():
     return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-
-
-def collectives(compiled_text: str) -> dict[str, int]:
-    found = re.findall(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", compiled_text)
-    return dict(collections.Counter(found))
 
 
 def _qkv(x, wq, wk, wv):

@@ -1,7 +1,6 @@
 """all_gather_matmul and matmul_reduce_scatter: ppermute rings inside jax.shard_map on 8 CPU devices."""
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ from jax.test_util import check_grads
 
 from jax_nkilib._src.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from tests.support.data import random
+from tests.support.hlo import compiled_collectives
 from tests.support.numerics import assert_close, assert_no_worse_than_plain, f64
 from tests.support.sharding import mesh_1d, place
 from tests.support.sharding import run_sharded as run
@@ -28,9 +28,8 @@ B, S, K, N = 2, 24, 12, 16  # S and N divide over 8 ranks; S_local = 3
 
 def collective_counts(fn, mesh, in_specs, out_specs, *args) -> dict:
     body = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
-    text = body.lower(*place(mesh, in_specs, *args)).compile().as_text()
-    return {op: len(re.findall(rf"\s{op}(?:-start)?\(", text))
-            for op in ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")}
+    found = compiled_collectives(body.lower(*place(mesh, in_specs, *args)).compile().as_text())
+    return {op: found.get(op, 0) for op in ("collective-permute", "all-gather", "reduce-scatter", "all-reduce")}
 
 
 # ----------------------------------------------------------------------------------------------- all_gather_matmul

@@ -16,6 +16,7 @@ import jax_nkilib
 from jax_nkilib._src.parallel.layouts import LAYOUTS, from_ring_layout, to_ring_layout, token_positions
 from jax_nkilib._src.parallel.ring_attention import _plan, _Ring, ring_attention
 from tests.support.data import random
+from tests.support.hlo import compiled_collectives
 from tests.support.numerics import assert_close
 from tests.support.sharding import mesh_1d, shard
 
@@ -238,10 +239,7 @@ def test_eager_call_without_jit():
 # ------------------------------------------------------------------------------------------------ compiled HLO
 def collectives(fn, *args) -> dict[str, int]:
     """Counts of collective instructions in the compiled (optimised) HLO."""
-    text = jax.jit(fn).lower(*args).compile().as_text()
-    names = re.findall(r"=\s*[^=]*?\b(collective-permute|all-gather|all-reduce|all-to-all|reduce-scatter|"
-                       r"collective-broadcast)(?:-start)?\(", text)
-    return {name: names.count(name) for name in set(names)}
+    return compiled_collectives(jax.jit(fn).lower(*args).compile().as_text())
 
 
 def executed_permutes(fn, *args) -> int:

@@ -28,3 +28,14 @@ def kernel_configs(text: str) -> list[dict]:
 def compute_operations(text: str) -> list[str]:
     """Operations other than the kernel calls and constants."""
     return [op for op in operations(text) if op not in ("stablehlo.custom_call", "stablehlo.constant")]
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
+               "collective-broadcast")
+
+
+def compiled_collectives(compiled_text: str) -> dict[str, int]:
+    """Counts of the collective instructions (asynchronous ones by their ``-start``) in compiled HLO text; kinds
+    that do not occur are absent."""
+    found = re.findall(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", compiled_text)
+    return {name: found.count(name) for name in sorted(set(found))}

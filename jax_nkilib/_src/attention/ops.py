@@ -49,10 +49,6 @@ DECODE_ATTENTION_SHARDING = auto.register_rule(auto.ShardingRule(
     note="with a block_table (paged caches shared by the batch) only heads shard"))
 
 
-def _entry(mesh_axes):
-    return mesh_axes[0] if len(mesh_axes) == 1 else tuple(mesh_axes)
-
-
 def _plan_attention(q, k, v, sinks, prefix, sliding_window):
     """The shard_map plan of :func:`attention`: batch and heads free; a sharded sequence selects ring attention."""
     operands = [auto.Operand("q", q, "bsnd"), auto.Operand("k", k, "bsnd"), auto.Operand("v", v, "bsnd"),
@@ -61,9 +57,9 @@ def _plan_attention(q, k, v, sinks, prefix, sliding_window):
     sharded = auto.plan(ATTENTION_SHARDING, operands)
     if sharded and "s" in sharded.axes:
         if sliding_window or sinks is not None or prefix is not None:
-            raise ValueError("jax_nkilib.attention: a sequence sharded over mesh axis "
-                             f"{_entry(sharded.axes['s'])!r} runs ring attention, which supports no sliding_window, "
-                             "sinks or prefix; replicate the sequence axis")
+            axis = auto.spec_entry(sharded.axes["s"])
+            raise ValueError(f"jax_nkilib.attention: a sequence sharded over mesh axis {axis!r} runs ring attention, "
+                             "which supports no sliding_window, sinks or prefix; replicate the sequence axis")
     return sharded
 
 
@@ -93,7 +89,7 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None, slidi
         def local(q, k, v, sinks, prefix, axes):
             if "s" in axes:
                 from ..parallel.ring_attention import ring_attention
-                return ring_attention(q, k, v, axis_name=_entry(axes["s"]), causal=causal, layout="contiguous",
+                return ring_attention(q, k, v, axis_name=auto.spec_entry(axes["s"]), causal=causal, layout="contiguous",
                                       scale=scale)
             return attention(q, k, v, causal=causal, scale=scale, sliding_window=sliding_window, sinks=sinks,
                              prefix=prefix)
@@ -185,9 +181,10 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
         auto.Operand("cache_len", cache_len, "b"), auto.Operand("block_table", block_table, "b_")])
     if sharded:
         if block_table is not None and "b" in sharded.axes:
+            axis = auto.spec_entry(sharded.axes["b"])
             raise ValueError("jax_nkilib.decode_attention: with a block_table the paged caches are shared by the "
-                             f"whole batch, so the batch cannot be split over mesh axis {_entry(sharded.axes['b'])!r};"
-                             " shard the heads, or replicate the batch")
+                             f"whole batch, so the batch cannot be split over mesh axis {axis!r}; shard the heads, or "
+                             "replicate the batch")
         def local(q, k_new, v_new, k_cache, v_cache, cache_len, block_table, axes):
             return decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, scale=scale,
                                     block_table=block_table)

@@ -124,7 +124,7 @@ class Plan:
     def spec(self, dims: str | None) -> P:
         if dims is None:
             return P()
-        return P(*[_entry(self.axes.get(letter, ())) for letter in dims])
+        return P(*[spec_entry(self.axes.get(letter, ())) for letter in dims])
 
     def axis_size(self, letter: str) -> int:
         size = 1
@@ -160,12 +160,13 @@ class Plan:
 
 def _needs_reshard(leaf, spec: P) -> bool:
     found = _explicit_axes(leaf)
-    current = () if found is None else tuple(_entry(axes) for axes in found[1])
+    current = () if found is None else tuple(spec_entry(axes) for axes in found[1])
     wanted = tuple(spec) + (None,) * (len(current) - len(spec))
     return current != wanted[:len(current)] if current else any(entry is not None for entry in spec)
 
 
-def _entry(axes: tuple[str, ...]):
+def spec_entry(axes: tuple[str, ...]):
+    """A PartitionSpec entry for mesh axes: ``None``, one name, or a tuple of names."""
     if not axes:
         return None
     return axes[0] if len(axes) == 1 else axes
@@ -199,12 +200,13 @@ def plan(rule: ShardingRule, operands: Sequence[Operand], *, granule: Mapping[st
                     name = "this dimension" if letter in (None, "_") else rule.dimension_name(letter)
                     raise ValueError(
                         f"{where}: `{label}` is sharded along axis {position} ({name}) over mesh axis "
-                        f"{_entry(mesh_axes)!r}; {where} shards only {_supported(rule)}. Replicate that axis first "
+                        f"{spec_entry(mesh_axes)!r}; {where} shards only {_supported(rule)}. Replicate that axis first "
                         "(e.g. jax.sharding.reshard) or call the op inside jax.shard_map on local shards.")
                 if axes.setdefault(letter, mesh_axes) != mesh_axes:
                     raise ValueError(
-                        f"{where}: {rule.dimension_name(letter)} is split over mesh axis {_entry(axes[letter])!r} in "
-                        f"`{owner[letter]}` but over {_entry(mesh_axes)!r} in `{label}`; shard them alike")
+                        f"{where}: {rule.dimension_name(letter)} is split over mesh axis "
+                        f"{spec_entry(axes[letter])!r} in `{owner[letter]}` but over {spec_entry(mesh_axes)!r} in "
+                        f"`{label}`; shard them alike")
                 owner.setdefault(letter, label)
     if mesh is None:
         return None
@@ -224,9 +226,9 @@ def plan(rule: ShardingRule, operands: Sequence[Operand], *, granule: Mapping[st
                 if parts > 1 and leaf.shape[position] % multiple:
                     raise ValueError(
                         f"{where}: `{operand.name}` axis {position} ({rule.dimension_name(letter)}) has size "
-                        f"{leaf.shape[position]}, which {parts} shards over mesh axis {_entry(axes[letter])!r} cannot "
-                        f"split into equal parts" + (f" of a multiple of {granule[letter]}"
-                                                      if letter in granule else ""))
+                        f"{leaf.shape[position]}, which {parts} shards over mesh axis "
+                        f"{spec_entry(axes[letter])!r} cannot split into equal parts"
+                        + (f" of a multiple of {granule[letter]}" if letter in granule else ""))
     return result
 
 

@@ -38,20 +38,11 @@ from jax import lax
 
 from ..framework import compat
 from . import auto
+from .axes import bound_axis
 from ..framework.spec import accumulation_dtype
 
 
 # ----------------------------------------------------------------------------------------------------- checks
-def _axis_names(function: str, axis_name) -> tuple[str, ...]:
-    names = (axis_name,) if isinstance(axis_name, str) else axis_name
-    if not (isinstance(names, tuple) and names and all(isinstance(name, str) for name in names)):
-        raise TypeError(f"{function}: `axis_name` must be a mesh axis name or a tuple of names; got {axis_name!r}")
-    if compat.bound_axis_size(names) is None:
-        raise ValueError(f"{function}: `axis_name`={axis_name!r} is not bound here: call {function} inside "
-                         f"jax.shard_map over a mesh with that axis")
-    return names
-
-
 def _check(function: str, x, w, axis, axis_arg: str):
     """Validate ``x [..., K]``, ``w [K, N]`` and the token axis; return ``(x, w, axis normalized)``."""
     for name, value in (("x", x), ("w", w)):
@@ -258,7 +249,7 @@ def all_gather_matmul(x, w, *, axis_name, gather_axis: int = 0):
       ``x.shape`` with ``gather_axis`` multiplied by the ring size and the last axis ``N``: every rank's rows in
       rank order, times ``w``; float32 accumulation, ``x``'s dtype.
     """
-    names = _axis_names("all_gather_matmul", axis_name)
+    names, _ = bound_axis("all_gather_matmul", axis_name)
     x, w, axis = _check("all_gather_matmul", x, w, gather_axis, "gather_axis")
     return _all_gather_matmul(x, w, names, axis)
 
@@ -277,9 +268,8 @@ def matmul_reduce_scatter(x, w, *, axis_name, scatter_axis: int = 0):
       ``x.shape`` with ``scatter_axis`` divided by the ring size and the last axis ``N``: block ``r`` (rank order)
       of the sum over ranks of ``x @ w``; float32 accumulation (the partial sums travel in float32), ``x``'s dtype.
     """
-    names = _axis_names("matmul_reduce_scatter", axis_name)
+    names, n = bound_axis("matmul_reduce_scatter", axis_name)
     x, w, axis = _check("matmul_reduce_scatter", x, w, scatter_axis, "scatter_axis")
-    n = compat.bound_axis_size(names)
     if x.shape[axis] % n:
         raise ValueError(f"matmul_reduce_scatter: x's scatter_axis {axis} has size {x.shape[axis]}, which does not "
                          f"divide over the {n} ranks of axis {axis_name!r}")

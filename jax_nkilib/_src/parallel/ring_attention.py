@@ -59,9 +59,10 @@ from jax.ad_checkpoint import checkpoint_name
 from ..attention.blockwise import attention_backward, attention_forward, log_sum_exp
 from ..attention.checks import check_qkv_layout
 from ..attention.masks import MaskRule
-from ..framework.compat import bound_axis_size, varying_like
+from ..framework.compat import varying_like
 from ..framework.spec import accumulation_dtype
 from . import auto
+from .axes import bound_axis
 from .layouts import check_layout, check_local_length
 
 _WHERE = "jax_nkilib.ring_attention"
@@ -245,14 +246,6 @@ def _ring_attention_fwd(ring: _Ring, q, k, v):
 _ring_attention.defvjp(_ring_attention_fwd, _ring_backward)
 
 
-def _axis_names(axis_name) -> tuple[str, ...]:
-    names = (axis_name,) if isinstance(axis_name, str) else axis_name
-    if not (isinstance(names, tuple) and names and all(isinstance(name, str) for name in names)):
-        raise TypeError(f"{_WHERE}: `axis_name` must be a mesh axis name or a non-empty tuple of names; got "
-                        f"{axis_name!r}")
-    return names
-
-
 def _check(q, k, v, causal, layout, scale) -> None:
     check_qkv_layout(_WHERE, q, k, v, same_seq=True, kind="a per-shard array")  # self-attention, one sharded seq
     if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
@@ -290,11 +283,7 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, layout: str = "zi
     order it equals ``jax_nkilib.attention(q, k, v, causal=causal, scale=scale)`` on the global sequence.
     Differentiable (a ring backward); the forward uses ``2 (n - 1)`` collective permutes and nothing else.
     """
-    names = _axis_names(axis_name)
-    size = bound_axis_size(names)
-    if size is None:
-        raise ValueError(f"{_WHERE}: mesh axis {axis_name!r} is not bound here; call ring_attention inside "
-                         "jax.shard_map over a mesh with that axis (the sequence axis split over it)")
+    names, size = bound_axis(_WHERE, axis_name, " (the sequence axis split over it)")
     _check(q, k, v, causal, layout, scale)
     batch, length, heads, head_dim = q.shape
     kv_heads = k.shape[2]
