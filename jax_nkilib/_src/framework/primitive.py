@@ -56,6 +56,17 @@ def reference_vjp(kernel, operands, params, outs, cotangents):
     return dict(zip(names, vjp(tuple(cotangents))))
 
 
+def pull_back(fn: Callable, operands: Mapping[str, Any], names, cotangents) -> dict[str, Any]:
+    """Cotangents of ``operands[name]`` for ``name`` in ``names`` through ``fn(operands) -> tuple of outputs``, for
+    the outputs' ``cotangents`` (``None`` means zero; each is cast to its output's dtype)."""
+    def differentiable(*values):
+        return fn(dict(operands, **dict(zip(names, values))))
+
+    primal, pullback = jax.vjp(differentiable, *(operands[name] for name in names))
+    wanted = tuple(jnp.zeros_like(p) if c is None else c.astype(p.dtype) for c, p in zip(cotangents, primal))
+    return dict(zip(names, pullback(wanted)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Vjp:
     forward: Callable

@@ -32,7 +32,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..framework.primitive import make_kernel
+from ..framework.primitive import make_kernel, pull_back
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from ..framework.dynamic_outputs import parse_layout as output_layout
 from . import mx
@@ -115,16 +115,13 @@ def _vjp(kernel, operands, params, outs, cotangents):
     names = [name for name in ("input", "gamma", "residual") if operands[name] is not None]
     h = operands["input"].shape[-1]
 
-    def differentiable(*values):
-        named = dict(operands, **dict(zip(names, values)))
+    def outputs(named):
         y, x = _normalized(named["input"], named["gamma"], named["residual"], params["eps"],
                            params["hidden_actual"] or h, rounded=False)
         return (_kernel_layout(y),) + (() if named["residual"] is None else (x,))
 
-    primal, pullback = jax.vjp(differentiable, *(operands[name] for name in names))
     wanted = (cotangents[0],) + (() if operands["residual"] is None else (cotangents[3],))
-    wanted = tuple(jnp.zeros_like(p) if c is None else c.astype(p.dtype) for c, p in zip(wanted, primal))
-    return dict(zip(names, pullback(wanted)))
+    return pull_back(outputs, operands, names, wanted)
 
 
 RMSNORM_MX_QUANTIZE_TKG_SPEC = KernelSpec(

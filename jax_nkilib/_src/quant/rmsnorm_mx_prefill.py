@@ -51,7 +51,7 @@ from ..common_types import RouterActFnType
 from ..framework.dynamic_outputs import SelectedOutputsSpec
 from ..framework.dynamic_outputs import parse_layout as output_layout
 from ..framework.layout import Dim, Layout
-from ..framework.primitive import make_kernel
+from ..framework.primitive import make_kernel, pull_back
 from ..framework.spec import CallInfo, FoldPlan, Operand, Output, Param
 from . import rmsnorm_mx_prefill_math as math
 
@@ -232,8 +232,7 @@ def _vjp(kernel, operands, params, outs, cotangents):
     if not wanted_names:
         return {}
 
-    def differentiable(*values):
-        named = dict(operands, **dict(zip(names, values)))
+    def outputs(named):
         x = math.prenorm_sum(named["hidden_states"], named["residual"], rounded=False)
         results = {"output_residual": x,
                    "norm_bf16": math.normalized(x, named["gamma"], eps=params["eps"],
@@ -241,10 +240,7 @@ def _vjp(kernel, operands, params, outs, cotangents):
                                                 hidden_interleaved=params["hidden_interleaved"])}
         return tuple(results[name] for name in wanted_names)
 
-    primal, pullback = jax.vjp(differentiable, *(operands[name] for name in names))
-    wanted = tuple(cotangents[produced.index(name)] for name in wanted_names)
-    wanted = tuple(jnp.zeros_like(p) if c is None else c.astype(p.dtype) for c, p in zip(wanted, primal))
-    return dict(zip(names, pullback(wanted)))
+    return pull_back(outputs, operands, names, tuple(cotangents[produced.index(name)] for name in wanted_names))
 
 
 RMSNORM_MX_PREFILL_SPEC = SelectedOutputsSpec(
