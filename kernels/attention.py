@@ -14,16 +14,20 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-try:  # neuronx-cc bundles the library as `nkilib`; the source tree installs it as `nkilib_src.nkilib`
-    from nkilib.core.attention.attention_tkg import attention_tkg as _library_attention_tkg
-    from nkilib.core.attention.attention_tkg_utils import AttnTKGConfig
-    from nkilib.core.attention.gen_mask_tkg import gen_mask_tkg as _library_gen_mask_tkg
-    from nkilib.core.utils.allocator import SbufManager
-except ImportError:  # pragma: no cover - depends on how the NKI Library is installed
-    from nkilib_src.nkilib.core.attention.attention_tkg import attention_tkg as _library_attention_tkg
-    from nkilib_src.nkilib.core.attention.attention_tkg_utils import AttnTKGConfig
-    from nkilib_src.nkilib.core.attention.gen_mask_tkg import gen_mask_tkg as _library_gen_mask_tkg
-    from nkilib_src.nkilib.core.utils.allocator import SbufManager
+from jax_nkilib_kernels._library import load
+
+_library_attention_tkg = load("core.attention.attention_tkg", "attention_tkg")
+AttnTKGConfig = load("core.attention.attention_tkg_utils", "AttnTKGConfig")
+_library_gen_mask_tkg = load("core.attention.gen_mask_tkg", "gen_mask_tkg")
+SbufManager = load("core.utils.allocator", "SbufManager")
+Logger = load("core.utils.logging", "Logger")
+# SBUF the adapters hand the subkernels: the whole partition minus 16 KiB left for compiler-allocated tiles, as the
+# library's own test_attention_tkg.py builds its SbufManager(0, total_available_sbuf_size - 16 * 1024, Logger("SBM"))
+SBUF_RESERVED_FOR_COMPILER = 16 * 1024
+
+
+def _sbuf_manager(name):
+    return SbufManager(0, nl.tile_size.total_available_sbuf_size - SBUF_RESERVED_FOR_COMPILER, Logger(name))
 
 
 @nki.jit
@@ -45,7 +49,7 @@ def attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None,
     k_out = None  # the kernel writes the rotated keys only with fuse_rope
     if fuse_rope:
         k_out = nl.ndarray((batch, 1, d_head, s_active), dtype=k_active.dtype, buffer=nl.shared_hbm)
-    sbm = SbufManager()
+    sbm = _sbuf_manager("attention_tkg")
     if not fuse_rope:  # the kernel asserts q and k in SBUF, [d, B*H*s_a] and [d, B*s_a]
         q_sb = nl.ndarray((d_head, batch * heads * s_active), dtype=q.dtype, buffer=nl.sbuf)
         k_sb = nl.ndarray((d_head, batch * s_active), dtype=k_active.dtype, buffer=nl.sbuf)
@@ -73,7 +77,7 @@ def gen_mask_tkg(pos_ids, start_pos=None, active_mask=None, bs=None, q_head=None
         start_sb = nl.ndarray(start_pos.shape, dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=start_sb, src=start_pos)
     mask_sb = nl.ndarray((p_max, n_sprior_tile, bs, q_head, s_active), dtype=nl.float32, buffer=nl.sbuf)
-    sbm = SbufManager()
+    sbm = _sbuf_manager("gen_mask_tkg")
     _library_gen_mask_tkg(pos_sb, mask_sb, bs, q_head, s_active, is_s_prior_sharded, s_prior_per_shard,
                           start_pos=start_sb, s_prior_offset=s_prior_offset, block_len=block_len,
                           strided_mm1=strided_mm1 and not block_len, active_mask=active_mask, sbm=sbm,

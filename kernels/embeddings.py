@@ -8,13 +8,10 @@ calling convention a framework custom call needs. Not yet run on Trainium by thi
 import nki
 import nki.language as nl
 
-try:  # neuronx-cc bundles the library as `nkilib`; the source tree installs it as `nkilib_src.nkilib`
-    from nkilib.core.embeddings.rope_hf import rope_hf as _library_rope_hf
-except ImportError:  # pragma: no cover - depends on how the NKI Library is installed
-    from nkilib_src.nkilib.core.embeddings.rope_hf import rope_hf as _library_rope_hf
+from jax_nkilib_kernels._library import body, load
 
 # Call the undecorated kernel body inside our kernel so that it is traced inline.
-_rope_hf_body = getattr(_library_rope_hf, "func", _library_rope_hf)
+_rope_hf_body = body(load("core.embeddings.rope_hf", "rope_hf"))
 
 
 @nki.jit

@@ -15,19 +15,12 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-try:  # neuronx-cc bundles the library as `nkilib`; the source tree installs it as `nkilib_src.nkilib`
-    from nkilib.core.subkernels.rmsnorm_mx_quantize_tkg import rmsnorm_mx_quantize_tkg as _library_rmsnorm_mx
-    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits
-    from nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import mlp_backward_mxfp8_nki as _library_bwd
-    from nkilib.experimental.mlp_mxfp8.mlp_fwd_mxfp8.mlp_fwd_mxfp8_kernel import mlp_forward_mxfp8_nki as _library_fwd
-except ImportError:  # pragma: no cover - depends on how the NKI Library is installed
-    from nkilib_src.nkilib.core.subkernels.rmsnorm_mx_quantize_tkg import (
-        rmsnorm_mx_quantize_tkg as _library_rmsnorm_mx)
-    from nkilib_src.nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.config import ClampLimits
-    from nkilib_src.nkilib.experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel import (
-        mlp_backward_mxfp8_nki as _library_bwd)
-    from nkilib_src.nkilib.experimental.mlp_mxfp8.mlp_fwd_mxfp8.mlp_fwd_mxfp8_kernel import (
-        mlp_forward_mxfp8_nki as _library_fwd)
+from jax_nkilib_kernels._library import load
+
+_library_rmsnorm_mx = load("core.subkernels.rmsnorm_mx_quantize_tkg", "rmsnorm_mx_quantize_tkg")
+ClampLimits = load("experimental.mlp_mxfp8.mlp_bwd_mxfp8.config", "ClampLimits")
+_library_bwd = load("experimental.mlp_mxfp8.mlp_bwd_mxfp8.mlp_bwd_mxfp8_kernel", "mlp_backward_mxfp8_nki")
+_library_fwd = load("experimental.mlp_mxfp8.mlp_fwd_mxfp8.mlp_fwd_mxfp8_kernel", "mlp_forward_mxfp8_nki")
 
 P_MAX = 128
 

@@ -17,18 +17,12 @@ Not yet run on Trainium by this project: check them on a trn2 instance.
 import nki
 from nki.collectives import ReplicaGroup
 
-try:  # neuronx-cc bundles the library as `nkilib`; the source tree installs it as `nkilib_src.nkilib`
-    from nkilib.experimental.collectives.fg_allgather import fine_grained_allgather as _library_fg_allgather
-    from nkilib.experimental.collectives.fgcc import allgather_compute_matmul as _library_fgcc
-    from nkilib.experimental.collectives.sb2sb_allgather import allgather_sb2sb as _library_sb2sb
-    from nkilib.experimental.collectives.sb2sb_allgather import allgather_sb2sb_tiled as _library_sb2sb_tiled
-except ImportError:  # pragma: no cover - depends on how the NKI Library is installed
-    from nkilib_src.nkilib.experimental.collectives.fg_allgather import (
-        fine_grained_allgather as _library_fg_allgather)
-    from nkilib_src.nkilib.experimental.collectives.fgcc import allgather_compute_matmul as _library_fgcc
-    from nkilib_src.nkilib.experimental.collectives.sb2sb_allgather import allgather_sb2sb as _library_sb2sb
-    from nkilib_src.nkilib.experimental.collectives.sb2sb_allgather import (
-        allgather_sb2sb_tiled as _library_sb2sb_tiled)
+from jax_nkilib_kernels._library import load
+
+_library_fg_allgather = load("experimental.collectives.fg_allgather", "fine_grained_allgather")
+_library_fgcc = load("experimental.collectives.fgcc", "allgather_compute_matmul")
+_library_sb2sb = load("experimental.collectives.sb2sb_allgather", "allgather_sb2sb")
+_library_sb2sb_tiled = load("experimental.collectives.sb2sb_allgather", "allgather_sb2sb_tiled")
 
 
 def _require_consecutive_groups(replica_groups, tp_degree, num_groups):

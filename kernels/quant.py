@@ -18,26 +18,14 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-try:  # neuronx-cc bundles the library as `nkilib`; the source tree installs it as `nkilib_src.nkilib`
-    from nkilib.experimental.matmul_mxfp8.matmul_mxfp8_config import MatmulMxfp8KernelConfig
-    from nkilib.experimental.matmul_mxfp8.matmul_mxfp8_generic_backward_kernel import (
-        matmul_mxfp8_backward as _library_backward,
-    )
-    from nkilib.experimental.matmul_mxfp8.matmul_mxfp8_generic_kernel import matmul_mxfp8 as _library_matmul
-except ImportError:  # pragma: no cover - depends on how the NKI Library is installed
-    from nkilib_src.nkilib.experimental.matmul_mxfp8.matmul_mxfp8_config import MatmulMxfp8KernelConfig
-    from nkilib_src.nkilib.experimental.matmul_mxfp8.matmul_mxfp8_generic_backward_kernel import (
-        matmul_mxfp8_backward as _library_backward,
-    )
-    from nkilib_src.nkilib.experimental.matmul_mxfp8.matmul_mxfp8_generic_kernel import matmul_mxfp8 as _library_matmul
+from jax_nkilib_kernels._library import load
 
-try:  # imported apart: a library without core/quantization still serves the MXFP8 adapters
-    from nkilib.core.quantization import fp8_quantize as _library_fp8
-except ImportError:  # pragma: no cover - depends on how the NKI Library is installed
-    try:
-        from nkilib_src.nkilib.core.quantization import fp8_quantize as _library_fp8
-    except ImportError:
-        _library_fp8 = None
+MatmulMxfp8KernelConfig = load("experimental.matmul_mxfp8.matmul_mxfp8_config", "MatmulMxfp8KernelConfig")
+_library_backward = load("experimental.matmul_mxfp8.matmul_mxfp8_generic_backward_kernel", "matmul_mxfp8_backward")
+_library_matmul = load("experimental.matmul_mxfp8.matmul_mxfp8_generic_kernel", "matmul_mxfp8")
+_static_quantization = load("core.quantization.fp8_quantize", "static_quantization")
+_row_quantization = load("core.quantization.fp8_quantize", "row_quantization")
+_pre_combine_dequant_scales = load("core.quantization.fp8_quantize", "pre_combine_dequant_scales")
 
 
 def _config(fields, m, k, n):
@@ -83,14 +71,6 @@ def matmul_mxfp8_backward(output_grad, weights, input_activation, input_grad_con
         weights_is_swizzled=weights_is_swizzled, input_is_swizzled=input_is_swizzled)
 
 
-def _fp8_helpers():
-    """The library's ``fp8_quantize`` module, or an error naming what is missing."""
-    if _library_fp8 is None:
-        raise ImportError("the installed NKI Library has no core.quantization.fp8_quantize (static_quantization, "
-                          "row_quantization, pre_combine_dequant_scales); install a newer nki-library")
-    return _library_fp8
-
-
 def _nl_dtype(dtype):
     """The ``nl`` dtype of a dtype name (``"float8_e4m3fn"``) or dtype object; ``None`` stays ``None``."""
     return None if dtype is None else getattr(nl, getattr(dtype, "name", str(dtype)))
@@ -113,7 +93,7 @@ def _to_hbm(tile):
 @nki.jit
 def static_quantization(hidden_state, input_dequant_scale, quant_scale=None, dtype="float8_e4m3fn"):
     """``(quantized [P, F], input_dequant_scale [P, 1])`` from the library's ``static_quantization``."""
-    quantized, passed_scale = _fp8_helpers().static_quantization(
+    quantized, passed_scale = _static_quantization(
         _to_sbuf(hidden_state), _to_sbuf(input_dequant_scale),
         quant_scale=None if quant_scale is None else _to_sbuf(quant_scale), dtype=_nl_dtype(dtype))
     return _to_hbm(quantized), _to_hbm(passed_scale)
@@ -123,7 +103,7 @@ def static_quantization(hidden_state, input_dequant_scale, quant_scale=None, dty
 def row_quantization(hidden_state, dtype="float8_e4m3fn", output_dtype=None):
     """``(quantized, dequant_scale)`` from the library's ``row_quantization``: ``[P, F]`` and ``[P, 1]``, or
     ``[P0, BxS, F0]`` and ``[P0, BxS, 1]``."""
-    quantized, dequant_scale = _fp8_helpers().row_quantization(
+    quantized, dequant_scale = _row_quantization(
         _to_sbuf(hidden_state), dtype=_nl_dtype(dtype), output_dtype=_nl_dtype(output_dtype))
     return _to_hbm(quantized), _to_hbm(dequant_scale)
 
@@ -131,5 +111,4 @@ def row_quantization(hidden_state, dtype="float8_e4m3fn", output_dtype=None):
 @nki.jit
 def pre_combine_dequant_scales(input_dequant_scale, weight_dequant_scale):
     """``combined [P, F_w]`` float32 from the library's ``pre_combine_dequant_scales``."""
-    return _to_hbm(_fp8_helpers().pre_combine_dequant_scales(_to_sbuf(input_dequant_scale),
-                                                             _to_sbuf(weight_dequant_scale)))
+    return _to_hbm(_pre_combine_dequant_scales(_to_sbuf(input_dequant_scale), _to_sbuf(weight_dequant_scale)))

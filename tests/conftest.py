@@ -1,9 +1,16 @@
-"""Test configuration: 8 CPU devices for shard_map tests and float64 for gradient checks.
+"""Test configuration: 8 CPU devices for shard_map tests, float64 for gradient checks, and a pinned Neuron platform.
 
-Both must be set before JAX initialises its backends, hence here, before anything imports jax_nkilib.
+The devices and x64 must be set before JAX initialises its backends, hence here. The suite runs for Trainium2 at
+LNC 1 whatever the machine's environment says (jax_nkilib's settings are JAX config options, set globally here);
+tests of LNC 2 say so with ``jax_nkilib.config(lnc=2)``, and ``tests/neuron/test_platform.py`` checks the platform
+defaults (LNC 2 on Trainium2 when ``NEURON_LOGICAL_NC_CONFIG`` is unset) in fresh processes.
 """
 
 import jax
 
+import jax_nkilib  # noqa: F401  (defines the jax_nkilib_* config options)
+
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", True)
+jax.config.update("jax_nkilib_platform_target", "trn2")
+jax.config.update("jax_nkilib_lnc", 1)

@@ -6,6 +6,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_nkilib
 from tests.support.hlo import kernel_configs, operations
@@ -42,3 +43,22 @@ def test_block_forward_on_neuron_is_one_kernel_per_op_plus_layout_glue():
     assert glue["stablehlo.add"] == 2
     assert set(glue) <= {"stablehlo.add", "stablehlo.transpose", "stablehlo.reshape", "stablehlo.slice",
                          "stablehlo.broadcast_in_dim"}
+
+
+def test_block_exports_for_several_platforms():
+    """jax.export of the block for CPU and CUDA runs here; for CPU and Neuron (dry run) it keeps the kernel calls,
+    with jax_nkilib.neuron.EXPORT_DISABLED_CHECKS allowing them."""
+    qs = load()
+    params = qs.init_params(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (qs.BATCH, qs.SEQ, qs.MODEL), jnp.float32)
+    args = (params, x, *qs.rotary_tables(qs.SEQ, qs.HEAD_DIM))
+    block = jax.jit(qs.transformer_block)
+    exported = jax.export.export(block, platforms=["cpu", "cuda"])(*args)
+    assert exported.platforms == ("cpu", "cuda")
+    np.testing.assert_array_equal(exported.call(*args), block(*args))
+    with jax_nkilib.neuron.dry_run():
+        exported = jax.export.export(block, platforms=["cpu", "neuron"],
+                                     disabled_checks=jax_nkilib.neuron.EXPORT_DISABLED_CHECKS)(*args)
+    assert exported.platforms == ("cpu", "neuron")
+    assert [cfg["func_name"] for cfg in kernel_configs(exported.mlir_module())] == KERNELS
+    np.testing.assert_array_equal(exported.call(*args), block(*args))  # here, the CPU lowering of the export

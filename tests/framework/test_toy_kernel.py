@@ -34,7 +34,7 @@ SPEC = KernelSpec(
     reference=reference,
     neuron_limits=lambda call: ["N must be even"] if call.dims["N"] % 2 else [],
     fold_plans=(FoldPlan({"x": 0, "w": 0, "bias": 0}, outputs=(0, 0)),),
-    aliases={0: 0},
+    aliases={"x": "out"},
 )
 
 

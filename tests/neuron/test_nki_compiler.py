@@ -1,172 +1,277 @@
-"""NkiCompiler against a stand-in for the `nki` framework-integration API (the real SDK is not installable here).
+"""NkiCompiler against a stand-in of the Neuron SDK's real framework-integration API (tests/support/nki_standin.py).
 
-The stand-in implements the documented interface (`CompileKernel(func, lnc=, target=).build_config(...)` returning
-an object with `backend_config_b64`, `output_specs`, `operand_output_aliases`, `has_collectives`), so these tests
-check how jax_nkilib drives it and emits its result; they cannot check the real SDK.
+The stand-in mirrors NKI's own classes (frozen dataclasses, ``compile_kernel_to_nir`` returning a ``NirResult``,
+``backend_config_b64`` as bytes, arguments bound by the kernel's signature) and the NKI Library's recorded
+signatures, so these tests check how jax_nkilib drives the real API. They cannot check the real compiler.
 """
 
 import base64
+import dataclasses
 import json
 import sys
-import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
-from jax_nkilib._src.neuron.compilers import device_dtypes, kernel_arguments, library_enum, replica_group_arguments
-from jax_nkilib.neuron import NeuronOutputMismatchError, NkiApiError
-from jax_nkilib.nki import RoPE
+from jax_nkilib.neuron import NeuronFallbackWarning, NeuronOutputMismatchError, NeuronUnsupportedError, NkiApiError
+from jax_nkilib.nki import ActFnType, QuantizationType, RoPE, all_reduce_hbm_kernel, attention_cte, mlp, qkv
+from tests.support import nki_standin
 from tests.support.data import angles, random
-from tests.support.hlo import kernel_configs, neuron_text
+from tests.support.hlo import kernel_configs, neuron_text, operations
+from tests.support.sharding import mesh_1d, shard
 
 X = random((64, 2, 4, 16))
 COS, SIN = angles((32, 2, 16))
+ROPE = "nkilib.core.embeddings.rope:RoPE"
+MLP = "nkilib.core.mlp.mlp:mlp"
+QKV = "nkilib.core.qkv.qkv:qkv"
+ATTENTION_CTE = "nkilib.core.attention.attention_cte:attention_cte"
+ALL_REDUCE = "nkilib.experimental.collectives.collectives:all_reduce_hbm_kernel"
 
 
-def library_rope(x_in, cos, sin, lnc_shard=False, contiguous_layout=True, relayout_in_sbuf=False):
-    raise AssertionError("the kernel body is compiled by nki, never called by jax_nkilib")
+def like(array, dtype=None, shape=None):
+    return np.empty(array.shape if shape is None else shape, array.dtype if dtype is None else dtype)
 
 
-class FakeCompileKernel:
-    calls = []
-
-    def __init__(self, func, lnc, target):
-        self.func, self.lnc, self.target = func, lnc, target
-
-    def build_config(self, *arg_specs, **kwargs):
-        FakeCompileKernel.calls.append((self.func, self.lnc, self.target, arg_specs, kwargs))
-        cfg = {"func_name": self.func.__name__, "kernel_format": "bir", "grid": self.lnc, "has_collectives": True,
-               "mac_count": 7}
-        return types.SimpleNamespace(
-            backend_config_b64=base64.b64encode(json.dumps(cfg).encode()).decode(),
-            output_specs=[jax.ShapeDtypeStruct(arg_specs[0].shape, arg_specs[0].dtype)],
-            operand_output_aliases={0: 0},
-            has_collectives=True,
-        )
+def mlp_outputs(hidden_tensor, store_fused_add_result=False, output_dtype=None, **_):
+    """mlp returns a list: [out [B, S, H]] (+ [hidden + fused_add] with store_fused_add_result)."""
+    dtype = hidden_tensor.dtype if output_dtype is None else output_dtype
+    return [like(hidden_tensor, dtype)] + ([like(hidden_tensor, dtype)] if store_fused_add_result else [])
 
 
 @pytest.fixture
-def fake_sdk(monkeypatch):
-    nki = types.ModuleType("nki")
-    framework = types.ModuleType("nki.framework")
-    compiled = types.ModuleType("nki.framework.compiled")
-    compiled.CompileKernel = FakeCompileKernel
-    nki.framework, framework.compiled = framework, compiled
-    modules = {"nki": nki, "nki.framework": framework, "nki.framework.compiled": compiled}
-    for name in ("nkilib", "nkilib.core", "nkilib.core.embeddings"):
-        modules[name] = types.ModuleType(name)
-    rope_module = types.ModuleType("nkilib.core.embeddings.rope")
-    rope_module.RoPE = library_rope
-    modules["nkilib.core.embeddings.rope"] = rope_module
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    FakeCompileKernel.calls.clear()
-    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn1")
-    return compiled
+def sdk(monkeypatch):
+    """The stand-in SDK with RoPE, mlp, qkv, attention_cte and all_reduce_hbm_kernel in its library."""
+    standin = nki_standin.StandIn()
+    library = {entry: nki_standin.library_function(entry) for entry in (ROPE, MLP, QKV, ATTENTION_CTE, ALL_REDUCE)}
+    nki_standin.install(monkeypatch, standin, library)
+    standin.rule("RoPE", lambda x_in, **_: like(x_in))
+    standin.rule("mlp", mlp_outputs)
+    standin.rule("all_reduce_hbm_kernel", lambda input, **_: like(input))
+    return standin
 
 
-def test_nki_compiler_emits_the_sdk_config(fake_sdk):
-    with jax_nkilib.config(lnc=2):
-        text = neuron_text(RoPE, X, COS, SIN)
+def decoded(text):
     (cfg,) = kernel_configs(text)
-    assert cfg == {"func_name": "library_rope", "kernel_format": "bir", "grid": 2, "has_collectives": True,
-                   "mac_count": 7}
-    (func, lnc, target, arg_specs, kwargs), = FakeCompileKernel.calls
-    assert func is library_rope and lnc == 2 and target == "trn1"
-    assert [tuple(a.shape) for a in arg_specs] == [(64, 2, 4, 16), (32, 2, 16), (32, 2, 16)]
-    assert kwargs == {"lnc_shard": True, "contiguous_layout": True, "relayout_in_sbuf": False}
-    assert "output_operand_aliases = [#stablehlo.output_operand_alias<output_tuple_indices = [], operand_index = 0" \
-           in text
-    assert 'mhlo.frontend_attributes = {has_collectives = "1"}' in text
+    return cfg
 
 
-def test_output_mismatch_is_an_error(fake_sdk, monkeypatch):
-    original = FakeCompileKernel.build_config
+def test_rope_compiles_to_nkis_own_config(sdk):
+    with jax_nkilib.config(lnc=2, target="trn1"):
+        text = neuron_text(RoPE, X, COS, SIN)
+    assert operations(text) == ["stablehlo.custom_call"]
+    cfg = decoded(text)  # NKI's build_config, bytes base64 decoded: not a dict jax_nkilib wrote
+    assert cfg["func_name"] == "RoPE" and cfg["kernel_format"] == "bir" and cfg["grid"] == 2
+    assert cfg["platform_target"] == "gen2" and cfg["klir_binary"]["input_names"] == ["x_in", "cos", "sin"]
+    (compilation,) = sdk.compilations
+    kernel, inputs, options = compilation["kernel"], compilation["inputs"], compilation["options"]
+    library_rope = sys.modules["nkilib.core.embeddings.rope"].RoPE
+    assert isinstance(library_rope, nki_standin.Kernel)  # the library's @nki.jit object...
+    assert kernel.func is library_rope.func  # ...whose raw function CompileKernel is built around
+    assert (kernel.lnc, kernel.target) == (2, "trn1") and kernel.artifacts_dir == options.artifacts_dir
+    assert options.target == "trn1" and options.lnc == 2  # the options CompileKernel itself compiles with
+    assert list(inputs) == ["x_in", "cos", "sin", "lnc_shard", "contiguous_layout", "relayout_in_sbuf"]
+    for name, value in zip(("x_in", "cos", "sin"), (X, COS, SIN)):
+        assert type(inputs[name]) is np.ndarray and inputs[name].shape == value.shape
+        assert inputs[name].dtype == value.dtype
+    assert inputs["lnc_shard"] is True  # follows the LNC degree
 
-    def wrong_outputs(self, *arg_specs, **kwargs):
-        result = original(self, *arg_specs, **kwargs)
-        result.output_specs = [jax.ShapeDtypeStruct((1,), np.float32)]
-        return result
 
-    monkeypatch.setattr(FakeCompileKernel, "build_config", wrong_outputs)
-    with pytest.raises(NeuronOutputMismatchError, match="abstract evaluation expects"):
+def test_idiomatic_rope_reaches_the_same_kernel(sdk):
+    x = random((2, 32, 4, 64), jnp.bfloat16)
+    cos, sin = angles((2, 32, 32), jnp.bfloat16)
+    text = neuron_text(lambda *a: jax_nkilib.rope(*a), x, cos, sin)
+    assert decoded(text)["func_name"] == "RoPE"
+    (compilation,) = sdk.compilations
+    assert compilation["inputs"]["x_in"].dtype == np.dtype(jnp.bfloat16)  # ml_dtypes bfloat16, as nkipy passes it
+    assert compilation["inputs"]["x_in"].shape == (64, 2, 4, 32)  # the kernel layout [d, B, n_heads, S]
+
+
+def mlp_case(**flags):
+    hidden = random((1, 4, 128))
+    gate, up, down = random((128, 256), seed=1), random((128, 256), seed=2), random((256, 128), seed=3)
+    fn = lambda h, g, u, d, r: mlp(h, g, u, d, fused_add_tensor=r, **flags)  # noqa: E731
+    return fn, (hidden, gate, up, down, random((1, 4, 128), seed=4))
+
+
+def test_mlp_is_a_tuple_shaped_call_in_signature_order(sdk):
+    fn, args = mlp_case(activation_fn=ActFnType.GELU)
+    text = neuron_text(fn, *args)
+    cfg = decoded(text)
+    assert cfg["func_name"] == "mlp"
+    assert "-> tuple<tensor<1x4x128xf32>>" in text and "stablehlo.get_tuple_element" in text  # a list return
+    (compilation,) = sdk.compilations
+    inputs = compilation["inputs"]
+    tensors = [name for name, value in inputs.items() if isinstance(value, np.ndarray)]
+    assert tensors == ["hidden_tensor", "gate_proj_weights_tensor", "up_proj_weights_tensor",
+                       "down_proj_weights_tensor", "fused_add_tensor"]
+    assert "mx_weight_dtype" not in inputs  # jax_nkilib's own parameter never reaches the kernel
+    library_act = nki_standin.ENUMS["ActFnType"]
+    assert inputs["activation_fn"] is library_act.GELU  # the library's own member, not jax_nkilib's copy
+    assert inputs["quantization_type"] is nki_standin.ENUMS["QuantizationType"].NONE
+
+
+def test_mlp_two_outputs_keep_their_order(sdk):
+    fn, args = mlp_case(store_fused_add_result=True)
+    text = neuron_text(fn, *args)
+    assert "-> tuple<tensor<1x4x128xf32>, tensor<1x4x128xf32>>" in text
+
+
+def test_operands_follow_the_kernels_signature_not_the_specs(sdk):
+    """qkv with the KV-cache write: the kernel takes k_cache, v_cache, k_scale, v_scale after bias...sin_cache."""
+    sdk.rule("qkv", lambda input, k_cache, v_cache, d_head=None, num_q_heads=None, **_: [
+        np.empty((input.shape[0], input.shape[1], num_q_heads * d_head), input.dtype), k_cache, v_cache])
+    x, w = random((1, 128, 128)), random((128, 6 * 16), seed=1)
+    k_cache, v_cache = random((1, 256, 16), seed=2), random((1, 256, 16), seed=3)
+    scale = jnp.ones((128, 1), jnp.float32)
+    gamma = random((1, 128), seed=4)
+    fn = lambda *a: qkv(a[0], a[1], gamma_norm_weights=a[2], k_cache=a[3], v_cache=a[4], k_scale=a[5],  # noqa: E731
+                        v_scale=a[6], fused_norm_type="RMS_NORM", num_q_heads=4, num_kv_heads=1, d_head=16)
+    text = neuron_text(fn, x, w, gamma, k_cache, v_cache, scale, scale)
+    (compilation,) = sdk.compilations
+    tensors = [name for name, value in compilation["inputs"].items() if isinstance(value, np.ndarray)]
+    assert tensors == ["input", "fused_qkv_weights", "gamma_norm_weights", "k_cache", "v_cache", "k_scale", "v_scale"]
+    call = next(line for line in text.splitlines() if "AwsNeuronCustomNativeKernel" in line)
+    assert "(tensor<1x128x128xf32>, tensor<128x96xf32>, tensor<1x128xf32>, tensor<1x256x16xf32>, " \
+           "tensor<1x256x16xf32>, tensor<128x1xf32>, tensor<128x1xf32>)" in call
+    # the returned caches alias their inputs (positions 3 and 4 in the kernel's order): in place
+    assert "output_tuple_indices = [1], operand_index = 3" in text and "output_tuple_indices = [2], operand_index = 4" \
+        in text
+
+
+def test_packed_words_reach_the_kernel_as_nki_x4_tensors(sdk):
+    """MX weights are uint32 words in JAX and float8_e4m3fn_x4 tensors for the kernel (NkiTensor in shared HBM)."""
+    sdk.rule("qkv", lambda input, fused_qkv_weights, **_: like(input, shape=(1, 128, 96)))
+    x = random((1, 128, 512))
+    words = jnp.zeros((128, 96), jnp.uint32)
+    scales = jnp.full((16, 96), 127, jnp.uint8)
+    text = neuron_text(lambda a, b, c: qkv(a, b, qkv_w_scale=c, quantization_type="MX", weight_layout="MX_CONTIGUOUS",
+                                           num_q_heads=4, num_kv_heads=1, d_head=16), x, words, scales)
+    assert decoded(text)["func_name"] == "qkv"
+    weights = sdk.compilations[0]["inputs"]["fused_qkv_weights"]
+    assert isinstance(weights, nki_standin.NkiTensor) and weights.dtype == "float8_e4m3fn_x4"
+    assert weights.shape == (128, 96) and weights.buffer == "shared_hbm"
+
+
+def test_packed_outputs_match_their_word_dtype(sdk):
+    """NKI reports x4 outputs by their packed dtype name; jax_nkilib holds them as the unsigned word of that size."""
+    from jax_nkilib._src.neuron.compiled import jax_dtype_name, mismatched_outputs
+
+    assert [jax_dtype_name(n) for n in ("float8_e4m3fn_x4", "float8_e5m2_x4", "float4_e2m1fn_x4")] == \
+        ["uint32", "uint32", "uint16"]
+    aval = jax.core.ShapedArray((4, 8), jnp.uint32)
+    assert mismatched_outputs([((4, 8), "float8_e4m3fn_x4")], [aval]) == []
+    assert mismatched_outputs([((4, 8), "float4_e2m1fn_x4")], [aval]) != []
+    e4m3 = jax.core.ShapedArray((2,), jnp.float8_e4m3fn)
+    assert mismatched_outputs([((2,), "float8_e4m3")], [e4m3]) == []  # Trainium's E4M3 name for the same bytes
+
+
+def test_replica_groups_and_collectives(sdk):
+    mesh = mesh_1d("x", 4)
+    fn = jax.shard_map(lambda v: all_reduce_hbm_kernel(v, replica_group="x"), mesh=mesh, in_specs=P("x"),
+                       out_specs=P("x"))
+    text = neuron_text(fn, shard(mesh, (P("x"),), random((8, 16))))
+    assert decoded(text)["has_collectives"] is True and 'has_collectives = "1"' in text
+    group = sdk.compilations[0]["inputs"]["replica_group"]
+    assert isinstance(group, nki_standin.ReplicaGroup) and group._value == [[0, 1, 2, 3]]
+
+
+def test_dtype_params_are_nki_language_dtypes(sdk):
+    q, k, v = random((2, 128, 64)), random((2, 64, 128), seed=1), random((2, 128, 64), seed=2)
+    sdk.rule("attention_cte", lambda q, **_: like(q))
+    neuron_text(lambda *a: attention_cte(*a, softmax_dtype=jnp.float32), q, k, v)
+    inputs = sdk.compilations[0]["inputs"]
+    assert inputs["softmax_dtype"] == "float32"  # nki.language.float32 (a dtype name in NKI >= 0.4)
+    assert all(not isinstance(value, (jax.Array, jax.ShapeDtypeStruct)) for value in inputs.values())
+
+
+def test_output_mismatch_is_an_error(sdk):
+    sdk.rule("RoPE", lambda x_in, **_: np.empty((1,), np.float32))
+    with pytest.raises(NeuronOutputMismatchError, match=r"output 0 is \(1,\) float32 where abstract evaluation"):
         neuron_text(RoPE, X, COS, SIN)
 
 
-def test_missing_framework_api_is_named(fake_sdk, monkeypatch):
-    monkeypatch.delattr(fake_sdk, "CompileKernel")
-    with pytest.raises(NkiApiError, match="CompileKernel"):
+def test_a_changed_signature_is_named(sdk, monkeypatch):
+    """A library whose RoPE lost a parameter jax_nkilib passes: the error names the parameter and the versions."""
+    def old_rope(x_in, cos, sin, lnc_shard=False):
+        raise AssertionError
+
+    monkeypatch.setattr(sys.modules["nkilib.core.embeddings.rope"], "RoPE", nki_standin.jit(old_rope))
+    with pytest.raises(NkiApiError, match=r"takes no parameter `contiguous_layout`, `relayout_in_sbuf`.*0.4.0"):
         neuron_text(RoPE, X, COS, SIN)
 
 
-def test_missing_entry_point_is_named(fake_sdk, monkeypatch):
+def test_missing_framework_api_is_named(sdk, monkeypatch):
+    monkeypatch.delattr(sys.modules["nki.framework.compiled"], "CompileKernel")
+    with pytest.raises(NkiApiError, match="nki.framework.compiled.CompileKernel"):
+        neuron_text(RoPE, X, COS, SIN)
+
+
+def test_a_kernel_the_installed_library_lacks_falls_back(sdk, monkeypatch):
     monkeypatch.delattr(sys.modules["nkilib.core.embeddings.rope"], "RoPE")
-    with pytest.raises(NkiApiError, match="nkilib.core.embeddings.rope:RoPE"):
+    with pytest.warns(NeuronFallbackWarning, match=r"installed NKI Library has no nkilib.core.embeddings.rope:RoPE.*"
+                                                   r"installed: nki 0.4.0"):
+        text = neuron_text(RoPE, X, COS, SIN)
+    assert kernel_configs(text) == [] and sdk.compilations == []
+    with jax_nkilib.config(on_unsupported="error"), pytest.raises(NeuronUnsupportedError, match="has no"):
         neuron_text(RoPE, X, COS, SIN)
 
 
-def test_tensors_after_static_parameters_or_gaps_go_by_keyword():
-    def kernel(q, k, v, scale=1.0, k_scale=None, v_scale=None):  # tensors after a static parameter
-        raise AssertionError("never called")
+def test_standin_mirrors_the_real_api():
+    """The stand-in behaves as NKI's source: a frozen Kernel as CompileKernel's func fails, unknown arguments fail,
+    compile returns (FrameworkConfig, cache key) with bytes."""
+    standin = nki_standin.StandIn()
+    compile_kernel = standin.compile_kernel_class()
 
-    specs = {name: jax.ShapeDtypeStruct((2,), np.float32) for name in ("q", "k", "v", "v_scale")}
-    args, kwargs = kernel_arguments(kernel, specs, {"scale": 0.5})
-    assert len(args) == 3 and set(kwargs) == {"scale", "v_scale"}
-    gap = {name: specs[name] for name in ("q", "v")}  # k absent: v must not land on k
-    args, kwargs = kernel_arguments(kernel, gap, {})
-    assert len(args) == 1 and set(kwargs) == {"v"}
+    def kernel(a, b=1):
+        raise AssertionError
 
-
-def test_enum_flags_become_the_librarys_members(monkeypatch):
-    import enum
-
-    class NormType(enum.Enum):  # the library's own class, distinct from jax_nkilib's copy
-        RMS_NORM = 1
-
-    module = types.ModuleType("nkilib.core.utils.common_types")
-    module.NormType = NormType
-    monkeypatch.setitem(sys.modules, "nkilib.core.utils.common_types", module)
-    assert library_enum(jax_nkilib.nki.NormType.RMS_NORM) is NormType.RMS_NORM
-    assert library_enum(0.5) == 0.5
-    with pytest.raises(NkiApiError, match="no member"):
-        library_enum(jax_nkilib.nki.NormType.LAYER_NORM)
-
-
-def test_replica_groups_reach_library_kernels_as_replica_group_objects(monkeypatch):
-    class ReplicaGroup:  # the SDK's nki.collectives.ReplicaGroup
-        def __init__(self, groups):
-            self.groups = groups
-
-    module = types.ModuleType("nki.collectives")
-    module.ReplicaGroup = ReplicaGroup
-    monkeypatch.setitem(sys.modules, "nki.collectives", module)
-    from jax_nkilib._src.attention.kv_parallel import ATTENTION_KV_PARALLEL_SEGMENTED_CTE_SPEC as library_spec
-    from jax_nkilib._src.parallel.collectives import all_reduce_hbm_kernel
-
-    adapter_spec = all_reduce_hbm_kernel.spec
-
-    ranks = ((0, 2, 4, 6), (1, 3, 5, 7))
-    wrapped = replica_group_arguments(library_spec, {"replica_groups": ranks, "scale": 1.0})
-    assert isinstance(wrapped["replica_groups"], ReplicaGroup) and wrapped["replica_groups"].groups == [
-        [0, 2, 4, 6], [1, 3, 5, 7]]
-    assert wrapped["scale"] == 1.0
-    adapter_name = next(p.name for p in adapter_spec.params if p.kind == "axis")
-    assert replica_group_arguments(adapter_spec, {adapter_name: ranks}) == {adapter_name: ranks}  # adapters: lists
+    standin.rule("kernel", lambda a, b=1: a)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        compile_kernel(nki_standin.jit(kernel))
+    compiled = compile_kernel(kernel, lnc=2, target="trn2")
+    with pytest.raises(TypeError):
+        compiled.compile(np.zeros(3), c=2)
+    with pytest.raises(TypeError):
+        compiled.compile(b=2)
+    config, key = compiled.compile(np.zeros(3, np.float32))
+    assert isinstance(config.backend_config_b64, bytes) and isinstance(key, str)
+    assert json.loads(base64.b64decode(config.backend_config_b64))["grid"] == 2
+    assert config.operand_output_aliases == {0: 0}  # the rule returns its input: in place
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.has_collectives = True
+    with pytest.raises(ValueError, match="Invalid target"):
+        nki_standin.CompileOptions(target="tpu")
 
 
-def test_dtype_params_reach_library_kernels_as_nki_language_dtypes(monkeypatch):
-    language = types.ModuleType("nki.language")
-    language.float32, language.float8_e4m3fn_x4 = "nl.float32", "nl.float8_e4m3fn_x4"
-    monkeypatch.setitem(sys.modules, "nki.language", language)
-    from jax_nkilib._src.attention.cte import ATTENTION_CTE_SPEC
-    from jax_nkilib._src.quant.rmsnorm_mx_prefill import rmsnorm_mx_prefill
+def test_an_adapter_whose_library_function_is_missing_falls_back(sdk):
+    """rope_hf's adapter calls nkilib.core.embeddings.rope_hf, absent from this stand-in library: the adapter module
+    still loads, and the call falls back naming the missing function."""
+    from jax_nkilib.nki import rope_hf
 
-    static = {"softmax_dtype": np.dtype(np.float32), "mm_out_dtype": None, "scale": 1.0}
-    assert device_dtypes(ATTENTION_CTE_SPEC, static) == {"softmax_dtype": "nl.float32", "mm_out_dtype": None,
-                                                         "scale": 1.0}
-    x4 = device_dtypes(rmsnorm_mx_prefill.spec, {"qmx_output_dtype": np.dtype(jax.numpy.float8_e4m3fn)})
-    assert x4 == {"qmx_output_dtype": "nl.float8_e4m3fn_x4"}  # the packed x4 type the kernel allocates
-    with pytest.raises(NkiApiError, match="no dtype float16"):
-        device_dtypes(ATTENTION_CTE_SPEC, {"softmax_dtype": np.dtype(np.float16)})
+    q, k = random((2, 4, 128, 64)), random((2, 2, 128, 64), seed=1)
+    cos, sin = angles((128, 64))
+    with pytest.warns(NeuronFallbackWarning, match=r"lacks nkilib.core.embeddings.rope_hf.rope_hf, which "
+                                                   r"jax_nkilib_kernels.embeddings:rope_hf calls"):
+        text = neuron_text(lambda *a: rope_hf(*a), q, k, cos, sin)
+    assert kernel_configs(text) == []
+
+
+def test_optional_library_names_do_not_disable_an_adapter(sdk, monkeypatch):
+    """rmsnorm_quant's adapter needs DtypeMode only for OCP/AUTO modes (a 2.32 enum): its absence is not missing."""
+    import jax_nkilib_kernels.norm as norm
+    from jax_nkilib_kernels._library import MissingLibraryFunction, missing_dependencies
+
+    assert isinstance(norm.DtypeMode, MissingLibraryFunction) or norm.DtypeMode is nki_standin.ENUMS["DtypeMode"]
+    monkeypatch.setattr(norm, "DtypeMode", MissingLibraryFunction("nkilib.core.utils.common_types.DtypeMode", "absent",
+                                                                  optional=True))
+    monkeypatch.setattr(norm, "RmsNormQuantKernelArgs", nki_standin.library_class(
+        "nkilib.core.rmsnorm.rmsnorm_quant:RmsNormQuantKernelArgs"))
+    monkeypatch.setattr(norm, "_rmsnorm_quant_body", lambda *a, **k: None)
+    assert missing_dependencies(norm.rmsnorm_quant_kernel) == []
+    monkeypatch.setattr(norm, "NormType", MissingLibraryFunction("nkilib.core.utils.common_types.NormType", "absent"))
+    assert missing_dependencies(norm.rmsnorm_quant_kernel) == ["nkilib.core.utils.common_types.NormType"]

@@ -41,16 +41,6 @@ def test_lnc2_sets_grid_and_sharding_flag():
         assert cfg["grid"] == 2 and cfg["params"]["lnc_shard"] is False
 
 
-def test_lnc_follows_environment(monkeypatch):
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    assert jax_nkilib.current_lnc() == 2
-    with jax_nkilib.config(lnc=1):
-        assert jax_nkilib.current_lnc() == 1
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "4")
-    with pytest.raises(ValueError, match="NEURON_LOGICAL_NC_CONFIG must be 1 or 2"):
-        jax_nkilib.current_lnc()
-
-
 def test_jit_cache_respects_lnc():
     fn = jax.jit(lambda *a: RoPE(*a))
     grids = []

@@ -166,15 +166,11 @@ def test_ocp_scale_bytes_and_saturation():
 
 
 @pytest.mark.parametrize("target, mode", [(None, "NON_OCP"), ("trn2", "NON_OCP"), ("trn3", "OCP"),
-                                          ("trn1", "NON_OCP")])
-def test_auto_follows_the_platform_target_at_trace_time(monkeypatch, target, mode):
-    from jax_nkilib._src.neuron.compilers import PLATFORM_TARGET_ENV_VAR
-    if target is None:
-        monkeypatch.delenv(PLATFORM_TARGET_ENV_VAR, raising=False)
-    else:
-        monkeypatch.setenv(PLATFORM_TARGET_ENV_VAR, target)
+                                          ("trn3pre", "OCP"), ("trn1", "NON_OCP")])
+def test_auto_follows_the_platform_target_at_trace_time(target, mode):
     hidden, ln_w = problem(seed=5)
-    out = jax.jit(lambda x: rmsnorm_quant_kernel(x, ln_w, dtype_mode="AUTO"))(hidden)
+    with jax_nkilib.config(target=target):  # None: the suite's default target, trn2
+        out = jax.jit(lambda x: rmsnorm_quant_kernel(x, ln_w, dtype_mode="AUTO"))(hidden)
     want = rmsnorm_quant_kernel(hidden, ln_w, dtype_mode=mode)
     assert out.dtype == want.dtype == MODES[mode][0]
     np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(want).view(np.uint8))
@@ -297,11 +293,9 @@ def test_neuron_lowering_one_call_and_split_past_the_batch_limit():
 
 @pytest.mark.parametrize("mode, target, element", [("OCP", "trn2", "f8E4M3FN"), ("AUTO", "trn3", "f8E4M3FN"),
                                                    ("AUTO", "trn2", "f8E4M3")])
-def test_neuron_lowering_dtype_mode(monkeypatch, mode, target, element):
-    from jax_nkilib._src.neuron.compilers import PLATFORM_TARGET_ENV_VAR
-    monkeypatch.setenv(PLATFORM_TARGET_ENV_VAR, target)
+def test_neuron_lowering_dtype_mode(mode, target, element):
     hidden, ln_w = problem()
-    with jax_nkilib.neuron.dry_run():
+    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(target=target):
         text = neuron_text(lambda x, w: rmsnorm_quant_kernel(x, w, dtype_mode=mode), hidden, ln_w)
         (cfg,) = kernel_configs(text)
         assert operations(text) == ["stablehlo.custom_call"]

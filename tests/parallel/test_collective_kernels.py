@@ -5,6 +5,8 @@ outputs; the oracle simulates each collective over the stacked float64 inputs an
 """
 
 import functools
+import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -251,12 +253,29 @@ def test_neuron_lowering_is_one_collective_kernel_call_with_rank_lists(kind, ent
         text = neuron_text(body, jax.device_put(random((RANKS * H, W)), NamedSharding(mesh, P(("a", "b")))))
     (cfg,) = kernel_configs(text)
     assert cfg["func_name"] == entry and cfg["has_collectives"] is True
-    assert cfg["entry_point"] == f"jax_nkilib_kernels.parallel_collectives:{entry}"
+    assert cfg["entry_point"] == f"nkilib.experimental.collectives.collectives:{entry}"
     assert cfg["params"]["replica_group"] == [[0, 2, 4, 6], [1, 3, 5, 7]] == groups
     if kind in ("all_gather", "reduce_scatter"):
         assert cfg["params"]["num_ranks"] == 4
     assert 'has_collectives = "1"' in text
     assert operations(text).count("stablehlo.custom_call") == 1 and no_other_computation(text)
+
+
+def test_rank_lists_number_devices_as_xlas_own_collectives_do():
+    """NKI ranks are the SPMD program's partition ids, the positions in the mesh's device order, as XLA numbers its
+    own collectives (replica_groups with use_global_device_ids, one replica), not the devices' ids: on a mesh whose
+    devices are permuted the two differ, and the kernel's groups equal XLA's all_reduce groups over the same axis."""
+    devices = np.array(jax.devices()[:RANKS])[::-1].reshape(4, 2)
+    mesh = jax.sharding.Mesh(devices, ("a", "b"))
+    assert [d.id for d in mesh.devices.flat] != list(range(RANKS))  # the permutation is real
+    body = jax.shard_map(lambda v: all_reduce_hbm_kernel(v, replica_group="a") + jax.lax.psum(v, "a"), mesh=mesh,
+                         in_specs=P(("a", "b")), out_specs=P(("a", "b")))
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(body, jax.device_put(random((RANKS * H, W)), NamedSharding(mesh, P(("a", "b")))))
+    (cfg,) = kernel_configs(text)
+    xla = re.search(r"stablehlo.all_reduce.*?replica_groups = dense<(\[\[.*?\]\])>", text, re.S)
+    assert xla is not None and "use_global_device_ids" in text
+    assert cfg["params"]["replica_group"] == json.loads(xla.group(1)) == [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 
 def test_neuron_lowering_of_a_training_step_uses_the_dual_kernels():
@@ -289,12 +308,12 @@ def test_neuron_lowering_of_the_rank_kernels_points_at_the_library():
 # -------------------------------------------------------------------------------------------------- bad inputs
 @pytest.mark.parametrize("call, error, fragment", [
     (lambda x: all_gather_hbm_kernel(x, replica_group="a", num_ranks=8), ValueError, "has 4 ranks"),
-    (lambda x: reduce_scatter_hbm_kernel(x, replica_group="a"), ValueError, "`num_ranks` is required"),
+    (lambda x: reduce_scatter_hbm_kernel(x, replica_group="a"), TypeError, "missing required parameter `num_ranks`"),
     (lambda x: reduce_scatter_hbm_kernel(x[:6], replica_group="a", num_ranks=4), ValueError, "equal blocks"),
     (lambda x: all_to_all_hbm_kernel(x[:6], replica_group="a"), ValueError, "one block per rank"),
     (lambda x: all_reduce_hbm_kernel(x, replica_group="nope"), ValueError, "not bound here"),
     (lambda x: all_reduce_hbm_kernel(x, replica_group=3), TypeError, "mesh axis name"),
-    (lambda x: all_reduce_hbm_kernel(x), ValueError, "`replica_group` is required"),
+    (lambda x: all_reduce_hbm_kernel(x), TypeError, "missing required parameter `replica_group`"),
     (lambda x: all_gather_hbm_kernel(x[None], replica_group="a", num_ranks=4), ValueError, "[H, W]"),
     (lambda x: all_reduce_hbm_kernel(x.astype(jnp.int32), replica_group="a"), TypeError, "dtype"),
     (lambda x: rank_id_kernel(x), ValueError, "[R, H, W]"),

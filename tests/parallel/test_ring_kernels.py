@@ -419,11 +419,10 @@ def test_neuron_unpermute_kernel_and_float32_fallback(dry_run):
     assert kernel_configs(text) == [] and "stablehlo.all_to_all" in operations(text)
 
 
-def test_neuron_trn1_target_falls_back(dry_run, monkeypatch):
-    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn1")
+def test_neuron_trn1_target_falls_back(dry_run):
     x = jnp.zeros((2, 64, 8), jnp.bfloat16)
     call = functools.partial(ring_attention_unpermute, replica_groups="cp", num_workers=4)
-    with pytest.warns(NeuronFallbackWarning, match="Trainium2 or later"):
+    with jax_nkilib.config(target="trn1"), pytest.warns(NeuronFallbackWarning, match="Trainium2 or later"):
         text = neuron_module(call, x, in_specs=P("tp", "cp"), out_specs=P("tp", "cp"))
     assert kernel_configs(text) == []
 

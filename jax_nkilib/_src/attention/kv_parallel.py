@@ -147,8 +147,9 @@ ATTENTION_KV_PARALLEL_SEGMENTED_CTE_SPEC = KernelSpec(
         Operand.of("v_scale", "128, 1", dtypes=(jnp.float32,), optional=True),
     ),
     params=(
-        Param("replica_groups", None, "axis"), Param("group_size", None, int), Param("block_size", None, int),
-        Param("seg_size", None, int), Param("scale", 1.0, float), Param("global_q_offset", 0, int),
+        Param("replica_groups", None, "axis", required=True),
+        *(Param(name, None, int, required=True) for name in ("group_size", "block_size", "seg_size")),
+        Param("scale", 1.0, float), Param("global_q_offset", 0, int),
         Param("tp_out", False, bool), Param("sliding_window", 0, int), Param("kvp_group_size", 0, int),
         Param("apc_mode", False, bool), Param("fp8_packed", False, bool),
     ),

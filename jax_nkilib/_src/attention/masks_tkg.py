@@ -18,8 +18,9 @@ so slot ``k = fold * 128 * L + p * L + o`` (``o < L``) sits at ``(p, fold * L + 
 (n * 128))`` with ``n`` the programs ``s_prior`` is split over, and with flash-attention tiling
 (``enable_fa_s_prior_tiling`` and ``s_prior / n > 8192``) ``L`` also divides ``64`` and ``(s_prior / n mod 8192) /
 128``. ``n`` is 1 at LNC=1; at LNC=2 it is 2 when ``s_prior >= 256`` and the batch is not split instead (the batch
-is split when ``bs`` is even, ``not fuse_rope``, and ``bs * q_head * s_active > 128`` or ``s_prior <= 256``). So ``L``
-depends on the LNC degree (``jax_nkilib.config(lnc=...)``) and the shapes: build a block mask and consume it
+is split when ``bs`` is even, and ``bs * q_head * s_active > 128`` or ``s_prior <= 256``; ``attention_tkg`` with
+``fuse_rope`` never splits the batch, but ``gen_mask_tkg_hbm``, which has no such flag, resizes as without it). So
+``L`` depends on the LNC degree (``jax_nkilib.config(lnc=...)``) and the shapes: build a block mask and consume it
 (``attention_tkg`` with ``active_blocks_table``) under the same LNC and shapes. ``s_prior`` must be a multiple of
 ``block_len`` and of ``n * 128``.
 """
@@ -120,13 +121,13 @@ def natural_order(rows, block_len: int):
 
 
 def reference_gen_mask_tkg_hbm(pos_ids_hbm, start_pos_hbm=None, active_mask=None, *, bs, q_head, s_active, s_prior,
-                               block_len=0, enable_fa_s_prior_tiling=True, fuse_rope=False, lnc=1):
+                               block_len=0, enable_fa_s_prior_tiling=True, lnc=1):
     """JAX reference of ``gen_mask_tkg_hbm``: ``[s_prior, bs, q_head, s_active]`` float32 in tile-major order."""
     mask = natural_mask(pos_ids_hbm, start_pos_hbm, active_mask, bs=bs, q_head=q_head, s_active=s_active,
                         s_ctx=s_prior)
     if block_len:
         resized = resized_block_len(s_prior, block_len, lnc=lnc, bs=bs, q_head=q_head, s_active=s_active,
-                                    enable_fa_s_prior_tiling=enable_fa_s_prior_tiling, fuse_rope=fuse_rope)
+                                    enable_fa_s_prior_tiling=enable_fa_s_prior_tiling)
         return (block_order(mask, resized),)
     tiled = jnp.swapaxes(kernel_tiles(mask, s_prior // P_MAX), 0, 1)  # tile-major rows: t * 128 + p
     return (tiled.reshape(s_prior, bs, q_head, s_active),)
@@ -146,7 +147,7 @@ def _check_hbm(call: CallInfo) -> None:
     if p["block_len"]:
         resized_block_len(p["s_prior"], p["block_len"], lnc=call.lnc, bs=p["bs"], q_head=p["q_head"],
                           s_active=p["s_active"], enable_fa_s_prior_tiling=p["enable_fa_s_prior_tiling"],
-                          fuse_rope=p["fuse_rope"], function=function)
+                          function=function)
     active = call.avals.get("active_mask")
     if active is not None and tuple(active.shape) != (p["s_active"], p["bs"], p["q_head"], p["s_active"]):
         raise ValueError(f"{function}: `active_mask` must be [s_active, bs, q_head, s_active] = "
@@ -164,8 +165,8 @@ GEN_MASK_TKG_HBM_SPEC = KernelSpec(
                    optional=True),
     ),
     params=(
-        Param("bs", None, int), Param("q_head", None, int), Param("s_active", None, int), Param("s_prior", None, int),
-        Param("block_len", 0, int), Param("enable_fa_s_prior_tiling", True, bool), Param("fuse_rope", False, bool),
+        *(Param(name, None, int, required=True) for name in ("bs", "q_head", "s_active", "s_prior")),
+        Param("block_len", 0, int), Param("enable_fa_s_prior_tiling", True, bool),
     ),
     outputs=(Output.of("mask", "s_prior, bs, q_head, s_active", "float32"),),
     reference=reference_gen_mask_tkg_hbm,

@@ -135,7 +135,8 @@ ATTENTION_SEGMENTED_CTE_SPEC = KernelSpec(
         Operand.of("kvp_rank_id", "1, 1", dtypes=INT_DTYPES, optional=True),
     ),
     params=(
-        Param("block_size", None, int), Param("prior_seg_size", None, int), Param("scale", 1.0, float),
+        Param("block_size", None, int, required=True), Param("prior_seg_size", None, int, required=True),
+        Param("scale", 1.0, float),
         Param("tp_q", True, bool), Param("tp_out", False, bool), Param("sliding_window", None, int),
         Param("num_q_heads", 1, int), Param("k_pre_transposed", False, bool), Param("fp8_packed", False, bool),
         Param("kvp_group_size", 0, int), Param("kvp_cp_offset_int", 0, int), Param("kvp_seg_block_offset_int", 0, int),

@@ -128,15 +128,31 @@ def call_site(traceback) -> str:
 
 
 def custom_call(target: str, *, result_types, operands, backend_config: str, operand_output_aliases=None,
-                frontend_attributes: dict[str, str] | None = None):
-    """Emit a ``stablehlo.custom_call`` (``mlir.custom_call`` is public in jax.interpreters.mlir only privately)."""
+                frontend_attributes: dict[str, str] | None = None, tuple_result: bool = False) -> list:
+    """Emit a ``stablehlo.custom_call`` and return its result values (``mlir.custom_call`` is public in
+    jax.interpreters.mlir only privately).
+
+    ``tuple_result`` makes the call return one tuple of ``result_types`` (even of one element, as nkipy emits calls to
+    kernels that return a list), unpacked with ``get_tuple_element``; aliases then name tuple indices.
+    """
     build: Callable = _probe("jax._src.interpreters.mlir", "custom_call")
-    op = build(target, result_types=list(result_types), operands=list(operands), backend_config=backend_config,
-               has_side_effect=False, operand_output_aliases=operand_output_aliases or None)
+    result_types = list(result_types)
+    types = [mlir.ir.TupleType.get_tuple(result_types)] if tuple_result else result_types
+    op = build(target, result_types=types, operands=list(operands), backend_config=backend_config,
+               has_side_effect=False, operand_output_aliases=None if tuple_result else operand_output_aliases or None)
+    attributes = op.operation.attributes
+    if tuple_result and operand_output_aliases:
+        hlo = _probe("jax._src.lib.mlir.dialects", "hlo")
+        attributes["output_operand_aliases"] = mlir.ir.ArrayAttr.get([
+            hlo.OutputOperandAlias.get(output_tuple_indices=[output], operand_index=operand, operand_tuple_indices=[])
+            for operand, output in operand_output_aliases.items()])
     if frontend_attributes:
-        op.operation.attributes["mhlo.frontend_attributes"] = mlir.ir.DictAttr.get(
+        attributes["mhlo.frontend_attributes"] = mlir.ir.DictAttr.get(
             {key: mlir.ir.StringAttr.get(value) for key, value in frontend_attributes.items()})
-    return op
+    if not tuple_result:
+        return list(op.results)
+    hlo = _probe("jax._src.lib.mlir.dialects", "hlo")
+    return [hlo.get_tuple_element(op.result, index) for index in range(len(result_types))]
 
 
 def bound_axis_size(names: tuple[str, ...]) -> int | None:
@@ -150,8 +166,11 @@ def bound_axis_size(names: tuple[str, ...]) -> int | None:
 def replica_groups(ctx, names: tuple[str, ...]) -> list[list[int]] | None:
     """Rank lists of the groups that communicate over mesh axes ``names`` inside the enclosing ``shard_map``.
 
-    Ranks are positions in the mesh's flattened device order (the SPMD program's partition ids, which XLA's own
-    collectives use); ``None`` outside a manual (``shard_map``) lowering context.
+    Ranks are positions in the mesh's flattened device order, not device ids: the SPMD program's partition ids,
+    which XLA's own collectives in the same ``shard_map`` use (``replica_groups`` with ``use_global_device_ids``
+    and one replica, built by ``jax._src.lax.parallel`` from mesh positions), and which the Neuron runtime runs as
+    the collective ranks of one program (``neuron_protocol.md``). On a mesh with permuted devices they differ from
+    ``device.id``. ``None`` outside a manual (``shard_map``) lowering context.
     """
     mesh = getattr(ctx.module_context.axis_context, "mesh", None)
     if mesh is None or any(name not in mesh.shape for name in names):

@@ -1,25 +1,31 @@
-"""Library settings: the LNC degree, the policy for Neuron-kernel limits, and the Neuron dry-run switch.
+"""Library settings: the Neuron platform target, the LNC degree, the policy for Neuron-kernel limits, and the Neuron
+dry-run switch.
 
 Each setting is a thread-local JAX config state included in JAX's jit cache key, so a function traced under one
-setting is never reused under another. ``config(...)`` is a context manager; outside any context the LNC degree comes
-from ``NEURON_LOGICAL_NC_CONFIG`` (default 1) and the policy is ``"fallback"``.
+setting is never reused under another. ``config(...)`` is a context manager. Outside any context the platform target
+and the LNC degree are what the environment said when jax_nkilib was imported (see :mod:`platform`: the LNC degree
+follows the platform, 2 on Trainium2 and later) and the policy is ``"fallback"``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
-from . import compat
+from . import compat, platform
+from .platform import LNC_DEGREES, PLATFORM_TARGETS
 
 ON_UNSUPPORTED_POLICIES = ("fallback", "error")
-LNC_DEGREES = (1, 2)
-LNC_ENV_VAR = "NEURON_LOGICAL_NC_CONFIG"
 
+_target_state = compat.jit_keyed_state(
+    "enum", "jax_nkilib_platform_target", platform.target_from_environment(),
+    "Neuron platform target of jax_nkilib kernels (default: $NEURON_PLATFORM_TARGET_OVERRIDE at import, else trn2).",
+    enum_values=list(PLATFORM_TARGETS))
 _lnc_state = compat.jit_keyed_state(
     "int", "jax_nkilib_lnc", 0,
-    "Logical NeuronCore degree used by jax_nkilib kernels (0: read NEURON_LOGICAL_NC_CONFIG, default 1).")
+    "Logical NeuronCore degree used by jax_nkilib kernels (0: $NEURON_LOGICAL_NC_CONFIG at import, else the "
+    "platform target's default).")
+_environment_lnc = platform.lnc_from_environment()
 _on_unsupported_state = compat.jit_keyed_state(
     "enum", "jax_nkilib_on_unsupported", "fallback",
     "What jax_nkilib does when lowering for Neuron and a kernel limit is not met: 'fallback' lowers the JAX "
@@ -29,20 +35,15 @@ _dry_run_state = compat.jit_keyed_state(
     "Lower jax_nkilib kernels for Neuron with the dry-run compiler (no `nki` package needed; not runnable).")
 
 
-def _lnc_from_environment() -> int:
-    raw = os.environ.get(LNC_ENV_VAR, "1").strip() or "1"
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{LNC_ENV_VAR} must be 1 or 2, got {raw!r}") from None
-    if value not in LNC_DEGREES:
-        raise ValueError(f"{LNC_ENV_VAR} must be 1 or 2, got {value}")
-    return value
+def current_target() -> str:
+    """The Neuron platform target in force (``trn2``, ``trn1``, ``trn3``...)."""
+    return _target_state.value
 
 
 def current_lnc() -> int:
-    """The LNC degree in force: ``config(lnc=...)`` if set, else ``NEURON_LOGICAL_NC_CONFIG``, else 1."""
-    return _lnc_state.value or _lnc_from_environment()
+    """The LNC degree in force: ``config(lnc=...)`` if set, else ``$NEURON_LOGICAL_NC_CONFIG`` as it was at import,
+    else the platform target's default (2 on Trainium2 and later, 1 on Trainium1 and Inferentia2)."""
+    return _lnc_state.value or _environment_lnc or platform.platform_default_lnc(current_target())
 
 
 def current_on_unsupported() -> str:
@@ -55,10 +56,13 @@ def dry_run_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def config(*, lnc: int | None = None, on_unsupported: str | None = None) -> Iterator[None]:
+def config(*, lnc: int | None = None, on_unsupported: str | None = None, target: str | None = None) -> Iterator[None]:
     """Temporarily change jax_nkilib settings.
 
     Args:
+      target: the Neuron platform target (``"trn1"``, ``"inf2"``, ``"trn2"``, ``"trn3pre"``, ``"trn3"``): what the
+        kernels are compiled for, what target-dependent semantics follow (the FP8 format of ``dtype_mode=AUTO``) and,
+        unless ``lnc`` is given, the default LNC degree.
       lnc: logical NeuronCore degree (1 or 2). Kernels' LNC-sharding flags follow it, output shapes that depend on
         it use it, and the Neuron custom call's ``grid`` equals it.
       on_unsupported: ``"fallback"`` (lower the JAX reference on Neuron and warn once per call site when a kernel
@@ -69,7 +73,11 @@ def config(*, lnc: int | None = None, on_unsupported: str | None = None) -> Iter
     if on_unsupported is not None and on_unsupported not in ON_UNSUPPORTED_POLICIES:
         raise ValueError(
             f"jax_nkilib.config: on_unsupported must be one of {ON_UNSUPPORTED_POLICIES}, got {on_unsupported!r}")
+    if target is not None:
+        target = platform.normalize_target(target, "jax_nkilib.config: target")
     with contextlib.ExitStack() as stack:
+        if target is not None:
+            stack.enter_context(_target_state(target))
         if lnc is not None:
             stack.enter_context(_lnc_state(lnc))
         if on_unsupported is not None:

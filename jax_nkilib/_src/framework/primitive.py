@@ -227,11 +227,13 @@ class Kernel:
         reference_rule = mlir.lower_fun(self._reference, multiple_results=True)
         for platform in REFERENCE_PLATFORMS:
             mlir.register_lowering(prim, reference_rule, platform=platform)
-        # Not cacheable: the rule reads the call site (for fallback warnings) from the equation's traceback.
+        # Cacheable like any lowering: everything the rule reads (LNC, target, policy, dry run) is in the params or
+        # the jit key. (An uncacheable rule breaks multi-platform jax.export; the price is that a fallback warning
+        # names the first of several identical call sites in one module.)
         neuron_rule = neuron_lowering_rule(self.spec, reference_rule)
-        mlir.register_lowering(prim, neuron_rule, cacheable=False)
+        mlir.register_lowering(prim, neuron_rule)
         if compat.is_known_platform("neuron"):
-            mlir.register_lowering(prim, neuron_rule, platform="neuron", cacheable=False)
+            mlir.register_lowering(prim, neuron_rule, platform="neuron")
         jax_batching.primitive_batchers[prim] = self._batch
         registry.register(self)
 

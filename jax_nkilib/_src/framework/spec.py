@@ -59,10 +59,17 @@ def _select(switch: LayoutSwitch, params: Mapping[str, Any]) -> tuple[Layout, ..
     return layouts
 
 
+# device_dtype(params, dtype) -> the NKI dtype name a library kernel declares for an operand that JAX holds in another
+# dtype (packed x4 words arrive as uint32/uint16 and are handed to the kernel as "float8_e4m3fn_x4"...), or None
+DeviceDtype = Callable[[Mapping[str, Any], np.dtype], "str | None"]
+
+
 @dataclasses.dataclass(frozen=True)
 class Operand:
     """A tensor argument: accepted layouts (one per rank, or chosen by a static flag such as ``tp_q``), accepted
-    dtypes, optional or required, differentiable or not (integer and index operands get no cotangent)."""
+    dtypes, optional or required, differentiable or not (integer and index operands get no cotangent).
+    ``device_dtype`` names the NKI-only dtype (a packed x4 type) a library kernel takes this operand as, where JAX
+    holds it as unsigned words."""
 
     name: str
     layouts: tuple[Layout, ...]
@@ -70,19 +77,22 @@ class Operand:
     optional: bool = False
     doc: str = ""
     switch: LayoutSwitch | None = None
+    device_dtype: DeviceDtype | None = None
 
     @classmethod
     def of(cls, name: str, *layouts: str, dtypes: Sequence = FLOAT_DTYPES, optional: bool = False,
-           doc: str = "") -> "Operand":
-        return cls(name, _layouts(layouts), tuple(jnp.dtype(d) for d in dtypes), optional, doc)
+           doc: str = "", device_dtype: DeviceDtype | None = None) -> "Operand":
+        return cls(name, _layouts(layouts), tuple(jnp.dtype(d) for d in dtypes), optional, doc,
+                   device_dtype=device_dtype)
 
     @classmethod
     def switched(cls, name: str, param: str | tuple[str, ...], cases: Mapping[Any, Any], *,
-                 dtypes: Sequence = FLOAT_DTYPES, optional: bool = False, doc: str = "") -> "Operand":
+                 dtypes: Sequence = FLOAT_DTYPES, optional: bool = False, doc: str = "",
+                 device_dtype: DeviceDtype | None = None) -> "Operand":
         """An operand whose layout the static flag ``param`` selects: ``cases`` maps flag values to layouts (with a
         tuple of flags, tuples of their values)."""
         switch = _switch(param, cases)
-        return cls(name, switch[1][0][1], tuple(jnp.dtype(d) for d in dtypes), optional, doc, switch)
+        return cls(name, switch[1][0][1], tuple(jnp.dtype(d) for d in dtypes), optional, doc, switch, device_dtype)
 
     def layouts_for(self, params: Mapping[str, Any]) -> tuple[Layout, ...]:
         return self.layouts if self.switch is None else _select(self.switch, params)
@@ -115,12 +125,19 @@ class Param:
     name or a tuple of names bound by the enclosing ``jax.shard_map``; normalized to a tuple), an ``enum.Enum``
     subclass (members or member-name strings accepted) or a tuple of allowed values. A ``None`` default makes the
     param optional. ``default`` may be :data:`FOLLOW_LNC` for flags that follow the LNC degree.
+
+    ``required=True`` (with a ``None`` default) marks a parameter the kernel requires: leaving it out is a
+    ``TypeError`` naming it. ``to_kernel=False`` marks a parameter of jax_nkilib's own: it shapes validation,
+    abstract evaluation or the reference (the element type of packed words), but the kernel does not take it, so it
+    never reaches the compiled kernel.
     """
 
     name: str
     default: Any
     kind: Any = bool
     doc: str = ""
+    to_kernel: bool = True
+    required: bool = False
 
     def normalize(self, value: Any, function: str) -> Any:
         if value is None and self.default is None:
@@ -231,6 +248,11 @@ class CallInfo:
     def lnc(self) -> int:
         return self.params["lnc"]
 
+    @property
+    def target(self) -> str:
+        """The Neuron platform target the call is traced for (``trn2``...)."""
+        return self.params["target"]
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
@@ -256,7 +278,8 @@ class KernelSpec:
       neuron_split_dims: named dimensions along which the kernel is elementwise-independent, in order of
         preference: when a call exceeds a kernel limit (e.g. SBUF capacity), the Neuron lowering splits it along
         one of them into equal pieces that each meet every limit, one kernel call per piece.
-      aliases: ``{operand index: output index}`` for outputs written in place.
+      aliases: ``{operand name: output name}`` for outputs written in place (the kernel updates the operand and
+        returns it, e.g. a KV cache).
       has_collectives: whether the kernel issues ``nki.collectives``.
       mac_count: estimate of multiply-accumulates for the Neuron config.
       family: module family, for the support matrix.
@@ -283,7 +306,7 @@ class KernelSpec:
     neuron_limits: Callable[[CallInfo], list[str]] | None = None
     fold_plans: tuple[FoldPlan, ...] = ()
     neuron_split_dims: tuple[str, ...] = ()
-    aliases: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
     has_collectives: bool = False
     mac_count: Callable[[CallInfo], int] | None = None
     family: str = ""

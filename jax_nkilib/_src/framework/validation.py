@@ -63,17 +63,22 @@ def check_derived(spec: KernelSpec, call: CallInfo, derived: Mapping[str, Any]) 
 
 
 def normalize_params(spec: KernelSpec, raw: Mapping[str, Any]) -> dict[str, Any]:
-    """Fill defaults, check types, resolve LNC-following flags, add the LNC degree as ``lnc`` and the kernel-layout
-    view ``layout=()`` (see :mod:`views`)."""
+    """Fill defaults (a required param left out is a ``TypeError``), check types, resolve LNC-following flags, add
+    the LNC degree as ``lnc``, the Neuron platform target as ``target`` and the kernel-layout view ``layout=()``
+    (see :mod:`views`)."""
     lnc = config.current_lnc()
     params: dict[str, Any] = {}
     for param in spec.params:
         value = raw.get(param.name, param.default)
         if value is FOLLOW_LNC or (value is None and param.default is FOLLOW_LNC):
             params[param.name] = lnc > 1
+        elif value is None and param.required:
+            raise TypeError(f"{spec.public_name}: missing required parameter `{param.name}`"
+                            + (f" ({param.doc})" if param.doc else ""))
         else:
             params[param.name] = param.normalize(value, spec.public_name)
     params["lnc"] = lnc
+    params["target"] = config.current_target()
     params["layout"] = ()
     return spec.resolve_params(params) if spec.resolve_params is not None else params
 

@@ -297,17 +297,24 @@ _SCALE_DTYPES = (jnp.float32, jnp.uint8)
 _MX_GATE_UP = "128, H/512, I"  # x4 words; lane j of [p, t, i] is W[j H/4 + 128 t + p, i]
 _MX_DOWN = "PI, NI, H"  # x4 words; P_I = min(128, I/4), NI = ceil(I/512); lanes along I (math.mx_inter_index)
 _MX_GU_BIAS = "PI, NI, 4"
+def _mx_device_dtype(params, dtype) -> str | None:
+    """MX weights reach the kernel as the x4 type of ``mx_weight_dtype`` (``float8_e4m3fn_x4``...), the dtype the
+    kernel reads their element type from; other weights as they are."""
+    return f"{params['mx_weight_dtype'].name}_x4" if dtype in MX_WORD_DTYPES else None
+
+
 MLP_SPEC = KernelSpec(
     name="mlp",
     entry_point="nkilib.core.mlp.mlp:mlp",
     operands=(
         Operand.of("hidden_tensor", "B, S, H", doc="input hidden states"),
         Operand.switched("gate_proj_weights_tensor", "quantization_type", _by_quantization("H, I", "H, I", _MX_GATE_UP),
-                         dtypes=_WEIGHT_DTYPES, doc="gate projection (unread when skip_gate_proj)"),
+                         dtypes=_WEIGHT_DTYPES, doc="gate projection (unread when skip_gate_proj)",
+                         device_dtype=_mx_device_dtype),
         Operand.switched("up_proj_weights_tensor", "quantization_type", _by_quantization("H, I", "H, I", _MX_GATE_UP),
-                         dtypes=_WEIGHT_DTYPES, doc="up projection"),
+                         dtypes=_WEIGHT_DTYPES, doc="up projection", device_dtype=_mx_device_dtype),
         Operand.switched("down_proj_weights_tensor", "quantization_type", _by_quantization("I, H", "I, H", _MX_DOWN),
-                         dtypes=_WEIGHT_DTYPES, doc="down projection"),
+                         dtypes=_WEIGHT_DTYPES, doc="down projection", device_dtype=_mx_device_dtype),
         Operand.of("normalization_weights_tensor", "1, H", optional=True, doc="RMS/Layer norm gamma"),
         Operand.switched("gate_proj_bias_tensor", "quantization_type", _by_quantization("1, I", "1, I", _MX_GU_BIAS),
                          optional=True),
@@ -335,7 +342,8 @@ MLP_SPEC = KernelSpec(
         Param("quantization_type", QuantizationType.NONE, QuantizationType,
               "NONE, ROW, STATIC, STATIC_MX (CTE, swizzled FP8 weights) or MX (TKG); ROW_MX not bound"),
         Param("mx_weight_dtype", "float8_e4m3fn", "dtype", "MX: the x4 weights' element type (the kernel reads it "
-              "from the x4 dtype): float8_e4m3fn or float8_e5m2 (32-bit words), float4_e2m1fn (uint16 words)"),
+              "from the x4 dtype): float8_e4m3fn or float8_e5m2 (32-bit words), float4_e2m1fn (uint16 words)",
+              to_kernel=False),
         Param("quant_clipping_bound", 0.0, float, "CTE ROW activation clip (0: none)"),
         Param("output_dtype", None, "dtype", "default: the hidden dtype"),
         Param("store_output_in_sbuf", False, bool, "not applicable in JAX (must be False)"),

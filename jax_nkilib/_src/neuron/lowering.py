@@ -13,17 +13,22 @@ import threading
 import warnings
 from typing import Callable
 
-import numpy as np
+import jax
 from jax import lax
 from jax.interpreters import mlir
 
 from ..framework import compat, config, views
 from ..framework.spec import CallInfo, KernelSpec
 from ..framework.validation import check_call, output_avals, outputs_of
-from .compilers import CompiledKernel, NeuronOutputMismatchError, active_compiler
+from .compiled import CompiledKernel, NeuronOutputMismatchError, mismatched_outputs
+from .compilers import active_compiler
 from .planning import NeuronPlan, axes_of, plan_neuron_call
 
 CUSTOM_CALL_TARGET = "AwsNeuronCustomNativeKernel"
+# For jax.export(..., platforms=[..., "neuron"], disabled_checks=EXPORT_DISABLED_CHECKS): the kernel calls are custom
+# calls without JAX's compatibility guarantee (their config names a kernel artifact on this machine), so an exported
+# Neuron module is for this machine and SDK, not for long-term storage.
+EXPORT_DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(CUSTOM_CALL_TARGET),)
 
 
 class NeuronUnsupportedError(ValueError):
@@ -82,21 +87,22 @@ def _warn_once(spec: KernelSpec, site: str, unmet: list[str]) -> None:
         warnings.warn(message, NeuronFallbackWarning, stacklevel=3)
 
 
-def emit_custom_call(ctx, operands, compiled: CompiledKernel):
-    """Emit the custom call for ``compiled``, after checking its outputs against abstract evaluation."""
-    expected = [(tuple(aval.shape), np.dtype(aval.dtype)) for aval in ctx.avals_out]
-    if list(compiled.output_specs) != expected:
-        raise NeuronOutputMismatchError(f"the compiled kernel returns {list(compiled.output_specs)} but abstract "
-                                        f"evaluation expects {expected}")
-    op = compat.custom_call(
+def emit_custom_call(ctx, operands, compiled: CompiledKernel, kernel: str = "the kernel"):
+    """Emit the custom call for ``compiled`` (operands in the kernel's order), after checking its outputs against
+    abstract evaluation."""
+    mismatches = mismatched_outputs(compiled.output_specs, ctx.avals_out)
+    if mismatches:
+        raise NeuronOutputMismatchError(f"{kernel} compiled to outputs that abstract evaluation does not expect: "
+                                        f"{'; '.join(mismatches)}")
+    return compat.custom_call(
         CUSTOM_CALL_TARGET,
         result_types=[compat.ir_type(ctx, aval) for aval in ctx.avals_out],
-        operands=operands,
+        operands=[operands[index] for index in compiled.operand_order],
         backend_config=compiled.backend_config,
         operand_output_aliases=dict(compiled.aliases),
         frontend_attributes={"has_collectives": "1"} if compiled.has_collectives else None,
+        tuple_result=compiled.tuple_result,
     )
-    return op.results
 
 
 def _with_replica_groups(spec: KernelSpec, ctx, call: CallInfo) -> CallInfo:
@@ -135,6 +141,6 @@ def neuron_lowering_rule(spec: KernelSpec, reference_rule: Callable) -> Callable
             _warn_once(spec, compat.call_site(ctx.traceback), unmet)
             return reference_rule(ctx, *operands, present=present, **params)
         compiled = active_compiler().compile(spec, _with_replica_groups(spec, ctx, call), output_avals(spec, call))
-        return emit_custom_call(ctx, operands, compiled)
+        return emit_custom_call(ctx, operands, compiled, spec.public_name)
 
     return rule

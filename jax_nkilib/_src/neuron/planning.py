@@ -11,9 +11,19 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from ..framework import compat
+from ..framework import compat, config
 from ..framework.spec import FP8_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, KernelSpec
 from ..framework.validation import layout_of, outputs_of
+from .sdk import describe_versions, entry_point_missing, nki_available
+
+
+def missing_from_sdk(spec: KernelSpec) -> list[str]:
+    """When the real NKI compiler is in force: why the installed NKI Library cannot compile the kernel (it predates
+    the kernel), naming the installed versions; empty otherwise."""
+    if config.dry_run_enabled() or not nki_available():
+        return []
+    reason = entry_point_missing(spec.entry_point)
+    return [] if reason is None else [f"{reason}; installed: {describe_versions()}"]
 
 
 def unmet_neuron_limits(spec: KernelSpec, call: CallInfo) -> list[str]:
@@ -27,7 +37,7 @@ def unmet_neuron_limits(spec: KernelSpec, call: CallInfo) -> list[str]:
             unmet.append(f"`{name}` has dtype {dtype}; Neuron kernels take float32, bfloat16, float16 or FP8")
     if spec.neuron_limits is not None:
         unmet.extend(spec.neuron_limits(call))
-    return unmet
+    return unmet + missing_from_sdk(spec)
 
 
 @dataclasses.dataclass(frozen=True)

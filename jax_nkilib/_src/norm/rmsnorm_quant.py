@@ -46,7 +46,6 @@ in ``hidden``, ``residual`` and ``pre_norm_gamma``.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +55,8 @@ from ..framework.primitive import make_kernel
 from ..framework.spec import CallInfo, FoldPlan, accumulation_dtype, KernelSpec, Operand, Output, Param
 from ..quant.fp8 import fp8_max, saturate, scale_to_bytes
 from ..framework.dynamic_outputs import parse_layout as output_layout
-from ..neuron.compilers import DEFAULT_PLATFORM_TARGET, PLATFORM_TARGET_ENV_VAR
+from ..framework import config
+from ..framework.platform import is_trn3
 
 MODE_DTYPES = {DtypeMode.NON_OCP: jnp.dtype(jnp.float8_e4m3), DtypeMode.OCP: jnp.dtype(jnp.float8_e4m3fn)}
 MIN_DEQUANT_SCALE = 1e-6
@@ -64,12 +64,11 @@ LOWER_BOUND_EPS = 1e-6  # the kernel clips only when lower_bound > 1e-6
 MAX_B, MAX_S, MAX_H = 2, 32768, 16384  # the kernel's asserted limits for [B, S, H] inputs
 
 
-def resolve_dtype_mode(mode: DtypeMode) -> DtypeMode:
-    """``AUTO`` -> OCP on a ``trn3*`` Neuron platform target, NON_OCP elsewhere (read now, at trace time)."""
+def resolve_dtype_mode(mode: DtypeMode, target: str | None = None) -> DtypeMode:
+    """``AUTO`` -> OCP on a ``trn3*`` Neuron platform target (default: the one in force), NON_OCP elsewhere."""
     if mode != DtypeMode.AUTO:
         return mode
-    target = os.environ.get(PLATFORM_TARGET_ENV_VAR, DEFAULT_PLATFORM_TARGET)
-    return DtypeMode.OCP if target.lower().startswith("trn3") else DtypeMode.NON_OCP
+    return DtypeMode.OCP if is_trn3(target or config.current_target()) else DtypeMode.NON_OCP
 
 
 def quant_dtype(mode: DtypeMode):
@@ -223,7 +222,7 @@ RMSNORM_QUANT_SPEC = KernelSpec(
         Output.like_operand("residual_out", "hidden", present_if="residual"),
     ),
     reference=reference_rmsnorm_quant_kernel,
-    resolve_params=lambda params: dict(params, dtype_mode=resolve_dtype_mode(params["dtype_mode"])),
+    resolve_params=lambda params: dict(params, dtype_mode=resolve_dtype_mode(params["dtype_mode"], params["target"])),
     check=_check,
     neuron_limits=_neuron_limits,
     fold_plans=(FoldPlan({"hidden": 1, "residual": 1, "ln_w": None, "input_dequant_scale": None,

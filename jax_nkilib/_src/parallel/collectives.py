@@ -42,7 +42,6 @@ from ..framework.primitive import Kernel, Vjp, reference_vjp
 from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 
 ANY_RANK = ("d0", "d0, d1", "d0, d1, d2", "d0, d1, d2, d3")
-ENTRY_MODULE = "jax_nkilib_kernels.parallel_collectives"
 LIBRARY_MODULE = "nkilib.experimental.collectives.collectives"
 
 
@@ -185,18 +184,18 @@ def transpose_vjp(transpose: Callable[[], Kernel]) -> Vjp:
 def _group_kernel(name: str, operands, params, outputs, reference, check, fold_plans, notes: str,
                   transpose: Callable[[], Kernel], notes_extra: str = "") -> CollectiveKernel:
     spec = KernelSpec(
-        name=name, entry_point=f"{ENTRY_MODULE}:{name}", operands=operands, params=params, outputs=outputs,
+        name=name, entry_point=f"{LIBRARY_MODULE}:{name}", operands=operands, params=params, outputs=outputs,
         reference=reference, check=check, fold_plans=fold_plans, has_collectives=True, family="collectives",
         catalog="row 59",
         support={"vjp": "JAX rule binding " + notes,
                  "shard_map": "inside jax.shard_map only: replica_group names the mesh axes of each rank list",
-                 "notes": "docs-only kernel (2.30+); a device adapter turns the rank lists into a ReplicaGroup"
+                 "notes": "docs-only kernel (2.30+); the rank lists reach it as an nki.collectives.ReplicaGroup"
                           + notes_extra})
     return CollectiveKernel(spec, replica_group_axes, transpose_vjp(transpose))
 
 
-GROUP = Param("replica_group", None, "axis", "mesh axis name(s) of each rank list")
-NUM_RANKS = Param("num_ranks", None, int, "ranks per group (the replica group's size)")
+GROUP = Param("replica_group", None, "axis", "mesh axis name(s) of each rank list", required=True)
+NUM_RANKS = Param("num_ranks", None, int, "ranks per group (the replica group's size)", required=True)
 
 all_reduce_hbm_kernel = _group_kernel(
     "all_reduce_hbm_kernel", (Operand.of("input", *ANY_RANK),), (GROUP,), (Output.like_operand("out", "input"),),

@@ -68,7 +68,7 @@ def _check(call: CallInfo) -> None:
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
-    unmet = needs_trn2()
+    unmet = needs_trn2(call)
     if call.dims["D"] > MAX_HEAD_DIM:
         unmet.append(f"head dim D={call.dims['D']} exceeds {MAX_HEAD_DIM}")
     if call.params["lnc_size"] != call.lnc:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 from ..framework import compat
+from ..framework.platform import before_trn2
 from ..framework.spec import CallInfo
-from ..neuron.compilers import DEFAULT_PLATFORM_TARGET, PLATFORM_TARGET_ENV_VAR
 
 
 def require_ring(call: CallInfo, groups: str, workers: str) -> None:
@@ -22,9 +20,8 @@ def require_ring(call: CallInfo, groups: str, workers: str) -> None:
         raise ValueError(f"{function}: {workers}={p[workers]} but the replica group {p[groups]} has {size} ranks")
 
 
-def needs_trn2() -> list[str]:
+def needs_trn2(call: CallInfo) -> list[str]:
     """The ring kernels run on Trainium2 or later: an unmet limit when the platform target is Trn1/Inf2."""
-    target = os.environ.get(PLATFORM_TARGET_ENV_VAR, DEFAULT_PLATFORM_TARGET)
-    if target.startswith(("trn1", "inf2")):
-        return [f"the kernel needs Trainium2 or later; the platform target is {target} (${PLATFORM_TARGET_ENV_VAR})"]
+    if before_trn2(call.target):
+        return [f"the kernel needs Trainium2 or later; the platform target is {call.target}"]
     return []

@@ -110,7 +110,7 @@ def _check(call: CallInfo) -> None:
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
-    unmet = head_dim_limit(call) + needs_trn2()
+    unmet = head_dim_limit(call) + needs_trn2(call)
     if call.dims["S"] > MAX_TESTED_SEQ:
         unmet.append(f"S={call.dims['S']} tokens per rank exceeds the kernel's tested {MAX_TESTED_SEQ}")
     return unmet

@@ -35,7 +35,7 @@ def _check(call: CallInfo) -> None:
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
-    dtype, unmet = jnp.dtype(call.avals["x"].dtype), needs_trn2()
+    dtype, unmet = jnp.dtype(call.avals["x"].dtype), needs_trn2(call)
     if dtype not in KERNEL_DTYPES:
         unmet.append(f"x has dtype {dtype}; the kernel takes bfloat16 or float16")
     return unmet

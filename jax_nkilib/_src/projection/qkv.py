@@ -58,7 +58,8 @@ _OPERANDS = {operand.name: operand for operand in (
     Operand.switched("fused_qkv_weights", "quantization_type",
                      {q: "H4, I" if q == QuantizationType.MX else "H, I" for q in QuantizationType},
                      dtypes=FLOAT_DTYPES + FP8_WEIGHT_DTYPES + (_MX_WORDS,),
-                     doc="[H, (nq + 2 nkv) d]; MX: [H/4, I] uint32 x4 words"),
+                     doc="[H, (nq + 2 nkv) d]; MX: [H/4, I] uint32 x4 words",
+                     device_dtype=lambda params, dtype: "float8_e4m3fn_x4" if dtype == _MX_WORDS else None),
     Operand.of("bias", "1, I", optional=True),
     Operand.of("qkv_w_scale", "WR, WC", dtypes=_F32 + (jnp.uint8,), optional=True,
                doc="[1|128, 3] STATIC, [1|128, I] ROW, [H/32, I] uint8 MX"),
@@ -80,8 +81,6 @@ _OPERANDS = {operand.name: operand for operand in (
 KERNEL_ORDER = tuple(_OPERANDS)
 CACHE_OPERANDS = ("k_cache", "v_cache", "k_scale", "v_scale", "slot_mapping")
 _NO_CACHE = tuple(name for name in KERNEL_ORDER if name not in CACHE_OPERANDS)
-_KV_ORDER = ("input", "fused_qkv_weights", "k_cache", "v_cache", "k_scale", "v_scale") + _NO_CACHE[2:] + (
-    "slot_mapping",)
 
 _PARAMS = {param.name: param for param in (
     Param("output_layout", QKVOutputLayout.BSD, QKVOutputLayout, "BSD, NBSd or NBdS"),
@@ -390,7 +389,7 @@ QKV_TKG_SPEC = SelectedOutputsSpec(
 QKV_KV_CACHE_SPEC = SelectedOutputsSpec(
     name="qkv_kv_cache",
     operands=tuple(dataclasses.replace(_OPERANDS[name], optional=False) if name in _CACHE_REQUIRED else _OPERANDS[name]
-                   for name in _KV_ORDER),
+                   for name in KERNEL_ORDER),
     params=tuple(_PARAMS.values()),
     outputs=(ParamLayoutOutput.from_params("q", _q_layout, "input"), Output.like_operand("k_cache", "k_cache"),
              Output.like_operand("v_cache", "v_cache")),
@@ -399,7 +398,7 @@ QKV_KV_CACHE_SPEC = SelectedOutputsSpec(
     neuron_limits=_cte_limits,
     fold_plans=(FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS + ("k_cache", "v_cache"), 0)},
                          {"q": 0, "k_cache": 0, "v_cache": 0}, lambda c: not c.params["use_block_kv"]),),
-    aliases={2: 1, 3: 2},
+    aliases={"k_cache": "k_cache", "v_cache": "v_cache"},
     nondifferentiable_outputs=("k_cache", "v_cache"),
     support={"vjp": _VJP + "; the updated caches carry no gradient",
              "notes": "qkv's CTE path with the fused KV-cache write"},
@@ -435,7 +434,7 @@ def call_qkv(operands, params):
         tkg = getattr(x, "ndim", 0) == 3 and not tables and uses_tkg(x.shape[0], x.shape[1], params["fused_rope"])
         kernel = qkv_tkg_path if tkg else qkv_cte_path  # (the CTE spec's checks reject tables without fused_rope)
     names = {param.name for param in kernel.spec.params}
-    own = {key: value for key, value in params.items() if key in names or key in ("lnc", "layout")}
+    own = {key: value for key, value in params.items() if key in names or key in ("lnc", "target", "layout")}
     return kernel.call({operand.name: operands.get(operand.name) for operand in kernel.spec.operands}, own)
 
 

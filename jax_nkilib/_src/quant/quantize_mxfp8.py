@@ -147,7 +147,7 @@ QUANTIZE_BLOCK_MXFP8_SPEC = KernelSpec(
     entry_point="nkilib.experimental.quantize_mxfp8.quantize_mxfp8:quantize_block_mxfp8_kernel",
     operands=(Operand.of("src_tensor", "F, K", dtypes=FLOAT_DTYPES, doc="matrix to quantize along K (bfloat16)"),),
     params=(
-        Float8Name("return_fp8_dtype", None, doc="element format: 'float8_e4m3fn' or 'float8_e5m2' (required)"),
+        Float8Name("return_fp8_dtype", None, doc="element format: 'float8_e4m3fn' or 'float8_e5m2'", required=True),
         Param("run_with_lnc2", FOLLOW_LNC, bool, "split F over two logical cores (default: LNC degree > 1)"),
         Param("enable_scale_packing", True, bool, "packed scales [ceil(K/2048)*128, F] instead of [K/4, F]"),
     ),
