@@ -154,8 +154,6 @@ def adapter_values(arguments: Mapping[str, Any], placeholder: Callable[[TensorAr
             values[name] = placeholder(value)
         elif isinstance(value, enum.Enum):
             values[name] = value.name
-        elif isinstance(value, tuple) and value and all(isinstance(group, tuple) for group in value):
-            values[name] = [list(group) for group in value]  # replica group rank lists
-        else:
+        else:  # replica groups arrive as rank lists already (the lowering resolves the mesh axes)
             values[name] = value
     return values
