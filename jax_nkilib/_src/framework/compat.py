@@ -58,7 +58,38 @@ def jit_keyed_state(kind: str, name: str, default, help: str, **extra):
     existing = getattr(_config_module, "config_states", {}).get(name)
     if existing is not None:  # re-import of the module (e.g. importlib.reload in tests)
         return existing
-    return factory(name, default=default, help=help, include_in_jit_key=True, include_in_trace_context=True, **extra)
+    if "include_in_trace_context" in inspect.signature(factory).parameters:  # JAX >= 0.8
+        return factory(name, default=default, help=help, include_in_jit_key=True, include_in_trace_context=True,
+                       **extra)
+    # JAX 0.7.x: jax/_src/config.py's `trace_context()` is a fixed tuple of JAX's own states, and the tracing and
+    # lowering caches (`lu.cache`, `util.cache`, `util.weakref_lru_cache`, e.g. pjit's `_infer_params_cached` and
+    # pxla's `_cached_lowering_to_hlo`) capture that function when JAX is imported, so a library state cannot join
+    # their keys. `include_in_jit_key` still keys the C++ jit cache; the tracing and lowering caches are emptied
+    # (public `jax.clear_caches()`) whenever the state's value changes, through the `update_global_hook` and
+    # `update_thread_local_hook` callbacks every `*_state` factory of 0.7 takes. (Caches are process-wide: another
+    # thread tracing at the same moment under a different value may still share a trace.)
+    hook = _ClearCachesOnChange(default)
+    return factory(name, default=default, help=help, include_in_jit_key=True, update_global_hook=hook.global_value,
+                   update_thread_local_hook=hook.local_value, **extra)
+
+
+class _ClearCachesOnChange:
+    """Calls ``jax.clear_caches()`` when a config state takes a value other than the one caches were filled under."""
+
+    def __init__(self, default):
+        self._global = self._current = default
+
+    def global_value(self, value) -> None:
+        self._global = value
+        self._switch_to(value)
+
+    def local_value(self, value) -> None:  # ``None``: the thread-local override was removed
+        self._switch_to(self._global if value is None else value)
+
+    def _switch_to(self, value) -> None:
+        if value != self._current:
+            self._current = value
+            jax.clear_caches()
 
 
 def ir_type(ctx, aval):
