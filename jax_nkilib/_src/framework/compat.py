@@ -115,7 +115,13 @@ def varying_like(x, *refs):
     """
     axes = frozenset().union(*(_varying_axes(ref) for ref in refs))
     missing = tuple(sorted(axes - _varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return _mark_varying(x, missing) if missing else x
+
+
+def _mark_varying(x, axes: tuple):
+    if hasattr(jax.lax, "pcast"):  # JAX >= 0.8 (0.10 removed jax.lax.pvary)
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # JAX 0.7: jax/_src/lax/parallel.py `pvary(x, axis_name)`
 
 
 def sum_over_extra_varying(cotangent, primal):
@@ -140,6 +146,13 @@ def typed_like(aval, refs):
             sharding = jax.sharding.NamedSharding(ref.sharding.mesh,
                                                   jax.sharding.PartitionSpec(*([None] * len(aval.shape))))
             return ShapedArray(aval.shape, aval.dtype, sharding=sharding, manual_axis_type=manual)
+        # JAX 0.7-0.9: the varying axes are a frozenset field, `ShapedArray(..., sharding=..., vma=...)`, checked
+        # against the mesh's Manual axes (jax/_src/core.py `ShapedArray.__init__` and `get_vma`).
+        vma = getattr(ref, "vma", None) if manual is None else None
+        if vma:
+            sharding = jax.sharding.NamedSharding(ref.sharding.mesh,
+                                                  jax.sharding.PartitionSpec(*([None] * len(aval.shape))))
+            return ShapedArray(aval.shape, aval.dtype, sharding=sharding, vma=frozenset(vma))
     return aval
 
 
