@@ -7,11 +7,13 @@ one of these internals, the probe fails with a message naming the missing piece 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
@@ -158,6 +160,48 @@ def typed_like(aval, refs):
 
 def _varying_axes_of_type(manual) -> frozenset:
     return frozenset(getattr(manual, "varying", ()) or ())
+
+
+def astype_float8(x, dtype):
+    """``x.astype(dtype)``; when ``dtype`` is an FP8 format and ``x`` float32/float64, rounded once to nearest even.
+
+    XLA's CPU conversion in jaxlib 0.7 rounds float32/float64 to ``float8_e4m3fn`` and ``float8_e5m2`` through
+    float16, so a value that float16 rounds onto an FP8 midpoint is rounded twice (openxla/xla#17324: f32
+    1.0625 + 2**-12 gives 1.0, not 1.125). Where :func:`_cast_rounds_once` finds that, ``x`` is first rounded to the
+    format's precision in its own type, exactly; the cast of that FP8 value is then exact. Elsewhere this is
+    ``x.astype(dtype)``.
+    """
+    source, dtype = jnp.dtype(x.dtype), jnp.dtype(dtype)
+    if (source not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)) or dtype.itemsize != 1
+            or not jnp.issubdtype(dtype, jnp.floating) or _cast_rounds_once(source, dtype)):
+        return x.astype(dtype)
+    target = jnp.finfo(dtype)
+    _, exponent = jnp.frexp(x)  # |x| = f * 2**exponent, f in [0.5, 1)
+    quantum = jnp.maximum(exponent - 1, target.minexp) - target.nmant  # log2 of the FP8 spacing at x
+    rounded = jnp.round(x * _power_of_two(-quantum, source)) * _power_of_two(quantum, source)  # exact scalings
+    return jnp.where(jnp.isfinite(x), rounded, x).astype(dtype)
+
+
+def _power_of_two(k, dtype):
+    """Exactly ``2**k`` for integer ``k`` in ``dtype``'s normal range, built from the exponent bits."""
+    info = jnp.finfo(dtype)
+    unsigned = jnp.uint32 if dtype.itemsize == 4 else jnp.uint64
+    return jax.lax.bitcast_convert_type((k + (info.maxexp - 1)).astype(unsigned) << info.nmant, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_rounds_once(source, dtype) -> bool:
+    """Whether XLA's CPU conversion from ``source`` to ``dtype`` rounds once, probed on a value that float16 rounds
+    onto an FP8 midpoint. Run eagerly on the CPU backend (the one the JAX references execute on); where the CPU
+    backend is not available the cast is trusted."""
+    mantissa = jnp.finfo(dtype).nmant
+    probe = np.asarray([1 + 2.0 ** -(mantissa + 1) + 2.0 ** -12], source)
+    try:
+        with jax.ensure_compile_time_eval():
+            cast = jax.device_put(probe, jax.devices("cpu")[0]).astype(dtype)
+            return float(np.asarray(cast).astype(np.float64)[0]) == 1 + 2.0 ** -mantissa
+    except RuntimeError:  # pragma: no cover - no CPU backend (jax_platforms without cpu)
+        return True
 
 
 _PACKAGE_DIR = __file__.rsplit("/_src/", 1)[0]
