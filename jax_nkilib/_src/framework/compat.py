@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 
 class JaxCompatibilityError(ImportError):
@@ -202,6 +203,52 @@ def _cast_rounds_once(source, dtype) -> bool:
             return float(np.asarray(cast).astype(np.float64)[0]) == 1 + 2.0 ** -mantissa
     except RuntimeError:  # pragma: no cover - no CPU backend (jax_platforms without cpu)
         return True
+
+
+def _probe_mesh(*names: str):
+    """A one-device mesh with explicit axes ``names``, for probing what JAX can trace (no compilation)."""
+    return jax.make_mesh((1,) * len(names), names, axis_types=(AxisType.Explicit,) * len(names))
+
+
+@functools.lru_cache(maxsize=None)
+def scatter_add_has_sharding_rule() -> bool:
+    """Whether a scatter-add of explicitly sharded updates into an array with no mesh infers its output sharding.
+
+    JAX 0.7's ``_scatter_sharding_rule`` (jax/_src/lax/slicing.py) raises ``NotImplementedError`` unless it is given
+    an ``out_sharding``, and ``_gather_transpose_rule`` passes the operand's sharding, which is dropped when the
+    operand has no mesh: a gather of an unsharded array whose cotangent is sharded cannot be transposed there.
+    """
+    updates = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(_probe_mesh("probe"), PartitionSpec()))
+    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                              scatter_dims_to_operand_dims=(0,))
+    try:
+        jax.make_jaxpr(lambda u: jax.lax.scatter_add(jnp.zeros(2, jnp.float32), np.array([[1], [0]]), u, numbers))(
+            updates)
+    except NotImplementedError:
+        return False
+    except Exception:  # pragma: no cover - any other outcome is not this limitation
+        return True
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def shard_map_batches_explicit_axes() -> bool:
+    """Whether ``jax.vmap`` of a ``jax.shard_map`` can map an axis split over an explicit mesh axis the shard_map
+    leaves alone.
+
+    JAX 0.7 cannot: ``_shard_map_batch`` (jax/_src/shard_map.py) keeps the mapped value's explicit sharding, and
+    ``_shard_shaped_array`` then lists that explicit axis among the varying axes, which ``core.get_vma`` rejects
+    ("Axes mentioned in `vma` field of ShapedArray should be of type `Manual`").
+    """
+    mesh = _probe_mesh("batch", "probe")
+    body = jax.shard_map(lambda a: a, mesh=mesh, in_specs=PartitionSpec("probe"), out_specs=PartitionSpec("probe"),
+                         axis_names={"probe"})
+    mapped = jax.ShapeDtypeStruct((1, 1), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("batch", "probe")))
+    try:
+        jax.make_jaxpr(jax.vmap(body))(mapped)
+    except ValueError:
+        return False
+    return True
 
 
 _PACKAGE_DIR = __file__.rsplit("/_src/", 1)[0]
