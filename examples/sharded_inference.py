@@ -28,6 +28,8 @@ import quickstart  # noqa: E402
 import jax_nkilib  # noqa: E402
 
 BATCH = 4
+# jax.set_mesh (also a context manager) is JAX >= 0.8; JAX 0.7 has the context manager as jax.sharding.use_mesh
+set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 
@@ -71,7 +73,7 @@ def main():
     cos, sin = quickstart.rotary_tables(quickstart.SEQ, quickstart.HEAD_DIM)
     expected = jax.jit(quickstart.transformer_block)(params, x, cos, sin)
 
-    with jax.set_mesh(mesh):
+    with set_mesh(mesh):
         sharded_params = place(mesh, params, param_specs())
         sharded_x = jax.device_put(x, NamedSharding(mesh, P("data")))
         block = jax.jit(quickstart.transformer_block)

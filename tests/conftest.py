@@ -7,6 +7,7 @@ defaults (LNC 2 on Trainium2 when ``NEURON_LOGICAL_NC_CONFIG`` is unset) in fres
 """
 
 import jax
+import jaxlib
 
 import jax_nkilib  # noqa: F401  (defines the jax_nkilib_* config options)
 
@@ -14,3 +15,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", True)
 jax.config.update("jax_nkilib_platform_target", "trn2")
 jax.config.update("jax_nkilib_lnc", 1)
+
+
+def pytest_report_header(config):
+    return f"jax {jax.__version__}, jaxlib {jaxlib.__version__}"

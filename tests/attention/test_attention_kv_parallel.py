@@ -15,7 +15,7 @@ from jax_nkilib.nki import attention_kv_parallel_segmented_cte as kv_parallel
 from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text, operations
 from tests.support.numerics import assert_close
-from tests.support.sharding import mesh_1d, shard
+from tests.support.sharding import make_mesh, mesh_1d, reshard, shard
 
 G, QH, S, D, BLOCK, N_BLOCKS, MAX_BLOCKS = 8, 2, 8, 16, 4, 5, 3
 LOCAL = MAX_BLOCKS * BLOCK
@@ -125,14 +125,14 @@ def test_vmap_and_gradients_inside_shard_map():
     def loss(q_, k_, v_):
         body = jax.shard_map(lambda a, b, c, *rest: call(a, b, c, *rest), mesh=mesh, in_specs=SPECS[:6],
                              out_specs=P("kvp"))
-        return body(*(jax.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip((q_, k_, v_), SPECS)),
+        return body(*(reshard(x, NamedSharding(mesh, spec)) for x, spec in zip((q_, k_, v_), SPECS)),
                     *placed[3:])
 
     check_grads(jax.jit(loss), placed[:3], order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
 
 
 def test_neuron_lowering_is_one_collective_kernel_call_with_rank_lists():
-    mesh = jax.make_mesh((4, 2), ("kvp", "tp"))
+    mesh = make_mesh((4, 2), ("kvp", "tp"))
     q, k, v, t, o, r = problem()
     specs = (P(("kvp", "tp")), P("kvp"), P("kvp"), P("kvp"), P("kvp"))
     body = jax.shard_map(functools.partial(call, group_size=4), mesh=mesh, in_specs=specs,

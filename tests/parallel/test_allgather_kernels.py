@@ -27,7 +27,7 @@ from jax_nkilib.neuron import NeuronFallbackWarning, NeuronUnsupportedError
 from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text, operations
 from tests.support.numerics import assert_close, assert_no_worse_than_plain, f64
-from tests.support.sharding import mesh_1d, place
+from tests.support.sharding import make_mesh, mesh_1d, place, reshard
 from tests.support.sharding import run_sharded as run
 
 TP, M, K, N = 8, 3, 5, 2  # odd per-rank sizes
@@ -85,7 +85,7 @@ def test_sb2sb_gathers_along_the_last_axis(tiled, dtype):
 
 
 def test_on_a_4x2_mesh_over_each_axis():
-    mesh = jax.make_mesh((4, 2), ("dp", "tp"))
+    mesh = make_mesh((4, 2), ("dp", "tp"))
     lhs, rhs = random((8, K), jnp.float32, 4), random((K, 4 * N), jnp.float32, 5)
     # gather over dp (4 ranks, 2 groups); rhs columns over dp; the tp copies stack on axis 0
     call = functools.partial(fgcc, tp_degree=4, num_groups=2, replica_groups="dp")
@@ -130,7 +130,7 @@ def test_vmap_folds_or_maps_inside_shard_map():
 # ----------------------------------------------------------------------------------------------------- gradients
 def _differentiable(fn, mesh, in_specs, out_spec):
     body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
-    return lambda *args: body(*(jax.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)))
+    return lambda *args: body(*(reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)))
 
 
 @pytest.mark.parametrize("name", ["fg", "fgcc", "sb2sb", "sb2sb_tiled"])
@@ -210,12 +210,12 @@ def test_neuron_lowering_on_8_devices():
 
 
 def test_neuron_lowering_on_a_4x2_mesh_passes_rank_lists():
-    mesh = jax.make_mesh((4, 2), ("dp", "tp"))
+    mesh = make_mesh((4, 2), ("dp", "tp"))
     cfg = _one_collective_call(
         _neuron(lambda x: sb2sb(x, replica_groups="dp", tp_degree=4), mesh, (P(None, "dp"),), P(("dp", "tp")),
                 random((16, 4 * 4))), "allgather_sb2sb")
     assert cfg["params"]["replica_groups"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    mesh = jax.make_mesh((2, 4), ("dp", "tp"))  # the ring kernels need the minor-most axis (consecutive ranks)
+    mesh = make_mesh((2, 4), ("dp", "tp"))  # the ring kernels need the minor-most axis (consecutive ranks)
     cfg = _one_collective_call(
         _neuron(lambda x: fg(x, tp_degree=4, num_groups=2), mesh, (P(("dp", "tp")),), P(("dp", "tp")),
                 random((8 * 4, 128))), "fine_grained_allgather")
@@ -223,7 +223,7 @@ def test_neuron_lowering_on_a_4x2_mesh_passes_rank_lists():
 
 
 def test_ring_kernels_fall_back_when_the_axis_ranks_are_not_consecutive():
-    mesh = jax.make_mesh((4, 2), ("dp", "tp"))
+    mesh = make_mesh((4, 2), ("dp", "tp"))
     call = functools.partial(fg, tp_degree=4, num_groups=2, replica_groups="dp")
     args = (mesh, (P(("dp", "tp")),), P(("dp", "tp")), random((8 * 4, 128)))
     with pytest.warns(NeuronFallbackWarning, match="consecutive ranks"):
@@ -262,7 +262,7 @@ def test_communication_path_and_neuron_limits():
 
 
 def test_unsupported_tp_degree_and_dtype_fall_back():
-    mesh = jax.make_mesh((4, 2), ("dp", "tp"))  # tp has 2 ranks: the kernel supports 4..128
+    mesh = make_mesh((4, 2), ("dp", "tp"))  # tp has 2 ranks: the kernel supports 4..128
     with pytest.warns(NeuronFallbackWarning, match=r"tp_degree=2 must be one of"):
         _neuron(lambda x: fg(x, tp_degree=2, num_groups=4), mesh, (P(("dp", "tp")),), P(("dp", "tp")),
                 random((8 * 4, 128)))

@@ -18,6 +18,7 @@ import jax_nkilib
 from jax_nkilib._src.parallel.batch_shard import AttnQBatchShardLayout, attn_q_batch_shard
 from tests.support.data import random
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text, operations
+from tests.support.sharding import make_mesh, reshard
 
 RANKS, N, B, S, D = 8, 2, 8, 3, 5
 MESHES = {  # id: (shape, names, replica group axis, its rank lists)
@@ -61,7 +62,7 @@ def problem(layout="NBSd", dtype=jnp.float32):
 
 def run(fn, mesh_id, *args, specs):
     shape, names = MESHES[mesh_id][:2]
-    mesh = jax.make_mesh(shape, names)
+    mesh = make_mesh(shape, names)
     body = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(names))
     placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
     out = jax.jit(body)(*placed)
@@ -131,14 +132,14 @@ def test_vmap_partial_and_nested_inside_shard_map(layout):
 def test_gradients_float64(layout):
     mesh_id = "tp2dp4"
     shape, names = MESHES[mesh_id][:2]
-    mesh = jax.make_mesh(shape, names)
+    mesh = make_mesh(shape, names)
     q, iota = problem(layout, jnp.float64), iota_workers(groups_of(mesh_id))
     body = jax.shard_map(functools.partial(call, mesh_id=mesh_id, layout=layout), mesh=mesh,
                          in_specs=(P(names), P()), out_specs=P(names))
     placed_iota = jax.device_put(iota, NamedSharding(mesh, P()))
 
     def f(x):
-        return body(jax.reshard(x, NamedSharding(mesh, P(names))), placed_iota)
+        return body(reshard(x, NamedSharding(mesh, P(names))), placed_iota)
 
     check_grads(jax.jit(f), (jax.device_put(q, NamedSharding(mesh, P(names))),), order=1, modes=["rev"],
                 atol=1e-7, rtol=1e-7)
@@ -151,7 +152,7 @@ def test_gradients_float64(layout):
 def test_neuron_lowering_is_one_collective_kernel_call_with_rank_lists(layout):
     mesh_id = "strided"
     shape, names = MESHES[mesh_id][:2]
-    mesh = jax.make_mesh(shape, names)
+    mesh = make_mesh(shape, names)
     q, iota = problem(layout), iota_workers(groups_of(mesh_id))
     body = jax.shard_map(functools.partial(call, mesh_id=mesh_id, layout=layout), mesh=mesh,
                          in_specs=(P(names), P()), out_specs=P(names))
@@ -187,7 +188,7 @@ def test_neuron_lowering_is_one_collective_kernel_call_with_rank_lists(layout):
     (dict(layout="dBnS"), ValueError, "n=3"),
 ])
 def test_bad_inputs(flags, error, fragment):
-    mesh = jax.make_mesh((4, 2), ("dp", "g"))
+    mesh = make_mesh((4, 2), ("dp", "g"))
     q, iota = flags.pop("q", random((N, B, S, D))), flags.pop("iota", iota_workers(groups_of("tp2dp4")))
     flags = dict(dict(gqa_group_size=2, replica_group="g"), **flags)
     body = jax.shard_map(lambda x, t: attn_q_batch_shard(x, t, **flags), mesh=mesh, in_specs=(P(), P()),
@@ -198,7 +199,7 @@ def test_bad_inputs(flags, error, fragment):
 
 
 def test_global_rank_needs_every_mesh_axis_unless_rank_id_in_is_given():
-    mesh = jax.make_mesh((4, 2), ("dp", "g"))
+    mesh = make_mesh((4, 2), ("dp", "g"))
     q, iota = random((N, B, S, D)), iota_workers(groups_of("tp2dp4"))
     specs = (P(), P())
 

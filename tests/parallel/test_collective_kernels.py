@@ -28,7 +28,7 @@ from jax_nkilib._src.parallel.collectives import (
 from tests.support.data import random
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text, operations
 from tests.support.numerics import assert_close
-from tests.support.sharding import shard
+from tests.support.sharding import make_mesh, reshard, shard
 
 RANKS, H, W = 8, 8, 3  # H rows per rank (divisible by every group size), W odd
 
@@ -76,7 +76,7 @@ def run(fn, mesh_id, *args, specs=None, jit=True):
     """``fn`` on per-rank blocks of ``args`` (stacked along axis 0 over every device, unless ``specs`` says
     otherwise); outputs stacked along axis 0 in rank order."""
     shape, names, _ = MESHES[mesh_id]
-    mesh = jax.make_mesh(shape, names)
+    mesh = make_mesh(shape, names)
     every = P(names if len(names) > 1 else names[0])
     specs = specs or (every,) * len(args)
     body = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=every)
@@ -119,7 +119,7 @@ def test_matches_oracle(kind, dtype, mesh_id):
 def test_kernel_docstring_examples_two_ranks():
     """The kernels' own examples (replica_group [[0, 1]], inputs (2, 3)), here as 4 groups of 2 ranks."""
     pairs = np.tile([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]], (4, 1))
-    mesh = jax.make_mesh((4, 2), ("dp", "pair"))
+    mesh = make_mesh((4, 2), ("dp", "pair"))
 
     def body(kernel, x, **flags):
         spec = P(("dp", "pair"))
@@ -191,12 +191,12 @@ def test_vmap_partial_in_axes_of_the_rank_table():
 # ------------------------------------------------------------------------------------------------------- gradients
 def _grad_check(fn, x, specs, mesh_id="4x2"):
     shape, names, _ = MESHES[mesh_id]
-    mesh = jax.make_mesh(shape, names)
+    mesh = make_mesh(shape, names)
     every = P(names)
     body = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=every)
 
     def loss(value):
-        return body(jax.reshard(value, NamedSharding(mesh, specs[0])))
+        return body(reshard(value, NamedSharding(mesh, specs[0])))
 
     check_grads(jax.jit(loss), (shard(mesh, specs, x),), order=1, modes=["rev"], atol=1e-7, rtol=1e-7)
 
@@ -212,7 +212,7 @@ def test_rank_kernel_gradients_float64_replicated_table():
     _grad_check(rank_id_kernel, table, (P(),))
     lookup = jnp.asarray(np.array([[3, 3, 0, 1, 7, 2, 5, 4]]), jnp.int32)  # two ranks read row 3
     shape, names, _ = MESHES["4x2"]
-    mesh = jax.make_mesh(shape, names)
+    mesh = make_mesh(shape, names)
     body = jax.jit(jax.shard_map(lambda t, lk: dma_copy_rank_id_kernel(t, lk).sum() * jnp.ones((1,)), mesh=mesh,
                                  in_specs=(P(), P()), out_specs=P(names)))
     placed = [jax.device_put(a, NamedSharding(mesh, P())) for a in (table, lookup)]
@@ -246,7 +246,7 @@ def test_vjp_is_the_dual_collective_under_vmap_of_grad(kernel, flags, rows, dual
                                          ("reduce_scatter", "reduce_scatter_hbm_kernel"),
                                          ("all_to_all", "all_to_all_hbm_kernel")])
 def test_neuron_lowering_is_one_collective_kernel_call_with_rank_lists(kind, entry):
-    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    mesh = make_mesh((4, 2), ("a", "b"))
     fn, groups = group_call(kind, "4x2")
     body = jax.shard_map(fn, mesh=mesh, in_specs=P(("a", "b")), out_specs=P(("a", "b")))
     with jax_nkilib.neuron.dry_run():
@@ -279,7 +279,7 @@ def test_rank_lists_number_devices_as_xlas_own_collectives_do():
 
 
 def test_neuron_lowering_of_a_training_step_uses_the_dual_kernels():
-    mesh = jax.make_mesh((8,), ("x",))
+    mesh = make_mesh((8,), ("x",))
     body = jax.shard_map(lambda v: all_gather_hbm_kernel(v, replica_group="x", num_ranks=8), mesh=mesh,
                          in_specs=P("x"), out_specs=P("x"))
     x = jax.device_put(random((RANKS * H, W)), NamedSharding(mesh, P("x")))
@@ -291,7 +291,7 @@ def test_neuron_lowering_of_a_training_step_uses_the_dual_kernels():
 
 
 def test_neuron_lowering_of_the_rank_kernels_points_at_the_library():
-    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    mesh = make_mesh((4, 2), ("a", "b"))
     table = random((RANKS, 5, W))
     lookup = jnp.arange(RANKS, dtype=jnp.int32)[None]
     body = jax.shard_map(lambda t, lk: (rank_id_kernel(t), dma_copy_rank_id_kernel(t, lk)), mesh=mesh,
@@ -330,7 +330,7 @@ def test_rank_kernels_need_every_mesh_axis_manual():
     table = random((RANKS, 2, W))
     with pytest.raises(ValueError, match="inside jax.shard_map over every mesh axis"):
         rank_id_kernel(table)
-    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    mesh = make_mesh((4, 2), ("a", "b"))
     body = jax.shard_map(rank_id_kernel, mesh=mesh, in_specs=P(), out_specs=P("a"), axis_names={"a"})
     with pytest.raises(ValueError, match="every mesh axis"):
         jax.jit(body)(jax.device_put(table, NamedSharding(mesh, P())))

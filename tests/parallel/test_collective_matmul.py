@@ -14,7 +14,7 @@ from jax_nkilib._src.parallel.collective_matmul import all_gather_matmul, matmul
 from tests.support.data import random
 from tests.support.hlo import compiled_collectives
 from tests.support.numerics import assert_close, assert_no_worse_than_plain, f64
-from tests.support.sharding import mesh_1d, place
+from tests.support.sharding import make_mesh, mesh_1d, place, reshard
 from tests.support.sharding import run_sharded as run
 
 B, S, K, N = 2, 24, 12, 16  # S and N divide over 8 ranks; S_local = 3
@@ -68,7 +68,7 @@ def test_eager_matches_jit():
 
 
 def test_all_gather_matmul_ring_over_one_axis_of_a_2x4_mesh():
-    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    mesh = make_mesh((2, 4), ("a", "b"))
     x, w = random((B, S, K), jnp.float32, 4), random((K, N), jnp.float32, 5)
     # batch over a, tokens over b (the ring), weight columns replicated
     out = run(functools.partial(all_gather_matmul, axis_name="b", gather_axis=1), mesh, (P("a", "b"), P()),
@@ -89,7 +89,7 @@ def test_all_gather_matmul_compiles_to_n_minus_1_collective_permutes():
     fn = functools.partial(all_gather_matmul, axis_name="r", gather_axis=1)
     counts = collective_counts(fn, mesh_1d("r"), GATHER["in_specs"], GATHER["out_specs"], x, w)
     assert counts == {"collective-permute": 7, "all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
-    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    mesh = make_mesh((2, 4), ("a", "b"))
     counts = collective_counts(functools.partial(all_gather_matmul, axis_name="b", gather_axis=1), mesh,
                                (P("a", "b"), P()), P("a", "b"), x, w)
     assert counts["collective-permute"] == 3 and counts["all-gather"] == 0
@@ -113,7 +113,7 @@ def test_matmul_reduce_scatter_matches_oracle(dtype):
 
 
 def test_matmul_reduce_scatter_on_a_2x4_mesh_and_negative_axis():
-    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    mesh = make_mesh((2, 4), ("a", "b"))
     x, w = random((B, S, K8), jnp.float32, 8), random((K8, N), jnp.float32, 9)
     # contraction over b (the ring), batch over a; the scattered token axis given as -2
     out = run(functools.partial(matmul_reduce_scatter, axis_name="b", scatter_axis=-2), mesh,
@@ -131,7 +131,7 @@ def test_matmul_reduce_scatter_compiles_to_n_minus_1_collective_permutes():
 # ----------------------------------------------------------------------------------------------- autodiff and vmap
 def _differentiable(fn, mesh, in_specs, out_spec):
     body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
-    return lambda *args: body(*(jax.reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)))
+    return lambda *args: body(*(reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)))
 
 
 @pytest.mark.parametrize("weight_spec", [P(None, "r"), P()])
@@ -263,7 +263,7 @@ def test_on_neuron_all_gather_matmul_is_the_fgcc_kernel():
     (config,) = kernel_configs(text)
     assert config["func_name"] == "allgather_compute_matmul" and config["params"]["tp_degree"] == 8
     assert "stablehlo.collective_permute" not in operations(text)
-    mesh2 = jax.make_mesh((4, 2), ("a", "b"))
+    mesh2 = make_mesh((4, 2), ("a", "b"))
     body2 = jax.shard_map(functools.partial(all_gather_matmul, axis_name="a"), mesh=mesh2,
                           in_specs=(P("a"), P()), out_specs=P("a"))  # typed as varying over a
     with jax_nkilib.neuron.dry_run(), pytest.warns(NeuronFallbackWarning, match="consecutive ranks"):

@@ -18,7 +18,7 @@ from jax_nkilib._src.parallel.ring_attention import _plan, _Ring, ring_attention
 from tests.support.data import random
 from tests.support.hlo import compiled_collectives
 from tests.support.numerics import assert_close
-from tests.support.sharding import mesh_1d, shard
+from tests.support.sharding import make_mesh, mesh_1d, reshard, shard
 
 N = 8
 
@@ -68,7 +68,7 @@ def global_ring(mesh, axis, layout, seq_spec=None, batch_spec=None, **kw):
                          in_specs=(spec, spec, spec), out_specs=spec)
 
     def run(q, k, v):
-        placed = (jax.reshard(to_ring_layout(x, layout=layout, axis_size=size), NamedSharding(mesh, spec))
+        placed = (reshard(to_ring_layout(x, layout=layout, axis_size=size), NamedSharding(mesh, spec))
                   for x in (q, k, v))
         return from_ring_layout(body(*placed), layout=layout, axis_size=size)
 
@@ -152,7 +152,7 @@ def test_check_grads_float64(layout, causal):
                for x in qkv(batch=1, seq=16, heads=2, kv_heads=1, d=4, dtype=jnp.float64))
     body = jax.shard_map(functools.partial(ring_attention, axis_name="cp", layout=layout, causal=causal), mesh=mesh,
                          in_specs=(spec,) * 3, out_specs=spec)
-    ring = jax.jit(lambda *xs: body(*(jax.reshard(x, NamedSharding(mesh, spec)) for x in xs)))
+    ring = jax.jit(lambda *xs: body(*(reshard(x, NamedSharding(mesh, spec)) for x in xs)))
     check_grads(ring, (q, k, v), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
 
 
@@ -212,7 +212,7 @@ def test_residuals_are_named_for_remat_policies():
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_two_axis_mesh_ring_over_one_axis_batch_over_the_other(layout):
-    mesh = jax.make_mesh((2, 4), ("dp", "cp"))
+    mesh = make_mesh((2, 4), ("dp", "cp"))
     q, k, v = qkv(seq=32)
     dy = random(q.shape, jnp.float32, 3)
     ring = global_ring(mesh, "cp", layout, batch_spec="dp")
@@ -223,7 +223,7 @@ def test_two_axis_mesh_ring_over_one_axis_batch_over_the_other(layout):
 
 
 def test_ring_over_a_tuple_of_axes():
-    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    mesh = make_mesh((2, 4), ("x", "y"))
     q, k, v = qkv()
     out = jax.jit(global_ring(mesh, ("x", "y"), "zigzag"))(q, k, v)
     assert_close(out, oracle(q, k, v, causal=True), jnp.float32, reduction=64)
@@ -302,7 +302,7 @@ def test_backward_permutes_k_v_and_their_gradient_accumulators():
 
 
 def test_two_axis_mesh_permutes_only_along_the_ring_axis():
-    mesh, spec = jax.make_mesh((2, 4), ("dp", "cp")), P("dp", "cp")
+    mesh, spec = make_mesh((2, 4), ("dp", "cp")), P("dp", "cp")
     args = shard(mesh, (spec,) * 3, *qkv(seq=32))
     body = sharded_body(mesh, "cp", spec, functools.partial(ring_attention, axis_name="cp"))
     assert set(collectives(body, *args)) == {"collective-permute"}

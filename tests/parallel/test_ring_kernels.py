@@ -21,7 +21,7 @@ from jax_nkilib._src.parallel.ring_kernels import (ring_attention_spmd_bwd, ring
 from jax_nkilib.neuron import NeuronFallbackWarning
 from tests.support.hlo import kernel_configs, neuron_text, operations
 from tests.support.numerics import assert_close
-from tests.support.sharding import mesh_1d, shard
+from tests.support.sharding import make_mesh, mesh_1d, reshard, shard
 
 NW, B, H, D = 8, 1, 2, 16
 SEQ_LAST = P(None, None, None, "cp")  # [b, h, d, S] sharded along S
@@ -150,7 +150,7 @@ def test_transposed_layouts_scale_and_default_scale():
 @pytest.mark.parametrize("lse_dtype", [jnp.float32, jnp.bfloat16])
 def test_training_returns_lse_in_tiles(lse_dtype):
     q, k, v = problem(128, jnp.bfloat16, nw=4)
-    mesh = jax.make_mesh((4, 2), ("cp", "tp"))
+    mesh = make_mesh((4, 2), ("cp", "tp"))
     out, lse = forward(q, k, v, mesh=mesh, nw=4, training=True, lse_dtype=lse_dtype, out_specs=(SEQ_MID, SEQ_LAST),
                        **MODES["striped"])
     want_o, want_lse, _ = oracle_for(q, k, v, nw=4, **MODES["striped"])
@@ -196,7 +196,7 @@ def test_sequence_packing_bounds():
 def test_ring_over_one_axis_of_a_4x2_mesh(mode):
     """Two rings of 4 ([[0, 2, 4, 6], [1, 3, 5, 7]]): heads sharded over `tp`, sequence over `cp`."""
     q, k, v = problem(12, nw=4)
-    mesh = jax.make_mesh((4, 2), ("cp", "tp"))
+    mesh = make_mesh((4, 2), ("cp", "tp"))
     specs = (P(None, "tp", None, "cp"), P(None, "tp", None, "cp"), P(None, "tp", "cp", None))
     out = forward(q, k, v, mesh=mesh, nw=4, kv_specs=specs, out_specs=P(None, "tp", "cp", None), **MODES[mode])
     assert_close(out.reshape(B * H, -1, D), oracle_for(q, k, v, nw=4, **MODES[mode])[0], jnp.float32, reduction=48)
@@ -205,7 +205,7 @@ def test_ring_over_one_axis_of_a_4x2_mesh(mode):
 def test_ring_over_two_mesh_axes():
     """replica_groups=("x", "y"): one ring of 8 in x-major order."""
     q, k, v = problem(6)
-    mesh = jax.make_mesh((4, 2), ("x", "y"))
+    mesh = make_mesh((4, 2), ("x", "y"))
     seq_mid, seq_last_ = P(None, None, ("x", "y"), None), P(None, None, None, ("x", "y"))
     out = forward(q, k, v, mesh=mesh, axes=("x", "y"), kv_specs=(seq_last_, seq_last_, seq_mid), out_specs=seq_mid,
                   **MODES["striped"])
@@ -242,7 +242,7 @@ def loss_fn(flags, mesh, specs, dy):
 
     def loss(q, k, v):
         body = jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=SEQ_MID)
-        placed = (jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip((q, k, v), specs))
+        placed = (reshard(x, NamedSharding(mesh, s)) for x, s in zip((q, k, v), specs))
         return jnp.sum(body(*placed).astype(dy.dtype) * dy)
 
     return loss
@@ -304,7 +304,7 @@ def test_backward_kernel_directly_with_packing_and_bf16():
     o = jnp.asarray(o.reshape(q.shape), jnp.bfloat16)
     # the forward's lse tiles: global [b, h, 128, 4 ranks * 1 tile]
     lse_tiles = jnp.asarray(np.swapaxes(lse.reshape(B, H, 4, 128), 2, 3), jnp.float32)
-    mesh = jax.make_mesh((4, 2), ("cp", "tp"))
+    mesh = make_mesh((4, 2), ("cp", "tp"))
     call = functools.partial(ring_attention_spmd_bwd, use_causal_mask=True, softmax_scale=0.25, num_workers=4,
                              replica_groups="cp", striped_attention=True)
     grads = run(call, *(seq_last(x) for x in (q, k, v, o, dy)), lse_tiles, jnp.asarray(lo), jnp.asarray(hi),
@@ -335,7 +335,7 @@ def test_unpermute_matches_oracle(dtype):
 
 
 def test_unpermute_on_4x2_mesh_vmap_and_grad():
-    mesh = jax.make_mesh((4, 2), ("cp", "tp"))
+    mesh = make_mesh((4, 2), ("cp", "tp"))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 4 * 8, 4)))
     call = functools.partial(ring_attention_unpermute, replica_groups="cp", num_workers=4)
     spec = P("tp", "cp")
@@ -347,7 +347,7 @@ def test_unpermute_on_4x2_mesh_vmap_and_grad():
 
     def loss(y):
         body = jax.shard_map(call, mesh=mesh, in_specs=spec, out_specs=spec)
-        return jnp.sum(body(jax.reshard(y, NamedSharding(mesh, spec))) ** 2 * jnp.arange(32.0)[None, :, None])
+        return jnp.sum(body(reshard(y, NamedSharding(mesh, spec))) ** 2 * jnp.arange(32.0)[None, :, None])
 
     check_grads(jax.jit(loss), (x,), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
 
@@ -360,7 +360,7 @@ def dry_run():
 
 
 def neuron_module(fn, *args, in_specs, out_specs):
-    mesh = jax.make_mesh((4, 2), ("cp", "tp"))
+    mesh = make_mesh((4, 2), ("cp", "tp"))
     in_specs = (in_specs,) if isinstance(in_specs, P) else in_specs
     body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     placed = shard(mesh, in_specs, *args)

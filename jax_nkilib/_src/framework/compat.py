@@ -7,13 +7,16 @@ one of these internals, the probe fails with a message naming the missing piece 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 
 class JaxCompatibilityError(ImportError):
@@ -58,7 +61,38 @@ def jit_keyed_state(kind: str, name: str, default, help: str, **extra):
     existing = getattr(_config_module, "config_states", {}).get(name)
     if existing is not None:  # re-import of the module (e.g. importlib.reload in tests)
         return existing
-    return factory(name, default=default, help=help, include_in_jit_key=True, include_in_trace_context=True, **extra)
+    if "include_in_trace_context" in inspect.signature(factory).parameters:  # JAX >= 0.8
+        return factory(name, default=default, help=help, include_in_jit_key=True, include_in_trace_context=True,
+                       **extra)
+    # JAX 0.7.x: jax/_src/config.py's `trace_context()` is a fixed tuple of JAX's own states, and the tracing and
+    # lowering caches (`lu.cache`, `util.cache`, `util.weakref_lru_cache`, e.g. pjit's `_infer_params_cached` and
+    # pxla's `_cached_lowering_to_hlo`) capture that function when JAX is imported, so a library state cannot join
+    # their keys. `include_in_jit_key` still keys the C++ jit cache; the tracing and lowering caches are emptied
+    # (public `jax.clear_caches()`) whenever the state's value changes, through the `update_global_hook` and
+    # `update_thread_local_hook` callbacks every `*_state` factory of 0.7 takes. (Caches are process-wide: another
+    # thread tracing at the same moment under a different value may still share a trace.)
+    hook = _ClearCachesOnChange(default)
+    return factory(name, default=default, help=help, include_in_jit_key=True, update_global_hook=hook.global_value,
+                   update_thread_local_hook=hook.local_value, **extra)
+
+
+class _ClearCachesOnChange:
+    """Calls ``jax.clear_caches()`` when a config state takes a value other than the one caches were filled under."""
+
+    def __init__(self, default):
+        self._global = self._current = default
+
+    def global_value(self, value) -> None:
+        self._global = value
+        self._switch_to(value)
+
+    def local_value(self, value) -> None:  # ``None``: the thread-local override was removed
+        self._switch_to(self._global if value is None else value)
+
+    def _switch_to(self, value) -> None:
+        if value != self._current:
+            self._current = value
+            jax.clear_caches()
 
 
 def ir_type(ctx, aval):
@@ -84,7 +118,13 @@ def varying_like(x, *refs):
     """
     axes = frozenset().union(*(_varying_axes(ref) for ref in refs))
     missing = tuple(sorted(axes - _varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return _mark_varying(x, missing) if missing else x
+
+
+def _mark_varying(x, axes: tuple):
+    if hasattr(jax.lax, "pcast"):  # JAX >= 0.8 (0.10 removed jax.lax.pvary)
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)  # JAX 0.7: jax/_src/lax/parallel.py `pvary(x, axis_name)`
 
 
 def sum_over_extra_varying(cotangent, primal):
@@ -109,11 +149,106 @@ def typed_like(aval, refs):
             sharding = jax.sharding.NamedSharding(ref.sharding.mesh,
                                                   jax.sharding.PartitionSpec(*([None] * len(aval.shape))))
             return ShapedArray(aval.shape, aval.dtype, sharding=sharding, manual_axis_type=manual)
+        # JAX 0.7-0.9: the varying axes are a frozenset field, `ShapedArray(..., sharding=..., vma=...)`, checked
+        # against the mesh's Manual axes (jax/_src/core.py `ShapedArray.__init__` and `get_vma`).
+        vma = getattr(ref, "vma", None) if manual is None else None
+        if vma:
+            sharding = jax.sharding.NamedSharding(ref.sharding.mesh,
+                                                  jax.sharding.PartitionSpec(*([None] * len(aval.shape))))
+            return ShapedArray(aval.shape, aval.dtype, sharding=sharding, vma=frozenset(vma))
     return aval
 
 
 def _varying_axes_of_type(manual) -> frozenset:
     return frozenset(getattr(manual, "varying", ()) or ())
+
+
+def astype_float8(x, dtype):
+    """``x.astype(dtype)``; when ``dtype`` is an FP8 format and ``x`` float32/float64, rounded once to nearest even.
+
+    XLA's CPU conversion in jaxlib 0.7 rounds float32/float64 to ``float8_e4m3fn`` and ``float8_e5m2`` through
+    float16, so a value that float16 rounds onto an FP8 midpoint is rounded twice (openxla/xla#17324: f32
+    1.0625 + 2**-12 gives 1.0, not 1.125). Where :func:`_cast_rounds_once` finds that, ``x`` is first rounded to the
+    format's precision in its own type, exactly; the cast of that FP8 value is then exact. Elsewhere this is
+    ``x.astype(dtype)``.
+    """
+    source, dtype = jnp.dtype(x.dtype), jnp.dtype(dtype)
+    if (source not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)) or dtype.itemsize != 1
+            or not jnp.issubdtype(dtype, jnp.floating) or _cast_rounds_once(source, dtype)):
+        return x.astype(dtype)
+    target = jnp.finfo(dtype)
+    _, exponent = jnp.frexp(x)  # |x| = f * 2**exponent, f in [0.5, 1)
+    quantum = jnp.maximum(exponent - 1, target.minexp) - target.nmant  # log2 of the FP8 spacing at x
+    rounded = jnp.round(x * _power_of_two(-quantum, source)) * _power_of_two(quantum, source)  # exact scalings
+    return jnp.where(jnp.isfinite(x), rounded, x).astype(dtype)
+
+
+def _power_of_two(k, dtype):
+    """Exactly ``2**k`` for integer ``k`` in ``dtype``'s normal range, built from the exponent bits."""
+    info = jnp.finfo(dtype)
+    unsigned = jnp.uint32 if dtype.itemsize == 4 else jnp.uint64
+    return jax.lax.bitcast_convert_type((k + (info.maxexp - 1)).astype(unsigned) << info.nmant, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_rounds_once(source, dtype) -> bool:
+    """Whether XLA's CPU conversion from ``source`` to ``dtype`` rounds once, probed on a value that float16 rounds
+    onto an FP8 midpoint. Run eagerly on the CPU backend (the one the JAX references execute on); where the CPU
+    backend is not available the cast is trusted."""
+    mantissa = jnp.finfo(dtype).nmant
+    probe = np.asarray([1 + 2.0 ** -(mantissa + 1) + 2.0 ** -12], source)
+    try:
+        with jax.ensure_compile_time_eval():
+            cast = jax.device_put(probe, jax.devices("cpu")[0]).astype(dtype)
+            return float(np.asarray(cast).astype(np.float64)[0]) == 1 + 2.0 ** -mantissa
+    except RuntimeError:  # pragma: no cover - no CPU backend (jax_platforms without cpu)
+        return True
+
+
+def _probe_mesh(*names: str):
+    """A one-device mesh with explicit axes ``names``, for probing what JAX can trace (no compilation)."""
+    return jax.make_mesh((1,) * len(names), names, axis_types=(AxisType.Explicit,) * len(names))
+
+
+@functools.lru_cache(maxsize=None)
+def scatter_add_has_sharding_rule() -> bool:
+    """Whether a scatter-add of explicitly sharded updates into an array with no mesh infers its output sharding.
+
+    JAX 0.7's ``_scatter_sharding_rule`` (jax/_src/lax/slicing.py) raises ``NotImplementedError`` unless it is given
+    an ``out_sharding``, and ``_gather_transpose_rule`` passes the operand's sharding, which is dropped when the
+    operand has no mesh: a gather of an unsharded array whose cotangent is sharded cannot be transposed there.
+    """
+    updates = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(_probe_mesh("probe"), PartitionSpec()))
+    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                              scatter_dims_to_operand_dims=(0,))
+    try:
+        jax.make_jaxpr(lambda u: jax.lax.scatter_add(jnp.zeros(2, jnp.float32), np.array([[1], [0]]), u, numbers))(
+            updates)
+    except NotImplementedError:
+        return False
+    except Exception:  # pragma: no cover - any other outcome is not this limitation
+        return True
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def shard_map_batches_explicit_axes() -> bool:
+    """Whether ``jax.vmap`` of a ``jax.shard_map`` can map an axis split over an explicit mesh axis the shard_map
+    leaves alone.
+
+    JAX 0.7 cannot: ``_shard_map_batch`` (jax/_src/shard_map.py) keeps the mapped value's explicit sharding, and
+    ``_shard_shaped_array`` then lists that explicit axis among the varying axes, which ``core.get_vma`` rejects
+    ("Axes mentioned in `vma` field of ShapedArray should be of type `Manual`").
+    """
+    mesh = _probe_mesh("batch", "probe")
+    body = jax.shard_map(lambda a: a, mesh=mesh, in_specs=PartitionSpec("probe"), out_specs=PartitionSpec("probe"),
+                         axis_names={"probe"})
+    mapped = jax.ShapeDtypeStruct((1, 1), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("batch", "probe")))
+    try:
+        jax.make_jaxpr(jax.vmap(body))(mapped)
+    except ValueError:
+        return False
+    return True
 
 
 _PACKAGE_DIR = __file__.rsplit("/_src/", 1)[0]

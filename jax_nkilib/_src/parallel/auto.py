@@ -26,6 +26,8 @@ import jax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..framework import compat
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardingRule:
@@ -154,8 +156,17 @@ class Plan:
         # a replicated operand of a split dimension is sliced locally (no communication)
         leaves = [jax.sharding.reshard(leaf, NamedSharding(self.mesh, spec)) if _needs_reshard(leaf, spec) else leaf
                   for leaf, spec in zip(leaves, in_specs)]
-        return jax.shard_map(local, mesh=self.mesh, in_specs=tuple(in_specs), out_specs=out_specs,
-                             axis_names=used)(*leaves)
+        sharded = jax.shard_map(local, mesh=self.mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                                axis_names=used)
+        try:
+            return sharded(*leaves)
+        except ValueError as err:
+            if "`vma`" not in str(err) or compat.shard_map_batches_explicit_axes():
+                raise
+            raise NotImplementedError(
+                f"jax_nkilib: jax.vmap over an axis that is split over an explicit mesh axis needs jax>=0.8 (JAX "
+                f"{jax.__version__} cannot vmap the jax.shard_map this op plans); replicate the mapped axis first "
+                "(jax.sharding.reshard) or map over an unsharded axis.") from err
 
 
 def _needs_reshard(leaf, spec: P) -> bool:

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..framework import compat
+
 LAYOUTS = ("contiguous", "striped", "zigzag")
 
 
@@ -98,6 +100,26 @@ def _gather(x, perm: np.ndarray, axis: int, layout: str):
     """``x`` indexed by the static ``perm`` along ``axis``, keeping an explicit sharding if ``x`` has one."""
     if layout == "contiguous":  # the identity
         return x
+    if not compat.scatter_add_has_sharding_rule():
+        return _permute(x, perm, axis)
+    return _take(x, perm, axis)
+
+
+def _permute(x, perm: np.ndarray, axis: int):
+    """:func:`_take` whose reverse mode gathers with the inverse permutation instead of scattering (JAX 0.7 cannot
+    transpose the gather of an unsharded array into a sharded cotangent)."""
+    @jax.custom_vjp
+    def permute(value):
+        return _take(value, perm, axis)
+
+    def backward(_, cotangent):
+        return (_permute(cotangent, np.argsort(perm), axis),)
+
+    permute.defvjp(lambda value: (permute(value), None), backward)
+    return permute(x)
+
+
+def _take(x, perm: np.ndarray, axis: int):
     index = (slice(None),) * axis + (perm,)
     sharding = getattr(jax.typeof(x), "sharding", None)
     if sharding is not None and any(entry is not None for entry in getattr(sharding, "spec", ())):

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from ..common_types import NormType, QKVOutputLayout, QuantizationType
 from ..quant.fp8 import fp8_max as format_max
 from ..norm.fused import fused_norm
+from ..framework import compat
 from ..framework.spec import accumulation_dtype
 from ..quant import mx
 from .numerics import contract, first_element, mx_activation, mx_weight, quantize, rounded
@@ -113,7 +114,7 @@ def write_cache(cache, values, slot_mapping):
 
 def quantize_kv(values, scale, kv_dtype, bounds, acc):
     low, high = bounds
-    return jnp.clip(values * (1.0 / first_element(scale, acc)), low, high).astype(kv_dtype)
+    return compat.astype_float8(jnp.clip(values * (1.0 / first_element(scale, acc)), low, high), kv_dtype)
 
 
 def kv_bounds(kv_dtype, fp8_max_value, fp8_min_value):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..framework import compat
 from ..framework.spec import FP8_DTYPES  # noqa: F401  (the formats, re-exported for quantization code)
 
 # the formats the kernels read FP8 weights in
@@ -32,7 +33,7 @@ def saturate(x, dtype, bound: float | None = None):
     """``x`` clipped to ``[-bound, bound]`` (default: the format's largest finite value) and cast to ``dtype``;
     NaN stays NaN."""
     bound = fp8_max(dtype) if bound is None else bound
-    return jnp.clip(x, -bound, bound).astype(dtype)
+    return compat.astype_float8(jnp.clip(x, -bound, bound), dtype)
 
 
 SCALE_BYTES = 4  # a float32 scale stored as four 1-byte elements

@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..framework import compat
+
 ELEMENT_DTYPE = jnp.float8_e4m3fn
 FORMATS = {jnp.dtype(jnp.float8_e4m3fn): (448.0, 8), jnp.dtype(jnp.float8_e5m2): (57344.0, 15)}  # (max, emax)
 SCALE_BIAS = 127
@@ -91,7 +93,7 @@ def _elements(x, block_exponent, dtype):
     magnitude = significand.astype(jnp.float32) * _pow2(half) * _pow2(shift - half)
     scaled = jnp.where((bits >> 31) == 1, -magnitude, magnitude)
     scaled = jnp.where(biased == 255, x, scaled)  # inf saturates below; NaN stays NaN
-    return jnp.clip(scaled, -largest, largest).astype(dtype)
+    return compat.astype_float8(jnp.clip(scaled, -largest, largest), dtype)
 
 
 def _dequantize(elements, scales):
