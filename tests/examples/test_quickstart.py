@@ -6,6 +6,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+from jax import export
 import numpy as np
 
 import jax_nkilib
@@ -53,11 +54,11 @@ def test_block_exports_for_several_platforms():
     x = jax.random.normal(jax.random.key(1), (qs.BATCH, qs.SEQ, qs.MODEL), jnp.float32)
     args = (params, x, *qs.rotary_tables(qs.SEQ, qs.HEAD_DIM))
     block = jax.jit(qs.transformer_block)
-    exported = jax.export.export(block, platforms=["cpu", "cuda"])(*args)
+    exported = export.export(block, platforms=["cpu", "cuda"])(*args)
     assert exported.platforms == ("cpu", "cuda")
     np.testing.assert_array_equal(exported.call(*args), block(*args))
     with jax_nkilib.neuron.dry_run():
-        exported = jax.export.export(block, platforms=["cpu", "neuron"],
+        exported = export.export(block, platforms=["cpu", "neuron"],
                                      disabled_checks=jax_nkilib.neuron.EXPORT_DISABLED_CHECKS)(*args)
     assert exported.platforms == ("cpu", "neuron")
     assert [cfg["func_name"] for cfg in kernel_configs(exported.mlir_module())] == KERNELS

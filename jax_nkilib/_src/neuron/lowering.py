@@ -13,8 +13,7 @@ import threading
 import warnings
 from typing import Callable
 
-import jax
-from jax import lax
+from jax import export, lax
 from jax.interpreters import mlir
 
 from ..framework import compat, config, views
@@ -28,7 +27,7 @@ CUSTOM_CALL_TARGET = "AwsNeuronCustomNativeKernel"
 # For jax.export(..., platforms=[..., "neuron"], disabled_checks=EXPORT_DISABLED_CHECKS): the kernel calls are custom
 # calls without JAX's compatibility guarantee (their config names a kernel artifact on this machine), so an exported
 # Neuron module is for this machine and SDK, not for long-term storage.
-EXPORT_DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(CUSTOM_CALL_TARGET),)
+EXPORT_DISABLED_CHECKS = (export.DisabledSafetyCheck.custom_call(CUSTOM_CALL_TARGET),)
 
 
 class NeuronUnsupportedError(ValueError):
