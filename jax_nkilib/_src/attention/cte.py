@@ -92,7 +92,7 @@ def reference_attention_cte(q, k, v, k_prior=None, v_prior=None, prior_used_len=
     out = jnp.swapaxes(out, 1, 2) if params["tp_out"] else out
     if not params["cache_softmax"]:
         return (out,)
-    empty = row_sum <= 0
+    empty = row_sum == 0  # a NaN row keeps NaN statistics
     neg_max = jnp.where(empty, 0.0, -row_max)
     recip = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, row_sum))
     dtype = params["softmax_dtype"]

@@ -41,7 +41,9 @@ Layouts: ``q [batch, L, heads, head_dim]``, ``k, v [batch, L, kv_heads, head_dim
 Dtypes (those of ``jax_nkilib.attention``): ``q``, ``k``, ``v`` share one floating dtype; scores, softmax statistics,
 partial outputs, their merge and the travelling ``dk, dv`` accumulators are float32 (float64 for float64 inputs);
 probabilities and score gradients are rounded to the input dtype before their matmuls; the output and the
-gradients are in the inputs' dtype. Rows with no visible key give 0 (never NaN).
+gradients are in the inputs' dtype. Rows with no visible key give 0. NaN propagates as in ``jax_nkilib.attention``
+(and ``jax.nn.dot_product_attention``): a NaN in a query row, in a key or value it sees, or from ``scale`` makes the
+row (and its gradients) NaN, never 0.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from ..attention.blockwise import attention_backward, attention_forward, log_sum_exp
+from ..attention.blockwise import attention_backward, attention_forward, log_sum_exp, normalize
 from ..attention.checks import check_qkv_layout
 from ..attention.masks import MaskRule
 from ..framework.compat import varying_like
@@ -205,8 +207,7 @@ def _ring_forward(ring: _Ring, q, k, v):
         return _merge(state, _step(ring, t, rank, compute, *blocks))
 
     numerator, row_max, row_sum = _ring_steps(ring, step, state, following, shifted)
-    out = jnp.where(row_sum[..., None] > 0, numerator / jnp.where(row_sum > 0, row_sum, 1.0)[..., None], 0.0)
-    return out.astype(q.dtype), log_sum_exp(row_max, row_sum)
+    return normalize(numerator, row_sum).astype(q.dtype), log_sum_exp(row_max, row_sum)
 
 
 def _ring_backward(ring: _Ring, residuals, dy):
