@@ -56,7 +56,6 @@ def check_qkv_layout(where: str, q, k, v, *, same_seq: bool = False, kind: str =
                           ("k", k, ("batch", "seq_kv", "kv_heads", "head_dim")),
                           ("v", v, ("batch", "seq_kv", "kv_heads", "head_dim"))):
         require_nonempty(where, name, x, axes)
-    require_float_dtypes(where, {"q": q, "k": k, "v": v}, same=True)
     if k.shape != v.shape:
         raise ValueError(f"{where}: `k` and `v` must have the same shape [batch, seq_kv, kv_heads, head_dim]; got "
                          f"{k.shape} and {v.shape}")
@@ -66,6 +65,7 @@ def check_qkv_layout(where: str, q, k, v, *, same_seq: bool = False, kind: str =
         raise ValueError(f"{where}: `q` {q.shape} and `k` {k.shape} must agree on {what}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"{where}: query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+    require_float_dtypes(where, {"q": q, "k": k, "v": v}, same=True)
 
 
 def require_nonempty(where: str, name: str, x, axes: tuple[str, ...]) -> None:
