@@ -77,6 +77,14 @@ def config(*, lnc: int | None = None, on_unsupported: str | None = None, target:
         it use it, and the Neuron custom call's ``grid`` equals it.
       on_unsupported: ``"fallback"`` (lower the JAX reference on Neuron and warn once per call site when a kernel
         limit is not met) or ``"error"`` (raise ``NeuronUnsupportedError``).
+      runtime_checks: ``True`` makes ops check run-time index values that cannot be checked while tracing
+        (``decode_attention``'s ``cache_len`` and ``block_table``, ``attention``'s traced prefix length,
+        ``nki.attention_tkg``'s ``active_blocks_table``) with ``jax.experimental.checkify.debug_check``: wrap the
+        function in ``checkify.checkify(f, errors=checkify.user_checks)`` and call ``err.throw()`` to get an error
+        naming the op, the argument and the bad value. Without ``checkify`` the checks are dropped on CPU/GPU (JAX
+        has no lowering for an undischarged check on ``neuron``: there, use them under ``checkify`` only); either
+        way an invalid index gives NaN in the rows it affects. Off by default: a check makes every call of a jitted
+        function pay JAX's effect handling (tens of microseconds of dispatch).
     """
     if lnc is not None and (isinstance(lnc, bool) or lnc not in LNC_DEGREES):
         raise ValueError(f"jax_nkilib.config: lnc must be one of {LNC_DEGREES}, got {lnc!r}")
