@@ -152,10 +152,10 @@ def _check(call: CallInfo) -> None:
     block = "active_blocks_table" in present
     for name in ("k_prior", "v_prior"):
         if avals[name].ndim != (3 if block else 4):
-            expected = ("a block pool [N_blocks, blk, d] (with active_blocks_table)" if block else
-                        "a flat cache of rank 4 (a rank-3 block pool [N_blocks, blk, d] needs active_blocks_table "
-                        "and block_len)")
-            raise ValueError(f"{function}: `{name}` must be {expected}; got shape {tuple(avals[name].shape)}")
+            what = (f"a block KV cache needs `{name}` as a pool [N_blocks, blk, d] (active_blocks_table is given)"
+                    if block else f"`{name}` must be a flat cache of rank 4 (a rank-3 block pool [N_blocks, blk, d] "
+                    "needs active_blocks_table and block_len)")
+            raise ValueError(f"{function}: {what}; got shape {tuple(avals[name].shape)}")
     if block != bool(p["block_len"]) or (block and dims.get("blk") != p["block_len"]):
         raise ValueError(f"{function}: a block KV cache needs active_blocks_table and block_len equal to the pools' "
                          f"block axis; got block_len={p['block_len']}, pools {tuple(avals['k_prior'].shape)}")
