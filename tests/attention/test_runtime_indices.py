@@ -5,7 +5,6 @@ jax.experimental.checkify under jax_nkilib.config(runtime_checks=True)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.experimental import checkify
 
 import jax_nkilib

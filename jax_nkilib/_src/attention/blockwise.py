@@ -18,11 +18,11 @@ NaN contract (that of ``jax.nn.dot_product_attention``): a NaN in a query row, i
 or in the row's sink (or an inf there that makes one of its scores NaN or ``+inf``) makes that row's output NaN, and
 its gradients NaN; it is never turned into zeros. An empty row is recognised by its row sum being exactly 0 (a NaN
 row sum is not), so this costs no extra pass over the scores. The row sums carry the NaN: XLA's vectorised max
-reductions on CPU need not propagate NaN, so a NaN row's ``row_max`` may be ``-inf``. Keys the mask rule declares invalid for every query (prior
-slots past a runtime prefix length: :meth:`MaskRule.key_valid`) have their keys and values zeroed before use, so
-stale memory there cannot reach a result through ``0 * NaN``; a NaN in the value of a valid key that only the
-causal or window mask hides from a row can still reach that row through ``0 * NaN`` in the ``P v`` product, as in
-``jax.nn.dot_product_attention`` (which propagates it to every row).
+reductions on CPU need not propagate NaN, so a NaN row's ``row_max`` may be ``-inf``. Keys the mask rule declares
+invalid for every query (prior slots past a runtime prefix length: :meth:`MaskRule.key_valid`) have their keys and
+values zeroed before use, so stale memory there cannot reach a result through ``0 * NaN``; a NaN in the value of a
+valid key that only the causal or window mask hides from a row can still reach that row through ``0 * NaN`` in the
+``P v`` product, as in ``jax.nn.dot_product_attention`` (which propagates it to every row).
 """
 
 from __future__ import annotations

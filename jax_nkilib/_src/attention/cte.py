@@ -13,9 +13,10 @@ Context parallelism: ``cp_offset`` (int32 ``(1, 1)``, runtime) and ``global_cp_d
 ``bound_min``/``bound_max [Sq, 1]``. Masks: see ``masks.py``. ``cache_softmax=True`` also returns
 ``neg_max = -rowmax`` and ``recip = 1/rowsum`` as ``[B, 128, Sq/128]`` in ``softmax_dtype`` (non-differentiable).
 
-Contract (checked on every platform): ``scale`` must be finite, and 1.0 with a sliding window, context parallelism or
-prefix caching (pre-scale ``q``); ``sliding_window`` in ``[0, 2**31 - 1]``; a sliding window and context parallelism need ``causal_mask``; sequence packing excludes
-prefix caching and context parallelism; ``cache_softmax`` needs ``Sq % 128 == 0``.
+Contract (checked on every platform): ``scale`` must be finite, and 1.0 with a sliding window, context parallelism
+or prefix caching (pre-scale ``q``); ``sliding_window`` in ``[0, 2**31 - 1]``; a sliding window and context
+parallelism need ``causal_mask``; sequence packing excludes prefix caching and context parallelism;
+``cache_softmax`` needs ``Sq % 128 == 0``.
 
 Numerics: scores and softmax in float32, probabilities rounded to the input dtype for the ``P v`` matmul, output
 in ``q``'s dtype. Rows with no allowed key and no sink give 0 (``neg_max = recip = 0``). A NaN in a query row, in a
