@@ -72,12 +72,26 @@ def test_neuron_lowering_is_the_tkg_kernel():
     (lambda a: a[:3] + (a[3][:, :1], a[4][:, :1]) + a[5:], ValueError, "k_cache/v_cache must be [batch, kv_heads"),
     (lambda a: a[:3] + (a[3][:, :, :3], a[4][:, :, :3]) + a[5:], ValueError, "must leave room"),
     (lambda a: a[:5] + (jnp.zeros(2),), TypeError, "`cache_len` must be an integer array"),
+    # issue 11: checked before jnp.asarray, the user's argument and axis named (not the kernel's)
+    (lambda a: (None,) + a[1:], TypeError, "jax_nkilib.decode_attention: `q` must be an array; got NoneType"),
+    (lambda a: a[:5] + ("3",), TypeError, "`cache_len` must be an array; got str"),
+    (lambda a: a[:1] + (a[1].astype(jnp.int32),) + a[2:], TypeError, "`k_new` must have a floating dtype"),
+    (lambda a: a[:3] + (a[3].astype(jnp.int8),) + a[4:], TypeError, "`k_cache` must have a floating dtype"),
+    (lambda a: tuple(x[:0] for x in a), ValueError, "`q` has batch = 0"),
+    (lambda a: (a[0][:, :, :0],) + a[1:], ValueError, "`q` has heads = 0"),
 ])
 def test_bad_inputs(change, error, fragment):
     args = problem() + (jnp.array([1, 2], jnp.int32),)
     with pytest.raises(error) as info:
         jax_nkilib.decode_attention(*change(args))
     assert fragment in str(info.value)
+    assert "k_active" not in str(info.value) and "dimension B" not in str(info.value)
+
+
+@pytest.mark.parametrize("scale, error", [(float("nan"), ValueError), (float("inf"), ValueError), ("1", TypeError)])
+def test_bad_scale(scale, error):
+    with pytest.raises(error, match="jax_nkilib.decode_attention: `scale` must be a finite real number"):
+        jax_nkilib.decode_attention(*problem(), jnp.array([1, 2], jnp.int32), scale=scale)
 
 
 def test_paged_cache_matches_the_flat_cache():

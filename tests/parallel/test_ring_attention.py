@@ -236,6 +236,23 @@ def test_eager_call_without_jit():
     assert_close(out, oracle(q, k, v, causal=True), jnp.float32, reduction=32)
 
 
+def test_nan_propagates_like_jax_nn_and_is_never_zeroed():
+    """Issue 11: a NaN key poisons exactly the rows that see it (on whichever shard they live), a NaN query row
+    its own row; the gradient of a NaN loss is NaN."""
+    q, k, v = qkv(batch=1, seq=32)
+    q, k = q.at[0, 3, 1].set(jnp.nan), k.at[0, 20, 0].set(jnp.nan)  # kv head 0 serves query heads 0 and 1
+    ring = jax.jit(global_ring(mesh_1d("cp"), "cp", "zigzag", causal=True))
+    out = np.asarray(ring(q, k, v))
+    nan_rows = np.isnan(out).all(-1)
+    assert np.array_equal(nan_rows, np.isnan(out).any(-1))  # rows are all-NaN or finite
+    expected = np.zeros((1, 32, 4), bool)
+    expected[0, 20:, :2] = True
+    expected[0, 3, 1] = True
+    np.testing.assert_array_equal(nan_rows, expected)
+    want = oracle(q.at[0, 3, 1].set(0.0), k.at[0, 20, 0].set(0.0), v, causal=True)
+    np.testing.assert_allclose(out[~expected], want[~expected], rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ compiled HLO
 def collectives(fn, *args) -> dict[str, int]:
     """Counts of collective instructions in the compiled (optimised) HLO."""
@@ -411,6 +428,8 @@ def _in_shard_map(q, k, v, **kw):
     ({"dtype_k": jnp.bfloat16}, dict(axis_name="cp"), TypeError, "one floating dtype"),
     ({}, dict(axis_name="cp", causal=1), TypeError, "causal"),
     ({}, dict(axis_name="cp", scale="1"), TypeError, "scale"),
+    ({}, dict(axis_name="cp", scale=float("nan")), ValueError, "`scale` must be a finite real number"),
+    ({"k": (2, 64, 0, 16), "v": (2, 64, 0, 16)}, dict(axis_name="cp"), ValueError, "`k` has kv_heads = 0"),
 ])
 def test_bad_inputs_raise_at_trace_time(change, kw, error, fragment):
     q, k, v = qkv(seq=change.get("seq", 64), heads=change.get("heads", 4))

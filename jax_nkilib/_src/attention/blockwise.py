@@ -13,6 +13,16 @@ inputs); probabilities and score gradients are rounded to the input dtype before
 
 Rows with no allowed key (and no sink) have output 0, row max ``-inf`` and row sum 0, so ``lse = +inf`` and their
 gradients are 0: never NaN.
+
+NaN contract (that of ``jax.nn.dot_product_attention``): a NaN in a query row, in a key or value the row attends to
+or in the row's sink (or an inf there that makes one of its scores NaN or ``+inf``) makes that row's output NaN, and
+its gradients NaN; it is never turned into zeros. An empty row is recognised by its row sum being exactly 0 (a NaN
+row sum is not), so this costs no extra pass over the scores. The row sums carry the NaN: XLA's vectorised max
+reductions on CPU need not propagate NaN, so a NaN row's ``row_max`` may be ``-inf``. Keys the mask rule declares
+invalid for every query (prior slots past a runtime prefix length: :meth:`MaskRule.key_valid`) have their keys and
+values zeroed before use, so stale memory there cannot reach a result through ``0 * NaN``; a NaN in the value of a
+valid key that only the causal or window mask hides from a row can still reach that row through ``0 * NaN`` in the
+``P v`` product, as in ``jax.nn.dot_product_attention`` (which propagates it to every row).
 """
 
 from __future__ import annotations
@@ -85,7 +95,8 @@ def attention_forward(q, k, v, rule: MaskRule, scale: float, sink=None, *, block
         fresh = starts_row[t]  # the first key block of a query block: start its running statistics anew
         row_max = jnp.where(fresh, -jnp.inf, row_max)
         row_sum, out = jnp.where(fresh, 0.0, row_sum), jnp.where(fresh, 0.0, out)
-        q_block, k_block, v_block = _block(q, i, bq, 2), _block(k, j, bk, 1), _block(v, j, bk, 1)
+        q_block = _block(q, i, bq, 2)
+        k_block, v_block = (_only_valid_keys(rule, j, bk, _block(x, j, bk, 1)) for x in (k, v))
         allowed = rule.allowed(i * bq + jnp.arange(bq), j * bk + jnp.arange(bk))
         s = jnp.where(allowed, _scores(q_block, k_block, scale, acc), -jnp.inf)
         new_max = jnp.maximum(row_max, s.max(-1))
@@ -110,13 +121,26 @@ def attention_forward(q, k, v, rule: MaskRule, scale: float, sink=None, *, block
         correction = jnp.exp(row_max - new_max)
         row_sum = row_sum * correction + jnp.exp(sink - new_max[..., None]).sum(-1)
         out, row_max = out * correction[..., None], new_max
-    out = jnp.where(row_sum[..., None] > 0, out / jnp.where(row_sum > 0, row_sum, 1.0)[..., None], 0.0)
-    return out, row_max, row_sum
+    return normalize(out, row_sum), row_max, row_sum
+
+
+def normalize(out, row_sum):
+    """``out / row_sum`` per row; 0 for empty rows (row sum exactly 0). A NaN row sum gives NaN: never zeroed."""
+    empty = row_sum == 0
+    return jnp.where(empty[..., None], 0.0, out / jnp.where(empty, 1.0, row_sum)[..., None])
 
 
 def log_sum_exp(row_max, row_sum):
-    """``log(sum(exp(scores)))`` per row from the forward statistics (``+inf`` for empty rows)."""
-    return jnp.where(row_sum > 0, row_max + jnp.log(jnp.where(row_sum > 0, row_sum, 1.0)), jnp.inf)
+    """``log(sum(exp(scores)))`` per row from the forward statistics (``+inf`` for empty rows, NaN for NaN rows)."""
+    empty = row_sum == 0
+    return jnp.where(empty, jnp.inf, row_max + jnp.log(jnp.where(empty, 1.0, row_sum)))
+
+
+def _only_valid_keys(rule: MaskRule, j, bk: int, x):
+    """Key block ``j`` of ``x [H_kv, bk, d]`` with the rows of keys that are invalid for every query zeroed (stale
+    prefix slots: their garbage must not meet a zero probability as ``0 * NaN``). An ``O(bk d)`` select."""
+    valid = rule.key_valid(j * bk + jnp.arange(bk))
+    return x if valid is None else jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
 
 
 def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=None, *, block_q=None,
@@ -139,7 +163,7 @@ def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=N
         dk_block, dv_block = jnp.where(fresh, 0.0, dk_block), jnp.where(fresh, 0.0, dv_block)
         q_block, dy_block = _block(q, i, bq, 2), _block(dy, i, bq, 2)
         lse_block, delta_block = _block(lse_p, i, bq, 2), _block(delta_p, i, bq, 2)
-        k_block, v_block = _block(k, j, bk, 1), _block(v, j, bk, 1)
+        k_block, v_block = (_only_valid_keys(rule, j, bk, _block(x, j, bk, 1)) for x in (k, v))
         allowed = rule.allowed(i * bq + jnp.arange(bq), j * bk + jnp.arange(bk))
         p = jnp.where(allowed, jnp.exp(_scores(q_block, k_block, scale, acc) - lse_block[..., None]), 0.0)
         dv_block = dv_block + _matmul("hgqk,hgqd->hkd", p.astype(dy.dtype), dy_block, acc)

@@ -9,7 +9,8 @@ log-sum-exp of query ``t * 128 + r``, ``sinks_ref [bs, H]`` or ``[bs, H, n_sinks
 Math: with ``S = softmax_scale * q^T k`` (masked), ``P = exp(S - lse)`` and ``D = rowsum(dy * o)``:
 ``dv = P^T dy``, ``dS = P * (dy v^T - D)``, ``dq = softmax_scale * dS k``, ``dk = softmax_scale * dS^T q`` (summed
 over the query heads of each KV head), ``dsinks = -sum_rows exp(sink - lse) * D``. ``softmax_scale`` defaults to
-``1/sqrt(d)``. Causal masking requires ``Sq == Sk``; a sliding window requires causal masking. Outputs have their
+``1/sqrt(d)``; a given one must be finite. Causal masking requires ``Sq == Sk``; a sliding window (an int in
+``[0, 2**31 - 1]``, 0 or ``None`` for none, as ``attention_cte`` takes it) requires causal masking. Outputs have their
 inputs' layouts and dtypes; ``dsinks`` is returned only with ``sinks_ref``.
 """
 
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.validation import static_float, static_int
 from .blockwise import attention_backward
 from .checks import head_dim_limit, require_same_dtype
 from .masks import MaskRule
@@ -85,7 +87,9 @@ def _check(call: CallInfo) -> None:
     require_same_dtype(call, ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref"), "q_ref, k_ref, v_ref, o_ref and dy_ref")
     if params["use_causal_mask"] and dims["Sq"] != dims["Sk"]:
         raise ValueError(f"{function}: causal masking requires Sq == Sk; got Sq={dims['Sq']}, Sk={dims['Sk']}")
-    if (params["sliding_window"] or 0) > 0 and not params["use_causal_mask"]:
+    if params["softmax_scale"] is not None:
+        static_float(params["softmax_scale"], function, "softmax_scale")
+    if static_int(params["sliding_window"] or 0, function, "sliding_window") > 0 and not params["use_causal_mask"]:
         raise ValueError(f"{function}: sliding_window requires use_causal_mask=True")
     if (avals.get("bound_min") is None) != (avals.get("bound_max") is None):
         raise ValueError(f"{function}: give both bound_min and bound_max, or neither")

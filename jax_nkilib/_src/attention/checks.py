@@ -3,7 +3,9 @@ params."""
 
 from __future__ import annotations
 
-from ..framework.spec import FP8_DTYPES, CallInfo
+import jax.numpy as jnp
+
+from ..framework.spec import FLOAT_DTYPES, FP8_DTYPES, CallInfo
 
 QKV_LAYOUT = "[batch, seq, heads, head_dim]"
 
@@ -44,11 +46,16 @@ def require_cache_dtypes(call: CallInfo, caches: tuple[str, ...] = ("k_cache", "
 
 def check_qkv_layout(where: str, q, k, v, *, same_seq: bool = False, kind: str = "an array") -> None:
     """``ValueError`` unless ``q [batch, seq, heads, head_dim]`` and ``k, v [batch, seq_kv, kv_heads, head_dim]``
-    agree (batch, head_dim, and ``heads % kv_heads == 0``; with ``same_seq`` also the sequence length)."""
+    agree (batch, head_dim, and ``heads % kv_heads == 0``; with ``same_seq`` also the sequence length) and no axis
+    is empty; ``TypeError`` unless they share one floating dtype."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")) or x.ndim != 4:
             raise ValueError(f"{where}: `{name}` must be {kind} {QKV_LAYOUT}; got "
                              f"{getattr(x, 'shape', type(x).__name__)}")
+    for name, x, axes in (("q", q, ("batch", "seq", "heads", "head_dim")),
+                          ("k", k, ("batch", "seq_kv", "kv_heads", "head_dim")),
+                          ("v", v, ("batch", "seq_kv", "kv_heads", "head_dim"))):
+        require_nonempty(where, name, x, axes)
     if k.shape != v.shape:
         raise ValueError(f"{where}: `k` and `v` must have the same shape [batch, seq_kv, kv_heads, head_dim]; got "
                          f"{k.shape} and {v.shape}")
@@ -58,3 +65,24 @@ def check_qkv_layout(where: str, q, k, v, *, same_seq: bool = False, kind: str =
         raise ValueError(f"{where}: `q` {q.shape} and `k` {k.shape} must agree on {what}")
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"{where}: query heads ({q.shape[2]}) must be a multiple of kv heads ({k.shape[2]})")
+    require_float_dtypes(where, {"q": q, "k": k, "v": v}, same=True)
+
+
+def require_nonempty(where: str, name: str, x, axes: tuple[str, ...]) -> None:
+    """``ValueError`` naming the first empty axis of ``x`` (``axes`` names its axes)."""
+    for axis, size in zip(axes, x.shape):
+        if size == 0:
+            raise ValueError(f"{where}: `{name}` has {axis} = 0 (shape {tuple(x.shape)}, axes [{', '.join(axes)}]); "
+                             "every axis must be non-empty")
+
+
+def require_float_dtypes(where: str, arrays: dict, *, same: bool) -> None:
+    """``TypeError`` unless every array of ``arrays`` (by argument name) has a dtype the attention kernels take
+    (float32, bfloat16, float16, float64) and, with ``same``, they share one."""
+    for name, x in arrays.items():
+        if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+            raise TypeError(f"{where}: `{name}` must have a floating dtype in ({', '.join(map(str, FLOAT_DTYPES))}); "
+                            f"got {x.dtype}")
+    if same and len({jnp.dtype(x.dtype) for x in arrays.values()}) > 1:
+        raise TypeError(f"{where}: {', '.join(f'`{name}`' for name in arrays)} must share one floating dtype; got "
+                        + ", ".join(f"{name} {x.dtype}" for name, x in arrays.items()))

@@ -13,12 +13,19 @@ Context parallelism: ``cp_offset`` (int32 ``(1, 1)``, runtime) and ``global_cp_d
 ``bound_min``/``bound_max [Sq, 1]``. Masks: see ``masks.py``. ``cache_softmax=True`` also returns
 ``neg_max = -rowmax`` and ``recip = 1/rowsum`` as ``[B, 128, Sq/128]`` in ``softmax_dtype`` (non-differentiable).
 
-Contract (checked on every platform): ``scale`` must be 1.0 with a sliding window, context parallelism or prefix
-caching (pre-scale ``q``); a sliding window and context parallelism need ``causal_mask``; sequence packing excludes
-prefix caching and context parallelism; ``cache_softmax`` needs ``Sq % 128 == 0``.
+Contract (checked on every platform): ``scale`` must be finite, and 1.0 with a sliding window, context parallelism
+or prefix caching (pre-scale ``q``); ``sliding_window`` in ``[0, 2**31 - 1]``; a sliding window and context
+parallelism need ``causal_mask``; sequence packing excludes prefix caching and context parallelism;
+``cache_softmax`` needs ``Sq % 128 == 0``.
 
 Numerics: scores and softmax in float32, probabilities rounded to the input dtype for the ``P v`` matmul, output
-in ``q``'s dtype. Rows with no allowed key and no sink give 0 (``neg_max = recip = 0``). ``mm_out_dtype`` is the
+in ``q``'s dtype. Rows with no allowed key and no sink give 0 (``neg_max = recip = 0``). A NaN in a query row, in a
+key or value it sees, or in its sink makes the row's output and statistics NaN (never 0). Prior slots at or past
+``prior_used_len`` do not influence the result here, whatever they hold; the kernel loads every prior slot and masks
+their scores (to -3.4e38), so on Neuron their values meet zero probabilities in the ``P v`` matmul and a NaN or inf
+there would reach the output (per the kernel's source, not verified on Trainium). ``prior_used_len`` is used as the
+kernel uses it: slots ``j < prior_used_len`` are valid (a negative length hides the prior, one past ``S_prior``
+shows all of it). ``mm_out_dtype`` is the
 kernel's matmul accumulator dtype on Trn3 and does not change this reference.
 
 Reverse mode: when the call is one ``attention_bwd`` can differentiate (no prefix caching or context parallelism,
@@ -32,6 +39,7 @@ import jax.numpy as jnp
 
 from ..framework.primitive import Vjp, make_kernel
 from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.validation import static_float, static_int
 from .blockwise import attention_backward, attention_forward, group_queries, log_sum_exp, ungroup_queries
 from .bwd import LSE_TILE, attention_bwd, lse_tiles
 from .checks import head_dim_limit, require_same_dtype
@@ -92,8 +100,9 @@ def reference_attention_cte(q, k, v, k_prior=None, v_prior=None, prior_used_len=
     out = jnp.swapaxes(out, 1, 2) if params["tp_out"] else out
     if not params["cache_softmax"]:
         return (out,)
-    empty = row_sum <= 0
-    neg_max = jnp.where(empty, 0.0, -row_max)
+    empty = row_sum == 0
+    # a NaN row has a NaN row sum (XLA's vectorised max reductions need not propagate NaN into row_max)
+    neg_max = jnp.where(empty, 0.0, jnp.where(jnp.isnan(row_sum), jnp.nan, -row_max))
     recip = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, row_sum))
     dtype = params["softmax_dtype"]
     return out, lse_tiles(neg_max).astype(dtype), lse_tiles(recip).astype(dtype)
@@ -116,9 +125,8 @@ def _check(call: CallInfo) -> None:
     if "bound_min" in present and (prefix or cp):
         raise ValueError(f"{function}: sequence packing (bound_min/bound_max) excludes prefix caching and context "
                          "parallelism")
-    window = p["sliding_window"] or 0
-    if window < 0:
-        raise ValueError(f"{function}: sliding_window must be >= 0; got {window}")
+    static_float(p["scale"], function, "scale")
+    window = static_int(p["sliding_window"] or 0, function, "sliding_window")
     if (window or cp) and not p["causal_mask"]:
         raise ValueError(f"{function}: sliding_window and context parallelism require causal_mask=True")
     if (window or cp or prefix) and p["scale"] != 1.0:

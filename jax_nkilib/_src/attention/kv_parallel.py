@@ -22,7 +22,7 @@ Semantics, on each rank of the group (``G = group_size`` ranks, in the axes' ord
    ``key_pos > query_pos - w``. Scores are ``scale * q k^T``; softmax statistics in float32.
 3. The per-rank partial outputs and statistics travel back to the heads' owners (``all_to_all``), which merge them:
    ``out = sum_r l_r exp(m_r - M) o_r / sum_r l_r exp(m_r - M)`` — the softmax over every visible key of the group.
-   Rows with no visible key give 0.
+   Rows with no visible key give 0; a NaN partial makes the row NaN (never 0).
 
 FP8 caches are dequantised as the reference does: ``K * k_scale[:D]`` (per head-dimension entry, the kernel's
 partition axis) and ``V * v_scale[0]`` (the kernel requires one replicated value), then rounded to ``q``'s dtype.
@@ -39,7 +39,7 @@ from jax import lax
 from ..framework import compat
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
-from .blockwise import attention_forward
+from .blockwise import attention_forward, normalize
 from .checks import head_dim_limit, require_cache_dtypes, require_params
 from .masks import MaskRule
 from .segmented import CACHE_DTYPES, unpack_token_pairs
@@ -58,10 +58,9 @@ def merge_partials(out, row_max, row_sum):
     """Merge per-rank softmax partials along axis 0: ``out [G, ..., D]`` (normalised), statistics ``[G, ...]``."""
     top = row_max.max(axis=0)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
-    weight = jnp.where(row_sum > 0, row_sum * jnp.exp(row_max - top), 0.0)
+    weight = jnp.where(row_sum == 0, 0.0, row_sum * jnp.exp(row_max - top))  # a NaN partial stays NaN
     total = weight.sum(axis=0)
-    merged = (weight[..., None] * out).sum(axis=0)
-    return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+    return normalize((weight[..., None] * out).sum(axis=0), total)
 
 
 def reference_attention_kv_parallel_segmented_cte(q, k_cache, v_cache, block_tables, kvp_q_offset, kvp_rank_id=None,

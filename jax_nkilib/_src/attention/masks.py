@@ -13,6 +13,9 @@ A valid key is allowed when every rule in force holds:
 * causal: ``key_pos <= query_pos``;
 * sliding window ``w > 0``: ``key_pos > query_pos - w``;
 * sequence packing: ``bound_min[i] <= key_pos < bound_max[i]``.
+
+Prior slots at or past ``prior_used`` are invalid for every query (:meth:`MaskRule.key_valid`): they hold stale cache
+memory, so the engine also zeroes their keys and values, and nothing there (not even a NaN or inf) reaches a result.
 """
 
 from __future__ import annotations
@@ -68,6 +71,13 @@ class MaskRule:
         if not self.k_block:
             return j
         return ((j // self.k_block) * self.k_groups + self.k_rank) * self.k_block + j % self.k_block
+
+    def key_valid(self, k_index):
+        """Boolean ``[len(k_index)]``: is key ``k_index[b]`` valid for every query (not a prior slot at or past
+        ``prior_used``)? ``None`` when every key is (no runtime prior length)."""
+        if not self.n_prior or self.prior_used is None:
+            return None
+        return (k_index >= self.n_prior) | (k_index < self.prior_used)
 
     @property
     def n_keys(self) -> int:

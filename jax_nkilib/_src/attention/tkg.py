@@ -17,7 +17,17 @@ when ``s < rope_pos_ids[b, 0]`` (or, with ``start_pos_ids``, inside the per-quer
 wraps around when ``start > pos``), and the active tail is causal.
 
 Numerics: float32 scores and softmax; probabilities rounded to the input dtype for ``P v``; rows that see nothing
-give 0.
+give 0. A NaN in a query, in a key or value it sees, or in its sink makes its output NaN (never 0).
+
+Slots no query of a row sees (stale cache memory past the row's length) do not influence the result here: their keys
+and values are zeroed before the products. The kernel loads every one of the ``curr_sprior`` slots and masks only
+the scores (masked scores are ``-inf``, ``nisa.tensor_copy_predicated``), so on Neuron their values still meet a
+zero probability in the ``P v`` matmul: with IEEE arithmetic a NaN or inf there would reach the output (not verified
+on Trainium). Position ids are compared with slot indices as numbers (``slot < rope_pos_ids[b, 0]``), as the kernel
+does: a negative id shows no cache slot and an id past the cache shows all of them. A block-table entry that is not
+a block of the pools (``>= N_blocks``, or negative for int32) makes the kernel's indirect K/V block loads fail
+(they use ``oob_mode.error``); here that row's output is NaN, and ``jax_nkilib.config(runtime_checks=True)`` with
+``jax.experimental.checkify`` reports it. The kernel never writes the cache.
 
 Block KV cache: ``k_prior``/``v_prior`` are block pools ``[n_blocks_total, block_len, d]`` and
 ``active_blocks_table [B, n_blocks]`` lists each row's blocks in order (row ``b``'s flat cache is the concatenation
@@ -45,6 +55,7 @@ import math
 import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel, reference_vjp
+from ..framework.runtime_checks import check_all
 from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from .checks import head_dim_limit
 from .masks_tkg import natural_order, resized_block_len
@@ -84,8 +95,12 @@ def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_f
     batch, heads, s_active, d = q.shape
     s_prior = mask.shape[0] if not cfg["use_pos_id"] else cfg["curr_sprior"]
     mask_block_len = 0
+    table_ok = None
     if active_blocks_table is not None:  # gather each row's blocks into a flat [B, 1, S_full, d] cache
-        k_prior, v_prior = (pool[active_blocks_table].reshape(batch, 1, -1, d) for pool in (k_prior, v_prior))
+        entry_ok = valid_block_entries(active_blocks_table, k_prior.shape[0])
+        table_ok = jnp.all(entry_ok, axis=1)  # rows whose every block exists (the kernel loads them all)
+        table = jnp.where(entry_ok, active_blocks_table, 0)
+        k_prior, v_prior = (pool[table].reshape(batch, 1, -1, d) for pool in (k_prior, v_prior))
         if not cfg["use_pos_id"]:
             mask_block_len = resized_block_len(s_prior, cfg["block_len"], lnc=lnc, bs=batch, q_head=heads,
                                                s_active=s_active, fuse_rope=cfg["fuse_rope"],
@@ -104,6 +119,9 @@ def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_f
     cache_v = cache_v.at[:, s_prior - s_active:].set(v_active[:, 0].astype(acc))
     visible = _visible(mask, rope_pos_ids, start_pos_ids, use_pos_id=cfg["use_pos_id"], batch=batch, heads=heads,
                        s_active=s_active, s_prior=s_prior, block_len=mask_block_len)
+    # slots no query of a row sees (stale cache memory past its length) must not reach it as 0 * NaN
+    seen = jnp.any(visible, axis=(1, 2))[..., None]  # [B, S_prior, 1]
+    cache_k, cache_v = jnp.where(seen, cache_k, 0.0), jnp.where(seen, cache_v, 0.0)
     scores = jnp.where(visible, jnp.einsum("bhid,bsd->bhis", queries, cache_k), -jnp.inf)
     row_max = scores.max(-1)
     if sink is not None:
@@ -113,18 +131,31 @@ def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_f
     total = weights.sum(-1)
     if sink is not None:
         total = total + jnp.exp(sink.astype(acc)[None, :, :] - safe_max)
-    probs = weights / jnp.where(total > 0, total, 1.0)[..., None]
+    probs = weights / jnp.where(total == 0, 1.0, total)[..., None]  # a NaN total (e.g. a NaN sink) stays NaN
     out = jnp.einsum("bhis,bsd->bhdi", probs.astype(v_active.dtype).astype(acc), cache_v)
+    if table_ok is not None:  # the kernel fails on a block index past the pools (oob_mode.error): NaN rows here
+        out = jnp.where(table_ok[:, None, None, None], out, jnp.nan)
     out = out.astype(q.dtype)
     if not cfg["fuse_rope"]:
         return (out,)
     return out, jnp.swapaxes(keys, 1, 2)[:, None].astype(k_active.dtype)
 
 
+def valid_block_entries(table, n_blocks: int):
+    """Boolean like ``table``: which entries name one of the ``n_blocks`` blocks of the pools (int32 or uint32)."""
+    return (table >= 0) & (table < n_blocks) if table.dtype != jnp.uint32 else table < jnp.uint32(n_blocks)
+
+
 def _check(call: CallInfo) -> None:
     avals, dims, p, function = call.avals, call.dims, call.params, call.function
     present = {name for name, aval in avals.items() if aval is not None}
     block = "active_blocks_table" in present
+    for name in ("k_prior", "v_prior"):
+        if avals[name].ndim != (3 if block else 4):
+            what = (f"a block KV cache needs `{name}` as a pool [N_blocks, blk, d] (active_blocks_table is given)"
+                    if block else f"`{name}` must be a flat cache of rank 4 (a rank-3 block pool [N_blocks, blk, d] "
+                    "needs active_blocks_table and block_len)")
+            raise ValueError(f"{function}: {what}; got shape {tuple(avals[name].shape)}")
     if block != bool(p["block_len"]) or (block and dims.get("blk") != p["block_len"]):
         raise ValueError(f"{function}: a block KV cache needs active_blocks_table and block_len equal to the pools' "
                          f"block axis; got block_len={p['block_len']}, pools {tuple(avals['k_prior'].shape)}")
@@ -168,6 +199,15 @@ def _check(call: CallInfo) -> None:
         raise ValueError(f"{function}: start_pos_ids (sliding window) needs use_pos_id=True")
 
 
+def _runtime_checks(call: CallInfo, operands) -> None:
+    table = operands["active_blocks_table"]
+    if table is not None:
+        n_blocks = call.avals["k_prior"].shape[0]
+        check_all(valid_block_entries(table, n_blocks), f"{call.function}: active_blocks_table entry (row, block) "
+                  f"{{index}} is {{}}, not a block of the pools (0 <= block < {n_blocks}); that row's output is NaN",
+                  table)
+
+
 def _neuron_limits(call: CallInfo) -> list[str]:
     dims, unmet = call.dims, head_dim_limit(call)
     s_prior = call.params["curr_sprior"] if call.params["use_pos_id"] else dims["S_prior"]
@@ -206,6 +246,7 @@ ATTENTION_TKG_SPEC = KernelSpec(
              Output.of("k_out", "B, 1, d, s_a", "k_active", present_if="fuse_rope")),
     reference=reference_attention_tkg,
     check=_check,
+    runtime_checks=_runtime_checks,
     neuron_limits=_neuron_limits,
     fold_plans=(FoldPlan({"q": 0, "k_active": 0, "v_active": 0, "k_prior": 0, "v_prior": 0, "mask": 1,
                           "rope_pos_ids": 0, "start_pos_ids": 0, "inv_freqs": None, "sink": None,

@@ -1,5 +1,5 @@
-"""Library settings: the Neuron platform target, the LNC degree, the policy for Neuron-kernel limits, and the Neuron
-dry-run switch.
+"""Library settings: the Neuron platform target, the LNC degree, the policy for Neuron-kernel limits, the Neuron
+dry-run switch and the run-time index checks.
 
 Each setting is a thread-local JAX config state included in JAX's jit cache key, so a function traced under one
 setting is never reused under another. ``config(...)`` is a context manager. Outside any context the platform target
@@ -33,6 +33,10 @@ _on_unsupported_state = compat.jit_keyed_state(
 _dry_run_state = compat.jit_keyed_state(
     "bool", "jax_nkilib_neuron_dry_run", False,
     "Lower jax_nkilib kernels for Neuron with the dry-run compiler (no `nki` package needed; not runnable).")
+_runtime_checks_state = compat.jit_keyed_state(
+    "bool", "jax_nkilib_runtime_checks", False,
+    "Emit jax.experimental.checkify checks of run-time index values (decode_attention's cache_len and block_table, "
+    "...); they report errors under checkify.checkify and are dropped otherwise.")
 
 
 def current_target() -> str:
@@ -55,8 +59,14 @@ def dry_run_enabled() -> bool:
     return bool(_dry_run_state.value)
 
 
+def runtime_checks_enabled() -> bool:
+    """Whether ops emit checkify checks of their run-time index values (see :mod:`runtime_checks`)."""
+    return bool(_runtime_checks_state.value)
+
+
 @contextlib.contextmanager
-def config(*, lnc: int | None = None, on_unsupported: str | None = None, target: str | None = None) -> Iterator[None]:
+def config(*, lnc: int | None = None, on_unsupported: str | None = None, target: str | None = None,
+           runtime_checks: bool | None = None) -> Iterator[None]:
     """Temporarily change jax_nkilib settings.
 
     Args:
@@ -67,6 +77,14 @@ def config(*, lnc: int | None = None, on_unsupported: str | None = None, target:
         it use it, and the Neuron custom call's ``grid`` equals it.
       on_unsupported: ``"fallback"`` (lower the JAX reference on Neuron and warn once per call site when a kernel
         limit is not met) or ``"error"`` (raise ``NeuronUnsupportedError``).
+      runtime_checks: ``True`` makes ops check run-time index values that cannot be checked while tracing
+        (``decode_attention``'s ``cache_len`` and ``block_table``, ``attention``'s traced prefix length,
+        ``nki.attention_tkg``'s ``active_blocks_table``) with ``jax.experimental.checkify.debug_check``: wrap the
+        function in ``checkify.checkify(f, errors=checkify.user_checks)`` and call ``err.throw()`` to get an error
+        naming the op, the argument and the bad value. Without ``checkify`` the checks are dropped on CPU/GPU (JAX
+        has no lowering for an undischarged check on ``neuron``: there, use them under ``checkify`` only); either
+        way an invalid index gives NaN in the rows it affects. Off by default: a check makes every call of a jitted
+        function pay JAX's effect handling (tens of microseconds of dispatch).
     """
     if lnc is not None and (isinstance(lnc, bool) or lnc not in LNC_DEGREES):
         raise ValueError(f"jax_nkilib.config: lnc must be one of {LNC_DEGREES}, got {lnc!r}")
@@ -75,6 +93,8 @@ def config(*, lnc: int | None = None, on_unsupported: str | None = None, target:
             f"jax_nkilib.config: on_unsupported must be one of {ON_UNSUPPORTED_POLICIES}, got {on_unsupported!r}")
     if target is not None:
         target = platform.normalize_target(target, "jax_nkilib.config: target")
+    if runtime_checks is not None and not isinstance(runtime_checks, bool):
+        raise TypeError(f"jax_nkilib.config: runtime_checks must be a bool, got {runtime_checks!r}")
     with contextlib.ExitStack() as stack:
         if target is not None:
             stack.enter_context(_target_state(target))
@@ -82,6 +102,8 @@ def config(*, lnc: int | None = None, on_unsupported: str | None = None, target:
             stack.enter_context(_lnc_state(lnc))
         if on_unsupported is not None:
             stack.enter_context(_on_unsupported_state(on_unsupported))
+        if runtime_checks is not None:
+            stack.enter_context(_runtime_checks_state(runtime_checks))
         yield
 
 

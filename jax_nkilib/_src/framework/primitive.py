@@ -26,7 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching as jax_batching
 from jax.interpreters import mlir
 
-from . import batching, compat, registry, views
+from . import batching, compat, registry, runtime_checks, views
 from .spec import KernelSpec
 from .validation import check_call, check_derived, normalize_params, output_avals, split_arguments
 from ..neuron.lowering import neuron_lowering_rule
@@ -130,6 +130,8 @@ class Kernel:
         call = check_call(self.spec, operands, params)
         if derived:
             check_derived(self.spec, call, derived)
+        if self.spec.runtime_checks is not None and runtime_checks.enabled():
+            self.spec.runtime_checks(call, operands)
         outs = self.bind(operands, params) if self.vjp is None else self._differentiable(operands, params)
         if self.spec.nondifferentiable_outputs:
             produced = self.spec.present_outputs(params, _present(operands))

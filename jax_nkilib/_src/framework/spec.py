@@ -273,6 +273,8 @@ class KernelSpec:
       reference_takes_lnc: the reference also takes ``lnc``, the call's LNC degree (for kernels whose semantics,
         such as an output order, depend on how the kernel splits work over logical cores).
       check: extra semantic validation ``check(call) -> None`` raising ``TypeError``/``ValueError``.
+      runtime_checks: ``runtime_checks(call, operands) -> None``, checks of run-time values (indices read from
+        operands) through :func:`runtime_checks.check_all`; called only inside ``config(runtime_checks=True)``.
       neuron_limits: ``neuron_limits(call) -> list[str]`` of kernel limits that the call does not meet.
       fold_plans: batching strategies tried in order before the ``lax.map`` fallback.
       neuron_split_dims: named dimensions along which the kernel is elementwise-independent, in order of
@@ -303,6 +305,7 @@ class KernelSpec:
     reference_takes_lnc: bool = False
     resolve_params: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     check: Callable[[CallInfo], None] | None = None
+    runtime_checks: Callable[[CallInfo, Mapping[str, Any]], None] | None = None
     neuron_limits: Callable[[CallInfo], list[str]] | None = None
     fold_plans: tuple[FoldPlan, ...] = ()
     neuron_split_dims: tuple[str, ...] = ()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import compat, config, views
@@ -155,3 +157,57 @@ def output_avals(spec: KernelSpec, call: CallInfo) -> list:
         aval = compat.ShapedArray(shape, dtype)
         outs.append(views.given_aval(aval, views.permutation_of(view, output.name)))
     return outs
+
+
+# ---- static values of idiomatic ops
+# Values that shape the computation (a softmax scale, a window length) are static: checked here at trace time, with a
+# message naming the function and the argument. Each helper returns the value as a plain Python number.
+
+INT32_MAX = 2**31 - 1
+
+
+def require_static(value: Any, function: str, name: str, expected: str) -> None:
+    """``TypeError`` when ``value`` is a traced JAX value (a static argument cannot change at run time)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{function}: `{name}` is static and must be {expected}; got a traced value {value!r}. "
+                        "Pass a Python value (under jax.jit: close over it or list it in static_argnames)")
+
+
+def static_float(value: Any, function: str, name: str, *, finite: bool = True) -> float:
+    """``value`` as a Python float: a real number (not a bool, not traced) that is finite unless ``finite=False``."""
+    expected = "a finite real number" if finite else "a real number"
+    require_static(value, function, name, expected)
+    if isinstance(value, (bool, np.bool_)) or not _is_real_scalar(value):
+        raise TypeError(f"{function}: `{name}` must be {expected}; got {value!r} of type {type(value).__name__}")
+    result = float(value)
+    if finite and not np.isfinite(result):
+        raise ValueError(f"{function}: `{name}` must be {expected}; got {result!r}")
+    return result
+
+
+def static_int(value: Any, function: str, name: str, *, minimum: int = 0, maximum: int = INT32_MAX) -> int:
+    """``value`` as a Python int in ``[minimum, maximum]`` (by default a non-negative int that fits int32): an int
+    (not a bool, not a float, not traced)."""
+    expected = f"an int in [{minimum}, {maximum}]"
+    require_static(value, function, name, expected)
+    if isinstance(value, (bool, np.bool_)) or not _is_int_scalar(value):
+        raise TypeError(f"{function}: `{name}` must be {expected}; got {value!r} of type {type(value).__name__}")
+    result = int(value)
+    if not minimum <= result <= maximum:
+        raise ValueError(f"{function}: `{name}` must be {expected}; got {result}")
+    return result
+
+
+def _is_real_scalar(value: Any) -> bool:
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return True
+    dtype = getattr(value, "dtype", None)  # a concrete 0-d array
+    return (dtype is not None and np.ndim(value) == 0
+            and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)))
+
+
+def _is_int_scalar(value: Any) -> bool:
+    if isinstance(value, (int, np.integer)):
+        return True
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and np.ndim(value) == 0 and jnp.issubdtype(dtype, jnp.integer)

@@ -41,7 +41,9 @@ Layouts: ``q [batch, L, heads, head_dim]``, ``k, v [batch, L, kv_heads, head_dim
 Dtypes (those of ``jax_nkilib.attention``): ``q``, ``k``, ``v`` share one floating dtype; scores, softmax statistics,
 partial outputs, their merge and the travelling ``dk, dv`` accumulators are float32 (float64 for float64 inputs);
 probabilities and score gradients are rounded to the input dtype before their matmuls; the output and the
-gradients are in the inputs' dtype. Rows with no visible key give 0 (never NaN).
+gradients are in the inputs' dtype. Rows with no visible key give 0. NaN propagates as in ``jax_nkilib.attention``
+(and ``jax.nn.dot_product_attention``): a NaN in a query row, in a key or value it sees, or from ``scale`` makes the
+row (and its gradients) NaN, never 0.
 """
 
 from __future__ import annotations
@@ -49,18 +51,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from ..attention.blockwise import attention_backward, attention_forward, log_sum_exp
+from ..attention.blockwise import attention_backward, attention_forward, log_sum_exp, normalize
 from ..attention.checks import check_qkv_layout
 from ..attention.masks import MaskRule
 from ..framework.compat import varying_like
 from ..framework.spec import accumulation_dtype
+from ..framework.validation import static_float
 from . import auto
 from .axes import bound_axis
 from .layouts import check_layout, check_local_length
@@ -205,8 +207,7 @@ def _ring_forward(ring: _Ring, q, k, v):
         return _merge(state, _step(ring, t, rank, compute, *blocks))
 
     numerator, row_max, row_sum = _ring_steps(ring, step, state, following, shifted)
-    out = jnp.where(row_sum[..., None] > 0, numerator / jnp.where(row_sum > 0, row_sum, 1.0)[..., None], 0.0)
-    return out.astype(q.dtype), log_sum_exp(row_max, row_sum)
+    return normalize(numerator, row_sum).astype(q.dtype), log_sum_exp(row_max, row_sum)
 
 
 def _ring_backward(ring: _Ring, residuals, dy):
@@ -246,17 +247,14 @@ def _ring_attention_fwd(ring: _Ring, q, k, v):
 _ring_attention.defvjp(_ring_attention_fwd, _ring_backward)
 
 
-def _check(q, k, v, causal, layout, scale) -> None:
+def _check(q, k, v, causal, layout, scale) -> float | None:
+    """Validate the arguments; returns ``scale`` as a Python float (or ``None``)."""
     check_qkv_layout(_WHERE, q, k, v, same_seq=True, kind="a per-shard array")  # self-attention, one sharded seq
-    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
-        raise TypeError(f"{_WHERE}: `q`, `k`, `v` must share one floating dtype; got {q.dtype}, {k.dtype}, "
-                        f"{v.dtype}")
     if not isinstance(causal, bool):
         raise TypeError(f"{_WHERE}: `causal` must be a bool; got {causal!r}")
     check_layout(layout, _WHERE)
     check_local_length(layout, q.shape[1], _WHERE)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"{_WHERE}: `scale` must be a real number or None; got {scale!r}")
+    return None if scale is None else static_float(scale, _WHERE, "scale")
 
 
 auto.register_rule(auto.ShardingRule(
@@ -277,17 +275,17 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = True, layout: str = "zi
       causal: query at global position ``p`` sees keys at positions ``<= p``.
       layout: ``"zigzag"`` (default), ``"striped"`` or ``"contiguous"``: which global positions a shard's tokens
         have (see ``layouts.py``; ``to_ring_layout`` prepares a global array for it). Zigzag needs an even ``L``.
-      scale: defaults to ``1/sqrt(head_dim)``.
+      scale: defaults to ``1/sqrt(head_dim)``; static (a finite Python real, checked while tracing).
 
     Returns this shard's output ``[batch, L, heads, head_dim]`` in ``q``'s dtype: gathered and put back in global
     order it equals ``jax_nkilib.attention(q, k, v, causal=causal, scale=scale)`` on the global sequence.
     Differentiable (a ring backward); the forward uses ``2 (n - 1)`` collective permutes and nothing else.
     """
     names, size = bound_axis(_WHERE, axis_name, " (the sequence axis split over it)")
-    _check(q, k, v, causal, layout, scale)
+    scale = _check(q, k, v, causal, layout, scale)
     batch, length, heads, head_dim = q.shape
     kv_heads = k.shape[2]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     ring = _Ring(names, size, causal, layout, scale)
     groups = heads // kv_heads
     # engine layouts: batch folded into the kv-head axis

@@ -82,7 +82,7 @@ def ring_forward(q, k, v, *, axes, nw: int, scale: float, causal: bool, striped:
     def attend(q_rows, k_rows, v_rows, bound_min, bound_max):
         rule = mask_rule(seq, nw, rank, causal=causal, striped=striped, bound_min=bound_min, bound_max=bound_max)
         out, row_max, row_sum = attention_forward(q_rows[:, None], k_rows, v_rows, rule, scale)
-        lse = jnp.where(row_sum > 0, log_sum_exp(row_max, row_sum), 0.0)
+        lse = jnp.where(row_sum == 0, 0.0, log_sum_exp(row_max, row_sum))  # NaN rows keep a NaN lse
         return out[:, 0], lse[:, 0]
 
     out, lse = _per_row(attend, bounds, q, keys, values)
