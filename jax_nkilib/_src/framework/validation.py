@@ -6,8 +6,10 @@ names the function, the argument, the expected layout or values, and what was gi
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 
 from . import compat, config, views
@@ -155,3 +157,95 @@ def output_avals(spec: KernelSpec, call: CallInfo) -> list:
         aval = compat.ShapedArray(shape, dtype)
         outs.append(views.given_aval(aval, views.permutation_of(view, output.name)))
     return outs
+
+
+# ---- static values of idiomatic ops
+# The scalars, flags and bounds that shape an idiomatic op's computation are static: Python values, known when the
+# op is traced. A traced value (an argument of a jitted function) is refused with the advice to make it static, and
+# a bad value (NaN, a negative eps, reversed bounds) is a ValueError naming the op and the argument. Array values
+# that may legitimately be traced (a quantization scale) are checked when they are concrete (see `concrete`).
+
+
+def require_static(where: str, name: str, value, expected: str) -> None:
+    """Refuse a traced value: ``value`` must be known at trace time (``expected`` says what it should be)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{where}: `{name}` must be static ({expected}), not a traced value; under jax.jit pass it as "
+                        f"a static argument (static_argnames / static_argnums) or close over it")
+
+
+def _describe(value) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{type(value).__name__} {value.dtype} {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{type(value).__name__}"
+
+
+def static_float(where: str, name: str, value, *, minimum: float | None = None, exclusive: bool = False) -> float:
+    """``value`` as a finite Python float: a number (or a concrete one-element float/int array), not traced, not
+    NaN or infinite, and ``>= minimum`` (``> minimum`` when ``exclusive``) when ``minimum`` is given."""
+    bound = "" if minimum is None else f" {'>' if exclusive else '>='} {minimum:g}"
+    expected = f"a finite Python float{bound}"
+    require_static(where, name, value, expected)
+    number = None
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
+        number = float(value)
+    elif hasattr(value, "shape") and hasattr(value, "dtype") and np.size(value) == 1 and \
+            (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
+        number = float(np.asarray(value, np.float64).reshape(()))
+    if number is None:
+        raise TypeError(f"{where}: `{name}` must be {expected}; got {_describe(value)}")
+    if not math.isfinite(number) or (minimum is not None and (number < minimum or exclusive and number == minimum)):
+        raise ValueError(f"{where}: `{name}` must be {expected}; got {number!r}")
+    return number
+
+
+def static_bool(where: str, name: str, value) -> bool:
+    """``value`` as a Python bool (``bool`` or ``np.bool_``, not traced)."""
+    require_static(where, name, value, "a Python bool")
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: `{name}` must be a Python bool; got {_describe(value)}")
+    return bool(value)
+
+
+def static_bounds(where: str, name: str, value) -> tuple[float | None, float | None]:
+    """``(lower, upper)`` bounds: a 2-tuple of Python floats or ``None`` (that side open); +-inf are allowed, NaN
+    is not, and ``lower <= upper``."""
+    expected = "a (lower, upper) tuple of Python floats or None"
+    require_static(where, name, value, expected)
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise TypeError(f"{where}: `{name}` must be {expected}; got {_describe(value)}")
+    bounds = []
+    for side, bound in zip(("lower", "upper"), value):
+        require_static(where, f"{name}[{side}]", bound, "a Python float or None")
+        if bound is None:
+            bounds.append(None)
+            continue
+        if not isinstance(bound, (int, float, np.integer, np.floating)) or isinstance(bound, (bool, np.bool_)):
+            raise TypeError(f"{where}: `{name}` must be {expected}; its {side} bound is {_describe(bound)}")
+        if math.isnan(bound):
+            raise ValueError(f"{where}: `{name}` must be {expected}; its {side} bound is NaN")
+        bounds.append(float(bound))
+    lower, upper = bounds
+    if lower is not None and upper is not None and lower > upper:
+        raise ValueError(f"{where}: `{name}` = ({lower!r}, {upper!r}) has lower > upper; bounds are (lower, upper)")
+    return lower, upper
+
+
+def concrete(value):
+    """``value`` as a float64 NumPy array when it is known at trace time (a Python number, a NumPy array or a
+    concrete JAX array), else ``None`` (a traced value, checked by nobody at trace time)."""
+    if isinstance(value, jax.core.Tracer) or value is None:
+        return None
+    try:
+        return np.asarray(value, np.float64)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_positive_finite(where: str, name: str, value, what: str = "a scale") -> None:
+    """When ``value`` is concrete, every element must be finite and > 0 (``ValueError``); a traced value passes
+    (the op documents what a non-positive or non-finite one does)."""
+    known = concrete(value)
+    if known is not None and not bool(np.all(np.isfinite(known) & (known > 0))):
+        bad = float(known[~(np.isfinite(known) & (known > 0))].reshape(-1)[0])
+        raise ValueError(f"{where}: `{name}` ({what}) must be finite and > 0; got {bad!r}")
