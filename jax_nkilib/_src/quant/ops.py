@@ -137,7 +137,7 @@ def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32):
     rows = moved.reshape(math.prod(moved.shape[:-1]), length)
     finite = jnp.isfinite(rows)  # non-finite elements take no part in their block's scale (see the module)
     clean = jnp.where(finite, rows, jnp.zeros((), rows.dtype))
-    if block == mx.BLOCK_SIZE and length % KERNEL_TILE == 0 and rows.shape[0] > 0:
+    if block == mx.BLOCK_SIZE and length % KERNEL_TILE == 0 and rows.size > 0:
         data, scales = _quantize_with_kernel(clean, name)
     else:
         data, scales = mx.quantize_mx_along(clean, -1, FP8_NAMES[name], block)
