@@ -259,3 +259,9 @@ def test_mx_helper_shapes_are_named():
         mx.dequantize_mx_along(jnp.zeros((2, 64), jnp.float8_e4m3fn), jnp.zeros((3, 2), jnp.uint8))
     ocp = mx.quantize_mx_along(np.full((1, 32), 15.2, np.float32), emax_offset=0)  # the OCP rule of mx.quantize_mx
     assert int(ocp[1][0, 0]) == 130 - 8 and float(ocp[0][0, 0].astype(jnp.float32)) == 448.0
+
+
+def test_quantize_mx_of_an_empty_axis():
+    # an empty quantized axis of 0 % 512 == 0 reached the kernel, which named its internal dimension K
+    data, scales = jax_nkilib.quantize_mx(jnp.zeros((2, 0)))
+    assert data.shape == (2, 0) and scales.shape == (2, 0) and scales.dtype == jnp.uint8
