@@ -28,7 +28,9 @@ import jax.numpy as jnp
 
 from .parallel import auto
 from .framework.primitive import make_kernel
-from .framework.spec import FOLLOW_LNC, CallInfo, accumulation_dtype, FoldPlan, KernelSpec, Operand, Output, Param
+from .framework.spec import (FLOAT_DTYPES, FOLLOW_LNC, CallInfo, accumulation_dtype, FoldPlan, KernelSpec, Operand,
+                             Output, Param)
+from .framework.validation import static_bool
 
 ROPE_SBUF_BYTES = 73728 * 2  # the kernel's documented SBUF cap: B * n_heads * S <= 73728 elements of bf16
 ROPE_HEAD_SIZES = (64, 128)
@@ -263,10 +265,12 @@ def _rope_argument_errors(x, cos, sin) -> None:
     for name, value in (("x", x), ("cos", cos), ("sin", sin)):
         if not (hasattr(value, "shape") and hasattr(value, "dtype")):
             raise TypeError(f"{where}: `{name}` must be an array; got {type(value).__name__}")
-        if not jnp.issubdtype(value.dtype, jnp.floating):
-            raise TypeError(f"{where}: `{name}` must have a floating dtype; got {value.dtype}")
+        if not jnp.issubdtype(value.dtype, jnp.floating) or value.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{where}: `{name}` must have a floating dtype (float32, bfloat16, float16 or float64); "
+                            f"got {value.dtype}")
     if x.ndim < 3:
         raise ValueError(f"{where}: `x` must have layout [..., seq, heads, head_dim]; got shape {tuple(x.shape)}")
+    auto.leading(x.ndim - 3, where)
     seq, _, head_dim = x.shape[-3:]
     if head_dim % 2:
         raise ValueError(f"{where}: head_dim (last axis of `x`) must be even; got {head_dim}")
@@ -297,15 +301,19 @@ def rope(x, cos, sin, *, interleaved: bool = False):
     ``cos`` and ``sin`` are ``[seq, head_dim/2]`` (shared by every batch element) or ``[batch, seq, head_dim/2]``
     (broadcast against the leading axes of ``x``). Pairs are the halves ``(x[i], x[i + head_dim/2])``, or with
     ``interleaved=True`` the neighbours ``(x[2i], x[2i+1])``; each pair is rotated as
-    ``(a cos - b sin, b cos + a sin)``. Differentiable in ``x``, ``cos`` and ``sin``; the output has ``x``'s shape
-    and dtype (a batched table must broadcast to ``x``'s leading axes without adding any).
+    ``(a cos - b sin, b cos + a sin)``. ``interleaved`` is a static bool. Differentiable in ``x``, ``cos`` and
+    ``sin``; the output has ``x``'s shape and dtype (a batched table must broadcast to ``x``'s leading axes without
+    adding any); an empty ``x`` is returned as it is, without a kernel call.
 
     It is the NKI ``RoPE`` kernel called through a layout view: on CPU/GPU the reference runs in ``x``'s own
     layout; on Neuron the kernel gets ``[head_dim, batch, heads, seq]`` by one transpose each way (and the tables,
     broadcast over the batch, by one transpose each).
     """
     _rope_argument_errors(x, cos, sin)
+    interleaved = static_bool("jax_nkilib.rope", "interleaved", interleaved)
     x, cos, sin = jnp.asarray(x), jnp.asarray(cos), jnp.asarray(sin)
+    if x.size == 0:  # nothing to rotate
+        return x
     lead_dims = auto.leading(x.ndim - 3)
     table_dims = ("_" if cos.shape[0] == 1 else lead_dims[-1:]) + "s_" if cos.ndim == 3 else "s_"
     sharded = auto.plan(ROPE_SHARDING, [auto.Operand("x", x, lead_dims + "snd"), auto.Operand("cos", cos, table_dims),

@@ -112,4 +112,4 @@ def test_bad_input(case):
 def test_traced_static_values_say_they_are_static(op, name):
     with pytest.raises(TypeError) as info:
         jax.jit(op)(2)
-    assert f"`{name}` is static" in str(info.value) and "static_argnames" in str(info.value)
+    assert f"`{name}` must be static" in str(info.value) and "static_argnames" in str(info.value)

@@ -90,7 +90,7 @@ def test_bad_inputs(change, error, fragment):
 
 @pytest.mark.parametrize("scale, error", [(float("nan"), ValueError), (float("inf"), ValueError), ("1", TypeError)])
 def test_bad_scale(scale, error):
-    with pytest.raises(error, match="jax_nkilib.decode_attention: `scale` must be a finite real number"):
+    with pytest.raises(error, match="jax_nkilib.decode_attention: `scale` must be a finite Python float"):
         jax_nkilib.decode_attention(*problem(), jnp.array([1, 2], jnp.int32), scale=scale)
 
 

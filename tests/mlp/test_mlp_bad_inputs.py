@@ -1,7 +1,9 @@
 """Bad inputs to jax_nkilib.nki.mlp and jax_nkilib.mlp raise TypeError/ValueError at trace time, naming the argument
 and the expected layout."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jax_nkilib
@@ -80,6 +82,27 @@ CASES = [
     (op(X, W, W, WD, up_bias=jnp.ones(16)), ValueError, ["`up_bias`", "[inter]"]),
     (op(X.astype(jnp.int32), W, W, WD), TypeError, ["`x`", "floating"]),
     (op([1.0], W, W, WD), TypeError, ["`x`", "array"]),
+    # issue 11: static values checked at trace time, in the op's terms (no kernel operand or parameter names)
+    (op(X, W, W, WD, gate_clamp=(3.0, -3.0)), ValueError, ["jax_nkilib.mlp", "`gate_clamp`", "lower > upper"]),
+    (op(X, W, W, WD, up_clamp=(float("nan"), 1.0)), ValueError, ["`up_clamp`", "lower bound is NaN"]),
+    (op(X, W, W, WD, up_clamp=(None, "1")), TypeError, ["`up_clamp`", "upper bound is '1'"]),
+    (op(X, W, W, WD, gate_clamp=[-3.0, 3.0]), TypeError, ["`gate_clamp`", "(lower, upper) tuple"]),
+    (op(X, W, W, WD, norm="rms", eps=-1e-5), ValueError, ["jax_nkilib.mlp", "`eps`", ">= 0"]),
+    (op(X, W, W, WD, norm="rms", eps=float("nan")), ValueError, ["`eps`", "nan"]),
+    (op(X, W, W, WD, norm="rms", eps="x"), TypeError, ["jax_nkilib.mlp", "`eps`"]),
+    (op(X, W, W, WD, residual=X, return_residual=1), TypeError, ["jax_nkilib.mlp", "`return_residual`", "bool"]),
+    (op(X, W, W, WD, output_dtype=jnp.int32), TypeError, ["jax_nkilib.mlp", "`output_dtype`", "int32"]),
+    (op(X, W, W, WD, output_dtype="foo"), TypeError, ["jax_nkilib.mlp", "`output_dtype`", "'foo'"]),
+    (op(X.astype(jnp.float8_e4m3), W, W, WD), TypeError, ["jax_nkilib.mlp", "`x`", "float8_e4m3"]),
+    (op(X, W, W, WD, residual=X.astype(jnp.float8_e4m3)), TypeError, ["jax_nkilib.mlp", "`residual`"]),
+    (op(X, W, W, WD, norm="rms", norm_weight=jnp.ones(16, jnp.float8_e5m2)), TypeError, ["`norm_weight`"]),
+    (op(X.reshape((1,) * 10 + X.shape), W, W, WD), ValueError, ["jax_nkilib.mlp", "`x` has 12 leading axes"]),
+    (op(X[..., :0], W[:0], W[:0], WD[:, :0]), ValueError, ["jax_nkilib.mlp", "`x`", "hidden >= 1"]),
+    (op(X, W[:, :0], W[:, :0], WD[:0]), ValueError, ["`w_up`", "inter >= 1"]),
+    (lambda: jax.jit(lambda x, e: jax_nkilib.mlp(x, W, W, WD, norm="rms", eps=e))(X, 1e-6), TypeError,
+     ["jax_nkilib.mlp", "`eps`", "static", "not a traced value"]),
+    (lambda: jax.jit(lambda x, c: jax_nkilib.mlp(x, W, W, WD, gate_clamp=(None, c)))(X, 1.0), TypeError,
+     ["jax_nkilib.mlp", "`gate_clamp[upper]`", "static"]),
 ]
 
 
@@ -90,3 +113,19 @@ def test_bad_input(case):
         call()
     for fragment in fragments:
         assert fragment in str(info.value), f"{fragment!r} not in: {info.value}"
+
+
+def test_clamps_and_eps_accept_numpy_values_and_open_sides():
+    x, w, wd = X.astype(jnp.float32), W.astype(jnp.float32) + 0.1, WD.astype(jnp.float32) + 0.1
+    out = jax_nkilib.mlp(x, w, w, wd, norm="rms", eps=np.float32(1e-5), gate_clamp=(-np.inf, np.float64(7.0)),
+                         up_clamp=(None, None))
+    assert out.shape == x.shape and bool(jnp.all(jnp.isfinite(out)))
+
+
+def test_mlp_of_no_tokens_is_empty():
+    # was a kernel error naming its internal dimension ("dimension S is 0")
+    x = jnp.zeros((2, 0, 16), jnp.float32)
+    out = jax_nkilib.mlp(x, W, W, WD, output_dtype=jnp.bfloat16)
+    assert out.shape == (2, 0, 16) and out.dtype == jnp.bfloat16
+    out, summed = jax_nkilib.mlp(x, W, W, WD, residual=x, return_residual=True)
+    assert out.shape == summed.shape == (2, 0, 16)

@@ -235,3 +235,37 @@ def test_cte_down_bias_and_helper_arguments_are_rejected():
         quantize_weight_fp8(w, "row", jnp.float8_e5m2)
     with pytest.raises(TypeError, match="`w` must be a float"):
         quantize_weight_fp8(w[0], "row")
+
+
+@pytest.mark.parametrize("mode", ["row", "static"])
+def test_quantize_weight_fp8_non_finite_values_leave_their_neighbours_alone(mode):
+    # issue 11: one NaN reset its column's scale to 1 (every other value saturated at +-240) and an inf made the
+    # column 0. Now a NaN or inf takes no part in its scale's max; it becomes NaN or +-240 itself.
+    w = np.array(random((16, 4), jnp.float32, 7))
+    w[0, 0], w[3, 1], w[5, 2], w[6, 2] = np.nan, np.inf, -np.inf, np.nan
+    kw = {} if mode == "row" else dict(input_scale=0.5)
+    q = quantize_weight_fp8(jnp.asarray(w), mode, **kw)
+    finite = np.isfinite(w)
+    data, scale = np_quantize(jnp.asarray(np.where(finite, w, 0.0)), mode, np.dtype(jnp.float8_e4m3))
+    np.testing.assert_allclose(np.asarray(q.scale), scale, rtol=1e-6)
+    values = np.asarray(q.data).astype(np.float64)
+    np.testing.assert_array_equal(values[finite], data.astype(np.float64)[finite])
+    assert np.all(np.isnan(values[np.isnan(w)])) and np.all(values[np.isinf(w)] == np.sign(w[np.isinf(w)]) * 240)
+
+
+def test_quantize_weight_fp8_empty_and_checked_scales():
+    empty = quantize_weight_fp8(jnp.zeros((0, 3)), "row")  # was a zero-size reduction error
+    assert empty.data.shape == (0, 3) and np.all(np.asarray(empty.scale) == 1.0)
+    assert quantize_weight_fp8(jnp.zeros((4, 0)), "static", input_scale=1.0).data.shape == (4, 0)
+    w = random((8, 4), jnp.float32)
+    for bad in (0.0, -1.0, np.nan, np.inf, jnp.float32(-2.0)):
+        with pytest.raises(ValueError, match=r"quantize_weight_fp8: `input_scale` .* must be finite and > 0"):
+            quantize_weight_fp8(w, "static", input_scale=bad)
+    with pytest.raises(TypeError, match="quantize_weight_fp8: `input_scale` must be a positive float scalar"):
+        quantize_weight_fp8(w, "static", input_scale="0.5")
+    traced = jax.jit(lambda s: quantize_weight_fp8(w, "static", input_scale=s).input_scale)(0.25)  # not checkable
+    assert float(traced) == 0.25
+    _, qs = quantized("static")
+    bad_scale = QuantizedWeight(qs[2].data, qs[2].scale, jnp.float32(0.0), "static")  # built by hand
+    with pytest.raises(ValueError, match=r"mlp: `w_down.input_scale` .* must be finite and > 0; got 0.0"):
+        jax_nkilib.mlp(random((2, 3, HID), jnp.float32), qs[0], qs[1], bad_scale)

@@ -56,6 +56,28 @@ def test_layer_norm_matches_oracle(dtype, shape, lnc):
     assert_close(plain, layer_oracle(x), dtype, reduction=shape[-1], ops=8)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("hidden", [256, 200])  # the kernel path and the plain-JAX path (H % 128 != 0)
+def test_layer_norm_is_accurate_on_rows_with_a_large_mean(dtype, hidden):
+    # The kernel's one-pass variance mean(x^2) - mean^2 cancels when |mean| >> std (float32: 9e-2 error at mean 1e3,
+    # NaN from 3e3); layer_norm subtracts each row's mean first, which LayerNorm is invariant to.
+    means = np.array([0.0, 1e3, -3e3, 1e4, 1e5])[:, None]
+    x = jnp.asarray(means + np.asarray(random((5, hidden), jnp.float64, 8)), dtype)
+    w, b = random((hidden,), dtype, 9), random((hidden,), dtype, 10)
+    rows = slice(None) if dtype == jnp.float32 else slice(0, 3)  # bfloat16 rows past 1e3 are nearly constant
+    out = jax_nkilib.layer_norm(x, w, b)
+    assert_close(out[rows], layer_oracle(x, w, b)[rows], dtype, reduction=hidden, ops=8)
+    if dtype == jnp.float32:  # reverse mode at the offset, against float64 autodiff of the two-pass formula
+        cot = random((5, hidden), jnp.float64, 11)
+
+        def two_pass(a):
+            c = a - a.mean(-1, keepdims=True)
+            return c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True) + 1e-6)
+        grad = jax.jit(jax.grad(lambda a: jnp.sum(jax_nkilib.layer_norm(a) * cot)))(x)
+        want = jax.jit(jax.grad(lambda a: jnp.sum(two_pass(a) * cot)))(x.astype(jnp.float64))
+        assert_close(grad, want, dtype, reduction=hidden, ops=16)
+
+
 def test_bf16_error_is_that_of_a_plain_bf16_computation():
     x, w = random((4, 8, 512), jnp.bfloat16), random((512,), jnp.bfloat16, 1)
     xf = x.astype(jnp.float32)
@@ -124,12 +146,16 @@ def test_batch_sharded_inside_shard_map():
 def test_neuron_lowering_is_one_kernel_and_layout_glue():
     x, w = random((2, 3, 256)), random((256,), seed=1)
     with jax_nkilib.neuron.dry_run():
-        for op, name in ((jax_nkilib.rms_norm, "rmsnorm_tkg"), (jax_nkilib.layer_norm, "layernorm_tkg")):
+        # layer_norm adds its per-row shift: one row mean (a reduce and a divide) and a subtraction
+        shift = {"stablehlo.reduce", "stablehlo.divide", "stablehlo.broadcast_in_dim", "stablehlo.subtract"}
+        for op, name, glue in ((jax_nkilib.rms_norm, "rmsnorm_tkg", set()),
+                               (jax_nkilib.layer_norm, "layernorm_tkg", shift)):
             text = neuron_text(op, x, w)
             (cfg,) = kernel_configs(text)
             assert cfg["func_name"] == name and cfg["input_specs"][0] == [[6, 1, 256], "float32"]
-            assert set(compute_operations(text)) == {"stablehlo.reshape", "stablehlo.transpose"}
+            assert set(compute_operations(text)) == {"stablehlo.reshape", "stablehlo.transpose"} | glue
             assert compute_operations(text).count("stablehlo.transpose") == 1
+            assert compute_operations(text).count("stablehlo.reduce") == len(glue and [1])
         text = neuron_text(jax_nkilib.rms_norm, x[..., :100], w[:100])  # odd H: padded to 128, hidden_actual=100
         (cfg,) = kernel_configs(text)
         assert cfg["params"]["hidden_actual"] == 100 and cfg["input_specs"][0][0] == [6, 1, 128]
@@ -149,8 +175,28 @@ def test_neuron_lowering_is_one_kernel_and_layout_glue():
     (lambda x: jax_nkilib.rms_norm([1.0, 2.0]), TypeError, "array"),
     (lambda x: jax_nkilib.layer_norm(x[0, 0, 0]), ValueError, "[..., H]"),
     (lambda x: jax_nkilib.rms_norm(x, jnp.ones(256, jnp.int32)), TypeError, "`weight`"),
+    # issue 11: eps is a static finite float >= 0; FP8 inputs and too many leading axes in the op's own terms
+    (lambda x: jax_nkilib.rms_norm(x, eps=-1e-6), ValueError, ("rms_norm", "`eps`", ">= 0", "-1e-06")),
+    (lambda x: jax_nkilib.layer_norm(x, eps=float("nan")), ValueError, ("layer_norm", "`eps`", "finite", "nan")),
+    (lambda x: jax_nkilib.layer_norm(x, eps=np.inf), ValueError, ("layer_norm", "`eps`", "inf")),
+    (lambda x: jax_nkilib.rms_norm(x, eps="1e-6"), TypeError, ("rms_norm", "`eps`", "Python float")),
+    (lambda x: jax.jit(lambda a, e: jax_nkilib.rms_norm(a, eps=e))(x, 1e-6), TypeError,
+     ("rms_norm", "`eps`", "static", "not a traced value", "static_argnames")),
+    (lambda x: jax.jit(lambda a, e: jax_nkilib.layer_norm(a, eps=e))(x, 1e-6), TypeError,
+     ("layer_norm", "`eps`", "static")),
+    (lambda x: jax_nkilib.layer_norm(x.astype(jnp.float8_e4m3)), TypeError, ("layer_norm", "`x`", "float8_e4m3")),
+    (lambda x: jax_nkilib.rms_norm(x, jnp.ones(256, jnp.float8_e5m2)), TypeError, ("rms_norm", "`weight`")),
+    (lambda x: jax_nkilib.rms_norm(x.reshape((1,) * 9 + x.shape)), ValueError, ("rms_norm", "`x`", "11 leading")),
 ])
 def test_bad_inputs(call, error, fragment):
     with pytest.raises(error) as info:
         call(random((2, 3, 256)))
-    assert fragment in str(info.value)
+    for part in [fragment] if isinstance(fragment, str) else fragment:
+        assert part in str(info.value)
+
+
+def test_eps_accepts_numpy_and_zero():
+    x = random((2, 256), seed=12)
+    assert_close(jax_nkilib.rms_norm(x, eps=np.float32(0.0)), rms_oracle(x, eps=0.0), jnp.float32, reduction=256)
+    assert_close(jax_nkilib.layer_norm(x, eps=jnp.float32(1e-3)), layer_oracle(x, eps=1e-3), jnp.float32,
+                 reduction=256, ops=8)

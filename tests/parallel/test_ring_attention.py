@@ -428,7 +428,7 @@ def _in_shard_map(q, k, v, **kw):
     ({"dtype_k": jnp.bfloat16}, dict(axis_name="cp"), TypeError, "one floating dtype"),
     ({}, dict(axis_name="cp", causal=1), TypeError, "causal"),
     ({}, dict(axis_name="cp", scale="1"), TypeError, "scale"),
-    ({}, dict(axis_name="cp", scale=float("nan")), ValueError, "`scale` must be a finite real number"),
+    ({}, dict(axis_name="cp", scale=float("nan")), ValueError, "`scale` must be a finite Python float"),
     ({"k": (2, 64, 0, 16), "v": (2, 64, 0, 16)}, dict(axis_name="cp"), ValueError, "`k` has kv_heads = 0"),
 ])
 def test_bad_inputs_raise_at_trace_time(change, kw, error, fragment):

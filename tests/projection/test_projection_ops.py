@@ -89,6 +89,9 @@ def test_output_projection_shard_map():
     ((jnp.zeros((2, 3, 2, 4), jnp.int32), jnp.zeros((8, 5))), TypeError, "`attn` [batch, seq, heads, head_dim] must"),
     ((jnp.zeros((2, 3, 2, 4)), jnp.zeros((8, 5)), jnp.zeros((4,))), ValueError, "`bias` must be [5]"),
     (([1.0], jnp.zeros((8, 5))), TypeError, "`attn` must be an array"),
+    ((jnp.zeros((2, 3, 2, 4), jnp.float8_e4m3), jnp.zeros((8, 5))), TypeError,
+     "output_projection: `attn` [batch, seq, heads, head_dim] must have a floating dtype (float32, bfloat16"),
+    ((jnp.zeros((2, 3, 0, 4)), jnp.zeros((0, 5))), ValueError, "`attn` [batch, seq, heads, head_dim] needs heads >= 1"),
 ])
 def test_output_projection_bad_inputs(args, error, fragment):
     with pytest.raises(error) as info:
@@ -212,8 +215,8 @@ def test_qkv_projection_neuron_lowering():
 
 
 @pytest.mark.parametrize("kwargs, error, fragment", [
-    (dict(num_q_heads=3), ValueError, "with 7 heads; got (8, 32)"),
-    (dict(num_q_heads=0), ValueError, "num_q_heads and num_kv_heads must be positive ints"),
+    (dict(num_q_heads=3), ValueError, ("with 7 heads", "got (8, 32)")),
+    (dict(num_q_heads=0), ValueError, "`num_q_heads` must be a positive int; got 0"),
     (dict(norm="batch"), ValueError, "`norm` must be None, 'rms' or 'layer'"),
     (dict(norm_weight=jnp.ones(8)), ValueError, "norm_weight/norm_bias need norm='rms' or 'layer'"),
     (dict(norm="rms", norm_bias=jnp.ones(8)), ValueError, "norm_bias needs norm='layer'"),
@@ -226,11 +229,95 @@ def test_qkv_projection_neuron_lowering():
     (dict(kv_cache=(jnp.ones((2, 8, 2, 4)),) * 2, cache_positions=jnp.zeros((2, 3))), ValueError,
      "`cache_positions` must be an integer array [batch, seq]"),
     (dict(kv_scale=(1.0, 1.0)), ValueError, "cache_positions and kv_scale need kv_cache"),
+    # issue 11: static values and kernel-free messages
+    (dict(num_q_heads=True), ValueError, "`num_q_heads` must be a positive int; got True"),
+    (dict(num_kv_heads=2.0), ValueError, "`num_kv_heads` must be a positive int; got 2.0"),
+    (dict(norm="rms", eps=-1.0), ValueError, ("qkv_projection", "`eps`", ">= 0")),
+    (dict(norm="layer", eps=float("nan")), ValueError, ("qkv_projection", "`eps`", "nan")),
+    (dict(rope=(jnp.ones((2, 3, 5)),) * 2, num_q_heads=3, num_kv_heads=1, w=jnp.ones((8, 25))), ValueError,
+     ("qkv_projection", "`rope`", "head_dim must be even; got head_dim=5")),
+    (dict(w=jnp.ones((8, 0))), ValueError, ("`w` must be", "head_dim >= 1")),
+    (dict(x=jnp.ones((2, 3, 8), jnp.float8_e5m2)), TypeError, ("qkv_projection", "`x`", "float8_e5m2")),
+    (dict(x=jnp.ones((2, 3, 0)), w=jnp.ones((0, 32))), ValueError, ("`x`", "hidden >= 1")),
 ])
 def test_qkv_projection_bad_inputs(kwargs, error, fragment):
     x, w, *_ = qkv_problem()
     args = dict(num_q_heads=NQ, num_kv_heads=NKV)
     args.update(kwargs)
+    x, w = args.pop("x", x), args.pop("w", w)
     with pytest.raises(error) as info:
         qkv_projection(x, w, **args)
-    assert fragment in str(info.value)
+    for part in [fragment] if isinstance(fragment, str) else fragment:
+        assert part in str(info.value)
+
+
+@pytest.mark.parametrize("parts, bias, fragment", [
+    # issue 11's case: 4 q and 2 kv heads; 64 + 16 + 32 = 112 columns gave head_dim 14, heads cut across q/k/v
+    (((64, 64), (64, 16), (64, 32)), None, "got w_q (64, 64), w_k (64, 16), w_v (64, 32)"),
+    (((64, 64), (64, 32), (64, 16)), None, "num_kv_heads * head_dim"),
+    (((64, 64), (32, 32), (64, 32)), None, "hidden=64"),
+    (((64, 2), (64, 1), (64, 1)), None, "head_dim >= 1"),
+    (((64, 64), (64, 32), (64, 32)), ((64,), (16,), (48,)), "`bias` b_k must be [32]"),
+])
+def test_qkv_projection_split_weights_are_checked_against_the_heads(parts, bias, fragment):
+    x = jnp.ones((1, 2, 64))
+    w = tuple(jnp.ones(shape) for shape in parts)
+    bias = None if bias is None else tuple(jnp.ones(shape) for shape in bias)
+    with pytest.raises(ValueError) as info:
+        qkv_projection(x, w, num_q_heads=4, num_kv_heads=2, bias=bias)
+    assert "jax_nkilib.qkv_projection" in str(info.value) and fragment in str(info.value)
+
+
+def test_qkv_projection_split_weights_equal_the_fused_ones():
+    x, w, bias, *_ = qkv_problem()
+    cuts = (NQ * D, (NQ + NKV) * D)
+    split = qkv_projection(x, tuple(jnp.split(w, cuts, axis=1)), num_q_heads=NQ, num_kv_heads=NKV,
+                           bias=tuple(jnp.split(bias, cuts)))
+    for got, want in zip(split, qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kv_scale, error, fragment", [
+    ((0.0, 1.0), ValueError, "`kv_scale` (k_scale, a cache dequantization scale: the cache stores k / k_scale) "
+                             "must be finite and > 0; got 0.0"),
+    ((1.0, -2.0), ValueError, "`kv_scale` (v_scale"),
+    ((np.nan, 1.0), ValueError, "got nan"),
+    ((1.0, jnp.float32(np.inf)), ValueError, "got inf"),
+    ((1.0, "2"), TypeError, "`kv_scale` entries must be float scalars; v_scale is str"),
+])
+def test_qkv_projection_kv_scale_is_checked(kv_scale, error, fragment):
+    # issue 11: kv_scale=0 wrote +-3.4e38 (the cache dtype's max) into the cache
+    x, w, *_ = qkv_problem()
+    caches = (jnp.zeros((2, 8, NKV, D)),) * 2
+    with pytest.raises(error) as info:
+        qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, kv_cache=caches, kv_scale=kv_scale)
+    assert "jax_nkilib.qkv_projection" in str(info.value) and fragment in str(info.value)
+
+
+def test_qkv_projection_traced_values():
+    x, w, *_ = qkv_problem()
+    caches = (jnp.zeros((2, 8, NKV, D)),) * 2
+    with pytest.raises(TypeError, match="qkv_projection: `eps` must be static .* not a traced value"):
+        jax.jit(lambda a, e: qkv_projection(a, w, num_q_heads=NQ, num_kv_heads=NKV, norm="rms", eps=e))(x, 1e-6)
+    with pytest.raises(TypeError, match="qkv_projection: `num_q_heads` must be static"):
+        jax.jit(lambda a, n: qkv_projection(a, w, num_q_heads=n, num_kv_heads=NKV))(x, NQ)
+    # a traced kv_scale is a runtime value: allowed (checked only when concrete)
+    _, k_cache, _ = jax.jit(lambda a, s: qkv_projection(a, w, num_q_heads=NQ, num_kv_heads=NKV, kv_cache=caches,
+                                                        kv_scale=(s, s)))(x, 2.0)
+    _, k_plain, _ = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, kv_cache=caches)
+    np.testing.assert_allclose(k_cache, np.asarray(k_plain) / 2.0, rtol=1e-6)
+
+
+def test_projections_of_no_tokens_are_empty():
+    # was a kernel error naming its internal dimension ("dimension B is 0")
+    _, w, *_ = qkv_problem()
+    q, k, v = qkv_projection(jnp.ones((0, 3, 8)), w, num_q_heads=NQ, num_kv_heads=NKV)
+    assert q.shape == (0, 3, NQ, D) and k.shape == v.shape == (0, 3, NKV, D)
+    caches = (jnp.ones((2, 8, NKV, D)), jnp.full((2, 8, NKV, D), 2.0))
+    q, k_cache, v_cache = qkv_projection(jnp.ones((2, 0, 8)), w, num_q_heads=NQ, num_kv_heads=NKV, kv_cache=caches)
+    assert q.shape == (2, 0, NQ, D)
+    np.testing.assert_array_equal(k_cache, caches[0])
+    np.testing.assert_array_equal(v_cache, caches[1])
+    out = output_projection(jnp.ones((0, 3, 2, 4), jnp.float32), jnp.ones((8, 5)), jnp.ones(5))
+    assert out.shape == (0, 3, 5) and out.dtype == jnp.float32
+    assert output_projection(jnp.ones((1, 3, 2, 4)), jnp.ones((8, 0))).shape == (1, 3, 0)

@@ -85,25 +85,44 @@ def test_round_trip_error_is_half_a_step(fmt, half_step_offset, top_range):
 def test_saturation_and_special_values(fmt):
     _, largest, emax = FORMATS[fmt]
     x = np.ones((4, 32), np.float32)
-    x[0, :3] = [np.inf, -np.inf, 2.0]  # +-inf saturate to the format's largest; the rest of the block -> ~0
+    x[0, :3] = [np.inf, -np.inf, 2.0]  # +-inf saturate to the format's largest, left out of the block's scale
     x[1, 0] = np.nan
     x[2, :] = np.float32(3.0e38)  # near the float32 maximum: no saturation, scale byte 254 - emax
     x[3, :] = 0.0
     data, scales = jax_nkilib.quantize_mx(jnp.asarray(x), dtype=DTYPES[fmt])
     values, bytes_ = np.asarray(data.astype(jnp.float32)), np.asarray(scales)[:, 0]
-    assert values[0, 0] == largest and values[0, 1] == -largest and bytes_[0] == 255 - emax
-    assert np.isnan(values[1, 0]) and bytes_[1] == 255 - emax and not np.isnan(values[1, 1:]).any()
+    assert values[0, 0] == largest and values[0, 1] == -largest and bytes_[0] == 128 - emax  # E of 2.0
+    assert np.isnan(values[1, 0]) and bytes_[1] == 127 - emax and not np.isnan(values[1, 1:]).any()
     assert bytes_[2] == 254 - emax and np.all(values[2] <= 256 if fmt == "float8_e4m3fn" else values[2] <= 2**15)
     back = np.asarray(jax_nkilib.dequantize_mx(data, scales))
     np.testing.assert_allclose(back[2], x[2], rtol=2.0**-4)
-    assert bytes_[3] == 0 and not np.any(back[3]) and back[0, 0] == np.inf  # 448 * 2**121 overflows float32
+    assert bytes_[3] == 0 and not np.any(back[3]) and back[0, 0] == largest * 2.0 ** (128 - emax - 127)
     # 3.4e38 = 1.998 * 2**127 rounds up to the top of the block range, 2**128: it dequantizes to inf (as in the
     # kernels' goldens)
     top = jax_nkilib.quantize_mx(jnp.full((1, 32), 3.4e38, jnp.float32), dtype=DTYPES[fmt])
     assert np.all(np.isinf(np.asarray(jax_nkilib.dequantize_mx(*top))))
-    want = oracle_quantize_along(x, -1, fmt)
-    finite = np.isfinite(x) & ~np.isnan(x)
+    want = oracle_quantize_along(np.where(np.isfinite(x), x, 0), -1, fmt)
+    finite = np.isfinite(x)
     np.testing.assert_array_equal(codes(data)[finite], codes(want[0])[finite])
+
+
+@pytest.mark.parametrize("length", [64, 1024])  # the JAX path and the kernel path (axis % 512 == 0)
+def test_non_finite_elements_leave_their_block_mates_alone(length):
+    # issue 11: a NaN flushed its 31 block-mates to 0 (its exponent 255 set the block's scale). Now a NaN or +-inf is
+    # left out of its block's scale: the block quantizes as if it were 0, and it becomes NaN or +-largest itself.
+    x = np.array(spread((3, length), 6, jnp.float32))
+    x[0, 3], x[1, 40], x[2, length - 1], x[2, 0] = np.nan, np.inf, -np.inf, np.nan
+    x[1, 32:64] = np.where(np.arange(32) % 2, np.nan, np.inf)  # a block with no finite element: scale 0
+    data, scales = jax_nkilib.quantize_mx(jnp.asarray(x))
+    finite = np.isfinite(x)
+    want_data, want_scales = oracle_quantize_along(np.where(finite, x, 0), -1)
+    np.testing.assert_array_equal(np.asarray(scales), want_scales)
+    np.testing.assert_array_equal(codes(data)[finite], codes(want_data)[finite])
+    values = np.asarray(data.astype(jnp.float32))
+    assert np.all(np.isnan(values[np.isnan(x)])) and np.all(values[np.isinf(x)] == np.sign(x[np.isinf(x)]) * 448)
+    back = np.asarray(jax_nkilib.dequantize_mx(data, scales))
+    bound = 2.0 ** (np.repeat(want_scales.astype(np.float64), 32, axis=-1) - 124)  # half a step, as without them
+    assert np.all(np.abs(back - x)[finite] <= bound[finite])
 
 
 def test_dequantize_dtype_and_e8m0_scales():
@@ -219,6 +238,10 @@ BAD = [
      "`float8_dtype` must be"),
     (lambda: jax_nkilib.mxfp8_matmul(jnp.zeros((4, 64)), jnp.zeros((64, 8), jnp.int32)), TypeError,
      "`w` must have a floating dtype"),
+    (lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64), jnp.float8_e4m3fn)), TypeError,
+     r"quantize_mx: `x` must have a floating dtype \(float32, bfloat16, float16 or float64\); got float8_e4m3fn"),
+    (lambda: jax_nkilib.quantize_mx(jnp.zeros((1,) * 11 + (64,))), ValueError,
+     "quantize_mx: `x` has 12 leading axes; at most 10"),
 ]
 
 
@@ -236,3 +259,9 @@ def test_mx_helper_shapes_are_named():
         mx.dequantize_mx_along(jnp.zeros((2, 64), jnp.float8_e4m3fn), jnp.zeros((3, 2), jnp.uint8))
     ocp = mx.quantize_mx_along(np.full((1, 32), 15.2, np.float32), emax_offset=0)  # the OCP rule of mx.quantize_mx
     assert int(ocp[1][0, 0]) == 130 - 8 and float(ocp[0][0, 0].astype(jnp.float32)) == 448.0
+
+
+def test_quantize_mx_of_an_empty_axis():
+    # an empty quantized axis of 0 % 512 == 0 reached the kernel, which named its internal dimension K
+    data, scales = jax_nkilib.quantize_mx(jnp.zeros((2, 0)))
+    assert data.shape == (2, 0) and scales.shape == (2, 0) and scales.dtype == jnp.uint8

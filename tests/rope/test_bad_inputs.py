@@ -74,14 +74,21 @@ IDIOMATIC = [
     ((XI.astype(jnp.int32), TI, TI), TypeError, ["`x`", "floating"]),
     ((XI, jnp.zeros((3, 5, 4)), jnp.zeros((3, 5, 4))), ValueError, ["batch axis of `cos` (3)", "(2,)"]),
     ((XI, np.zeros((5, 4)).tolist(), TI), TypeError, ["`cos` must be an array"]),
+    # issue 11: in the op's terms, never the kernel's (x_in, d_head, B, ...)
+    ((XI.astype(jnp.float8_e4m3fn), TI, TI), TypeError, ["jax_nkilib.rope", "`x`", "float8_e4m3fn"]),
+    ((XI, TI.astype(jnp.float8_e5m2), TI.astype(jnp.float8_e5m2)), TypeError, ["jax_nkilib.rope", "`cos`"]),
+    ((XI.reshape((1,) * 10 + XI.shape), TI, TI), ValueError, ["jax_nkilib.rope", "`x` has 11 leading axes"]),
+    ((XI, TI, TI, "yes"), TypeError, ["jax_nkilib.rope", "`interleaved`", "Python bool"]),
+    ((XI, TI, TI, 1), TypeError, ["`interleaved`", "Python bool"]),
 ]
 
 
 @pytest.mark.parametrize("case", range(len(IDIOMATIC)))
 def test_bad_idiomatic_input(case):
     args, error, fragments = IDIOMATIC[case]
+    args, flags = (args[:3], dict(interleaved=args[3])) if len(args) == 4 else (args, {})
     with pytest.raises(error) as info:
-        jax_nkilib.rope(*args)
+        jax_nkilib.rope(*args, **flags)
     for fragment in fragments:
         assert fragment in str(info.value), f"{fragment!r} not in: {info.value}"
 
@@ -93,3 +100,14 @@ def test_bad_config_values():
     with pytest.raises(ValueError, match="on_unsupported"):
         with jax_nkilib.config(on_unsupported="ignore"):
             pass
+
+
+def test_idiomatic_static_flag_and_empty_input():
+    # a traced `interleaved` was a TracerBoolConversionError; an empty x a kernel error naming "dimension B"
+    with pytest.raises(TypeError, match="jax_nkilib.rope: `interleaved` must be static .*static_argnames"):
+        jax.jit(lambda x, i: jax_nkilib.rope(x, TI, TI, interleaved=i))(XI, True)
+    out = jax.jit(jax_nkilib.rope, static_argnames="interleaved")(XI, TI, TI, interleaved=np.bool_(True))
+    assert out.shape == XI.shape
+    empty = jnp.zeros((0, 5, 3, 8), jnp.bfloat16)
+    assert jax_nkilib.rope(empty, TI, TI).shape == empty.shape
+    assert jax_nkilib.rope(XI[:, :, :0], TI, TI).shape == (2, 5, 0, 8)

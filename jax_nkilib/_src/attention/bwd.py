@@ -88,8 +88,8 @@ def _check(call: CallInfo) -> None:
     if params["use_causal_mask"] and dims["Sq"] != dims["Sk"]:
         raise ValueError(f"{function}: causal masking requires Sq == Sk; got Sq={dims['Sq']}, Sk={dims['Sk']}")
     if params["softmax_scale"] is not None:
-        static_float(params["softmax_scale"], function, "softmax_scale")
-    if static_int(params["sliding_window"] or 0, function, "sliding_window") > 0 and not params["use_causal_mask"]:
+        static_float(function, "softmax_scale", params["softmax_scale"])
+    if static_int(function, "sliding_window", params["sliding_window"] or 0) > 0 and not params["use_causal_mask"]:
         raise ValueError(f"{function}: sliding_window requires use_causal_mask=True")
     if (avals.get("bound_min") is None) != (avals.get("bound_max") is None):
         raise ValueError(f"{function}: give both bound_min and bound_max, or neither")

@@ -125,8 +125,8 @@ def _check(call: CallInfo) -> None:
     if "bound_min" in present and (prefix or cp):
         raise ValueError(f"{function}: sequence packing (bound_min/bound_max) excludes prefix caching and context "
                          "parallelism")
-    static_float(p["scale"], function, "scale")
-    window = static_int(p["sliding_window"] or 0, function, "sliding_window")
+    static_float(function, "scale", p["scale"])
+    window = static_int(function, "sliding_window", p["sliding_window"] or 0)
     if (window or cp) and not p["causal_mask"]:
         raise ValueError(f"{function}: sliding_window and context parallelism require causal_mask=True")
     if (window or cp or prefix) and p["scale"] != 1.0:

@@ -30,9 +30,9 @@ def _check(q, k, v, sinks, prefix, causal, scale, sliding_window):
     check_qkv_layout(_WHERE, q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"{_WHERE}: `causal` must be a Python bool; got {causal!r}")
-    scale = None if scale is None else static_float(scale, _WHERE, "scale")
+    scale = None if scale is None else static_float(_WHERE, "scale", scale)
     if sliding_window is not None:
-        sliding_window = static_int(sliding_window, _WHERE, "sliding_window", minimum=1)
+        sliding_window = static_int(_WHERE, "sliding_window", sliding_window, minimum=1)
         if not causal:
             raise ValueError(f"{_WHERE}: sliding_window needs causal=True; got sliding_window={sliding_window}, "
                              f"causal={causal}")
@@ -66,7 +66,7 @@ def _check(q, k, v, sinks, prefix, causal, scale, sliding_window):
 def _prior_len(value, max_prior: int):
     """A static prior length as a checked Python int, or a run-time one as an int32 ``(1,)`` array."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
-        return static_int(value, _WHERE, "prefix prior_len", maximum=max_prior)
+        return static_int(_WHERE, "prefix prior_len", value, maximum=max_prior)
     if not hasattr(value, "dtype") or not jnp.issubdtype(value.dtype, jnp.integer) or jnp.size(value) != 1:
         raise TypeError(f"{_WHERE}: prefix prior_len must be an int or an integer array of one element (possibly "
                         f"traced); got {getattr(value, 'dtype', type(value).__name__)} "
@@ -263,7 +263,7 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
                              block_table=block_table))
     q, k_new, v_new, k_cache, v_cache, cache_len, block_table = arrays.values()
     _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table)
-    scale = None if scale is None else static_float(scale, _DECODE, "scale")
+    scale = None if scale is None else static_float(_DECODE, "scale", scale)
     cache_dims = "bn_d" if block_table is None else "_n_d"
     sharded = auto.plan(DECODE_ATTENTION_SHARDING, [
         auto.Operand("q", q, "bsnd"), auto.Operand("k_new", k_new, "bsnd"), auto.Operand("v_new", v_new, "bsnd"),

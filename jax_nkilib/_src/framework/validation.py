@@ -6,10 +6,10 @@ names the function, the argument, the expected layout or values, and what was gi
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import compat, config, views
@@ -160,54 +160,112 @@ def output_avals(spec: KernelSpec, call: CallInfo) -> list:
 
 
 # ---- static values of idiomatic ops
-# Values that shape the computation (a softmax scale, a window length) are static: checked here at trace time, with a
-# message naming the function and the argument. Each helper returns the value as a plain Python number.
+# The scalars, flags and bounds that shape an idiomatic op's computation are static: Python values, known when the
+# op is traced. A traced value (an argument of a jitted function) is refused with the advice to make it static, and
+# a bad value (NaN, a negative eps, reversed bounds) is a ValueError naming the op and the argument. Array values
+# that may legitimately be traced (a quantization scale) are checked when they are concrete (see `concrete`).
 
 INT32_MAX = 2**31 - 1
 
 
-def require_static(value: Any, function: str, name: str, expected: str) -> None:
-    """``TypeError`` when ``value`` is a traced JAX value (a static argument cannot change at run time)."""
+def require_static(where: str, name: str, value, expected: str) -> None:
+    """Refuse a traced value: ``value`` must be known at trace time (``expected`` says what it should be)."""
     if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"{function}: `{name}` is static and must be {expected}; got a traced value {value!r}. "
-                        "Pass a Python value (under jax.jit: close over it or list it in static_argnames)")
+        raise TypeError(f"{where}: `{name}` must be static ({expected}), not a traced value; under jax.jit pass it as "
+                        f"a static argument (static_argnames / static_argnums) or close over it")
 
 
-def static_float(value: Any, function: str, name: str, *, finite: bool = True) -> float:
-    """``value`` as a Python float: a real number (not a bool, not traced) that is finite unless ``finite=False``."""
-    expected = "a finite real number" if finite else "a real number"
-    require_static(value, function, name, expected)
-    if isinstance(value, (bool, np.bool_)) or not _is_real_scalar(value):
-        raise TypeError(f"{function}: `{name}` must be {expected}; got {value!r} of type {type(value).__name__}")
-    result = float(value)
-    if finite and not np.isfinite(result):
-        raise ValueError(f"{function}: `{name}` must be {expected}; got {result!r}")
-    return result
+def _describe(value) -> str:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{type(value).__name__} {value.dtype} {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{type(value).__name__}"
 
 
-def static_int(value: Any, function: str, name: str, *, minimum: int = 0, maximum: int = INT32_MAX) -> int:
+def static_float(where: str, name: str, value, *, minimum: float | None = None, exclusive: bool = False) -> float:
+    """``value`` as a finite Python float: a number (or a concrete one-element float/int array), not traced, not
+    NaN or infinite, and ``>= minimum`` (``> minimum`` when ``exclusive``) when ``minimum`` is given."""
+    bound = "" if minimum is None else f" {'>' if exclusive else '>='} {minimum:g}"
+    expected = f"a finite Python float{bound}"
+    require_static(where, name, value, expected)
+    number = None
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
+        number = float(value)
+    elif hasattr(value, "shape") and hasattr(value, "dtype") and np.size(value) == 1 and \
+            (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
+        number = float(np.asarray(value, np.float64).reshape(()))
+    if number is None:
+        raise TypeError(f"{where}: `{name}` must be {expected}; got {_describe(value)}")
+    if not math.isfinite(number) or (minimum is not None and (number < minimum or exclusive and number == minimum)):
+        raise ValueError(f"{where}: `{name}` must be {expected}; got {number!r}")
+    return number
+
+
+def static_int(where: str, name: str, value, *, minimum: int = 0, maximum: int = INT32_MAX) -> int:
     """``value`` as a Python int in ``[minimum, maximum]`` (by default a non-negative int that fits int32): an int
-    (not a bool, not a float, not traced)."""
+    (or a concrete integer 0-d array), not a bool, not a float, not traced."""
     expected = f"an int in [{minimum}, {maximum}]"
-    require_static(value, function, name, expected)
-    if isinstance(value, (bool, np.bool_)) or not _is_int_scalar(value):
-        raise TypeError(f"{function}: `{name}` must be {expected}; got {value!r} of type {type(value).__name__}")
-    result = int(value)
-    if not minimum <= result <= maximum:
-        raise ValueError(f"{function}: `{name}` must be {expected}; got {result}")
-    return result
+    require_static(where, name, value, expected)
+    integer = None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        integer = int(value)
+    elif hasattr(value, "shape") and hasattr(value, "dtype") and np.ndim(value) == 0 and \
+            np.issubdtype(value.dtype, np.integer):
+        integer = int(np.asarray(value))
+    if integer is None:
+        raise TypeError(f"{where}: `{name}` must be {expected}; got {_describe(value)}")
+    if not minimum <= integer <= maximum:
+        raise ValueError(f"{where}: `{name}` must be {expected}; got {integer}")
+    return integer
 
 
-def _is_real_scalar(value: Any) -> bool:
-    if isinstance(value, (int, float, np.integer, np.floating)):
-        return True
-    dtype = getattr(value, "dtype", None)  # a concrete 0-d array
-    return (dtype is not None and np.ndim(value) == 0
-            and (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)))
+def static_bool(where: str, name: str, value) -> bool:
+    """``value`` as a Python bool (``bool`` or ``np.bool_``, not traced)."""
+    require_static(where, name, value, "a Python bool")
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: `{name}` must be a Python bool; got {_describe(value)}")
+    return bool(value)
 
 
-def _is_int_scalar(value: Any) -> bool:
-    if isinstance(value, (int, np.integer)):
-        return True
-    dtype = getattr(value, "dtype", None)
-    return dtype is not None and np.ndim(value) == 0 and jnp.issubdtype(dtype, jnp.integer)
+def static_bounds(where: str, name: str, value) -> tuple[float | None, float | None]:
+    """``(lower, upper)`` bounds: a 2-tuple of Python floats or ``None`` (that side open); +-inf are allowed, NaN
+    is not, and ``lower <= upper``."""
+    expected = "a (lower, upper) tuple of Python floats or None"
+    require_static(where, name, value, expected)
+    if not (isinstance(value, tuple) and len(value) == 2):
+        raise TypeError(f"{where}: `{name}` must be {expected}; got {_describe(value)}")
+    bounds = []
+    for side, bound in zip(("lower", "upper"), value):
+        require_static(where, f"{name}[{side}]", bound, "a Python float or None")
+        if bound is None:
+            bounds.append(None)
+            continue
+        if not isinstance(bound, (int, float, np.integer, np.floating)) or isinstance(bound, (bool, np.bool_)):
+            raise TypeError(f"{where}: `{name}` must be {expected}; its {side} bound is {_describe(bound)}")
+        if math.isnan(bound):
+            raise ValueError(f"{where}: `{name}` must be {expected}; its {side} bound is NaN")
+        bounds.append(float(bound))
+    lower, upper = bounds
+    if lower is not None and upper is not None and lower > upper:
+        raise ValueError(f"{where}: `{name}` = ({lower!r}, {upper!r}) has lower > upper; bounds are (lower, upper)")
+    return lower, upper
+
+
+def concrete(value):
+    """``value`` as a float64 NumPy array when it is known at trace time (a Python number, a NumPy array or a
+    concrete JAX array), else ``None`` (a traced value, checked by nobody at trace time)."""
+    if isinstance(value, jax.core.Tracer) or value is None:
+        return None
+    try:
+        return np.asarray(value, np.float64)
+    except (TypeError, ValueError):
+        return None
+
+
+def check_positive_finite(where: str, name: str, value, what: str = "a scale") -> None:
+    """When ``value`` is concrete, every element must be finite and > 0 (``ValueError``); a traced value passes
+    (the op documents what a non-positive or non-finite one does)."""
+    known = concrete(value)
+    if known is not None and not bool(np.all(np.isfinite(known) & (known > 0))):
+        bad = float(known[~(np.isfinite(known) & (known > 0))].reshape(-1)[0])
+        raise ValueError(f"{where}: `{name}` ({what}) must be finite and > 0; got {bad!r}")

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..common_types import ActFnType, NormType, QuantizationType
+from ..framework.spec import FLOAT_DTYPES
+from ..framework.validation import static_bool, static_bounds, static_float
 from ..parallel import auto
 from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from .kernel import mlp as mlp_kernel
@@ -25,11 +27,13 @@ NORMS = (None, "rms", "layer")
 _WHERE = "jax_nkilib.mlp"
 
 
-def _array(name, value, ndim=None):
+def _array(name, value, ndim=None, fp8=False):
+    """A float array (FP8 only with ``fp8``: weights, refused with advice by :func:`_weight`)."""
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         raise TypeError(f"{_WHERE}: `{name}` must be an array; got {type(value).__name__}")
-    if not jnp.issubdtype(value.dtype, jnp.floating):
-        raise TypeError(f"{_WHERE}: `{name}` must have a floating dtype; got {value.dtype}")
+    if not jnp.issubdtype(value.dtype, jnp.floating) or not fp8 and np.dtype(value.dtype) not in FLOAT_DTYPES:
+        raise TypeError(f"{_WHERE}: `{name}` must have a floating dtype (float32, bfloat16, float16 or float64); got "
+                        f"{value.dtype}")
     if ndim is not None and value.ndim != ndim:
         raise ValueError(f"{_WHERE}: `{name}` must have rank {ndim}; got shape {tuple(value.shape)}")
     return jnp.asarray(value)
@@ -40,7 +44,7 @@ def _weight(name, w, ndim=None):
     if isinstance(w, QuantizedWeight):
         check_weight(_WHERE, name, w)
         return w
-    w = _array(name, w, ndim)
+    w = _array(name, w, ndim, fp8=True)
     if jnp.dtype(w.dtype) in (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
         raise TypeError(f"{_WHERE}: `{name}` is a raw FP8 array; pass FP8 weights with their scales as "
                         "jax_nkilib.quantize_weight_fp8(w, mode=...) (a QuantizedWeight)")
@@ -99,12 +103,21 @@ def _vector(name, value, size, what):
 
 
 def _clamp(name, value):
+    """``(lower, upper)``: static floats or None, not NaN, ``lower <= upper``."""
+    return (None, None) if value is None else static_bounds(_WHERE, name, value)
+
+
+def _output_dtype(value):
     if value is None:
-        return None, None
-    if not (isinstance(value, tuple) and len(value) == 2
-            and all(v is None or isinstance(v, (int, float)) for v in value)):
-        raise TypeError(f"{_WHERE}: `{name}` must be a (lower, upper) tuple of Python floats or None; got {value!r}")
-    return tuple(None if v is None else float(v) for v in value)
+        return None
+    try:
+        dtype = np.dtype(jnp.dtype(value))
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype not in FLOAT_DTYPES:  # (np.dtype == None compares to float64)
+        raise TypeError(f"{_WHERE}: `output_dtype` must be None or one of float32, bfloat16, float16, float64; got "
+                        f"{value!r}")
+    return dtype
 
 
 MLP_SHARDING = auto.register_rule(auto.ShardingRule(
@@ -116,7 +129,7 @@ MLP_SHARDING = auto.register_rule(auto.ShardingRule(
 
 def _plan_mlp(x, w_gate, w_up, w_down, norm_weight, norm_bias, residual, gate_bias, up_bias, down_bias, *,
               quantized: bool):
-    rows = auto.leading(x.ndim - 1) + "h"
+    rows = auto.leading(x.ndim - 1, _WHERE) + "h"
     hi, ih = (None, None) if quantized else ("hi", "ih")  # quantized weights must be replicated
     return auto.plan(MLP_SHARDING, [
         auto.Operand("x", x, rows), auto.Operand("w_gate", w_gate, hi),
@@ -140,8 +153,10 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
     ``w_gate, w_up [hidden, inter]``, ``w_down [inter, hidden]``, biases and norm parameters 1-D. ``activation``:
     ``"silu"`` (= ``"swish"``, so the default is SwiGLU), ``"gelu"`` (erf), ``"gelu_tanh"``, ``"gelu_sigmoid"``
     (``x sigmoid(1.702 x)``) or ``"relu"``. ``gate_clamp`` / ``up_clamp`` are ``(lower, upper)`` bounds applied to
-    the gate / up projections before the activation (either may be ``None``). Returns ``out`` with ``x``'s shape
-    (dtype ``output_dtype``, default ``x``'s), and ``(out, x + residual)`` when ``return_residual``.
+    the gate / up projections before the activation (static floats or ``None`` for an open side; not NaN, ``lower
+    <= upper``). ``eps`` (of the norm) is a static finite float >= 0. Returns ``out`` with ``x``'s shape (dtype
+    ``output_dtype``, default ``x``'s), and ``(out, x + residual)`` when ``return_residual`` (a static bool); with no
+    tokens (``x.size == 0``) the result is empty, without a kernel call.
 
     Quantized weights: ``w_gate``, ``w_up`` and ``w_down`` may instead all be ``jax_nkilib.QuantizedWeight`` of one
     mode (from ``jax_nkilib.quantize_weight_fp8``; ``W ~= data * scale``), the kernel's FP8 ROW / STATIC
@@ -159,10 +174,13 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
     x = _array("x", x)
     if x.ndim < 1:
         raise ValueError(f"{_WHERE}: `x` must have layout [..., hidden]; got a scalar")
+    auto.leading(x.ndim - 1, _WHERE)
     hidden = x.shape[-1]
+    if hidden == 0:
+        raise ValueError(f"{_WHERE}: `x` [..., hidden] needs hidden >= 1; got shape {tuple(x.shape)}")
     hidden_in, inter = _weight("w_up", w_up, 2).shape
-    if hidden_in != hidden:
-        raise ValueError(f"{_WHERE}: `w_up` must have layout [hidden, inter] with hidden={hidden}; got "
+    if hidden_in != hidden or inter == 0:
+        raise ValueError(f"{_WHERE}: `w_up` must have layout [hidden, inter] with hidden={hidden} and inter >= 1; got "
                          f"{tuple(w_up.shape)}")
     if w_gate is not None and _weight("w_gate", w_gate, 2).shape != (hidden, inter):
         raise ValueError(f"{_WHERE}: `w_gate` must have layout [hidden, inter] = {(hidden, inter)}; got "
@@ -171,6 +189,10 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
         raise ValueError(f"{_WHERE}: `w_down` must have layout [inter, hidden] = ({inter}, {hidden}); got "
                          f"{tuple(w_down.shape)}")
     quant = _quantization(w_gate, w_up, w_down)
+    eps = static_float(_WHERE, "eps", eps, minimum=0.0)
+    return_residual = static_bool(_WHERE, "return_residual", return_residual)
+    (gate_low, gate_high), (up_low, up_high) = _clamp("gate_clamp", gate_clamp), _clamp("up_clamp", up_clamp)
+    output_dtype = _output_dtype(output_dtype)
     sharded = _plan_mlp(x, w_gate, w_up, w_down, norm_weight, norm_bias, residual, gate_bias, up_bias, down_bias,
                         quantized=quant != QuantizationType.NONE)
     if sharded:
@@ -208,10 +230,16 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
         gamma = jnp.ones((1, hidden), x.dtype)
     norm_type = {None: NormType.NO_NORM, "layer": NormType.LAYER_NORM,
                  "rms": NormType.RMS_NORM if gamma is not None else NormType.RMS_NORM_SKIP_GAMMA}[norm]
-    (gate_low, gate_high), (up_low, up_high) = _clamp("gate_clamp", gate_clamp), _clamp("up_clamp", up_clamp)
     if w_gate is None and (gate_bias is not None or gate_clamp is not None):
         raise ValueError(f"{_WHERE}: `gate_bias` and `gate_clamp` need `w_gate` (w_gate=None computes act(n w_up))")
 
+    for name, value, size, what in (("gate_bias", gate_bias, inter, "inter"), ("up_bias", up_bias, inter, "inter"),
+                                    ("down_bias", down_bias, hidden, "hidden"),
+                                    ("norm_bias", norm_bias, hidden, "hidden")):
+        _vector(name, value, size, what)
+    if x.size == 0:  # no tokens: nothing for a kernel to compute
+        out = jnp.zeros(x.shape, output_dtype or x.dtype)
+        return (out, x + jnp.asarray(residual).astype(x.dtype)) if return_residual else out
     lead = x.shape[:-1]
     shape3 = (math.prod(lead[:-1]), lead[-1], hidden) if lead else (1, 1, hidden)
     tokens = math.prod(shape3[:2])

@@ -57,10 +57,13 @@ class ShardingRule:
 LEADING = {str(i): "leading axes" for i in range(10)}  # letters for an op's arbitrary leading (batch) axes
 
 
-def leading(count: int) -> str:
-    """Letters for ``count`` leading batch-like axes (``"0"``, ``"1"``, ...)."""
+def leading(count: int, op: str | None = None, operand: str = "x") -> str:
+    """Letters for ``count`` leading batch-like axes (``"0"``, ``"1"``, ...); ``op`` and ``operand`` name the
+    caller in the error for too many."""
     if count > len(LEADING):
-        raise ValueError(f"at most {len(LEADING)} leading axes are supported; got {count}")
+        where = f"{op}: `{operand}` has" if op else "got"
+        raise ValueError(f"{where} {count} leading axes; at most {len(LEADING)} are supported (reshape the leading "
+                         "axes together)")
     return "".join(map(str, range(count)))
 
 

@@ -254,7 +254,7 @@ def _check(q, k, v, causal, layout, scale) -> float | None:
         raise TypeError(f"{_WHERE}: `causal` must be a bool; got {causal!r}")
     check_layout(layout, _WHERE)
     check_local_length(layout, q.shape[1], _WHERE)
-    return None if scale is None else static_float(scale, _WHERE, "scale")
+    return None if scale is None else static_float(_WHERE, "scale", scale)
 
 
 auto.register_rule(auto.ShardingRule(

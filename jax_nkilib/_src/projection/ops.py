@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..common_types import NormType, QuantizationType
+from ..framework.spec import FLOAT_DTYPES
+from ..framework.validation import check_positive_finite, require_static, static_float
 from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from ..parallel import auto
 from .output_cte import output_projection_cte
@@ -18,12 +21,14 @@ _ATTENTION_VIEW = {"attention": "B, S, N, D"}
 _NORMS = {None: NormType.NO_NORM, "rms": NormType.RMS_NORM, "layer": NormType.LAYER_NORM}
 
 
-def _array(where: str, name: str, value, layout: str, rank: int | None = None):
+def _array(where: str, name: str, value, layout: str, rank: int | None = None, activation: bool = False):
+    """A float array (``activation``: in a dtype the kernels compute in, not FP8) of rank ``rank``."""
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         raise TypeError(f"{where}: `{name}` must be an array {layout}; got {type(value).__name__}")
     value = jnp.asarray(value)
-    if not jnp.issubdtype(value.dtype, jnp.floating):
-        raise TypeError(f"{where}: `{name}` {layout} must have a floating dtype; got {value.dtype}")
+    if not jnp.issubdtype(value.dtype, jnp.floating) or activation and value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{where}: `{name}` {layout} must have a floating dtype"
+                        f"{' (float32, bfloat16, float16 or float64)' if activation else ''}; got {value.dtype}")
     if rank is not None and value.ndim != rank:
         raise ValueError(f"{where}: `{name}` must be {layout}; got shape {tuple(value.shape)}")
     return value
@@ -83,8 +88,11 @@ def output_projection(attn, w, bias=None):
     Neuron lowering (none on CPU/GPU).
     """
     where = "jax_nkilib.output_projection"
-    attn = _array(where, "attn", attn, "[batch, seq, heads, head_dim]", 4)
+    attn = _array(where, "attn", attn, "[batch, seq, heads, head_dim]", 4, activation=True)
     batch, seq, heads, d = attn.shape
+    if heads * d == 0:
+        raise ValueError(f"{where}: `attn` [batch, seq, heads, head_dim] needs heads >= 1 and head_dim >= 1; got "
+                         f"shape {tuple(attn.shape)}")
     w = _weight(where, w, "[heads * head_dim, hidden]")
     if w.shape[0] != heads * d:
         raise ValueError(f"{where}: `w` must be [heads * head_dim, hidden] = [{heads * d}, hidden] for attn "
@@ -100,6 +108,9 @@ def output_projection(attn, w, bias=None):
             out = jax.lax.psum(output_projection(attn, w), axes["n"])  # row-parallel: partial sums over heads
             return out if bias is None else out + jnp.asarray(bias).astype(out.dtype)
         return sharded.run(local, "bsh")
+    if batch * seq * hidden == 0:  # no tokens or no outputs: nothing for a kernel to compute
+        _row(where, "bias", bias, hidden, attn.dtype)
+        return jnp.zeros((batch, seq, hidden), attn.dtype)
     tkg = uses_tkg(batch, seq, False)
     quant = _quantization(where, w, tkg, "seq <= 96 and batch * seq <= 128")
     weight = fp8_data(w) if quant != QuantizationType.NONE else w.astype(attn.dtype)
@@ -148,6 +159,12 @@ def _scales(where, kv_scale):
         raise TypeError(f"{where}: `kv_scale` must be (k_scale, v_scale), two scalars")
     scales = []
     for name, scale in zip(("k_scale", "v_scale"), kv_scale):
+        if not (isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool) or
+                hasattr(scale, "dtype") and (jnp.issubdtype(scale.dtype, jnp.floating)
+                                             or jnp.issubdtype(scale.dtype, jnp.integer))):
+            raise TypeError(f"{where}: `kv_scale` entries must be float scalars; {name} is {type(scale).__name__}")
+        check_positive_finite(where, "kv_scale", scale, f"{name}, a cache dequantization scale: the cache stores "
+                              f"{name[0]} / {name}")
         scale = jnp.asarray(scale, jnp.float32)
         if scale.size != 1:
             raise ValueError(f"{where}: `kv_scale` entries must be scalars; {name} has shape {scale.shape}")
@@ -161,12 +178,42 @@ QKV_PROJECTION_SHARDING = auto.register_rule(auto.ShardingRule(
          "by the mesh axis size); not the sequence with kv_cache"))
 
 
-def _split_weights(where: str, w, bias):
-    """Validate ``w = (w_q, w_k, w_v)`` (and a matching ``bias`` triple)."""
-    if len(w) != 3 or not all(hasattr(part, "shape") and jnp.ndim(part) == 2 for part in w):
-        raise TypeError(f"{where}: a split `w` must be (w_q, w_k, w_v), arrays [hidden, heads * head_dim]")
+def _head_counts(where: str, num_q_heads, num_kv_heads) -> tuple[int, int]:
+    counts = []
+    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+        require_static(where, name, value, "a positive Python int")
+        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value <= 0:
+            raise ValueError(f"{where}: `{name}` must be a positive int; got {value!r}")
+        counts.append(int(value))
+    return counts[0], counts[1]
+
+
+def _split_weights(where: str, w, bias, hidden: int, num_q_heads: int, num_kv_heads: int):
+    """Validate ``w = (w_q, w_k, w_v)`` (and a matching ``bias`` triple) against the head counts: ``w_q [hidden,
+    num_q_heads * head_dim]``, ``w_k`` and ``w_v [hidden, num_kv_heads * head_dim]`` with one head_dim."""
+    if len(w) != 3 or not all(hasattr(part, "shape") and hasattr(part, "dtype") and jnp.ndim(part) == 2
+                              for part in w):
+        raise TypeError(f"{where}: a split `w` must be (w_q, w_k, w_v), float arrays [hidden, heads * head_dim]")
     if bias is not None and not (isinstance(bias, (tuple, list)) and len(bias) == 3):
         raise TypeError(f"{where}: with a split `w`, `bias` must be (b_q, b_k, b_v) or None")
+    w_q, w_k, w_v = w
+    d = w_q.shape[1] // num_q_heads
+    expected = {"w_q": (hidden, num_q_heads * d), "w_k": (hidden, num_kv_heads * d), "w_v": (hidden, num_kv_heads * d)}
+    if w_q.shape[1] % num_q_heads or d == 0 or any(tuple(part.shape) != expected[name]
+                                                   for name, part in zip(expected, w)):
+        got = ", ".join(f"{name} {tuple(part.shape)}" for name, part in zip(expected, w))
+        raise ValueError(f"{where}: a split `w` must be w_q [hidden, num_q_heads * head_dim] and w_k, w_v [hidden, "
+                         f"num_kv_heads * head_dim] with one head_dim >= 1 (hidden={hidden}, num_q_heads={num_q_heads}, "
+                         f"num_kv_heads={num_kv_heads}); got {got}")
+    if bias is not None:
+        for name, part, size in zip(("b_q", "b_k", "b_v"), bias, (num_q_heads * d, num_kv_heads * d,
+                                                                   num_kv_heads * d)):
+            if part is not None and jnp.shape(part) not in ((size,), (1, size)):
+                raise ValueError(f"{where}: `bias` {name} must be [{size}] (heads * head_dim with head_dim={d}); got "
+                                 f"shape {jnp.shape(part)}")
+        if any(part is None for part in bias):
+            bias = tuple(jnp.zeros((size,), w_q.dtype) if part is None else part
+                         for part, size in zip(bias, (num_q_heads * d, num_kv_heads * d, num_kv_heads * d)))
     return tuple(jnp.asarray(part) for part in w), None if bias is None else tuple(jnp.asarray(b) for b in bias)
 
 
@@ -199,11 +246,14 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
 
     Args:
       w: ``[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]``, columns ``[Q heads | K heads | V heads]``, or
-        ``(w_q, w_k, w_v)`` (``[hidden, num_q_heads * head_dim]``, ``[hidden, num_kv_heads * head_dim]`` twice), the
-        same projection, concatenated for the kernel; split weights let the heads shard (column parallelism).
+        ``(w_q, w_k, w_v)`` (``[hidden, num_q_heads * head_dim]``, ``[hidden, num_kv_heads * head_dim]`` twice, one
+        head_dim, checked), the same projection, concatenated for the kernel; split weights let the heads shard
+        (column parallelism).
+      num_q_heads, num_kv_heads: static positive ints.
       bias: ``[(num_q_heads + 2 * num_kv_heads) * head_dim]`` (``(b_q, b_k, b_v)`` with a split ``w``).
       norm: ``None``, ``"rms"`` (``x / sqrt(mean(x^2) + eps) * norm_weight``; no scale when ``norm_weight`` is
-        None) or ``"layer"`` (``(x - mean) / sqrt(var + eps) * norm_weight + norm_bias``), over ``hidden``.
+        None) or ``"layer"`` (``(x - mean) / sqrt(var + eps) * norm_weight + norm_bias``), over ``hidden``; ``eps``
+        a static finite float >= 0.
       rope: ``(cos, sin)``, each ``[batch, seq, head_dim]``, HuggingFace tables (half-width frequencies repeated):
         halves ``[x1 | x2]`` become ``[x1 cos - x2 sin, x2 cos + x1 sin]``; the kernel reads ``cos`` in full and the
         first half of ``sin``.
@@ -211,10 +261,12 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
         and values are stored at positions ``0 .. seq-1``, or at ``cache_positions [batch, seq]`` (int; positions
         outside ``[0, max_len)`` are skipped here, but the kernel's indirect write does not check them), as
         ``clip(k / k_scale, ±max)`` in the caches' dtype (``max`` its largest finite value; ``kv_scale = (k_scale,
-        v_scale)``, default 1) — FP8 caches quantize.
+        v_scale)``, default 1, each finite and > 0: checked when concrete, a traced 0 fills the cache with +-max)
+        — FP8 caches quantize.
 
     Returns ``(q [batch, seq, num_q_heads, head_dim], k, v [batch, seq, num_kv_heads, head_dim])`` in ``x``'s dtype,
-    or with ``kv_cache`` ``(q, k_cache, v_cache)`` (a functional update; the caches carry no gradient). ``w``,
+    or with ``kv_cache`` ``(q, k_cache, v_cache)`` (a functional update; the caches carry no gradient; with no
+    tokens, ``batch * seq == 0``, empty heads and unchanged caches, without a kernel call). ``w``,
     ``bias``, ``norm_weight``, ``norm_bias`` and the RoPE tables are cast to ``x``'s dtype. ``w`` may be a
     ``jax_nkilib.QuantizedWeight`` (``W ~= data * scale``, see ``jax_nkilib.quantize_weight_fp8``; no gradient):
     ``mode="static"`` (both paths) computes ``fp8(clip(x' / input_scale, +-max)) @ data * (scale * input_scale)``
@@ -225,11 +277,15 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
     then written by XLA) with the kernel's precision: float32 inputs compute in bfloat16 on the CTE path.
     """
     where = "jax_nkilib.qkv_projection"
-    x = _array(where, "x", x, "[batch, seq, hidden]", 3)
+    x = _array(where, "x", x, "[batch, seq, hidden]", 3, activation=True)
     batch, seq, hidden = x.shape
+    if hidden == 0:
+        raise ValueError(f"{where}: `x` [batch, seq, hidden] needs hidden >= 1; got shape {tuple(x.shape)}")
+    num_q_heads, num_kv_heads = _head_counts(where, num_q_heads, num_kv_heads)
+    eps = static_float(where, "eps", eps, minimum=0.0)
     split = isinstance(w, (tuple, list))
     if split:
-        w, bias = _split_weights(where, w, bias)
+        w, bias = _split_weights(where, w, bias, hidden, num_q_heads, num_kv_heads)
     sharded = auto.plan(QKV_PROJECTION_SHARDING, [
         auto.Operand("x", x, "bsh"),
         auto.Operand("w", w, ("hn",) * 3 if split else None if isinstance(w, QuantizedWeight) else "hf"),
@@ -244,13 +300,10 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
         w = jnp.concatenate(w, axis=1)
         bias = None if bias is None else jnp.concatenate(bias)
     w = _weight(where, w, "[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]")
-    if not (isinstance(num_q_heads, int) and isinstance(num_kv_heads, int) and num_q_heads > 0 and num_kv_heads > 0):
-        raise ValueError(f"{where}: num_q_heads and num_kv_heads must be positive ints; got {num_q_heads}, "
-                         f"{num_kv_heads}")
     heads = num_q_heads + 2 * num_kv_heads
-    if w.shape[0] != hidden or w.shape[1] % heads:
+    if w.shape[0] != hidden or w.shape[1] % heads or w.shape[1] == 0:
         raise ValueError(f"{where}: `w` must be [hidden={hidden}, (num_q_heads + 2 * num_kv_heads) * head_dim] with "
-                         f"{heads} heads; got {tuple(w.shape)}")
+                         f"{heads} heads and head_dim >= 1; got {tuple(w.shape)}")
     d = w.shape[1] // heads
     if norm not in _NORMS:
         raise ValueError(f"{where}: `norm` must be None, 'rms' or 'layer'; got {norm!r}")
@@ -284,12 +337,17 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
         if cos.shape != (batch, seq, d) or sin.shape != (batch, seq, d):
             raise ValueError(f"{where}: rope tables must be [batch, seq, head_dim] = ({batch}, {seq}, {d}); got "
                              f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+        if d % 2:
+            raise ValueError(f"{where}: `rope` rotates halves of each head: head_dim must be even; got head_dim={d}")
         operands.update(cos_cache=cos.astype(x.dtype), sin_cache=sin.astype(x.dtype))
         flags["fused_rope"] = True
     q_dim, kv_dim = num_q_heads * d, num_kv_heads * d
     if kv_cache is None:
         if cache_positions is not None or kv_scale is not None:
             raise ValueError(f"{where}: cache_positions and kv_scale need kv_cache")
+        if batch * seq == 0:  # no tokens: nothing for a kernel to compute
+            return (jnp.zeros((batch, seq, num_q_heads, d), x.dtype), jnp.zeros((batch, seq, num_kv_heads, d), x.dtype),
+                    jnp.zeros((batch, seq, num_kv_heads, d), x.dtype))
         (out,) = call_qkv(operands, qkv_params(**flags))
         out = out.astype(x.dtype)  # STATIC on the CTE path returns bfloat16
         q, k, v = out[..., :q_dim], out[..., q_dim:q_dim + kv_dim], out[..., q_dim + kv_dim:]
@@ -297,6 +355,8 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
                 v.reshape(batch, seq, num_kv_heads, d))
     k_cache, v_cache, slots = _cache_arrays(where, kv_cache, batch, seq, num_kv_heads, d, cache_positions)
     k_scale, v_scale = _scales(where, kv_scale)
+    if batch * seq == 0:  # no tokens: the caches are unchanged
+        return jnp.zeros((batch, seq, num_q_heads, d), x.dtype), k_cache, v_cache
     shape = k_cache.shape
     flat = (k_cache.reshape(batch, shape[1], kv_dim), v_cache.reshape(batch, shape[1], kv_dim))
     cache_flags = dict(kv_dtype=k_cache.dtype)

@@ -8,9 +8,15 @@ Trn3's ``quantize_mx``): with ``E`` the largest biased float32 exponent of a blo
 fp8(x * 2**(127 + emax - E))`` rounded to nearest even, emax 7 for ``float8_e4m3fn`` and 14 for ``float8_e5m2``: the
 block's largest magnitude maps into [128, 256] (e4m3; [2**14, 2**15] e5m2), so finite values never saturate and the
 round-trip error is at most half a step of the block (``2**(E - 127 - 4)`` for e4m3, ``2**(E - 127 - 3)`` e5m2);
-+-inf become +-448 (+-57344), NaN stays NaN; a block whose largest value rounds up to ``2**128`` (|x| near the
-float32 maximum) dequantizes to inf; blocks below ``2**-120`` (e4m3; ``2**-113`` e5m2) get scale 0 and do not
-round-trip (see :mod:`~jax_nkilib._src.quant.mx`).
+a block whose largest value rounds up to ``2**128`` (|x| near the float32 maximum) dequantizes to inf; blocks below
+``2**-120`` (e4m3; ``2**-113`` e5m2) get scale 0 and do not round-trip (see :mod:`~jax_nkilib._src.quant.mx`).
+
+Non-finite elements follow the quantizers' common contract (as ``quantize_fp8`` and ``quantize_weight_fp8``): a NaN
+or +-inf is left out of its block's ``E`` (the block's other elements quantize as if it were 0), and becomes NaN
+(NaN) or +-448 (+-57344 for e5m2; +-inf, saturated, in the block's scale) itself; an all-non-finite block has
+scale 0. On Neuron this is the kernel on ``x`` with non-finite elements replaced by 0, and those elements patched
+afterwards (elementwise glue). The kernel-native ``jax_nkilib.nki.quantize_block_mxfp8_kernel`` keeps the kernel's
+rule, where a NaN or inf has exponent 255 and so sets its block's scale, flushing its 31 block-mates to 0.
 
 On Neuron ``quantize_mx`` is ``quantize_block_mxfp8_kernel`` when the layout matches (``block == 32`` and the axis a
 multiple of 512): the K axis is permuted within each tile of 512 so that the kernel's wrapX blocks are 32
@@ -32,8 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..framework.spec import FLOAT_DTYPES
 from ..parallel import auto
 from . import mx
+from .fp8 import saturate
 from .matmul_mxfp8 import matmul_mxfp8
 from .quantize_mxfp8 import FP8_NAMES, quantize_block_mxfp8_kernel, scale_bytes
 
@@ -44,8 +52,10 @@ _MX_MATMUL_VIEW = {"rhs": "K, N"}
 def _require_array(where: str, name: str, value, kinds=(jnp.floating,)) -> None:
     if not (hasattr(value, "shape") and hasattr(value, "dtype")):
         raise TypeError(f"{where}: `{name}` must be an array; got {type(value).__name__}")
-    if not any(jnp.issubdtype(value.dtype, kind) for kind in kinds):
-        raise TypeError(f"{where}: `{name}` must have a floating dtype; got {value.dtype}")
+    if not any(jnp.issubdtype(value.dtype, kind) for kind in kinds) or (
+            jnp.floating in kinds and np.dtype(value.dtype) not in FLOAT_DTYPES):
+        raise TypeError(f"{where}: `{name}` must have a floating dtype (float32, bfloat16, float16 or float64); got "
+                        f"{value.dtype}")
 
 
 def _fp8_name(where: str, name: str, dtype) -> str:
@@ -93,9 +103,9 @@ MXFP8_MATMUL_SHARDING = auto.register_rule(auto.ShardingRule(
     granule={"k": mx.BLOCK_SIZE}))
 
 
-def _dims_with_blocks(ndim: int, axis: int) -> str:
+def _dims_with_blocks(ndim: int, axis: int, where: str, operand: str) -> str:
     """Dimension letters of an MX operand: leading letters with ``q`` at the quantized axis."""
-    letters = list(auto.leading(ndim))
+    letters = list(auto.leading(ndim, where, operand))
     letters[axis] = "q"
     return "".join(letters)
 
@@ -105,7 +115,8 @@ def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32):
 
     ``data`` has ``x``'s shape and the fp8 ``dtype`` (``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``); ``scales``
     (uint8, biased exponents) has ``x``'s shape with ``axis`` divided by ``block`` (``x.shape[axis] % block == 0``).
-    The scale rule is the module's. Outputs are quantized values: no gradient flows through them.
+    The scale rule, and what a NaN or inf does (nothing to its block-mates), are the module's. Outputs are quantized
+    values: no gradient flows through them.
     """
     where = "jax_nkilib.quantize_mx"
     _require_array(where, "x", x)
@@ -118,16 +129,19 @@ def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32):
     if length % block:
         raise ValueError(f"{where}: the quantized axis {axis} of `x` (shape {tuple(x.shape)}) must be a multiple of "
                          f"block={block}")
-    dims = _dims_with_blocks(x.ndim, axis)
+    dims = _dims_with_blocks(x.ndim, axis, where, "x")
     sharded = auto.plan(QUANTIZE_MX_SHARDING, [auto.Operand("x", x, dims)], granule={"q": block})
     if sharded:
         return sharded.run(lambda x, axes: quantize_mx(x, axis=axis, dtype=dtype, block=block), (dims, dims))
     moved = jnp.moveaxis(x, axis, -1)
     rows = moved.reshape(math.prod(moved.shape[:-1]), length)
-    if block == mx.BLOCK_SIZE and length % KERNEL_TILE == 0 and rows.shape[0] > 0:
-        data, scales = _quantize_with_kernel(rows, name)
+    finite = jnp.isfinite(rows)  # non-finite elements take no part in their block's scale (see the module)
+    clean = jnp.where(finite, rows, jnp.zeros((), rows.dtype))
+    if block == mx.BLOCK_SIZE and length % KERNEL_TILE == 0 and rows.size > 0:
+        data, scales = _quantize_with_kernel(clean, name)
     else:
-        data, scales = mx.quantize_mx_along(rows, -1, FP8_NAMES[name], block)
+        data, scales = mx.quantize_mx_along(clean, -1, FP8_NAMES[name], block)
+    data = jnp.where(finite, data, saturate(rows.astype(jnp.float32), FP8_NAMES[name]))
     data = jnp.moveaxis(data.reshape(moved.shape), -1, axis)
     scales = jnp.moveaxis(scales.reshape(*moved.shape[:-1], length // block), -1, axis)
     return jax.lax.stop_gradient(data), jax.lax.stop_gradient(scales)
@@ -151,7 +165,7 @@ def dequantize_mx(data, scales, *, axis: int = -1, dtype=jnp.float32):
             or scales.shape[axis] == 0 or data.shape[axis] % scales.shape[axis]):
         raise ValueError(f"{where}: `scales` must have the shape of `data` {tuple(data.shape)} with axis {axis} "
                          f"divided by the block size; got {tuple(scales.shape)}")
-    dims = _dims_with_blocks(data.ndim, axis)
+    dims = _dims_with_blocks(data.ndim, axis, where, "data")
     # equal shards of data and scales along the quantized axis hold whole blocks
     sharded = auto.plan(DEQUANTIZE_MX_SHARDING,
                         [auto.Operand("data", data, dims), auto.Operand("scales", scales, dims)])
@@ -176,7 +190,7 @@ def mxfp8_matmul(x, w, *, float8_dtype=jnp.float8_e4m3fn):
     if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"{where}: `x` must have layout [..., K] and `w` [K, N] with the same K; got shapes "
                          f"{tuple(x.shape)} and {tuple(w.shape)}")
-    rows_dims = auto.leading(x.ndim - 1)
+    rows_dims = auto.leading(x.ndim - 1, where)
     sharded = auto.plan(MXFP8_MATMUL_SHARDING, [auto.Operand("x", x, rows_dims + "k"), auto.Operand("w", w, "kn")])
     if sharded:
         def local(x, w, axes):

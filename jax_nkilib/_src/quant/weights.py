@@ -7,8 +7,11 @@ input features, columns the output features). It holds ``data [in, out]`` in an 
     mode="row":     W[i, j] ~= data[i, j] * scale[j]      scale [out]: one per output column, the max over axis 0
     mode="static":  W[i, j] ~= data[i, j] * scale         scale []: one per tensor
 
-:func:`quantize_weight_fp8` makes one: ``scale = amax / fp8_max(dtype)`` (``amax`` the largest ``|W|`` of the column,
-or of the tensor; 1 where it is 0) and ``data = fp8(clip(W / scale, +-fp8_max))``, rounded to nearest even.
+:func:`quantize_weight_fp8` makes one: ``scale = amax / fp8_max(dtype)`` (``amax`` the largest finite ``|W|`` of the
+column, or of the tensor; 1 where it is 0) and ``data = fp8(clip(W / scale, +-fp8_max))``, rounded to nearest even.
+Non-finite weights follow the quantizers' common contract (see ``jax_nkilib.quantize_fp8``): a NaN or +-inf is left
+out of its scale's max, so the rest of its column (tensor) quantizes as if it were absent; it becomes NaN (NaN) or
++-fp8_max (+-inf) itself.
 
 The kernels take the scales as ``[128, n]`` float32 tiles whose 128 rows are equal copies (one per SBUF partition):
 :func:`scale_tile` is ``broadcast_to(scale.reshape(1, n), (128, n))`` with ``n = out`` (row) or ``1`` (static).
@@ -32,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..framework.validation import check_positive_finite
 from .fp8 import FP8_WEIGHT_DTYPES, fp8_max, saturate
 
 MODES = ("row", "static")
@@ -67,6 +71,11 @@ class QuantizedWeight:
 
 
 def _scalar(value, name: str, where: str):
+    floats = hasattr(value, "dtype") and (jnp.issubdtype(value.dtype, jnp.floating)
+                                          or jnp.issubdtype(value.dtype, jnp.integer))
+    if not (floats or isinstance(value, (int, float, np.integer, np.floating))) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: `{name}` must be a positive float scalar; got {type(value).__name__}")
+    check_positive_finite(where, name, value, "the activation's per-tensor scale")
     value = jnp.asarray(value, jnp.float32)
     if value.size != 1:
         raise ValueError(f"{where}: `{name}` must be a scalar; got shape {tuple(value.shape)}")
@@ -77,8 +86,10 @@ def quantize_weight_fp8(w, mode: str = "row", dtype=jnp.float8_e4m3, *, input_sc
     """Quantize a float weight ``w [in, out]`` to a :class:`QuantizedWeight`.
 
     ``mode="row"``: one scale per output column (``scale[j] = max_i |w[i, j]| / fp8_max(dtype)``).
-    ``mode="static"``: one scale for the tensor, and ``input_scale`` (required, a positive scalar) for the activation.
+    ``mode="static"``: one scale for the tensor, and ``input_scale`` (required, a finite scalar > 0, checked when it
+    is concrete) for the activation.
     ``dtype``: ``jnp.float8_e4m3`` (default, max 240) or ``jnp.float8_e4m3fn`` (max 448).
+    The max is over finite values (see the module docstring for NaN and inf); an empty ``w`` gives scales 1.
     """
     where = "jax_nkilib.quantize_weight_fp8"
     if mode not in MODES:
@@ -98,7 +109,8 @@ def quantize_weight_fp8(w, mode: str = "row", dtype=jnp.float8_e4m3, *, input_sc
                              "kernels quantize activations as clip(a / input_scale, +-240)), e.g. max|a| / 240")
         input_scale = _scalar(input_scale, "input_scale", where)
     w32 = jnp.asarray(w).astype(jnp.promote_types(w.dtype, jnp.float32))
-    amax = jnp.max(jnp.abs(w32), axis=0 if mode == "row" else None)
+    finite = jnp.where(jnp.isfinite(w32), jnp.abs(w32), 0)  # a NaN or inf takes no part in its scale
+    amax = jnp.max(finite, axis=0 if mode == "row" else None, initial=0.0)
     scale = jnp.where(amax > 0, amax / fp8_max(dtype), 1.0).astype(jnp.float32)
     data = saturate(w32 / scale.astype(w32.dtype), dtype)
     return QuantizedWeight(data, scale, input_scale, mode)
@@ -127,6 +139,7 @@ def check_weight(where: str, name: str, w: QuantizedWeight, shape: tuple[int, in
         if s is None or not hasattr(s, "dtype") or jnp.dtype(s.dtype) != jnp.float32 or tuple(s.shape) != ():
             raise ValueError(f"{where}: `{name}` has mode='static' and needs input_scale as a float32 scalar; got "
                              f"{s!r}")
+        check_positive_finite(where, f"{name}.input_scale", s, "the activation's per-tensor scale")
 
 
 def scale_tile(w: QuantizedWeight):
