@@ -70,7 +70,7 @@ IDIOMATIC = [
     (lambda: jax_nkilib.attention(X, X, X, scale=float("nan")), ValueError, ["jax_nkilib.attention", "`scale`",
                                                                              "finite", "nan"]),
     (lambda: jax_nkilib.attention(X, X, X, scale=float("inf")), ValueError, ["`scale`", "finite"]),
-    (lambda: jax_nkilib.attention(X, X, X, scale="0.5"), TypeError, ["`scale`", "real number", "str"]),
+    (lambda: jax_nkilib.attention(X, X, X, scale="0.5"), TypeError, ["`scale`", "finite Python float", "str"]),
     (lambda: jax_nkilib.attention(X, X, X, scale=True), TypeError, ["`scale`", "bool"]),
     (lambda: jax_nkilib.attention(X, X, X, sliding_window=2**31), ValueError,
      ["jax_nkilib.attention", "`sliding_window`", "[1, 2147483647]", "2147483648"]),

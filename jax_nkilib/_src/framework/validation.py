@@ -179,7 +179,7 @@ def _describe(value) -> str:
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"{type(value).__name__} {value.dtype} {tuple(value.shape)}"
     text = repr(value)
-    return text if len(text) <= 60 else f"{type(value).__name__}"
+    return f"{text} of type {type(value).__name__}" if len(text) <= 60 else type(value).__name__
 
 
 def static_float(where: str, name: str, value, *, minimum: float | None = None, exclusive: bool = False) -> float:
