@@ -208,7 +208,13 @@ def plan(rule: ShardingRule, operands: Sequence[Operand], *, granule: Mapping[st
                         f"{spec_entry(axes[letter])!r} in `{owner[letter]}` but over {spec_entry(mesh_axes)!r} in "
                         f"`{label}`; shard them alike")
                 owner.setdefault(letter, label)
-    if mesh is None:
+    if mesh is None or not axes:
+        # Nothing is split over an explicit axis (e.g. the op's own body inside a plan on a 2-D mesh, where the
+        # other axis is still explicit but every local shard is replicated over it): no shard_map. Planning one
+        # here would nest a second shard_map inside the first with no axes, and jax.shard_map reads empty
+        # `axis_names` as *every* mesh axis (jax/_src/shard_map.py, _shmap_checks: ``if not axis_names:
+        # axis_names = mesh_axis_names_wo_vmap``), so the inner one re-binds the outer one's manual axes: its
+        # transpose fails to verify ('sdy.manual_computation' ... already bound by a parent), or hangs in lowering.
         return None
     used: dict[str, str] = {}
     for letter, mesh_axes in axes.items():
