@@ -178,14 +178,32 @@ def test_ops_inside_a_user_shard_map_run_on_local_shards(mesh):
 
 def test_vmap_of_a_sharded_op(mesh):
     """Mapping over an unsharded axis keeps the plan (no collectives); mapping over an axis split over a mesh axis
-    is correct but JAX's shard_map batching gathers that axis (documented in the README)."""
+    (which jax.shard_map may not name) is correct, eagerly and under jit, with that axis Auto: on Neuron the kernel
+    sees the whole mapped axis (documented in the README). Eagerly this failed shard_map's divisibility check."""
     x = random((4, 8, S, H), seed=0)
+    want = jax_nkilib.rms_norm(x)
     with jax.set_mesh(mesh):
-        for spec, expected in ((P(None, "data", "model"), {}), (P("data", "model"), {"all-gather": 1})):
+        for spec, tokens in ((P(None, "data", "model"), 4 * 8 // 8 * S), (P("data", "model"), 4 * 8 // 4 * S),
+                             (P("data"), 4 * 8 * S)):
             placed = jax.device_put(x, NamedSharding(mesh, spec))
-            mapped = jax.jit(jax.vmap(jax_nkilib.rms_norm))
-            assert_close(mapped(placed), jax_nkilib.rms_norm(x), jnp.float32, reduction=H)
-            assert collectives(mapped.lower(placed).compile().as_text()) == expected
+            mapped = jax.vmap(jax_nkilib.rms_norm)
+            assert_close(mapped(placed), want, jnp.float32, reduction=H)
+            assert_close(jax.jit(mapped)(placed), want, jnp.float32, reduction=H)
+            assert jax.jit(mapped)(placed).sharding.spec == spec + (None,) * (4 - len(spec))
+            if spec == P(None, "data", "model"):
+                assert collectives(jax.jit(mapped).lower(placed).compile().as_text()) == {}
+            with jax_nkilib.neuron.dry_run():
+                (config,) = kernel_configs(jax_nkilib.neuron_hlo(mapped, placed))
+            assert config["input_specs"][0][0] == [tokens, 1, H]
+
+
+def test_vmap_over_the_axis_of_a_1d_mesh():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    x, w = random((8, 2, S, H), seed=0), random((H, 4 * D), seed=1, scale=0.1)
+    project = jax.vmap(lambda x: jax_nkilib.qkv_projection(x, (w, w, w), num_q_heads=4, num_kv_heads=4)[0])
+    placed = jax.device_put(x, NamedSharding(mesh, P("data")))  # no context mesh: the operands' mesh is used
+    for fn in (project, jax.jit(project)):
+        assert_close(fn(placed), project(x), jnp.float32, reduction=H)
 
 
 def test_an_auto_mesh_computes_globally_and_explicit_axes_gives_the_plan():
