@@ -206,7 +206,8 @@ def spec_entry(axes: tuple[str, ...]):
 
 
 def plan(rule: ShardingRule, operands: Sequence[Operand], *, granule: Mapping[str, int] | None = None) -> Plan | None:
-    """The ``shard_map`` plan for these operands, or ``None`` when nothing is sharded over explicit mesh axes.
+    """The ``shard_map`` plan for these operands, or ``None`` when nothing is sharded over explicit mesh axes (and
+    no enclosing ``jax.vmap`` maps over one: then the plan runs the op with those axes Auto, see :class:`Plan`).
 
     Raises ``ValueError`` when a dimension the rule does not allow is sharded, when operands split one dimension
     over different mesh axes, when one mesh axis splits two dimensions, or when a shard's size is not a multiple of
