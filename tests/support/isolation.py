@@ -37,9 +37,11 @@ def time_limit(seconds: int):
                 result = subprocess.run(command, cwd=ROOT, env={**os.environ, _CHILD: nodeid}, capture_output=True,
                                         text=True, timeout=seconds)
             except subprocess.TimeoutExpired as expired:
+                result = expired
+            if isinstance(result, subprocess.TimeoutExpired):
                 pytest.fail(f"{nodeid} did not finish within its time limit of {seconds} s (it runs in a subprocess "
                             "so that a hang, e.g. in JAX's lowering, fails the test instead of stalling the suite). "
-                            f"Output so far:\n{_tail(expired.stdout)}\n{_tail(expired.stderr)}", pytrace=False)
+                            f"Output so far:\n{_tail(result.stdout)}\n{_tail(result.stderr)}", pytrace=False)
             if result.returncode != 0:
                 pytest.fail(f"{nodeid} failed in its subprocess:\n{_tail(result.stdout)}\n{_tail(result.stderr)}",
                             pytrace=False)
