@@ -5,6 +5,7 @@ inputs sharded over the mesh, it returns the single-device result, sharded as th
 collectives the rule implies (read from the compiled HLO). Unsupported shardings raise errors naming the axis.
 """
 
+import pathlib
 import re
 
 import jax
@@ -24,6 +25,7 @@ from tests.support.numerics import assert_close
 from tests.support.sharding import make_mesh, use_mesh
 
 B, S, H, N, K, D, F = 2, 16, 128, 8, 4, 16, 256
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -180,25 +182,85 @@ def test_ops_inside_a_user_shard_map_run_on_local_shards(mesh):
 
 def test_vmap_of_a_sharded_op(mesh):
     """Mapping over an unsharded axis keeps the plan (no collectives); mapping over an axis split over a mesh axis
-    is correct but JAX's shard_map batching gathers that axis (documented in the README)."""
+    (which jax.shard_map may not name) is correct, eagerly and under jit, with that axis Auto: on Neuron the kernel
+    sees the whole mapped axis (documented in the README). Eagerly this failed shard_map's divisibility check."""
     x = random((4, 8, S, H), seed=0)
+    want = jax_nkilib.rms_norm(x)
     with use_mesh(mesh):
-        for spec, expected in ((P(None, "data", "model"), {}), (P("data", "model"), {"all-gather": 1})):
+        for spec, tokens in ((P(None, "data", "model"), 4 * 8 // 8 * S), (P("data", "model"), 4 * 8 // 4 * S),
+                             (P("data"), 4 * 8 * S)):
             placed = jax.device_put(x, NamedSharding(mesh, spec))
-            mapped = jax.jit(jax.vmap(jax_nkilib.rms_norm))
-            if spec[0] is not None and not shard_map_batches_explicit_axes():  # JAX 0.7: a clear error instead
-                with pytest.raises(NotImplementedError, match=r"needs jax>=0\.8"):
-                    mapped(placed)
-                continue
-            assert_close(mapped(placed), jax_nkilib.rms_norm(x), jnp.float32, reduction=H)
-            assert collectives(mapped.lower(placed).compile().as_text()) == expected
+            mapped = jax.vmap(jax_nkilib.rms_norm)
+            assert_close(mapped(placed), want, jnp.float32, reduction=H)
+            assert_close(jax.jit(mapped)(placed), want, jnp.float32, reduction=H)
+            assert jax.jit(mapped)(placed).sharding.spec == spec + (None,) * (4 - len(spec))
+            if spec == P(None, "data", "model"):
+                assert collectives(jax.jit(mapped).lower(placed).compile().as_text()) == {}
+            with jax_nkilib.neuron.dry_run():
+                (config,) = kernel_configs(jax_nkilib.neuron_hlo(mapped, placed))
+            assert config["input_specs"][0][0] == [tokens, 1, H]
+
+
+def test_vmap_over_the_axis_of_a_1d_mesh():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    x, w = random((8, 2, S, H), seed=0), random((H, 4 * D), seed=1, scale=0.1)
+    project = jax.vmap(lambda x: jax_nkilib.qkv_projection(x, (w, w, w), num_q_heads=4, num_kv_heads=4)[0])
+    placed = jax.device_put(x, NamedSharding(mesh, P("data")))  # no context mesh: the operands' mesh is used
+    for fn in (project, jax.jit(project)):
+        assert_close(fn(placed), project(x), jnp.float32, reduction=H)
+
+
+@pytest.mark.parametrize("op", ["jax_nkilib.output_projection", "jax_nkilib.qkv_projection", "jax_nkilib.mlp",
+                                "jax_nkilib.rope"])
+def test_eager_calls_with_data_parallel_activations_and_replicated_weights(op):
+    """The most common layout, called without jit on a 2-D mesh (this failed shard_map's divisibility check: the
+    op's body planned a second shard_map over every mesh axis)."""
+    fn, args, _, _ = CASES[op]
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    args = [jnp.concatenate([a] * 2) if a.ndim >= 3 else a for a in args]  # a batch of 4 splits over `data`
+    with use_mesh(mesh):
+        placed = [jax.device_put(a, NamedSharding(mesh, P("data") if a.ndim >= 3 else P())) for a in args]
+        out = fn(*placed)
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(fn(*args))):
+        assert_close(got, want, jnp.float32, reduction=H)
+        assert got.sharding.spec[0] == "data"
+
+
+def _readme_snippets() -> list[str]:
+    """The Python blocks of the README's "Sharding" section that build a mesh."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("\n## Sharding\n"):]
+    section = section[:section.index("\n## ", 1)]
+    return [block for block in re.findall(r"```python\n(.*?)```", section, re.S) if "make_mesh" in block]
+
+
+def test_the_readme_sharding_snippets_run_as_written():
+    """The README's explicit-mesh layout and its `explicit_axes` recipe for Auto axes (which failed with "Context
+    mesh cannot be empty" and called Auto the default axis type), given inputs."""
+    megatron, recipe = _readme_snippets()
+    x = random((8, S, H), seed=0)
+    weights = {"w_q": random((H, 32 * 8), seed=1, scale=0.1), "w_k": random((H, 8 * 8), seed=2, scale=0.1),
+               "w_v": random((H, 8 * 8), seed=3, scale=0.1), "w_o": random((32 * 8, H), seed=4, scale=0.1)}
+    scope = {"jax": jax, "jax_nkilib": jax_nkilib, "x": x, **weights}
+    exec(megatron, scope)
+    q, k, v = jax_nkilib.qkv_projection(x, (weights["w_q"], weights["w_k"], weights["w_v"]), num_q_heads=32,
+                                        num_kv_heads=8)
+    want = jax_nkilib.output_projection(jax_nkilib.attention(q, k, v), weights["w_o"])
+    assert_close(scope["y"], want, jnp.float32, reduction=H * 32)
+    assert scope["y"].sharding.spec == P("data", None, None)
+    scope = {"jax": jax, "jax_nkilib": jax_nkilib, "x": x}
+    exec(recipe, scope)
+    assert scope["mesh"].axis_types == (AxisType.Auto,)
+    assert_close(scope["y"], jax_nkilib.rms_norm(x), jnp.float32, reduction=H)
 
 
 def test_an_auto_mesh_computes_globally_and_explicit_axes_gives_the_plan():
-    auto_mesh = jax.make_mesh((8,), ("data",))
+    auto_mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))  # make_mesh's default is Explicit
     x = random((8, S, H), seed=0)
     placed = jax.device_put(x, NamedSharding(auto_mesh, P("data")))
     assert_close(jax.jit(jax_nkilib.rms_norm)(placed), jax_nkilib.rms_norm(x), jnp.float32, reduction=H)
+    with use_mesh(auto_mesh), jax_nkilib.neuron.dry_run():
+        assert "sdy.manual_computation" not in jax_nkilib.neuron_hlo(jax_nkilib.rms_norm, placed)  # global
     norm = jax.sharding.explicit_axes(jax_nkilib.rms_norm, axes=("data",), in_sharding=P("data"))  # the README's
     with use_mesh(auto_mesh):
         assert_close(jax.jit(norm)(placed), jax_nkilib.rms_norm(x), jnp.float32, reduction=H)

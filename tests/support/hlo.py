@@ -39,3 +39,11 @@ def compiled_collectives(compiled_text: str) -> dict[str, int]:
     that do not occur are absent."""
     found = re.findall(r"\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", compiled_text)
     return {name: found.count(name) for name in sorted(set(found))}
+
+
+def manual_computations(text: str) -> int:
+    """The number of ``sdy.manual_computation`` ops with operands in lowered StableHLO text: the ``shard_map`` calls.
+
+    Not counted: the operand-less ones JAX's lowering of ``jax.lax.axis_index`` adds in a partly manual computation,
+    which compute the partition id over the mesh axes left automatic (as ring attention's does)."""
+    return len(re.findall(r"sdy\.manual_computation\(%", text))

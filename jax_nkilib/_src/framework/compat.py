@@ -315,3 +315,39 @@ def replica_groups(ctx, names: tuple[str, ...]) -> list[list[int]] | None:
     moved = np.moveaxis(ranks, [axis_names.index(name) for name in names], range(-len(names), 0))
     group = int(np.prod([mesh.shape[name] for name in names], dtype=int))
     return moved.reshape(-1, group).tolist()
+
+
+def _probe_axis_env() -> Callable[[], frozenset]:
+    """``core.get_axis_env().explicit_mesh_axis_names``: the explicit mesh axes that enclosing ``jax.vmap`` calls map
+    over (``jax.vmap`` of an argument split over an explicit axis adds it, jax/_src/interpreters/batching.py,
+    ``core.add_explicit_mesh_axis_names(axis_data.explicit_mesh_axis)``; ``jax.shard_map`` leaves such an axis out
+    of its axes, jax/_src/shard_map.py ``_shmap_checks``)."""
+    get_axis_env = _probe("jax._src.core", "get_axis_env")
+    if not hasattr(get_axis_env(), "explicit_mesh_axis_names"):  # pragma: no cover - depends on the JAX version
+        raise JaxCompatibilityError(f"jax_nkilib needs the axis environment's `explicit_mesh_axis_names`, which JAX "
+                                    f"{jax.__version__} does not provide. Please report this with your JAX version.")
+    return lambda: frozenset(get_axis_env().explicit_mesh_axis_names)
+
+
+_vmapped_axis_names = _probe_axis_env()
+
+
+def vmapped_explicit_axes(mesh=None) -> tuple[str, ...]:
+    """Mesh axes, Explicit in the current (abstract) mesh (else in ``mesh``, the operands' mesh, when no mesh is
+    set), that an enclosing ``jax.vmap`` maps over.
+
+    Inside such a vmap an array's type hides its mapped dimension (``jax.typeof`` shows the unbatched shape), but
+    every primitive still sees that dimension split over these axes, and ``jax.shard_map`` may not name them (its
+    batching rule raises "vmapped away explicit mesh axis cannot appear in shard_map in_specs",
+    jax/_src/shard_map.py ``_shard_map_batch``). Inside ``jax.sharding.auto_axes`` over them they are Auto, so this
+    returns ``()`` there.
+    """
+    names = _vmapped_axis_names()
+    if not names:
+        return ()
+    context = jax.sharding.get_abstract_mesh()
+    mesh = mesh if context.empty else context
+    if mesh is None or mesh.empty:
+        return ()
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types))
+    return tuple(name for name in mesh.axis_names if name in names and kinds[name] == jax.sharding.AxisType.Explicit)

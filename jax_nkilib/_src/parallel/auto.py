@@ -11,10 +11,14 @@ letter (``"bsnd"`` for ``[batch, seq, heads, head_dim]``) and declares which let
 * anything else raises a ``ValueError`` naming the operand, the dimension and the mesh axis.
 
 The plan's body runs inside ``jax.shard_map`` over the mesh axes that split its operands, where the op sees local
-shards and plain (manual) types for them, so calling the op again from the body computes on the shards. Ops called
-inside a user's ``shard_map`` (every axis manual) see no explicit axes and run unchanged. Under an auto mesh (the
-default axis type) the sharding is not visible while tracing, so the op computes globally; on Neuron a custom call
-cannot be partitioned (see ``neuron_protocol.md``), so wrap the op in ``jax.shard_map`` or use explicit axes.
+shards and plain (manual) types for them, so calling the op again from the body computes on the shards: there the
+operands are split over no explicit axis (other mesh axes may stay explicit), so it plans nothing and each op call
+is one manual computation. Ops called inside a user's ``shard_map`` (every axis manual) see no explicit axes and
+run unchanged. Inside ``jax.vmap`` over an explicitly split axis the op runs with that axis Auto (see
+``Plan._run_unmapped``). Under an auto mesh (``AxisType.Auto``: the default of ``jax.sharding.Mesh``, while
+``jax.make_mesh`` makes Explicit axes in JAX 0.10) the sharding is not visible while tracing, so the op computes
+globally; on Neuron a custom call cannot be partitioned (see ``neuron_protocol.md``), so wrap the op in
+``jax.shard_map`` or use explicit axes.
 """
 
 from __future__ import annotations
@@ -120,11 +124,18 @@ def _explicit_axes(x) -> tuple[Any, tuple] | None:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A planned ``shard_map``: ``axes`` maps each sharded letter to its mesh axes."""
+    """A planned ``shard_map``: ``axes`` maps each sharded letter to its mesh axes.
+
+    Inside a ``jax.vmap`` over explicit mesh axes (``mapped``), the plan is instead to run the op on whole values
+    with those axes made Auto (``jax.sharding.auto_axes``), where it plans again: ``axes`` is then empty (the body
+    sees whole values) and ``split`` holds the split the outputs keep.
+    """
     rule: ShardingRule
     mesh: Any
     axes: Mapping[str, tuple[str, ...]]
     operands: tuple[Operand, ...]
+    mapped: tuple[str, ...] = ()
+    split: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def spec(self, dims: str | None) -> P:
         if dims is None:
@@ -154,6 +165,8 @@ class Plan:
                 start += count
             return body(*values, axes=self.axes)
 
+        if self.mapped:
+            return self._run_unmapped(local, leaves, out_dims)
         out_specs = jax.tree.map(self.spec, out_dims, is_leaf=lambda d: d is None or isinstance(d, str))
         used = {name for mesh_axes in self.axes.values() for name in mesh_axes}  # other explicit axes stay explicit
         # a replicated operand of a split dimension is sliced locally (no communication)
@@ -171,6 +184,24 @@ class Plan:
                 f"{jax.__version__} cannot vmap the jax.shard_map this op plans); replicate the mapped axis first "
                 "(jax.sharding.reshard) or map over an unsharded axis.") from err
 
+    def _run_unmapped(self, local: Callable[..., Any], leaves: list, out_dims) -> Any:
+        """Run ``local`` (the body, with no axes) on whole values with the vmapped axes Auto.
+
+        JAX cannot do what a plan does to an axis that an enclosing ``jax.vmap`` maps over: ``jax.shard_map`` may
+        not name it, and the op's own unsharded computation meets JAX's sharding-in-types rules for that axis
+        (e.g. a reshape merging it with other axes is rejected). With the axis Auto the type rules no longer apply
+        and XLA partitions the computation (on Neuron a kernel call is not partitioned, so the mapped axis is
+        gathered for it, as the README says); the op plans again inside over the axes that stay explicit. It runs
+        under ``jax.jit``: an eager ``jax.shard_map`` inside ``auto_axes`` under ``vmap`` rejects its inputs.
+        """
+        # on the context mesh (auto_axes wants the two equal), else on the operands' (jit sets no context mesh)
+        placed = (lambda spec: spec) if not jax.sharding.get_abstract_mesh().empty else \
+            (lambda spec: NamedSharding(self.mesh, spec))
+        split = dataclasses.replace(self, axes=self.split)
+        out_sharding = jax.tree.map(lambda dims: placed(split.spec(dims)), out_dims,
+                                    is_leaf=lambda d: d is None or isinstance(d, str))
+        return jax.jit(jax.sharding.auto_axes(local, axes=self.mapped, out_sharding=out_sharding))(*leaves)
+
 
 def _needs_reshard(leaf, spec: P) -> bool:
     found = _explicit_axes(leaf)
@@ -187,7 +218,8 @@ def spec_entry(axes: tuple[str, ...]):
 
 
 def plan(rule: ShardingRule, operands: Sequence[Operand], *, granule: Mapping[str, int] | None = None) -> Plan | None:
-    """The ``shard_map`` plan for these operands, or ``None`` when nothing is sharded over explicit mesh axes.
+    """The ``shard_map`` plan for these operands, or ``None`` when nothing is sharded over explicit mesh axes (and
+    no enclosing ``jax.vmap`` maps over one: then the plan runs the op with those axes Auto, see :class:`Plan`).
 
     Raises ``ValueError`` when a dimension the rule does not allow is sharded, when operands split one dimension
     over different mesh axes, when one mesh axis splits two dimensions, or when a shard's size is not a multiple of
@@ -222,7 +254,14 @@ def plan(rule: ShardingRule, operands: Sequence[Operand], *, granule: Mapping[st
                         f"{spec_entry(axes[letter])!r} in `{owner[letter]}` but over {spec_entry(mesh_axes)!r} in "
                         f"`{label}`; shard them alike")
                 owner.setdefault(letter, label)
-    if mesh is None:
+    mapped = compat.vmapped_explicit_axes(mesh) if mesh is not None else ()
+    if mesh is None or not (axes or mapped):
+        # Nothing is split over an explicit axis (e.g. the op's own body inside a plan on a 2-D mesh, where the
+        # other axis is still explicit but every local shard is replicated over it): no shard_map. Planning one
+        # here would nest a second shard_map inside the first with no axes, and jax.shard_map reads empty
+        # `axis_names` as *every* mesh axis (jax/_src/shard_map.py, _shmap_checks: ``if not axis_names:
+        # axis_names = mesh_axis_names_wo_vmap``), so the inner one re-binds the outer one's manual axes: its
+        # transpose fails to verify ('sdy.manual_computation' ... already bound by a parent), or hangs in lowering.
         return None
     used: dict[str, str] = {}
     for letter, mesh_axes in axes.items():
@@ -243,6 +282,8 @@ def plan(rule: ShardingRule, operands: Sequence[Operand], *, granule: Mapping[st
                         f"{leaf.shape[position]}, which {parts} shards over mesh axis "
                         f"{spec_entry(axes[letter])!r} cannot split into equal parts"
                         + (f" of a multiple of {granule[letter]}" if letter in granule else ""))
+    if mapped:
+        return Plan(rule, mesh, {}, tuple(operands), mapped=mapped, split=dict(axes))
     return result
 
 
