@@ -7,6 +7,7 @@ one of these internals, the probe fails with a message naming the missing piece 
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import importlib
 import inspect
@@ -196,13 +197,22 @@ def _cast_rounds_once(source, dtype) -> bool:
     onto an FP8 midpoint. Run eagerly on the CPU backend (the one the JAX references execute on); where the CPU
     backend is not available the cast is trusted."""
     mantissa = jnp.finfo(dtype).nmant
-    probe = np.asarray([1 + 2.0 ** -(mantissa + 1) + 2.0 ** -12], source)
+
+    def probe() -> bool:
+        value = jax.device_put(np.asarray([1 + 2.0 ** -(mantissa + 1) + 2.0 ** -12], source), jax.devices("cpu")[0])
+        return float(np.asarray(value.astype(dtype)).astype(np.float64)[0]) == 1 + 2.0 ** -mantissa
+
     try:
-        with jax.ensure_compile_time_eval():
-            cast = jax.device_put(probe, jax.devices("cpu")[0]).astype(dtype)
-            return float(np.asarray(cast).astype(np.float64)[0]) == 1 + 2.0 ** -mantissa
+        return _outside_any_trace(probe)
     except RuntimeError:  # pragma: no cover - no CPU backend (jax_platforms without cpu)
         return True
+
+
+def _outside_any_trace(probe: Callable[[], bool]) -> bool:
+    """``probe()`` run in a new thread: JAX's trace state and mesh context are thread-local, so a probe made while
+    tracing a user's function (or under ``jax.set_mesh``) sees neither."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(probe).result()
 
 
 def _probe_mesh(*names: str):
@@ -218,17 +228,19 @@ def scatter_add_has_sharding_rule() -> bool:
     an ``out_sharding``, and ``_gather_transpose_rule`` passes the operand's sharding, which is dropped when the
     operand has no mesh: a gather of an unsharded array whose cotangent is sharded cannot be transposed there.
     """
-    updates = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(_probe_mesh("probe"), PartitionSpec()))
-    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
-                                              scatter_dims_to_operand_dims=(0,))
-    try:
-        jax.make_jaxpr(lambda u: jax.lax.scatter_add(jnp.zeros(2, jnp.float32), np.array([[1], [0]]), u, numbers))(
-            updates)
-    except NotImplementedError:
-        return False
-    except Exception:  # pragma: no cover - any other outcome is not this limitation
+    def probe() -> bool:
+        updates = jax.ShapeDtypeStruct((2,), jnp.float32,
+                                       sharding=NamedSharding(_probe_mesh("probe"), PartitionSpec()))
+        numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                                  scatter_dims_to_operand_dims=(0,))
+        try:
+            jax.make_jaxpr(lambda u: jax.lax.scatter_add(jnp.zeros(2, jnp.float32), np.array([[1], [0]]), u,
+                                                         numbers))(updates)
+        except NotImplementedError:
+            return False
         return True
-    return True
+
+    return _outside_any_trace(probe)
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,15 +252,19 @@ def shard_map_batches_explicit_axes() -> bool:
     ``_shard_shaped_array`` then lists that explicit axis among the varying axes, which ``core.get_vma`` rejects
     ("Axes mentioned in `vma` field of ShapedArray should be of type `Manual`").
     """
-    mesh = _probe_mesh("batch", "probe")
-    body = jax.shard_map(lambda a: a, mesh=mesh, in_specs=PartitionSpec("probe"), out_specs=PartitionSpec("probe"),
-                         axis_names={"probe"})
-    mapped = jax.ShapeDtypeStruct((1, 1), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("batch", "probe")))
-    try:
-        jax.make_jaxpr(jax.vmap(body))(mapped)
-    except ValueError:
-        return False
-    return True
+    def probe() -> bool:
+        mesh = _probe_mesh("batch", "probe")
+        body = jax.shard_map(lambda a: a, mesh=mesh, in_specs=PartitionSpec("probe"),
+                             out_specs=PartitionSpec("probe"), axis_names={"probe"})
+        mapped = jax.ShapeDtypeStruct((1, 1), jnp.float32,
+                                      sharding=NamedSharding(mesh, PartitionSpec("batch", "probe")))
+        try:
+            jax.make_jaxpr(jax.vmap(body))(mapped)
+        except ValueError as err:
+            return "`vma`" not in str(err)
+        return True
+
+    return _outside_any_trace(probe)
 
 
 _PACKAGE_DIR = __file__.rsplit("/_src/", 1)[0]
