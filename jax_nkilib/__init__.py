@@ -5,17 +5,17 @@ On CPU/GPU each op runs a faithful JAX reference of its kernel; lowered for ``ne
 """
 
 from jax_nkilib import neuron, nki
-from jax_nkilib._src.attention.ops import attention, decode_attention
 from jax_nkilib._src.framework.config import config, current_lnc
-from jax_nkilib._src.mlp.ops import mlp
-from jax_nkilib._src.norm.ops import dequantize_fp8, layer_norm, quantize_fp8, rms_norm
-from jax_nkilib._src.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jax_nkilib._src.parallel.layouts import from_ring_layout, to_ring_layout, token_positions
-from jax_nkilib._src.parallel.ring_attention import ring_attention
-from jax_nkilib._src.projection.ops import output_projection, qkv_projection
-from jax_nkilib._src.quant.ops import dequantize_mx, mxfp8_matmul, quantize_mx
+from jax_nkilib._src.ops.attention import attention, decode_attention
+from jax_nkilib._src.ops.mlp import mlp
+from jax_nkilib._src.ops.norm import dequantize_fp8, layer_norm, quantize_fp8, rms_norm
+from jax_nkilib._src.ops.projection import output_projection, qkv_projection
+from jax_nkilib._src.ops.quant import dequantize_mx, mxfp8_matmul, quantize_mx
+from jax_nkilib._src.ops.ring_attention import ring_attention
+from jax_nkilib._src.ops.rope import rope
 from jax_nkilib._src.quant.weights import QuantizedWeight, quantize_weight_fp8
-from jax_nkilib._src.rope import rope
+from jax_nkilib._src.sharding.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from jax_nkilib._src.sharding.sequence_layouts import from_ring_layout, to_ring_layout, token_positions
 from jax_nkilib._src.tools.explain import Explanation, KernelCallReport, explain, neuron_hlo
 from jax_nkilib._src.tools.support import KernelSupport, support_matrix
 

@@ -3,8 +3,12 @@
 from jax_nkilib._src.framework.config import dry_run
 from jax_nkilib._src.neuron.compiled import CompiledKernel, NeuronOutputMismatchError, decode_backend_config
 from jax_nkilib._src.neuron.dry_run import DryRunCompiler
-from jax_nkilib._src.neuron.lowering import (CUSTOM_CALL_TARGET, EXPORT_DISABLED_CHECKS, NeuronFallbackWarning,
-                                             NeuronUnsupportedError)
+from jax_nkilib._src.neuron.lowering import (
+                                             CUSTOM_CALL_TARGET,
+                                             EXPORT_DISABLED_CHECKS,
+                                             NeuronFallbackWarning,
+                                             NeuronUnsupportedError,
+)
 from jax_nkilib._src.neuron.nki_compiler import NkiCompiler
 from jax_nkilib._src.neuron.sdk import NeuronSdkMissingError, NkiApiError, installed_versions
 

@@ -1,37 +1,56 @@
 """Kernel-native API: one function per NKI Library kernel, with the kernel's name, argument order, layouts, flags
 and semantics (see ``nkilib_catalog.md``). Outputs are returned instead of passed in."""
 
-from jax_nkilib._src.attention.bwd import attention_bwd
-from jax_nkilib._src.attention.cte import attention_cte
-from jax_nkilib._src.attention.kv_parallel import attention_kv_parallel_segmented_cte
-from jax_nkilib._src.attention.masks_tkg import gen_mask_tkg, gen_mask_tkg_hbm
-from jax_nkilib._src.attention.mxfp8_tkg import attention_mxfp8_tkg
-from jax_nkilib._src.attention.segmented import attention_segmented_cte
-from jax_nkilib._src.attention.swa_fused import swa_fused_cte
-from jax_nkilib._src.attention.tkg import attention_tkg
-from jax_nkilib._src.common_types import (ActFnType, DtypeMode, MLPGateUpWeightLayout, NormType, QKVOutputLayout,
-                                           QKVWeightLayout, QuantizationType, RouterActFnType)
-from jax_nkilib._src.mlp.kernel import mlp
-from jax_nkilib._src.mlp_mxfp8.backward import mlp_backward_mxfp8_nki
-from jax_nkilib._src.mlp_mxfp8.forward import mlp_forward_mxfp8_nki
+from jax_nkilib._src.attention.attention_bwd import attention_bwd
+from jax_nkilib._src.attention.attention_cte import attention_cte
+from jax_nkilib._src.attention.attention_kv_parallel import attention_kv_parallel_segmented_cte
+from jax_nkilib._src.attention.attention_mxfp8_tkg import attention_mxfp8_tkg
+from jax_nkilib._src.attention.attention_segmented_cte import attention_segmented_cte
+from jax_nkilib._src.attention.attention_tkg import attention_tkg
+from jax_nkilib._src.attention.gen_mask_tkg import gen_mask_tkg, gen_mask_tkg_hbm
+from jax_nkilib._src.attention.ring_attention_bwd import ring_attention_spmd_bwd
+from jax_nkilib._src.attention.ring_attention_fwd import ring_attention_spmd_fwd
+from jax_nkilib._src.attention.ring_attention_unpermute import ring_attention_unpermute
+from jax_nkilib._src.attention.swa_fused_cte import swa_fused_cte
+from jax_nkilib._src.collectives.allgather import (
+                                           allgather_compute_matmul,
+                                           allgather_sb2sb,
+                                           allgather_sb2sb_tiled,
+                                           fine_grained_allgather,
+)
+from jax_nkilib._src.collectives.attn_q_batch_shard import AttnQBatchShardLayout, attn_q_batch_shard
+from jax_nkilib._src.collectives.hbm_collectives import (
+                                           all_gather_hbm_kernel,
+                                           all_reduce_hbm_kernel,
+                                           all_to_all_hbm_kernel,
+                                           dma_copy_rank_id_kernel,
+                                           rank_id_kernel,
+                                           reduce_scatter_hbm_kernel,
+)
+from jax_nkilib._src.framework.common_types import (
+                                           ActFnType,
+                                           DtypeMode,
+                                           MLPGateUpWeightLayout,
+                                           NormType,
+                                           QKVOutputLayout,
+                                           QKVWeightLayout,
+                                           QuantizationType,
+                                           RouterActFnType,
+)
+from jax_nkilib._src.mlp.mlp import mlp
+from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
+from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
+from jax_nkilib._src.norm.norm_tkg import layernorm_tkg, rmsnorm_tkg
+from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
+from jax_nkilib._src.norm.rmsnorm_mx_quantize_tkg import rmsnorm_mx_quantize_tkg
 from jax_nkilib._src.norm.rmsnorm_quant import rmsnorm_quant_kernel
-from jax_nkilib._src.norm.tkg import layernorm_tkg, rmsnorm_tkg
-from jax_nkilib._src.parallel.allgather import (allgather_compute_matmul, allgather_sb2sb, allgather_sb2sb_tiled,
-                                                fine_grained_allgather)
-from jax_nkilib._src.parallel.batch_shard import AttnQBatchShardLayout, attn_q_batch_shard
-from jax_nkilib._src.parallel.collectives import (all_gather_hbm_kernel, all_reduce_hbm_kernel, all_to_all_hbm_kernel,
-                                                  dma_copy_rank_id_kernel, rank_id_kernel, reduce_scatter_hbm_kernel)
-from jax_nkilib._src.parallel.ring_kernels import (ring_attention_spmd_bwd, ring_attention_spmd_fwd,
-                                                   ring_attention_unpermute)
-from jax_nkilib._src.projection.output_cte import output_projection_cte
-from jax_nkilib._src.projection.output_tkg import output_projection_tkg
+from jax_nkilib._src.projection.output_projection_cte import output_projection_cte
+from jax_nkilib._src.projection.output_projection_tkg import output_projection_tkg
 from jax_nkilib._src.projection.qkv import qkv
-from jax_nkilib._src.quant.fp8_tiles import pre_combine_dequant_scales, row_quantization, static_quantization
+from jax_nkilib._src.quant.fp8_quantize import pre_combine_dequant_scales, row_quantization, static_quantization
 from jax_nkilib._src.quant.matmul_mxfp8 import matmul_mxfp8, matmul_mxfp8_backward
-from jax_nkilib._src.quant.quantize_mxfp8 import quantize_block_mxfp8_kernel
-from jax_nkilib._src.quant.rmsnorm_mx import rmsnorm_mx_quantize_tkg
-from jax_nkilib._src.quant.rmsnorm_mx_prefill import rmsnorm_mx_prefill
-from jax_nkilib._src.rope import RoPE, rope_hf
+from jax_nkilib._src.quant.quantize_block_mxfp8 import quantize_block_mxfp8_kernel
+from jax_nkilib._src.rope.rope import RoPE, rope_hf
 
 __all__ = [
     "ActFnType", "all_gather_hbm_kernel", "all_reduce_hbm_kernel", "all_to_all_hbm_kernel",

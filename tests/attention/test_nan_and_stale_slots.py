@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_nkilib
-from jax_nkilib._src.attention.kv_parallel import merge_partials
+from jax_nkilib._src.attention.attention_kv_parallel import merge_partials
 from jax_nkilib.nki import attention_cte, attention_tkg
 from tests.attention.oracle import attention_tkg_oracle, decode_attention_oracle, idiomatic_attention
 from tests.support.data import random

@@ -40,7 +40,7 @@ def test_readme_table_is_generated_from_the_matrix():
 
 
 def test_device_adapters_parse_and_match_their_specs():
-    """kernels/ adapters import nki (absent here): check them statically against the specs they serve."""
+    """jax_nkilib_kernels/ adapters import nki (absent here): check them statically against the specs they serve."""
     adapters = [k.spec for k in registry.bound_kernels().values()
                 if k.spec.entry_point.startswith("jax_nkilib_kernels.")]
     assert {"rope_hf", "attention_tkg", "gen_mask_tkg", "rmsnorm_tkg", "matmul_mxfp8"} <= {s.name for s in adapters}

@@ -256,7 +256,7 @@ def test_an_adapter_whose_library_function_is_missing_falls_back(sdk):
     q, k = random((2, 4, 128, 64)), random((2, 2, 128, 64), seed=1)
     cos, sin = angles((128, 64))
     with pytest.warns(NeuronFallbackWarning, match=r"lacks nkilib.core.embeddings.rope_hf.rope_hf, which "
-                                                   r"jax_nkilib_kernels.embeddings:rope_hf calls"):
+                                                   r"jax_nkilib_kernels.rope:rope_hf calls"):
         text = neuron_text(lambda *a: rope_hf(*a), q, k, cos, sin)
     assert kernel_configs(text) == []
 

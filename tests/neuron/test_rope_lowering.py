@@ -55,7 +55,7 @@ def test_rope_hf_is_one_custom_call_with_two_results():
     text = neuron_text(lambda *a: rope_hf(*a), Q, K, C, S)
     assert operations(text) == ["stablehlo.custom_call"]
     (cfg,) = kernel_configs(text)
-    assert cfg["func_name"] == "rope_hf" and cfg["entry_point"] == "jax_nkilib_kernels.embeddings:rope_hf"
+    assert cfg["func_name"] == "rope_hf" and cfg["entry_point"] == "jax_nkilib_kernels.rope:rope_hf"
     assert cfg["input_names"] == ["q", "k", "cos", "sin"] and cfg["output_names"] == ["q_out", "k_out"]
     assert "-> (tensor<2x4x128x64xf32>, tensor<2x2x128x64xf32>)" in text
 

@@ -125,7 +125,7 @@ def test_jit_vmap_and_shard_map():
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("mode", ["row", "static"])
 def test_kernel_path_equals_the_jax_path(dtype, mode):
-    from jax_nkilib._src.norm.ops import _quantize_in_jax
+    from jax_nkilib._src.ops.norm import _quantize_in_jax
     x = random((3, 5, 48), jnp.bfloat16, 4, scale=4.0)
     scale = None if mode == "row" else jnp.float32(0.01)
     q, s = jax_nkilib.quantize_fp8(x, mode=mode, scale=scale, dtype=dtype)

@@ -14,7 +14,7 @@ from jax.test_util import check_grads
 import jax_nkilib
 from jax_nkilib._src.framework import compat
 from jax_nkilib._src.framework.spec import CallInfo
-from jax_nkilib._src.parallel.allgather import (
+from jax_nkilib._src.collectives.allgather import (
     ALLGATHER_COMPUTE_MATMUL_SPEC,
     FINE_GRAINED_ALLGATHER_SPEC,
     allgather_compute_matmul,
@@ -185,7 +185,7 @@ def _neuron(fn, mesh, in_specs, out_specs, *args):
 def _one_collective_call(text, name):
     (cfg,) = kernel_configs(text)
     assert cfg["func_name"] == name and cfg["has_collectives"] is True
-    assert cfg["entry_point"] == f"jax_nkilib_kernels.parallel_allgather:{name}"
+    assert cfg["entry_point"] == f"jax_nkilib_kernels.allgather:{name}"
     assert 'has_collectives = "1"' in text
     assert operations(text).count("stablehlo.custom_call") == 1
     assert not {"stablehlo.all_gather", "stablehlo.collective_permute", "stablehlo.dot_general"} & set(

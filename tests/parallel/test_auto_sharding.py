@@ -1,6 +1,6 @@
 """Automatic sharding of the idiomatic ops on 8 CPU devices (explicit 2x4 mesh `data` x `model`).
 
-Each op in the sharding table (``jax_nkilib._src.parallel.auto.RULES``) has a case here: called under ``jit`` on
+Each op in the sharding table (``jax_nkilib._src.sharding.auto.RULES``) has a case here: called under ``jit`` on
 inputs sharded over the mesh, it returns the single-device result, sharded as the rule says, with exactly the
 collectives the rule implies (read from the compiled HLO). Unsupported shardings raise errors naming the axis.
 """
@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from jax_nkilib._src.framework.compat import shard_map_batches_explicit_axes
-from jax_nkilib._src.parallel.auto import RULES
+from jax_nkilib._src.sharding.auto import RULES
 from tests.support.data import angles, random
 from tests.support.hlo import compiled_collectives as collectives
 from tests.support.hlo import kernel_configs

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_nkilib
-from jax_nkilib._src.parallel.batch_shard import AttnQBatchShardLayout, attn_q_batch_shard
+from jax_nkilib._src.collectives.attn_q_batch_shard import AttnQBatchShardLayout, attn_q_batch_shard
 from tests.support.data import random
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text, operations
 from tests.support.sharding import make_mesh, reshard
@@ -161,7 +161,7 @@ def test_neuron_lowering_is_one_collective_kernel_call_with_rank_lists(layout):
         text = neuron_text(body, *args)
     (cfg,) = kernel_configs(text)
     assert cfg["func_name"] == "attn_q_batch_shard" and cfg["has_collectives"] is True
-    assert cfg["entry_point"] == "jax_nkilib_kernels.parallel_collectives:attn_q_batch_shard"
+    assert cfg["entry_point"] == "jax_nkilib_kernels.collectives:attn_q_batch_shard"
     assert cfg["params"] == {"gqa_group_size": 2, "replica_group": [[0, 4], [1, 5], [2, 6], [3, 7]],
                              "q_layout": layout}
     assert cfg["input_names"] == ["input", "iota_workers", "gathered_buf"]

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_nkilib
-from jax_nkilib._src.parallel.collectives import (
+from jax_nkilib._src.collectives.hbm_collectives import (
     all_gather_hbm_kernel,
     all_reduce_hbm_kernel,
     all_to_all_hbm_kernel,

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
-from jax_nkilib._src.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from jax_nkilib._src.sharding.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from tests.support.data import random
 from tests.support.hlo import compiled_collectives
 from tests.support.numerics import assert_close, assert_no_worse_than_plain, f64

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_nkilib
-from jax_nkilib._src.parallel.layouts import LAYOUTS, from_ring_layout, to_ring_layout, token_positions
-from jax_nkilib._src.parallel.ring_attention import _plan, _Ring, ring_attention
+from jax_nkilib._src.sharding.sequence_layouts import LAYOUTS, from_ring_layout, to_ring_layout, token_positions
+from jax_nkilib._src.ops.ring_attention import _plan, _Ring, ring_attention
 from tests.support.data import random
 from tests.support.hlo import compiled_collectives
 from tests.support.numerics import assert_close

@@ -16,8 +16,9 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_nkilib
-from jax_nkilib._src.parallel.ring_kernels import (ring_attention_spmd_bwd, ring_attention_spmd_fwd,
-                                                   ring_attention_unpermute)
+from jax_nkilib._src.attention.ring_attention_bwd import ring_attention_spmd_bwd
+from jax_nkilib._src.attention.ring_attention_fwd import ring_attention_spmd_fwd
+from jax_nkilib._src.attention.ring_attention_unpermute import ring_attention_unpermute
 from jax_nkilib.neuron import NeuronFallbackWarning
 from tests.support.hlo import kernel_configs, neuron_text, operations
 from tests.support.numerics import assert_close

@@ -24,7 +24,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
-from jax_nkilib._src.parallel.auto import RULES
+from jax_nkilib._src.sharding.auto import RULES
 from tests.support.data import angles, random
 from tests.support.hlo import manual_computations
 from tests.support.isolation import time_limit

@@ -15,7 +15,7 @@ from jax.test_util import check_grads
 
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
-from jax_nkilib._src.quant.fp8_tiles import pre_combine_dequant_scales, row_quantization, static_quantization
+from jax_nkilib._src.quant.fp8_quantize import pre_combine_dequant_scales, row_quantization, static_quantization
 from tests.support.hlo import kernel_configs, neuron_text, operations
 from tests.support.sharding import mesh_1d, shard
 

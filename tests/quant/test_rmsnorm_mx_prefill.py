@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
-from jax_nkilib._src.quant.rmsnorm_mx_prefill import RouterActFnType, rmsnorm_mx_prefill, swizzle_router_weights
+from jax_nkilib._src.norm.rmsnorm_mx_prefill import RouterActFnType, rmsnorm_mx_prefill, swizzle_router_weights
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text
 from tests.support.numerics import assert_close
 from tests.support.sharding import mesh_1d, shard

@@ -8,7 +8,7 @@ runs under ``lax.map`` over the vmapped axis with the unbatched operands closed 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 from jax import lax

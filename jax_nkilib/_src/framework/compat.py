@@ -11,7 +11,8 @@ import concurrent.futures
 import functools
 import importlib
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -191,7 +192,7 @@ def _power_of_two(k, dtype):
     return jax.lax.bitcast_convert_type((k + (info.maxexp - 1)).astype(unsigned) << info.nmant, dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cast_rounds_once(source, dtype) -> bool:
     """Whether XLA's CPU conversion from ``source`` to ``dtype`` rounds once, probed on a value that float16 rounds
     onto an FP8 midpoint. Run eagerly on the CPU backend (the one the JAX references execute on); where the CPU
@@ -220,7 +221,7 @@ def _probe_mesh(*names: str):
     return jax.make_mesh((1,) * len(names), names, axis_types=(AxisType.Explicit,) * len(names))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def scatter_add_has_sharding_rule() -> bool:
     """Whether a scatter-add of explicitly sharded updates into an array with no mesh infers its output sharding.
 
@@ -243,7 +244,7 @@ def scatter_add_has_sharding_rule() -> bool:
     return _outside_any_trace(probe)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def shard_map_batches_explicit_axes() -> bool:
     """Whether ``jax.vmap`` of a ``jax.shard_map`` can map an axis split over an explicit mesh axis the shard_map
     leaves alone.

@@ -10,7 +10,7 @@ follows the platform, 2 on Trainium2 and later) and the policy is ``"fallback"``
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from . import compat, platform
 from .platform import LNC_DEGREES, PLATFORM_TARGETS

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .layout import Dim, Layout, parse_dim
 from .spec import KernelSpec, Output
@@ -101,7 +102,7 @@ class ParamLayoutOutput(Output):
 
     @classmethod
     def from_params(cls, name: str, layout_fn: Callable[[Mapping[str, Any]], str], dtype_of: str,
-                    present_if: str | None = None) -> "ParamLayoutOutput":
+                    present_if: str | None = None) -> ParamLayoutOutput:
         return cls(name, None, dtype_of, present_if=present_if, layout_fn=layout_fn)
 
     def layout_for(self, params: Mapping[str, Any]) -> Layout | None:

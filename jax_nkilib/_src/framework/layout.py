@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 _NAME = re.compile(r"^[A-Za-z_]\w*$")
 _DIVIDED = re.compile(r"^([A-Za-z_]\w*)/(\d+)$")
@@ -64,7 +64,7 @@ class Layout:
     dims: tuple[Dim, ...]
 
     @classmethod
-    def parse(cls, text: str) -> "Layout":
+    def parse(cls, text: str) -> Layout:
         return cls(text, tuple(parse_dim(token) for token in text.split(",")))
 
     @property

@@ -14,7 +14,7 @@ target or LNC degree); ``jax_nkilib.config(target=..., lnc=...)`` overrides them
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 PLATFORM_TARGET_ENV_VAR = "NEURON_PLATFORM_TARGET_OVERRIDE"
 LNC_ENV_VAR = "NEURON_LOGICAL_NC_CONFIG"

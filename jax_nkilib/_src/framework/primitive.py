@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +30,18 @@ from jax.interpreters import mlir
 from . import batching, compat, registry, runtime_checks, views
 from .spec import KernelSpec
 from .validation import check_call, check_derived, normalize_params, output_avals, split_arguments
-from ..neuron.lowering import neuron_lowering_rule
 
 REFERENCE_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+# The Neuron lowering sits in the layer above the framework (``jax_nkilib._src.neuron``), which registers its rule
+# builder here when it is imported (``jax_nkilib._src`` imports it first): builder(spec, reference_rule) -> rule.
+_neuron_rule_builder: Callable | None = None
+
+
+def register_neuron_lowering(builder: Callable) -> None:
+    """Set the builder of every kernel's Neuron lowering rule (called once, by ``jax_nkilib._src.neuron``)."""
+    global _neuron_rule_builder
+    _neuron_rule_builder = builder
 
 # A VJP rule is either a backward function
 #     rule(kernel, operands, params, outputs, cotangents) -> {operand name: cotangent or None}
@@ -232,7 +242,9 @@ class Kernel:
         # Cacheable like any lowering: everything the rule reads (LNC, target, policy, dry run) is in the params or
         # the jit key. (An uncacheable rule breaks multi-platform jax.export; the price is that a fallback warning
         # names the first of several identical call sites in one module.)
-        neuron_rule = neuron_lowering_rule(self.spec, reference_rule)
+        if _neuron_rule_builder is None:  # a packaging bug: jax_nkilib._src imports the neuron layer first
+            raise RuntimeError("jax_nkilib._src.neuron must be imported before any kernel is made")
+        neuron_rule = _neuron_rule_builder(self.spec, reference_rule)
         mlir.register_lowering(prim, neuron_rule)
         if compat.is_known_platform("neuron"):
             mlir.register_lowering(prim, neuron_rule, platform="neuron")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -81,14 +82,14 @@ class Operand:
 
     @classmethod
     def of(cls, name: str, *layouts: str, dtypes: Sequence = FLOAT_DTYPES, optional: bool = False,
-           doc: str = "", device_dtype: DeviceDtype | None = None) -> "Operand":
+           doc: str = "", device_dtype: DeviceDtype | None = None) -> Operand:
         return cls(name, _layouts(layouts), tuple(jnp.dtype(d) for d in dtypes), optional, doc,
                    device_dtype=device_dtype)
 
     @classmethod
     def switched(cls, name: str, param: str | tuple[str, ...], cases: Mapping[Any, Any], *,
                  dtypes: Sequence = FLOAT_DTYPES, optional: bool = False, doc: str = "",
-                 device_dtype: DeviceDtype | None = None) -> "Operand":
+                 device_dtype: DeviceDtype | None = None) -> Operand:
         """An operand whose layout the static flag ``param`` selects: ``cases`` maps flag values to layouts (with a
         tuple of flags, tuples of their values)."""
         switch = _switch(param, cases)
@@ -198,16 +199,16 @@ class Output:
     present_if: str | None = None
 
     @classmethod
-    def of(cls, name: str, layout: str, dtype_of: str, present_if: str | None = None) -> "Output":
+    def of(cls, name: str, layout: str, dtype_of: str, present_if: str | None = None) -> Output:
         return cls(name, Layout.parse(layout), dtype_of, present_if=present_if)
 
     @classmethod
-    def switched(cls, name: str, param: str, cases: Mapping[Any, str], dtype_of: str) -> "Output":
+    def switched(cls, name: str, param: str, cases: Mapping[Any, str], dtype_of: str) -> Output:
         switch = _switch(param, cases)
         return cls(name, switch[1][0][1][0], dtype_of, switch=switch)
 
     @classmethod
-    def like_operand(cls, name: str, operand: str, present_if: str | None = None) -> "Output":
+    def like_operand(cls, name: str, operand: str, present_if: str | None = None) -> Output:
         return cls(name, None, operand, like=operand, present_if=present_if)
 
     def layout_for(self, params: Mapping[str, Any]) -> Layout | None:
@@ -226,9 +227,9 @@ class FoldPlan:
 
     axes: Mapping[str, int | None]
     outputs: tuple[int, ...] | Mapping[str, int]
-    when: Callable[["CallInfo"], bool] | None = None
+    when: Callable[[CallInfo], bool] | None = None
 
-    def output_axes(self, outputs: Sequence["Output"]) -> dict[str, int]:
+    def output_axes(self, outputs: Sequence[Output]) -> dict[str, int]:
         """Output name -> axis (``outputs`` positional over the spec's outputs, or already by name)."""
         if isinstance(self.outputs, Mapping):
             return dict(self.outputs)

@@ -7,7 +7,8 @@ names the function, the argument, the expected layout or values, and what was gi
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np

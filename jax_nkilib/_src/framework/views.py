@@ -16,7 +16,7 @@ output, the order of the kernel layout's dimension names in which it is given, e
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 

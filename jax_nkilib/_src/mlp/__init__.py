@@ -1,2 +1,2 @@
-"""The MLP family: the ``mlp`` NKI kernel (layer 1, ``kernel``), its math (``math``) and ``jax_nkilib.mlp``
-(layer 2, ``ops``)."""
+"""The MLP kernels (layer 1): ``mlp`` (CTE/TKG dispatch, FP8 and MX weights) and the MXFP8 SwiGLU pair
+``mlp_forward_mxfp8_nki`` / ``mlp_backward_mxfp8_nki``, with their references."""

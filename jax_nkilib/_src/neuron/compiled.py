@@ -12,7 +12,8 @@ import base64
 import dataclasses
 import json
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np

@@ -19,7 +19,8 @@ import dataclasses
 import enum
 import importlib
 import inspect
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 

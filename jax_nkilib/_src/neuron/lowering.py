@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 from jax import export, lax
 from jax.interpreters import mlir

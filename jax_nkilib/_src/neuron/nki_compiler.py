@@ -37,8 +37,15 @@ import numpy as np
 
 from ..framework.spec import CallInfo, KernelSpec
 from .compiled import CompiledKernel
-from .kernel_arguments import (TensorArgument, adapter_values, call_arguments, in_signature_order, is_adapter,
-                               library_values, nki_dtype)
+from .kernel_arguments import (
+    TensorArgument,
+    adapter_values,
+    call_arguments,
+    in_signature_order,
+    is_adapter,
+    library_values,
+    nki_dtype,
+)
 from .sdk import NkiApiError, import_entry_point, probe
 
 ARTIFACTS_ENV_VAR = "JAX_NKILIB_ARTIFACTS_DIR"

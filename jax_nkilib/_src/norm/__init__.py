@@ -1,2 +1,3 @@
-"""Normalization and FP8 quantization kernels: ``rmsnorm_quant_kernel``, ``rmsnorm_tkg``, ``layernorm_tkg`` (layer 1)
-and ``rms_norm``, ``layer_norm``, ``quantize_fp8``, ``dequantize_fp8`` (layer 2)."""
+"""The normalization kernels (layer 1): ``rmsnorm_tkg``, ``layernorm_tkg``, ``rmsnorm_quant_kernel`` (RMSNorm + FP8),
+``rmsnorm_mx_quantize_tkg`` and ``rmsnorm_mx_prefill`` (RMSNorm + MXFP8), and the norm the projection and MLP kernels
+fuse (``fused_norm``)."""

@@ -50,13 +50,13 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ..common_types import DtypeMode, NormType, QuantizationType
-from ..framework.primitive import make_kernel
-from ..framework.spec import CallInfo, FoldPlan, accumulation_dtype, KernelSpec, Operand, Output, Param
-from ..quant.fp8 import fp8_max, saturate, scale_to_bytes
-from ..framework.dynamic_outputs import parse_layout as output_layout
 from ..framework import config
+from ..framework.common_types import DtypeMode, NormType, QuantizationType
+from ..framework.dynamic_outputs import parse_layout as output_layout
 from ..framework.platform import is_trn3
+from ..framework.primitive import make_kernel
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype
+from ..quant.fp8 import fp8_max, saturate, scale_to_bytes
 
 MODE_DTYPES = {DtypeMode.NON_OCP: jnp.dtype(jnp.float8_e4m3), DtypeMode.OCP: jnp.dtype(jnp.float8_e4m3fn)}
 MIN_DEQUANT_SCALE = 1e-6
@@ -236,7 +236,7 @@ RMSNORM_QUANT_SPEC = KernelSpec(
              "vjp": "JAX for residual_out; the quantized output has zero cotangents",
              "notes": "ROW packs the float32 scale into 4 trailing FP8 bytes (little-endian); dtype_mode AUTO "
                       "follows the platform target at trace time; Neuron: B <= 2, S <= 32768, H <= 16384; device "
-                      "adapter kernels/norm.py"},
+                      "adapter jax_nkilib_kernels/norm.py"},
 )
 
 

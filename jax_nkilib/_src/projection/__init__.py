@@ -1,3 +1,2 @@
-"""Projections around attention: ``qkv`` (fused residual add, norm, QKV matmul, RoPE and KV-cache write),
-``output_projection_cte`` and ``output_projection_tkg`` (layer 1), and ``qkv_projection`` / ``output_projection``
-(layer 2)."""
+"""The projection kernels around attention (layer 1): ``qkv`` (fused residual add, norm, QKV matmul, RoPE and
+KV-cache write), ``output_projection_cte`` and ``output_projection_tkg``, with their references."""

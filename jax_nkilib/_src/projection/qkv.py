@@ -40,15 +40,15 @@ import functools
 
 import jax.numpy as jnp
 
-from ..common_types import NormType, QKVOutputLayout, QKVWeightLayout, QuantizationType
+from ..framework.common_types import NormType, QKVOutputLayout, QKVWeightLayout, QuantizationType
+from ..framework.dynamic_outputs import ParamLayoutOutput, SelectedOutputsSpec
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, Operand, Output, Param
 from ..framework.validation import normalize_params, split_arguments
-from ..framework.dynamic_outputs import ParamLayoutOutput, SelectedOutputsSpec
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
-from .numerics import differentiable_vjp
-from .output_math import NOT_BOUND_FORMATS
-from .qkv_math import TKG_MAX_SEQ, TKG_MAX_TOKENS, head_dim, reference_qkv, uses_tkg
+from .matmul_numerics import differentiable_vjp
+from .output_projection_reference import NOT_BOUND_FORMATS
+from .qkv_reference import TKG_MAX_SEQ, TKG_MAX_TOKENS, head_dim, reference_qkv, uses_tkg
 
 ENTRY_POINT = "nkilib.core.qkv.qkv:qkv"
 _F32 = (jnp.float32,)

@@ -1,1 +1,2 @@
-"""Quantization formats shared by the NKI Library's quantized kernels (MX block scaling, FP8 packing)."""
+"""Quantization (layer 1 and shared numerics): FP8 and MX formats (``fp8``, ``mx``), the FP8 tile helpers
+(``fp8_quantize``), ``quantize_block_mxfp8_kernel``, ``matmul_mxfp8`` and its backward, and ``QuantizedWeight``."""

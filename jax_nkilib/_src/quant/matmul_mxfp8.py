@@ -12,7 +12,7 @@ rounded to ``output_dtype``), each operand MX-quantized along K (golden ``matmul
   :func:`~jax_nkilib._src.quant.mx.swizzle_mx`, blocks of 32 consecutive K);
 * pre-quantized: fp8 ``[K/4, 4M]`` of ``float8_dtype`` (the swizzled elements, as ``quantize_block_mxfp8_kernel``
   returns them) with ``*_scales`` e8m0 bytes ``[K/4, M]``, or packed ``[ceil(K/2048)*128, M]`` when
-  ``use_scale_packing`` (layouts in :mod:`~jax_nkilib._src.quant.quantize_mxfp8`); ``*_is_swizzled`` must be True.
+  ``use_scale_packing`` (layouts in :mod:`~jax_nkilib._src.quant.quantize_block_mxfp8`); ``*_is_swizzled`` must be True.
   Scales are uint8 or ``float8_e8m0fnu``; on Neuron pass uint8 (bitcast), as no Neuron operand may be e8m0.
 
 Quantization: ``E`` the block's largest biased float32 exponent, element ``fp8(x * 2**(127 + emax - E))`` (nearest
@@ -42,7 +42,7 @@ kernels read bfloat16).
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -51,7 +51,7 @@ from jax import lax
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, FOLLOW_LNC, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from . import mx
-from .quantize_mxfp8 import FP8_NAMES, MIN_K, SCALE_DTYPES, DtypeOr, Float8Name, scale_bytes
+from .quantize_block_mxfp8 import FP8_NAMES, MIN_K, SCALE_DTYPES, DtypeOr, Float8Name, scale_bytes
 
 SCHEMES = ("wrapX", "1x32")
 TILE_LOOP_ORDERS = ("mnk", "nmk", "mkn")

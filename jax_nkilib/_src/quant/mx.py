@@ -318,7 +318,7 @@ def wrapx_tiles(k: int) -> tuple[tuple[int, int], ...]:
     return tuple(tiles)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def wrapx_index(k: int):
     """numpy int ``[k // 4, 4]``: the K index that wrapX swizzled row ``r``, lane ``j`` holds."""
     import numpy as np

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..framework import registry
-from ..parallel.auto import RULES
+from ..sharding.auto import RULES
 from .catalog import CATALOG
 
 README_START = "<!-- support-matrix:start -->"
@@ -84,7 +84,7 @@ def markdown_table(rows: list[KernelSupport] | None = None) -> str:
 
 
 def sharding_table() -> str:
-    """The idiomatic ops' automatic sharding (``jax_nkilib._src.parallel.auto``), one row per op."""
+    """The idiomatic ops' automatic sharding (``jax_nkilib._src.sharding.auto``), one row per op."""
     header = ["Automatic sharding of the idiomatic ops (explicit mesh axes; see \"Sharding\" below):", "",
               "| op | sharded with no communication | sharded with a collective | notes |", "|---|---|---|---|"]
     lines = []

@@ -1,0 +1,245 @@
+"""The NKI Library's HBM collective kernels (catalog row 59, ``experimental/collectives/collectives.py``, docs-only).
+
+Called inside ``jax.shard_map``: ``replica_group`` names the mesh axes whose devices form each rank list (a name
+or a tuple of names; on Neuron it becomes the kernel's ``ReplicaGroup`` of global ranks, the devices' positions in
+the mesh's flattened order). With ``G`` ranks per group, on each rank ``r`` (``x_s`` is rank ``s``'s ``input``):
+
+* ``all_reduce_hbm_kernel(input, replica_group) -> out``: ``sum_s x_s``, same shape and dtype (any rank 1-4).
+* ``all_gather_hbm_kernel(input [H, W], replica_group, num_ranks) -> out [num_ranks * H, W]``: the ranks' inputs
+  concatenated along dim 0 in group order (``num_ranks = G``).
+* ``reduce_scatter_hbm_kernel(input [H, W], replica_group, num_ranks) -> out [H / num_ranks, W]``: block ``r`` (of
+  ``num_ranks`` along dim 0) of ``sum_s x_s``.
+* ``all_to_all_hbm_kernel(input, replica_group) -> out``: dim 0 cut in ``G`` blocks, block ``s`` of the output is
+  block ``r`` of ``x_s`` (rank 1-4, dim 0 divisible by ``G``).
+* ``rank_id_kernel(in_tensor [R, H, W]) -> out [H, W]``: ``in_tensor[rank]``, ``rank`` = this device's global rank
+  (``ncc.rank_id()``). ``dma_copy_rank_id_kernel(in_tensor, rank_id_lookup [1, R] int32)`` reads
+  ``in_tensor[rank_id_lookup[0, rank]]``. Both need ``jax.shard_map`` over every axis of the mesh (the rank is the
+  position among all of its devices); an index outside ``[0, R)`` is clamped (undefined on the device).
+
+Dtypes: floating inputs (float32, bfloat16, float16; float64 runs the reference only); outputs in the input dtype.
+Sharding types: every operand is marked varying over the communicating axes (over every mesh axis for the rank
+kernels) before the call, and every output varies over them, whether or not its values are equal across ranks (an
+all-reduced ``out`` is): give ``out_specs`` that split over those axes, or sum/slice as the program needs.
+
+Autodiff (JAX rules that bind these kernels, so reverse mode on Neuron runs collective kernels too): the VJP of
+all_reduce is all_reduce, all_gather and reduce_scatter are each other's transpose, all_to_all is its own; the
+rank kernels scatter the cotangent back to row ``rank`` (a replicated ``in_tensor`` gets the sum over ranks).
+``rank_id_lookup`` is an integer table: no gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..framework import compat
+from ..framework.dynamic_outputs import FormulaDim
+from ..framework.layout import Layout, parse_dim
+from ..framework.primitive import Kernel, Vjp, reference_vjp
+from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+
+ANY_RANK = ("d0", "d0, d1", "d0, d1, d2", "d0, d1, d2, d3")
+LIBRARY_MODULE = "nkilib.experimental.collectives.collectives"
+
+
+def output_layout(*tokens: str) -> Layout:
+    """An output layout whose tokens may be products/quotients of dims and int params (``H/num_ranks``)."""
+    return Layout(", ".join(tokens), tuple(FormulaDim(t, None) if "/" in t or "*" in t else parse_dim(t)
+                                           for t in tokens))
+
+
+def group_axes(names: tuple[str, ...]):
+    """Mesh axis names as JAX collectives take them (one name, or a tuple of several)."""
+    return names if len(names) > 1 else names[0]
+
+
+def mesh_axes(function: str) -> tuple[str, ...]:
+    """Every axis of the mesh of the enclosing ``jax.shard_map``, which must be manual over all of them."""
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(getattr(mesh, "axis_names", ()) or ())
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    if not names or set(names) - manual:
+        raise ValueError(f"{function}: the rank is this device's position among all devices of the mesh: call it "
+                         f"inside jax.shard_map over every mesh axis (mesh axes {names}, manual {tuple(manual)})")
+    return names
+
+
+def global_rank(function: str):
+    """This device's global rank: its position in the mesh's flattened device order (``ncc.rank_id()``)."""
+    return lax.axis_index(group_axes(mesh_axes(function)))
+
+
+class CollectiveKernel(Kernel):
+    """A kernel whose operands take part in a collective over ``axes(spec, params, operands)``: they are marked
+    varying over those mesh axes before the call, so the outputs' sharding types say that they vary over them."""
+
+    def __init__(self, spec: KernelSpec, axes: Callable[[KernelSpec, Mapping, Mapping], tuple[str, ...]], vjp=None):
+        self.axes = axes
+        super().__init__(spec, vjp)
+
+    def call(self, operands, params, view=None, derived=None):
+        axes = self.axes(self.spec, params, operands)
+        if axes:
+            varying = lax.axis_index(group_axes(axes))  # a value varying over exactly these axes
+            operands = {name: None if value is None else compat.varying_like(jnp.asarray(value), varying)
+                        for name, value in operands.items()}
+        return super().call(operands, params, view, derived)
+
+
+def require_replica_group(function: str, params: Mapping) -> tuple[str, ...]:
+    """The ``replica_group`` axes, which every collective kernel call must name."""
+    if params["replica_group"] is None:
+        raise ValueError(f"{function}: `replica_group` is required: the mesh axis name(s) whose devices form each "
+                         "rank list (inside jax.shard_map)")
+    return params["replica_group"]
+
+
+def replica_group_axes(spec: KernelSpec, params: Mapping, operands: Mapping) -> tuple[str, ...]:
+    return require_replica_group(spec.public_name, params)
+
+
+def every_mesh_axis(spec: KernelSpec, params: Mapping, operands: Mapping) -> tuple[str, ...]:
+    return mesh_axes(spec.public_name)
+
+
+# ------------------------------------------------------------------------------------------------------ references
+def reference_all_reduce(input, *, replica_group):
+    return (lax.psum(input, group_axes(replica_group)),)
+
+
+def reference_all_gather(input, *, replica_group, num_ranks):
+    return (lax.all_gather(input, group_axes(replica_group), axis=0, tiled=True),)
+
+
+def reference_reduce_scatter(input, *, replica_group, num_ranks):
+    return (lax.psum_scatter(input, group_axes(replica_group), scatter_dimension=0, tiled=True),)
+
+
+def reference_all_to_all(input, *, replica_group):
+    return (lax.all_to_all(input, group_axes(replica_group), 0, 0, tiled=True),)
+
+
+def reference_rank_id(in_tensor):
+    return (lax.dynamic_index_in_dim(in_tensor, global_rank("rank_id_kernel"), keepdims=False),)
+
+
+def reference_dma_copy_rank_id(in_tensor, rank_id_lookup):
+    row = lax.dynamic_index_in_dim(rank_id_lookup[0], global_rank("dma_copy_rank_id_kernel"), keepdims=False)
+    return (lax.dynamic_index_in_dim(in_tensor, row, keepdims=False),)
+
+
+# ---------------------------------------------------------------------------------------------------------- checks
+def check_group(call: CallInfo, with_num_ranks: bool = False) -> int:
+    """The group size; ``num_ranks``, when the kernel takes it, must equal it."""
+    p, function = call.params, call.function
+    size = compat.bound_axis_size(require_replica_group(function, p))
+    if with_num_ranks:
+        if p["num_ranks"] is None or p["num_ranks"] <= 0:
+            raise ValueError(f"{function}: `num_ranks` is required and must be positive; got {p['num_ranks']!r}")
+        if size is not None and size != p["num_ranks"]:
+            raise ValueError(f"{function}: num_ranks={p['num_ranks']} but the replica group {p['replica_group']} "
+                             f"has {size} ranks")
+    return size
+
+
+def _check_reduce_scatter(call: CallInfo) -> None:
+    check_group(call, with_num_ranks=True)
+    rows = call.dims["H"]
+    if rows % call.params["num_ranks"]:
+        raise ValueError(f"{call.function}: input [H, W] has H={rows} rows, which do not split into "
+                         f"num_ranks={call.params['num_ranks']} equal blocks")
+
+
+def _check_all_to_all(call: CallInfo) -> None:
+    size = check_group(call)
+    rows = call.dims["d0"]
+    if size is not None and rows % size:
+        raise ValueError(f"{call.function}: input dim 0 ({rows}) does not split into one block per rank of the "
+                         f"replica group ({size} ranks)")
+
+
+def _check_rank_table(call: CallInfo) -> None:
+    ranks = compat.bound_axis_size(mesh_axes(call.function))
+    if call.avals.get("rank_id_lookup") is not None and call.dims["R_lookup"] < ranks:
+        raise ValueError(f"{call.function}: rank_id_lookup [1, R] needs an entry for each of the {ranks} ranks; "
+                         f"got R={call.dims['R_lookup']}")
+
+
+# ------------------------------------------------------------------------------------------------------------- VJPs
+def transpose_vjp(transpose: Callable[[], Kernel]) -> Vjp:
+    """The VJP of a linear collective: its cotangent goes through the transposed kernel (same params)."""
+
+    def forward(kernel, operands, params):
+        return kernel.call(operands, params), None
+
+    def backward(kernel, residuals, params, cotangents):
+        return {"input": transpose().call({"input": cotangents[0]}, params)[0]}
+
+    return Vjp(forward, backward)
+
+
+def _group_kernel(name: str, operands, params, outputs, reference, check, fold_plans, notes: str,
+                  transpose: Callable[[], Kernel], notes_extra: str = "") -> CollectiveKernel:
+    spec = KernelSpec(
+        name=name, entry_point=f"{LIBRARY_MODULE}:{name}", operands=operands, params=params, outputs=outputs,
+        reference=reference, check=check, fold_plans=fold_plans, has_collectives=True, family="collectives",
+        catalog="row 59",
+        support={"vjp": "JAX rule binding " + notes,
+                 "shard_map": "inside jax.shard_map only: replica_group names the mesh axes of each rank list",
+                 "notes": "docs-only kernel (2.30+); the rank lists reach it as an nki.collectives.ReplicaGroup"
+                          + notes_extra})
+    return CollectiveKernel(spec, replica_group_axes, transpose_vjp(transpose))
+
+
+GROUP = Param("replica_group", None, "axis", "mesh axis name(s) of each rank list", required=True)
+NUM_RANKS = Param("num_ranks", None, int, "ranks per group (the replica group's size)", required=True)
+
+all_reduce_hbm_kernel = _group_kernel(
+    "all_reduce_hbm_kernel", (Operand.of("input", *ANY_RANK),), (GROUP,), (Output.like_operand("out", "input"),),
+    reference_all_reduce, check_group, (FoldPlan({"input": 0}, outputs=(0,)),),
+    "all_reduce_hbm_kernel (its own transpose)", lambda: all_reduce_hbm_kernel)
+
+all_gather_hbm_kernel = _group_kernel(
+    "all_gather_hbm_kernel", (Operand.of("input", "H, W"),), (GROUP, NUM_RANKS),
+    (Output("out", output_layout("num_ranks*H", "W"), "input"),),
+    reference_all_gather, lambda call: check_group(call, with_num_ranks=True),
+    (FoldPlan({"input": 1}, outputs=(1,)),), "reduce_scatter_hbm_kernel", lambda: reduce_scatter_hbm_kernel)
+
+reduce_scatter_hbm_kernel = _group_kernel(
+    "reduce_scatter_hbm_kernel", (Operand.of("input", "H, W"),), (GROUP, NUM_RANKS),
+    (Output("out", output_layout("H/num_ranks", "W"), "input"),),
+    reference_reduce_scatter, _check_reduce_scatter, (FoldPlan({"input": 1}, outputs=(1,)),),
+    "all_gather_hbm_kernel", lambda: all_gather_hbm_kernel)
+
+all_to_all_hbm_kernel = _group_kernel(
+    "all_to_all_hbm_kernel", (Operand.of("input", *ANY_RANK),), (GROUP,), (Output.like_operand("out", "input"),),
+    reference_all_to_all, _check_all_to_all,
+    (FoldPlan({"input": 1}, outputs=(1,), when=lambda call: call.avals["input"].ndim > 1),),
+    "all_to_all_hbm_kernel (its own inverse)", lambda: all_to_all_hbm_kernel,
+    "; the library tests it with 4 ranks at LNC2 or 8 at LNC1 (its mesh algorithm)")
+
+
+def _rank_kernel(name: str, operands, reference, fold_plans, notes: str) -> CollectiveKernel:
+    spec = KernelSpec(
+        name=name, entry_point=f"{LIBRARY_MODULE}:{name}", operands=operands, params=(),
+        outputs=(Output.of("out", "H, W", "in_tensor"),), reference=reference, check=_check_rank_table,
+        fold_plans=fold_plans, has_collectives=True, family="collectives", catalog="row 59",
+        support={"vjp": "JAX (the cotangent goes back to row `rank` of in_tensor)",
+                 "shard_map": "inside jax.shard_map over every mesh axis (the rank is the global device position)",
+                 "notes": notes})
+    return CollectiveKernel(spec, every_mesh_axis, reference_vjp)
+
+
+rank_id_kernel = _rank_kernel(
+    "rank_id_kernel", (Operand.of("in_tensor", "R, H, W"),), reference_rank_id,
+    (FoldPlan({"in_tensor": 1}, outputs=(0,)),),
+    "docs-only kernel (2.30+): out = in_tensor[ncc.rank_id()]; has_collectives assumed")
+
+dma_copy_rank_id_kernel = _rank_kernel(
+    "dma_copy_rank_id_kernel",
+    (Operand.of("in_tensor", "R, H, W"), Operand.of("rank_id_lookup", "1, R_lookup", dtypes=INT_DTYPES)),
+    reference_dma_copy_rank_id, (FoldPlan({"in_tensor": 1, "rank_id_lookup": None}, outputs=(0,)),),
+    "docs-only kernel (2.30+): out = in_tensor[rank_id_lookup[0, ncc.rank_id()]]; has_collectives assumed")

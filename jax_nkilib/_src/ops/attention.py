@@ -1,0 +1,341 @@
+"""Attention in JAX layouts: ``jax_nkilib.attention`` (prefill, on ``attention_cte``) and
+``jax_nkilib.decode_attention`` (a few new tokens against a KV cache, on ``attention_tkg``)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..attention.attention_cte import attention_cte
+from ..attention.attention_tkg import attention_tkg, valid_block_entries
+from ..attention.checks import check_qkv_layout, require_float_dtypes, require_nonempty
+from ..framework.runtime_checks import check_all
+from ..framework.validation import static_float, static_int
+from ..sharding import auto
+
+_WHERE = "jax_nkilib.attention"
+
+
+def _heads_into_batch(x):
+    """[batch, S, H, d] -> [batch * H, S, d] (row b * H + h)."""
+    batch, seq, heads, d = x.shape
+    return jnp.transpose(x, (0, 2, 1, 3)).reshape(batch * heads, seq, d)
+
+
+def _check(q, k, v, sinks, prefix, causal, scale, sliding_window):
+    """Validate :func:`attention`'s arguments; returns the static ``(scale, sliding_window, prior_len)`` as Python
+    values (``prior_len`` an int when static, else an int32 array of shape ``(1,)``; ``None`` without a prefix)."""
+    check_qkv_layout(_WHERE, q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"{_WHERE}: `causal` must be a Python bool; got {causal!r}")
+    scale = None if scale is None else static_float(_WHERE, "scale", scale)
+    if sliding_window is not None:
+        sliding_window = static_int(_WHERE, "sliding_window", sliding_window, minimum=1)
+        if not causal:
+            raise ValueError(f"{_WHERE}: sliding_window needs causal=True; got sliding_window={sliding_window}, "
+                             f"causal={causal}")
+    if sinks is not None:
+        if not hasattr(sinks, "shape"):
+            raise TypeError(f"{_WHERE}: `sinks` must be an array [heads] or [batch, heads]; got "
+                            f"{type(sinks).__name__}")
+        if jnp.shape(sinks) not in ((q.shape[2],), (q.shape[0], q.shape[2])):
+            raise ValueError(f"{_WHERE}: `sinks` must be [heads] or [batch, heads] = ({q.shape[2]},) or "
+                             f"{q.shape[:1] + q.shape[2:3]}; got {jnp.shape(sinks)}")
+        require_float_dtypes(_WHERE, {"sinks": sinks}, same=False)
+    prior_len = None
+    if prefix is not None:
+        if not (isinstance(prefix, (tuple, list)) and len(prefix) == 3):
+            raise TypeError(f"{_WHERE}: `prefix` must be (k_prior, v_prior, prior_len)")
+        k_prior, v_prior, prior_len = prefix
+        for name, x in (("k_prior", k_prior), ("v_prior", v_prior)):
+            if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+                raise TypeError(f"{_WHERE}: prefix {name} must be an array [batch, prior_len_max, kv_heads, "
+                                f"head_dim]; got {type(x).__name__}")
+        if jnp.shape(k_prior) != jnp.shape(v_prior) or jnp.ndim(k_prior) != 4 or \
+                (jnp.shape(k_prior)[0],) + tuple(jnp.shape(k_prior)[2:]) != (k.shape[0],) + k.shape[2:]:
+            raise ValueError(f"{_WHERE}: prefix k_prior/v_prior must be [batch, prior_len_max, kv_heads, head_dim] "
+                             f"matching k {k.shape}; got {jnp.shape(k_prior)} and {jnp.shape(v_prior)}")
+        require_nonempty(_WHERE, "k_prior", k_prior, ("batch", "prior_len_max", "kv_heads", "head_dim"))
+        require_float_dtypes(_WHERE, {"q": q, "k_prior": k_prior, "v_prior": v_prior}, same=True)
+        prior_len = _prior_len(prior_len, k_prior.shape[1])
+    return scale, sliding_window, prior_len
+
+
+def _prior_len(value, max_prior: int):
+    """A static prior length as a checked Python int, or a run-time one as an int32 ``(1,)`` array."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return static_int(_WHERE, "prefix prior_len", value, maximum=max_prior)
+    if not hasattr(value, "dtype") or not jnp.issubdtype(value.dtype, jnp.integer) or jnp.size(value) != 1:
+        raise TypeError(f"{_WHERE}: prefix prior_len must be an int or an integer array of one element (possibly "
+                        f"traced); got {getattr(value, 'dtype', type(value).__name__)} "
+                        f"{getattr(value, 'shape', value)!r}")
+    return jnp.asarray(value).astype(jnp.int32).reshape(1)
+
+
+ATTENTION_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.attention", free={"b": "batch", "n": "heads"},
+    collective={"s": ("sequence", "ring attention over the mesh axis (K/V blocks travel by ppermute; q, k and v "
+                      "split alike, contiguous layout; no sliding window, sinks or prefix)")},
+    note="query and kv heads split over the same mesh axis (kv_heads divisible by its size)"))
+DECODE_ATTENTION_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.decode_attention", free={"b": "batch", "n": "heads"},
+    note="with a block_table (paged caches shared by the batch) only heads shard"))
+
+
+def _plan_attention(q, k, v, sinks, prefix, sliding_window):
+    """The shard_map plan of :func:`attention`: batch and heads free; a sharded sequence selects ring attention."""
+    operands = [auto.Operand("q", q, "bsnd"), auto.Operand("k", k, "bsnd"), auto.Operand("v", v, "bsnd"),
+                auto.Operand("sinks", sinks, None if sinks is None else "bn"[2 - jnp.ndim(sinks):])]
+    operands.append(auto.Operand("prefix", None if prefix is None else tuple(prefix), ("b_nd", "b_nd", None)))
+    sharded = auto.plan(ATTENTION_SHARDING, operands)
+    if sharded and "s" in sharded.axes:
+        if sliding_window or sinks is not None or prefix is not None:
+            axis = auto.spec_entry(sharded.axes["s"])
+            raise ValueError(f"jax_nkilib.attention: a sequence sharded over mesh axis {axis!r} runs ring attention, "
+                             "which supports no sliding_window, sinks or prefix; replicate the sequence axis")
+    return sharded
+
+
+def attention(q, k, v, *, causal: bool = True, scale: float | None = None, sliding_window: int | None = None,
+              sinks=None, prefix=None):
+    """Multi-head attention ``softmax(scale * q k^T + mask [‖ sinks]) v`` for prefill.
+
+    Args:
+      q: ``[batch, seq_q, heads, head_dim]``.
+      k, v: ``[batch, seq_kv, kv_heads, head_dim]``; ``heads % kv_heads == 0`` (GQA/MQA: query head ``h`` uses kv
+        head ``h // (heads / kv_heads)``).
+      causal: query ``i`` sees keys at positions ``<= i``.
+      scale: defaults to ``1/sqrt(head_dim)``.
+      sliding_window: with ``causal``, query ``i`` sees only keys at positions ``> i - sliding_window``.
+      sinks: ``[heads]`` or ``[batch, heads]`` extra softmax logits (attention sinks), differentiable.
+      prefix: ``(k_prior, v_prior, prior_len)``: cached keys/values ``[batch, max_prior, kv_heads, head_dim]`` of
+        which the first ``prior_len`` (an int, possibly traced) precede ``k``/``v``; they sit at positions
+        ``-prior_len .. -1``, so every query sees them (within the sliding window).
+
+    Returns ``[batch, seq_q, heads, head_dim]`` in ``q``'s dtype; differentiable in ``q``, ``k``, ``v``, ``sinks``
+    and the prefix keys/values. Rows that see no key give 0. On Neuron this is the ``attention_cte`` kernel (and
+    ``attention_bwd`` in reverse mode); elsewhere a blockwise reference that never forms the score matrix.
+
+    NaN propagates as in ``jax.nn.dot_product_attention``: a NaN in a query row, in a key or value that row sees,
+    or in its sink makes the row's output (and gradients) NaN, never 0. Prefix slots at or past ``prior_len`` never
+    influence the result, whatever they hold (stale cache memory, NaN, inf). ``causal``, ``scale`` and
+    ``sliding_window`` are static (Python values, checked while tracing: ``scale`` a finite real, ``sliding_window``
+    an int in ``[1, 2**31 - 1]``); ``prior_len`` may be a run-time value: outside ``[0, prior_len_max]`` the whole
+    output is NaN (and ``jax_nkilib.config(runtime_checks=True)`` under ``jax.experimental.checkify`` reports it).
+    On Neuron the kernel loads every prefix slot and multiplies the values past ``prior_len`` by zero
+    probabilities, so NaN or inf garbage there would reach the output on the device (per the kernel's source;
+    not verified on Trainium).
+    """
+    scale, sliding_window, prior_len = _check(q, k, v, sinks, prefix, causal, scale, sliding_window)
+    sharded = _plan_attention(q, k, v, sinks, prefix, sliding_window)
+    if sharded:
+        def local(q, k, v, sinks, prefix, axes):
+            if "s" in axes:
+                from .ring_attention import ring_attention
+                return ring_attention(q, k, v, axis_name=auto.spec_entry(axes["s"]), causal=causal, layout="contiguous",
+                                      scale=scale)
+            return attention(q, k, v, causal=causal, scale=scale, sliding_window=sliding_window, sinks=sinks,
+                             prefix=prefix)
+        return sharded.run(local, "bsnd")
+    batch, seq_q, heads, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    q_rows = _heads_into_batch(q)
+    kernel_scale = scale
+    if sliding_window or prefix is not None:  # the kernel's contract: pre-scale q, pass scale=1.0
+        q_rows, kernel_scale = (q_rows * scale).astype(q.dtype), 1.0
+    sink = None
+    if sinks is not None:
+        sink = jnp.broadcast_to(jnp.asarray(sinks), (batch, heads)).reshape(batch * heads, 1).astype(q.dtype)
+    k_prior = v_prior = prior_used_len = None
+    if prefix is not None:
+        k_prior, v_prior = _heads_into_batch(jnp.asarray(prefix[0])), _heads_into_batch(jnp.asarray(prefix[1]))
+        prior_used_len = jnp.asarray(prior_len, jnp.int32).reshape(1)
+    out = attention_cte(q_rows, _heads_into_batch(k), _heads_into_batch(v), k_prior, v_prior, prior_used_len, sink,
+                        scale=kernel_scale, causal_mask=causal, sliding_window=sliding_window, tp_q=True, tp_k=True,
+                        tp_out=False)
+    out = jnp.transpose(out.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))
+    if prefix is not None and not isinstance(prior_len, int):  # a run-time length: out of range gives NaN
+        max_prior = k_prior.shape[1]
+        valid = (prior_len >= 0) & (prior_len <= max_prior)
+        check_all(valid, f"{_WHERE}: prefix prior_len = {{}} is outside [0, {max_prior}] (prior_len_max); the "
+                  "output is NaN", prior_len)
+        out = jnp.where(valid[0], out, jnp.nan)
+    return out
+
+
+_DECODE = "jax_nkilib.decode_attention"
+_DECODE_AXES = {"q": ("batch", "s_new", "heads", "head_dim"), "k_new": ("batch", "s_new", "kv_heads", "head_dim"),
+                "v_new": ("batch", "s_new", "kv_heads", "head_dim"), "cache_len": ("batch",),
+                "block_table": ("batch", "max_blocks")}
+
+
+def _as_arrays(named: dict) -> dict:
+    """The decode arguments as JAX arrays; ``TypeError`` naming the argument for anything that is not an array
+    (checked before ``jnp.asarray``, so ``None`` or a string gets this op's message, not JAX's)."""
+    arrays = {}
+    for name, x in named.items():
+        if x is None and name == "block_table":
+            arrays[name] = None
+        elif hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (str, bytes)):
+            arrays[name] = jnp.asarray(x)
+        else:
+            raise TypeError(f"{_DECODE}: `{name}` must be an array; got {type(x).__name__}")
+    return arrays
+
+
+def _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table) -> None:
+    paged = block_table is not None
+    cache_layout = "[num_blocks, kv_heads, block_len, d]" if paged else "[batch, kv_heads, max_len, d]"
+    for name, x, rank in (("q", q, 4), ("k_new", k_new, 4), ("v_new", v_new, 4), ("k_cache", k_cache, 4),
+                          ("v_cache", v_cache, 4), ("cache_len", cache_len, 1)):
+        if x.ndim != rank:
+            raise ValueError(f"{_DECODE}: `{name}` must have rank {rank}; got {x.shape} (q [batch, s_new, heads, d], "
+                             f"k_new/v_new [batch, s_new, kv_heads, d], caches {cache_layout}, cache_len [batch])")
+    cache_axes = ("num_blocks", "kv_heads", "block_len", "head_dim") if paged else ("batch", "kv_heads", "max_len",
+                                                                                  "head_dim")
+    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
+        require_nonempty(_DECODE, name, x, _DECODE_AXES.get(name, cache_axes))
+    require_float_dtypes(_DECODE, {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache,
+                                   "v_cache": v_cache}, same=False)
+    batch, s_new, heads, d = q.shape
+    if k_new.shape != v_new.shape or k_new.shape[:2] != (batch, s_new) or k_new.shape[3] != d:
+        raise ValueError(f"{_DECODE}: k_new/v_new must be [batch, s_new, kv_heads, d] matching q {q.shape}; got "
+                         f"{k_new.shape} and {v_new.shape}")
+    kv_heads = k_new.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"{_DECODE}: query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    lead = (k_cache.shape[0], kv_heads) if paged else (batch, kv_heads)
+    if k_cache.shape != v_cache.shape or k_cache.shape[:2] != lead or k_cache.shape[3] != d:
+        raise ValueError(f"{_DECODE}: k_cache/v_cache must be {cache_layout} with kv_heads={kv_heads}, d={d}; got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    if paged:
+        if block_table.ndim != 2 or block_table.shape[0] != batch \
+                or not jnp.issubdtype(block_table.dtype, jnp.integer):
+            raise ValueError(f"{_DECODE}: `block_table` must be an integer array [batch, max_blocks] with batch="
+                             f"{batch}; got {block_table.shape} {block_table.dtype}")
+        require_nonempty(_DECODE, "block_table", block_table, _DECODE_AXES["block_table"])
+    max_len = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    if max_len < 2 * s_new:
+        raise ValueError(f"{_DECODE}: the cache capacity {max_len} must leave room for the s_new={s_new} new tokens "
+                         "and the kernel's scratch tail")
+    if cache_len.shape != (batch,) or not jnp.issubdtype(cache_len.dtype, jnp.integer):
+        raise TypeError(f"{_DECODE}: `cache_len` must be an integer array [batch]; got {cache_len.shape} "
+                        f"{cache_len.dtype}")
+
+
+def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: float | None = None,
+                     block_table=None):
+    """Attention of ``s_new`` new tokens per sequence against a KV cache with per-sequence lengths.
+
+    Args:
+      q: ``[batch, s_new, heads, head_dim]``; new token ``i`` of sequence ``b`` has position ``cache_len[b] + i``.
+      k_new, v_new: ``[batch, s_new, kv_heads, head_dim]`` (``heads % kv_heads == 0``).
+      k_cache, v_cache: a flat cache ``[batch, kv_heads, max_len, head_dim]``, or with ``block_table`` a paged
+        cache ``[num_blocks, kv_heads, block_len, head_dim]``. The first ``cache_len[b]`` positions of sequence ``b``
+        are valid. The last ``s_new`` positions of the capacity are the kernel's scratch: keep
+        ``cache_len + s_new <= capacity - s_new``.
+      cache_len: int ``[batch]``, the tokens already cached per sequence (a runtime value).
+      scale: defaults to ``1/sqrt(head_dim)``; static (a finite Python real).
+      block_table: int ``[batch, max_blocks]``: sequence ``b``'s positions ``j * block_len ...`` live in block
+        ``block_table[b, j]`` (capacity ``max_blocks * block_len``). Every entry must name a block of the caches,
+        unused ones included (the kernel loads the whole table): pad with any valid block, e.g. 0.
+
+    Returns ``(out [batch, s_new, heads, head_dim], k_cache, v_cache)``: each new token attends to its sequence's
+    cached tokens and to the new tokens up to itself; the returned caches hold the new keys and values at positions
+    ``cache_len[b] + i`` (a functional update). On Neuron the attention is the NKI ``attention_tkg`` kernel with its
+    in-kernel position mask (``use_pos_id``) and, for a paged cache, its block KV cache.
+
+    Invalid run-time indices: a sequence ``b`` whose ``cache_len[b]`` is outside ``[0, capacity - 2 * s_new]`` or
+    whose ``block_table`` row names a block outside ``[0, num_blocks)`` writes nothing anywhere (both caches keep
+    their contents) and gets NaN output rows; the other sequences are unaffected. The kernel receives a harmless
+    length and table for such a row, so the device never reads out of bounds. Under
+    ``jax_nkilib.config(runtime_checks=True)``, ``jax.experimental.checkify.checkify(f,
+    errors=checkify.user_checks)`` reports the first invalid index as an error.
+
+    Cache slots past ``cache_len[b]`` (stale memory, e.g. an overflowed FP8 value) never influence the result off
+    Neuron. On Neuron the kernel loads them and multiplies their values by zero probabilities, so NaN or inf garbage
+    there would reach the output on the device (per the kernel's source; not verified on Trainium). NaN in ``q`` or
+    in a key or value a token sees makes that token's output NaN, as in ``jax.nn.dot_product_attention``.
+    """
+    arrays = _as_arrays(dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_len=cache_len,
+                             block_table=block_table))
+    q, k_new, v_new, k_cache, v_cache, cache_len, block_table = arrays.values()
+    _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table)
+    scale = None if scale is None else static_float(_DECODE, "scale", scale)
+    cache_dims = "bn_d" if block_table is None else "_n_d"
+    sharded = auto.plan(DECODE_ATTENTION_SHARDING, [
+        auto.Operand("q", q, "bsnd"), auto.Operand("k_new", k_new, "bsnd"), auto.Operand("v_new", v_new, "bsnd"),
+        auto.Operand("k_cache", k_cache, cache_dims), auto.Operand("v_cache", v_cache, cache_dims),
+        auto.Operand("cache_len", cache_len, "b"), auto.Operand("block_table", block_table, "b_")])
+    if sharded:
+        if block_table is not None and "b" in sharded.axes:
+            axis = auto.spec_entry(sharded.axes["b"])
+            raise ValueError("jax_nkilib.decode_attention: with a block_table the paged caches are shared by the "
+                             f"whole batch, so the batch cannot be split over mesh axis {axis!r}; shard the heads, or "
+                             "replicate the batch")
+        def local(q, k_new, v_new, k_cache, v_cache, cache_len, block_table, axes):
+            return decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, scale=scale,
+                                    block_table=block_table)
+        return sharded.run(local, ("bsnd", cache_dims, cache_dims))
+    batch, s_new, heads, d = q.shape
+    kv_heads = k_new.shape[2]
+    groups = heads // kv_heads
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[2]
+    lengths, table, valid = _valid_indices(cache_len, block_table, capacity, s_new, k_cache.shape[0])
+    rows = batch * kv_heads  # one kernel row per (sequence, kv head)
+    queries = (q * scale).astype(q.dtype).reshape(batch, s_new, kv_heads, groups, d)
+    queries = jnp.transpose(queries, (0, 2, 3, 1, 4)).reshape(rows, groups, s_new, d)
+    new_rows = lambda x: jnp.transpose(x, (0, 2, 1, 3)).reshape(rows, 1, s_new, d)  # noqa: E731
+    positions = jnp.repeat(lengths, kv_heads)[:, None] + jnp.arange(s_new, dtype=jnp.int32)
+    active_mask = jnp.ones((s_new, rows, groups, s_new), jnp.uint8)  # unused with use_pos_id, as in the kernel
+    if block_table is None:
+        caches, paging = (c.reshape(rows, 1, capacity, d) for c in (k_cache, v_cache)), {}
+    else:  # pools [num_blocks * kv_heads, block_len, d]; row (b, h) uses blocks table[b, j] * kv_heads + h
+        block_len = k_cache.shape[2]
+        caches = (c.reshape(-1, block_len, d) for c in (k_cache, v_cache))
+        pooled = table[:, None, :] * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)[None, :, None]
+        paging = dict(active_blocks_table=pooled.reshape(rows, -1).astype(jnp.uint32), block_len=block_len)
+    out = attention_tkg(queries, new_rows(k_new), new_rows(v_new), *caches, active_mask, rope_pos_ids=positions,
+                        use_pos_id=True, tp_k_prior=True, curr_sprior=capacity, **paging)
+    out = jnp.transpose(out.reshape(batch, kv_heads, groups, d, s_new), (0, 4, 1, 2, 3)).reshape(q.shape)
+    out = jnp.where(valid[:, None, None, None], out, jnp.nan)
+    return (out,) + tuple(_write_new_tokens(cache, new, lengths, table, valid)
+                          for cache, new in ((k_cache, k_new), (v_cache, v_new)))
+
+
+def _valid_indices(cache_len, block_table, capacity: int, s_new: int, num_blocks: int):
+    """``(lengths, table, valid)``: int32 lengths and table safe to use (0 where invalid), and ``valid [batch]``,
+    whether sequence ``b``'s length is in ``[0, capacity - 2 s_new]`` and its table names only existing blocks."""
+    lengths = cache_len.astype(jnp.int32)
+    max_len = capacity - 2 * s_new
+    length_ok = (cache_len >= 0) & (cache_len <= max_len)
+    check_all(length_ok, f"{_DECODE}: cache_len[{{index}}] = {{}} is outside [0, {max_len}] (the capacity {capacity} "
+              f"minus 2 * s_new = {2 * s_new}: room for the new tokens and the kernel's scratch tail); that sequence "
+              "writes nothing and its output is NaN", cache_len)
+    valid, table = length_ok, None
+    if block_table is not None:
+        entry_ok = valid_block_entries(block_table, num_blocks)
+        check_all(entry_ok, f"{_DECODE}: block_table entry (sequence, block) {{index}} is {{}}, not a block of the "
+                  f"caches (0 <= block < {num_blocks}); that sequence writes nothing and its output is NaN",
+                  block_table)
+        valid = valid & jnp.all(entry_ok, axis=1)
+        table = jnp.where(entry_ok, block_table, 0).astype(jnp.int32)
+    return jnp.where(valid, lengths, 0), table, valid
+
+
+def _write_new_tokens(cache, new, lengths, table, valid):
+    """The cache with ``new [batch, s_new, kv_heads, d]`` stored at positions ``lengths[b] + i`` of the valid
+    sequences (an invalid one's write goes to an out-of-bounds index and is dropped)."""
+    positions = lengths[:, None] + jnp.arange(new.shape[1], dtype=jnp.int32)  # [batch, s_new]
+    new = new.astype(cache.dtype)
+    if table is None:
+        positions = jnp.where(valid[:, None], positions, cache.shape[2])
+        rows = jnp.arange(new.shape[0])[:, None]
+        return cache.at[rows, :, positions].set(new, mode="drop")
+    block_len = cache.shape[2]
+    blocks = jnp.take_along_axis(table, positions // block_len, axis=1)
+    blocks = jnp.where(valid[:, None], blocks, cache.shape[0])
+    return cache.at[blocks, :, positions % block_len].set(new, mode="drop")

@@ -1,0 +1,378 @@
+"""Projections in JAX layouts: ``jax_nkilib.qkv_projection`` (on ``qkv``) and ``jax_nkilib.output_projection`` (on
+``output_projection_cte`` / ``output_projection_tkg``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..framework.common_types import NormType, QuantizationType
+from ..framework.spec import FLOAT_DTYPES
+from ..framework.validation import check_positive_finite, require_static, static_float
+from ..projection.output_projection_cte import output_projection_cte
+from ..projection.output_projection_tkg import output_projection_tkg
+from ..projection.qkv import call_qkv, qkv_params
+from ..projection.qkv_reference import kv_bounds, quantize_kv, uses_tkg, write_cache
+from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
+from ..sharding import auto
+
+_ATTENTION_VIEW = {"attention": "B, S, N, D"}
+_NORMS = {None: NormType.NO_NORM, "rms": NormType.RMS_NORM, "layer": NormType.LAYER_NORM}
+
+
+def _array(where: str, name: str, value, layout: str, rank: int | None = None, activation: bool = False):
+    """A float array (``activation``: in a dtype the kernels compute in, not FP8) of rank ``rank``."""
+    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        raise TypeError(f"{where}: `{name}` must be an array {layout}; got {type(value).__name__}")
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.floating) or activation and value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{where}: `{name}` {layout} must have a floating dtype"
+                        f"{' (float32, bfloat16, float16 or float64)' if activation else ''}; got {value.dtype}")
+    if rank is not None and value.ndim != rank:
+        raise ValueError(f"{where}: `{name}` must be {layout}; got shape {tuple(value.shape)}")
+    return value
+
+
+def _row(where: str, name: str, value, size: int, dtype):
+    """A ``[size]`` (or ``[1, size]``) vector as the kernels' ``[1, size]`` row in ``dtype``."""
+    if value is None:
+        return None
+    value = _array(where, name, value, f"[{size}]")
+    if value.shape not in ((size,), (1, size)):
+        raise ValueError(f"{where}: `{name}` must be [{size}]; got shape {tuple(value.shape)}")
+    return value.reshape(1, size).astype(dtype)
+
+
+def _weight(where: str, w, layout: str):
+    """A float weight ``[in, out]`` or a validated :class:`QuantizedWeight`; raw FP8 arrays are refused."""
+    if isinstance(w, QuantizedWeight):
+        check_weight(where, "w", w)
+        return w
+    w = _array(where, "w", w, layout, 2)
+    if w.dtype.itemsize == 1:
+        raise TypeError(f"{where}: `w` is a raw FP8 array; pass FP8 weights with their scales as "
+                        "jax_nkilib.quantize_weight_fp8(w, mode=...) (a QuantizedWeight)")
+    return w
+
+
+def _quantization(where: str, w, tkg: bool, path: str) -> QuantizationType:
+    """The kernel's quantization type for ``w``: ROW needs the TKG path (``path`` names the dispatch rule)."""
+    if not isinstance(w, QuantizedWeight):
+        return QuantizationType.NONE
+    if w.mode == "row" and not tkg:
+        raise ValueError(f"{where}: mode='row' weights run only on the kernel's TKG path ({path}); this call takes "
+                         "the CTE path, which supports mode='static' only")
+    return QuantizationType.ROW if w.mode == "row" else QuantizationType.STATIC
+
+
+# ------------------------------------------------------------------------------------------- output projection
+OUTPUT_PROJECTION_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.output_projection", free={"b": "batch", "s": "sequence", "h": "hidden (w's columns)"},
+    collective={"n": ("heads (the contraction)", "row-parallel: local projections + one all-reduce (psum), then "
+                      "the bias")},
+    note="a QuantizedWeight must be replicated"))
+
+
+def output_projection(attn, w, bias=None):
+    """``attn [batch, seq, heads, head_dim] · w [heads * head_dim, hidden] (+ bias [hidden])`` -> ``[batch, seq,
+    hidden]``, in ``attn``'s dtype (``w`` and ``bias`` are cast to it; accumulation in float32).
+
+    Row ``h * head_dim + d`` of ``w`` multiplies head ``h``, component ``d``. Differentiable in ``attn``, ``w`` and
+    ``bias``. ``w`` may be a ``jax_nkilib.QuantizedWeight`` (``W ~= data * scale``, see
+    ``jax_nkilib.quantize_weight_fp8``; no gradient): ``mode="static"`` (both paths) quantizes the attention as
+    ``fp8(clip(attn / input_scale, +-bound))`` and computes ``(q @ data) * (scale * input_scale)``; ``mode="row"``
+    (TKG path only, else ``ValueError``) computes ``(attn @ data) * scale[col]`` with unquantized attention.
+    On Neuron it is ``output_projection_tkg`` when ``seq <= 96`` and ``batch * seq <= 128`` (the decode threshold
+    ``qkv`` uses), else ``output_projection_cte``; the attention reaches the kernel's layout by one transpose in the
+    Neuron lowering (none on CPU/GPU).
+    """
+    where = "jax_nkilib.output_projection"
+    attn = _array(where, "attn", attn, "[batch, seq, heads, head_dim]", 4, activation=True)
+    batch, seq, heads, d = attn.shape
+    if heads * d == 0:
+        raise ValueError(f"{where}: `attn` [batch, seq, heads, head_dim] needs heads >= 1 and head_dim >= 1; got "
+                         f"shape {tuple(attn.shape)}")
+    w = _weight(where, w, "[heads * head_dim, hidden]")
+    if w.shape[0] != heads * d:
+        raise ValueError(f"{where}: `w` must be [heads * head_dim, hidden] = [{heads * d}, hidden] for attn "
+                         f"{tuple(attn.shape)}; got {tuple(w.shape)}")
+    hidden = w.shape[1]
+    sharded = auto.plan(OUTPUT_PROJECTION_SHARDING, [
+        auto.Operand("attn", attn, "bsnd"), auto.Operand("w", w, None if isinstance(w, QuantizedWeight) else "nh"),
+        auto.Operand("bias", bias, None if bias is None else "h")])
+    if sharded:
+        def local(attn, w, bias, axes):
+            if "n" not in axes:
+                return output_projection(attn, w, bias)
+            out = jax.lax.psum(output_projection(attn, w), axes["n"])  # row-parallel: partial sums over heads
+            return out if bias is None else out + jnp.asarray(bias).astype(out.dtype)
+        return sharded.run(local, "bsh")
+    if batch * seq * hidden == 0:  # no tokens or no outputs: nothing for a kernel to compute
+        _row(where, "bias", bias, hidden, attn.dtype)
+        return jnp.zeros((batch, seq, hidden), attn.dtype)
+    tkg = uses_tkg(batch, seq, False)
+    quant = _quantization(where, w, tkg, "seq <= 96 and batch * seq <= 128")
+    weight = fp8_data(w) if quant != QuantizationType.NONE else w.astype(attn.dtype)
+    w_scale = None if quant == QuantizationType.NONE else scale_tile(w)
+    in_scale = input_scale_tile(w) if quant == QuantizationType.STATIC else None
+    operands = {"attention": attn, "weight": weight, "bias": _row(where, "bias", bias, hidden, attn.dtype)}
+    if tkg:
+        kernel = output_projection_tkg
+        operands.update(weight_scale=w_scale, input_scale=in_scale)
+    else:
+        kernel = output_projection_cte
+        operands.update(input_scales=in_scale, weight_scales=w_scale)
+    (out,) = kernel.call(operands, kernel.params(quantization_type=quant), view=_ATTENTION_VIEW)
+    return out.reshape(batch, seq, hidden)
+
+
+# ---------------------------------------------------------------------------------------------- qkv projection
+def _cache_arrays(where, kv_cache, batch, seq, kv_heads, d, positions):
+    if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2):
+        raise TypeError(f"{where}: `kv_cache` must be (k_cache, v_cache), each [batch, max_len, kv_heads, head_dim]")
+    k_cache, v_cache = (_array(where, name, c, "[batch, max_len, kv_heads, head_dim]", 4)
+                        for name, c in zip(("k_cache", "v_cache"), kv_cache))
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.shape[0] != batch or \
+            k_cache.shape[2:] != (kv_heads, d):
+        raise ValueError(f"{where}: k_cache and v_cache must both be [batch={batch}, max_len, kv_heads={kv_heads}, "
+                         f"head_dim={d}] of one dtype; got {tuple(k_cache.shape)} {k_cache.dtype} and "
+                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
+    if positions is None:
+        if k_cache.shape[1] < seq:
+            raise ValueError(f"{where}: the caches hold {k_cache.shape[1]} positions, fewer than the {seq} tokens")
+        return k_cache, v_cache, None
+    positions = jnp.asarray(positions)
+    if positions.shape != (batch, seq) or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"{where}: `cache_positions` must be an integer array [batch, seq] = ({batch}, {seq}); got "
+                         f"{positions.shape} {positions.dtype}")
+    max_len = k_cache.shape[1]
+    inside = (positions >= 0) & (positions < max_len)
+    slots = jnp.where(inside, jnp.arange(batch, dtype=jnp.int32)[:, None] * max_len + positions, -1)
+    return k_cache, v_cache, slots.astype(jnp.int32)
+
+
+def _scales(where, kv_scale):
+    if kv_scale is None:
+        return jnp.ones((128, 1), jnp.float32), jnp.ones((128, 1), jnp.float32)
+    if not (isinstance(kv_scale, (tuple, list)) and len(kv_scale) == 2):
+        raise TypeError(f"{where}: `kv_scale` must be (k_scale, v_scale), two scalars")
+    scales = []
+    for name, scale in zip(("k_scale", "v_scale"), kv_scale):
+        if not (isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool) or
+                hasattr(scale, "dtype") and (jnp.issubdtype(scale.dtype, jnp.floating)
+                                             or jnp.issubdtype(scale.dtype, jnp.integer))):
+            raise TypeError(f"{where}: `kv_scale` entries must be float scalars; {name} is {type(scale).__name__}")
+        check_positive_finite(where, "kv_scale", scale, f"{name}, a cache dequantization scale: the cache stores "
+                              f"{name[0]} / {name}")
+        scale = jnp.asarray(scale, jnp.float32)
+        if scale.size != 1:
+            raise ValueError(f"{where}: `kv_scale` entries must be scalars; {name} has shape {scale.shape}")
+        scales.append(jnp.broadcast_to(scale.reshape(1, 1), (128, 1)))
+    return tuple(scales)
+
+
+QKV_PROJECTION_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.qkv_projection", free={"b": "batch", "s": "sequence", "n": "heads"},
+    note="heads shard when w is given as (w_q, w_k, w_v) (column-parallel; num_q_heads and num_kv_heads divisible "
+         "by the mesh axis size); not the sequence with kv_cache"))
+
+
+def _head_counts(where: str, num_q_heads, num_kv_heads) -> tuple[int, int]:
+    counts = []
+    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+        require_static(where, name, value, "a positive Python int")
+        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value <= 0:
+            raise ValueError(f"{where}: `{name}` must be a positive int; got {value!r}")
+        counts.append(int(value))
+    return counts[0], counts[1]
+
+
+def _split_weights(where: str, w, bias, hidden: int, num_q_heads: int, num_kv_heads: int):
+    """Validate ``w = (w_q, w_k, w_v)`` (and a matching ``bias`` triple) against the head counts: ``w_q [hidden,
+    num_q_heads * head_dim]``, ``w_k`` and ``w_v [hidden, num_kv_heads * head_dim]`` with one head_dim."""
+    if len(w) != 3 or not all(hasattr(part, "shape") and hasattr(part, "dtype") and jnp.ndim(part) == 2
+                              for part in w):
+        raise TypeError(f"{where}: a split `w` must be (w_q, w_k, w_v), float arrays [hidden, heads * head_dim]")
+    if bias is not None and not (isinstance(bias, (tuple, list)) and len(bias) == 3):
+        raise TypeError(f"{where}: with a split `w`, `bias` must be (b_q, b_k, b_v) or None")
+    w_q, w_k, w_v = w
+    d = w_q.shape[1] // num_q_heads
+    expected = {"w_q": (hidden, num_q_heads * d), "w_k": (hidden, num_kv_heads * d), "w_v": (hidden, num_kv_heads * d)}
+    if w_q.shape[1] % num_q_heads or d == 0 or any(tuple(part.shape) != expected[name]
+                                                   for name, part in zip(expected, w)):
+        got = ", ".join(f"{name} {tuple(part.shape)}" for name, part in zip(expected, w))
+        raise ValueError(f"{where}: a split `w` must be w_q [hidden, num_q_heads * head_dim] and w_k, w_v [hidden, "
+                         f"num_kv_heads * head_dim] with one head_dim >= 1 (hidden={hidden}, num_q_heads={num_q_heads}, "
+                         f"num_kv_heads={num_kv_heads}); got {got}")
+    if bias is not None:
+        for name, part, size in zip(("b_q", "b_k", "b_v"), bias, (num_q_heads * d, num_kv_heads * d,
+                                                                   num_kv_heads * d)):
+            if part is not None and jnp.shape(part) not in ((size,), (1, size)):
+                raise ValueError(f"{where}: `bias` {name} must be [{size}] (heads * head_dim with head_dim={d}); got "
+                                 f"shape {jnp.shape(part)}")
+        if any(part is None for part in bias):
+            bias = tuple(jnp.zeros((size,), w_q.dtype) if part is None else part
+                         for part, size in zip(bias, (num_q_heads * d, num_kv_heads * d, num_kv_heads * d)))
+    return tuple(jnp.asarray(part) for part in w), None if bias is None else tuple(jnp.asarray(b) for b in bias)
+
+
+def _sharded_qkv(sharded, x, w, bias, norm_weight, norm_bias, rope, kv_cache, cache_positions, kv_scale, *,
+                 num_q_heads: int, num_kv_heads: int, **flags):
+    """Run :func:`qkv_projection` on local shards: batch and tokens split freely; heads split with ``w``'s
+    columns (each shard projects its own query and kv heads)."""
+    where = "jax_nkilib.qkv_projection"
+    parts = sharded.axis_size("n")
+    if num_q_heads % parts or num_kv_heads % parts:
+        raise ValueError(f"{where}: {num_q_heads} query and {num_kv_heads} kv heads cannot be split evenly over mesh "
+                         f"axis {sharded.axes['n']} of size {parts}")
+    if kv_cache is not None and "s" in sharded.axes:
+        raise ValueError(f"{where}: the sequence is split over mesh axis {sharded.axes['s']}, but the kv_cache write "
+                         "needs every token of a sequence on one device; replicate the sequence axis")
+
+    def local(x, w, bias, norm_weight, norm_bias, rope, kv_cache, cache_positions, kv_scale, axes):
+        return qkv_projection(x, w, num_q_heads=num_q_heads // parts, num_kv_heads=num_kv_heads // parts, bias=bias,
+                              norm_weight=norm_weight, norm_bias=norm_bias, rope=rope, kv_cache=kv_cache,
+                              cache_positions=cache_positions, kv_scale=kv_scale, **flags)
+    cache_dims = "bsnd" if kv_cache is None else "b_nd"
+    return sharded.run(local, ("bsnd", cache_dims, cache_dims))
+
+
+def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm: str | None = None,
+                   norm_weight=None, norm_bias=None, eps: float = 1e-6, rope=None, kv_cache=None,
+                   cache_positions=None, kv_scale=None):
+    """Query, key and value heads of ``x [batch, seq, hidden]``: ``norm(x) @ w (+ bias)``, split into heads, with
+    RoPE on the query and key heads.
+
+    Args:
+      w: ``[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]``, columns ``[Q heads | K heads | V heads]``, or
+        ``(w_q, w_k, w_v)`` (``[hidden, num_q_heads * head_dim]``, ``[hidden, num_kv_heads * head_dim]`` twice, one
+        head_dim, checked), the same projection, concatenated for the kernel; split weights let the heads shard
+        (column parallelism).
+      num_q_heads, num_kv_heads: static positive ints.
+      bias: ``[(num_q_heads + 2 * num_kv_heads) * head_dim]`` (``(b_q, b_k, b_v)`` with a split ``w``).
+      norm: ``None``, ``"rms"`` (``x / sqrt(mean(x^2) + eps) * norm_weight``; no scale when ``norm_weight`` is
+        None) or ``"layer"`` (``(x - mean) / sqrt(var + eps) * norm_weight + norm_bias``), over ``hidden``; ``eps``
+        a static finite float >= 0.
+      rope: ``(cos, sin)``, each ``[batch, seq, head_dim]``, HuggingFace tables (half-width frequencies repeated):
+        halves ``[x1 | x2]`` become ``[x1 cos - x2 sin, x2 cos + x1 sin]``; the kernel reads ``cos`` in full and the
+        first half of ``sin``.
+      kv_cache: ``(k_cache, v_cache)``, each ``[batch, max_len, num_kv_heads, head_dim]``: the new keys (after RoPE)
+        and values are stored at positions ``0 .. seq-1``, or at ``cache_positions [batch, seq]`` (int; positions
+        outside ``[0, max_len)`` are skipped here, but the kernel's indirect write does not check them), as
+        ``clip(k / k_scale, ±max)`` in the caches' dtype (``max`` its largest finite value; ``kv_scale = (k_scale,
+        v_scale)``, default 1, each finite and > 0: checked when concrete, a traced 0 fills the cache with +-max)
+        — FP8 caches quantize.
+
+    Returns ``(q [batch, seq, num_q_heads, head_dim], k, v [batch, seq, num_kv_heads, head_dim])`` in ``x``'s dtype,
+    or with ``kv_cache`` ``(q, k_cache, v_cache)`` (a functional update; the caches carry no gradient; with no
+    tokens, ``batch * seq == 0``, empty heads and unchanged caches, without a kernel call). ``w``,
+    ``bias``, ``norm_weight``, ``norm_bias`` and the RoPE tables are cast to ``x``'s dtype. ``w`` may be a
+    ``jax_nkilib.QuantizedWeight`` (``W ~= data * scale``, see ``jax_nkilib.quantize_weight_fp8``; no gradient):
+    ``mode="static"`` (both paths) computes ``fp8(clip(x' / input_scale, +-max)) @ data * (scale * input_scale)``
+    (``x'`` the normed input, ``max`` the data format's largest value); ``mode="row"`` (TKG path only, else
+    ``ValueError``: the CTE kernel applies no row scales) computes ``(x' @ data) * scale[col]``. Differentiable in
+    ``x``, ``w``, ``bias``, the norm parameters and the tables. On Neuron this is the NKI ``qkv`` kernel (its CTE
+    path for ``seq > 96``, ``batch * seq > 128`` or RoPE, with the fused cache write; else its TKG path, the cache
+    then written by XLA) with the kernel's precision: float32 inputs compute in bfloat16 on the CTE path.
+    """
+    where = "jax_nkilib.qkv_projection"
+    x = _array(where, "x", x, "[batch, seq, hidden]", 3, activation=True)
+    batch, seq, hidden = x.shape
+    if hidden == 0:
+        raise ValueError(f"{where}: `x` [batch, seq, hidden] needs hidden >= 1; got shape {tuple(x.shape)}")
+    num_q_heads, num_kv_heads = _head_counts(where, num_q_heads, num_kv_heads)
+    eps = static_float(where, "eps", eps, minimum=0.0)
+    split = isinstance(w, (tuple, list))
+    if split:
+        w, bias = _split_weights(where, w, bias, hidden, num_q_heads, num_kv_heads)
+    sharded = auto.plan(QKV_PROJECTION_SHARDING, [
+        auto.Operand("x", x, "bsh"),
+        auto.Operand("w", w, ("hn",) * 3 if split else None if isinstance(w, QuantizedWeight) else "hf"),
+        auto.Operand("bias", bias, ("n",) * 3 if split else "f"), auto.Operand("norm_weight", norm_weight, "h"),
+        auto.Operand("norm_bias", norm_bias, "h"), auto.Operand("rope", rope, ("bs_", "bs_")),
+        auto.Operand("kv_cache", kv_cache, ("b_nd", "b_nd")), auto.Operand("cache_positions", cache_positions, "bs"),
+        auto.Operand("kv_scale", kv_scale)])
+    if sharded:
+        return _sharded_qkv(sharded, x, w, bias, norm_weight, norm_bias, rope, kv_cache, cache_positions, kv_scale,
+                            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, norm=norm, eps=eps)
+    if split:
+        w = jnp.concatenate(w, axis=1)
+        bias = None if bias is None else jnp.concatenate(bias)
+    w = _weight(where, w, "[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]")
+    heads = num_q_heads + 2 * num_kv_heads
+    if w.shape[0] != hidden or w.shape[1] % heads or w.shape[1] == 0:
+        raise ValueError(f"{where}: `w` must be [hidden={hidden}, (num_q_heads + 2 * num_kv_heads) * head_dim] with "
+                         f"{heads} heads and head_dim >= 1; got {tuple(w.shape)}")
+    d = w.shape[1] // heads
+    if norm not in _NORMS:
+        raise ValueError(f"{where}: `norm` must be None, 'rms' or 'layer'; got {norm!r}")
+    norm_type = _NORMS[norm]
+    gamma = _row(where, "norm_weight", norm_weight, hidden, x.dtype)
+    beta = _row(where, "norm_bias", norm_bias, hidden, x.dtype)
+    if norm is None and (gamma is not None or beta is not None):
+        raise ValueError(f"{where}: norm_weight/norm_bias need norm='rms' or 'layer'")
+    if beta is not None and norm != "layer":
+        raise ValueError(f"{where}: norm_bias needs norm='layer'")
+    if norm == "rms" and gamma is None:
+        norm_type = NormType.RMS_NORM_SKIP_GAMMA
+    if norm == "layer" and gamma is None:
+        gamma = jnp.ones((1, hidden), x.dtype)
+    quant = _quantization(where, w, uses_tkg(batch, seq, rope is not None), "seq <= 96, batch * seq <= 128, no rope")
+    operands = {"input": x, "bias": _row(where, "bias", bias, w.shape[1], x.dtype),
+                "gamma_norm_weights": gamma, "layer_norm_bias": beta}
+    if quant == QuantizationType.NONE:
+        operands["fused_qkv_weights"] = w.astype(x.dtype)
+    else:  # FP8: STATIC takes one weight scale per Q/K/V segment (all equal here), ROW one per column
+        tile = scale_tile(w)
+        operands.update(fused_qkv_weights=fp8_data(w),
+                        qkv_w_scale=jnp.broadcast_to(tile, (128, 3)) if quant == QuantizationType.STATIC else tile,
+                        qkv_in_scale=input_scale_tile(w) if quant == QuantizationType.STATIC else None)
+    flags = dict(fused_norm_type=norm_type, norm_eps=float(eps), d_head=d, num_q_heads=num_q_heads,
+                 num_kv_heads=num_kv_heads, quantization_type=quant)
+    if rope is not None:
+        if not (isinstance(rope, (tuple, list)) and len(rope) == 2):
+            raise TypeError(f"{where}: `rope` must be (cos, sin), each [batch, seq, head_dim]")
+        cos, sin = (_array(where, name, t, "[batch, seq, head_dim]", 3) for name, t in zip(("cos", "sin"), rope))
+        if cos.shape != (batch, seq, d) or sin.shape != (batch, seq, d):
+            raise ValueError(f"{where}: rope tables must be [batch, seq, head_dim] = ({batch}, {seq}, {d}); got "
+                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+        if d % 2:
+            raise ValueError(f"{where}: `rope` rotates halves of each head: head_dim must be even; got head_dim={d}")
+        operands.update(cos_cache=cos.astype(x.dtype), sin_cache=sin.astype(x.dtype))
+        flags["fused_rope"] = True
+    q_dim, kv_dim = num_q_heads * d, num_kv_heads * d
+    if kv_cache is None:
+        if cache_positions is not None or kv_scale is not None:
+            raise ValueError(f"{where}: cache_positions and kv_scale need kv_cache")
+        if batch * seq == 0:  # no tokens: nothing for a kernel to compute
+            return (jnp.zeros((batch, seq, num_q_heads, d), x.dtype), jnp.zeros((batch, seq, num_kv_heads, d), x.dtype),
+                    jnp.zeros((batch, seq, num_kv_heads, d), x.dtype))
+        (out,) = call_qkv(operands, qkv_params(**flags))
+        out = out.astype(x.dtype)  # STATIC on the CTE path returns bfloat16
+        q, k, v = out[..., :q_dim], out[..., q_dim:q_dim + kv_dim], out[..., q_dim + kv_dim:]
+        return (q.reshape(batch, seq, num_q_heads, d), k.reshape(batch, seq, num_kv_heads, d),
+                v.reshape(batch, seq, num_kv_heads, d))
+    k_cache, v_cache, slots = _cache_arrays(where, kv_cache, batch, seq, num_kv_heads, d, cache_positions)
+    k_scale, v_scale = _scales(where, kv_scale)
+    if batch * seq == 0:  # no tokens: the caches are unchanged
+        return jnp.zeros((batch, seq, num_q_heads, d), x.dtype), k_cache, v_cache
+    shape = k_cache.shape
+    flat = (k_cache.reshape(batch, shape[1], kv_dim), v_cache.reshape(batch, shape[1], kv_dim))
+    cache_flags = dict(kv_dtype=k_cache.dtype)
+    if slots is not None:  # a flat cache is a block cache of `batch` blocks of `max_len` slots
+        cache_flags.update(use_block_kv=True, block_size=shape[1])
+    if not uses_tkg(batch, seq, rope is not None):
+        operands.update(k_cache=flat[0], v_cache=flat[1], k_scale=k_scale, v_scale=v_scale, slot_mapping=slots)
+        q, k_new, v_new = call_qkv(operands, qkv_params(**flags, **cache_flags))
+        q = q.astype(x.dtype)
+    else:  # the TKG path ignores caches: the same write, by XLA
+        (out,) = call_qkv(operands, qkv_params(**flags))
+        q = out[..., :q_dim]
+        bounds = kv_bounds(k_cache.dtype, None, None)
+        acc = jnp.promote_types(out.dtype, jnp.float32)
+        k_new, v_new = (jax.lax.stop_gradient(write_cache(cache, quantize_kv(part.astype(acc), scale, cache.dtype,
+                                                                              bounds, acc), slots))
+                        for cache, part, scale in ((flat[0], out[..., q_dim:q_dim + kv_dim], k_scale),
+                                                   (flat[1], out[..., q_dim + kv_dim:], v_scale)))
+    return q.reshape(batch, seq, num_q_heads, d), k_new.reshape(shape), v_new.reshape(shape)

@@ -1,0 +1,92 @@
+"""``jax_nkilib.rope``: rotary position embeddings in JAX's ``[..., seq, heads, head_dim]`` layout, through the
+``RoPE`` kernel (see :mod:`jax_nkilib._src.rope.rope` for the math and dtype policy)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from ..framework.spec import FLOAT_DTYPES
+from ..framework.validation import static_bool
+from ..rope.rope import RoPE
+from ..sharding import auto
+
+
+def _rope_argument_errors(x, cos, sin) -> None:
+    where = "jax_nkilib.rope"
+    for name, value in (("x", x), ("cos", cos), ("sin", sin)):
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            raise TypeError(f"{where}: `{name}` must be an array; got {type(value).__name__}")
+        if not jnp.issubdtype(value.dtype, jnp.floating) or value.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{where}: `{name}` must have a floating dtype (float32, bfloat16, float16 or float64); "
+                            f"got {value.dtype}")
+    if x.ndim < 3:
+        raise ValueError(f"{where}: `x` must have layout [..., seq, heads, head_dim]; got shape {tuple(x.shape)}")
+    auto.leading(x.ndim - 3, where)
+    seq, _, head_dim = x.shape[-3:]
+    if head_dim % 2:
+        raise ValueError(f"{where}: head_dim (last axis of `x`) must be even; got {head_dim}")
+    if cos.shape != sin.shape or cos.dtype != sin.dtype:
+        raise ValueError(f"{where}: `cos` and `sin` must have the same shape and dtype; got {tuple(cos.shape)} "
+                         f"{cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
+    if cos.ndim not in (2, 3) or cos.shape[-2:] != (seq, head_dim // 2):
+        raise ValueError(f"{where}: `cos` and `sin` must have layout [seq, head_dim/2] or [batch, seq, head_dim/2] "
+                         f"= (..., {seq}, {head_dim // 2}) for x of shape {tuple(x.shape)}; got {tuple(cos.shape)}")
+    if cos.ndim == 3 and cos.shape[0] != 1:
+        lead = tuple(x.shape[:-3])
+        try:
+            fits = lead and jnp.broadcast_shapes(cos.shape[:1], lead) == lead
+        except ValueError:
+            fits = False
+        if not fits:
+            raise ValueError(f"{where}: the batch axis of `cos` ({cos.shape[0]}) does not broadcast against the "
+                             f"leading axes {lead} of `x`")
+
+
+ROPE_SHARDING = auto.register_rule(auto.ShardingRule(
+    "jax_nkilib.rope", free={**auto.LEADING, "s": "sequence", "n": "heads"}))
+
+
+def rope(x, cos, sin, *, interleaved: bool = False):
+    """Apply rotary position embeddings to ``x [..., seq, heads, head_dim]``.
+
+    ``cos`` and ``sin`` are ``[seq, head_dim/2]`` (shared by every batch element) or ``[batch, seq, head_dim/2]``
+    (broadcast against the leading axes of ``x``). Pairs are the halves ``(x[i], x[i + head_dim/2])``, or with
+    ``interleaved=True`` the neighbours ``(x[2i], x[2i+1])``; each pair is rotated as
+    ``(a cos - b sin, b cos + a sin)``. ``interleaved`` is a static bool. Differentiable in ``x``, ``cos`` and
+    ``sin``; the output has ``x``'s shape and dtype (a batched table must broadcast to ``x``'s leading axes without
+    adding any); an empty ``x`` is returned as it is, without a kernel call.
+
+    It is the NKI ``RoPE`` kernel called through a layout view: on CPU/GPU the reference runs in ``x``'s own
+    layout; on Neuron the kernel gets ``[head_dim, batch, heads, seq]`` by one transpose each way (and the tables,
+    broadcast over the batch, by one transpose each).
+    """
+    _rope_argument_errors(x, cos, sin)
+    interleaved = static_bool("jax_nkilib.rope", "interleaved", interleaved)
+    x, cos, sin = jnp.asarray(x), jnp.asarray(cos), jnp.asarray(sin)
+    if x.size == 0:  # nothing to rotate
+        return x
+    lead_dims = auto.leading(x.ndim - 3)
+    table_dims = ("_" if cos.shape[0] == 1 else lead_dims[-1:]) + "s_" if cos.ndim == 3 else "s_"
+    sharded = auto.plan(ROPE_SHARDING, [auto.Operand("x", x, lead_dims + "snd"), auto.Operand("cos", cos, table_dims),
+                                        auto.Operand("sin", sin, table_dims)])
+    if sharded:
+        return sharded.run(lambda x, cos, sin, axes: rope(x, cos, sin, interleaved=interleaved), lead_dims + "snd")
+    *lead, seq, heads, head_dim = x.shape
+    batch = math.prod(lead)
+    table_shape = (batch, seq, head_dim // 2)
+    if cos.ndim == 3 and not lead:  # a [1, seq, head_dim/2] table for an x without batch axes
+        cos, sin = cos[0], sin[0]
+    if cos.ndim == 2:
+        cos, sin = (jnp.broadcast_to(t, table_shape) for t in (cos, sin))
+    else:
+        cos, sin = (jnp.broadcast_to(t, (*lead, seq, head_dim // 2)).reshape(table_shape) for t in (cos, sin))
+    params = RoPE.params(contiguous_layout=not interleaved)
+    (out,) = RoPE.call({"x_in": x.reshape(batch, seq, heads, head_dim), "cos": cos, "sin": sin}, params,
+                       view=_ROPE_VIEW)
+    return out.reshape(x.shape)
+
+
+_ROPE_VIEW = {"x_in": "B, S, n_heads, d_head", "x_out": "B, S, n_heads, d_head", "cos": "B, S, d_head/2",
+              "sin": "B, S, d_head/2"}

@@ -1,1 +1,0 @@
-"""SPMD algorithms as shard_map bodies (ring attention, collective matmuls) and the collective kernels."""
