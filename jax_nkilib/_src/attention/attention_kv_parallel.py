@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..framework import compat
+from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from .attention_segmented_cte import CACHE_DTYPES, unpack_token_pairs
@@ -69,7 +70,7 @@ def reference_attention_kv_parallel_segmented_cte(q, k_cache, v_cache, block_tab
                                                   sliding_window=0, kvp_group_size=0, fp8_packed=False, **tiling):
     """JAX reference (inside ``shard_map`` over ``replica_groups``); see the module docstring."""
     del valid_num_prior_tokens, tiling, group_size  # tiling only (see the module docstring); group size = axis size
-    axes = replica_groups if len(replica_groups) > 1 else replica_groups[0]
+    axes = lax_axis(replica_groups)
     acc = jnp.promote_types(q.dtype, jnp.float32)
     keys = local_tokens(k_cache, block_tables, fp8_packed).astype(acc)
     values = local_tokens(v_cache, block_tables).astype(acc)

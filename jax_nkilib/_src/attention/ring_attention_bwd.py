@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import make_kernel
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from .attention_bwd import lse_rows
 from .checks import MAX_HEAD_DIM
 from .ring_checks import needs_trn2, require_ring
-from .ring_math import group_axes, ring_backward
+from .ring_math import ring_backward
 
 
 def reference_ring_attention_spmd_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, bound_min=None, bound_max=None,
@@ -39,7 +40,7 @@ def reference_ring_attention_spmd_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_re
     rows = lambda x: jnp.swapaxes(x, 2, 3).reshape(b * n, seq, d)  # noqa: E731
     lse = lse_rows(lse_ref).reshape(b * n, seq).astype(jnp.promote_types(q_ref.dtype, jnp.float32))
     grads = ring_backward(rows(q_ref), rows(k_ref), rows(v_ref), rows(o_ref), rows(dy_ref), lse,
-                          axes=group_axes(replica_groups), nw=num_workers,
+                          axes=lax_axis(replica_groups), nw=num_workers,
                           scale=softmax_scale or 1.0 / d ** 0.5, causal=use_causal_mask, striped=striped_attention,
                           bounds=None if bound_min is None else (bound_min, bound_max))
     return tuple(jnp.swapaxes(g.reshape(b, n, seq, d), 2, 3).astype(jnp.float32) for g in grads)

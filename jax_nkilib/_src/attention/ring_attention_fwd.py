@@ -29,13 +29,14 @@ import math
 
 import jax.numpy as jnp
 
+from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import Vjp, make_kernel
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from .attention_bwd import LSE_TILE, lse_tiles
 from .checks import head_dim_limit
 from .ring_attention_bwd import ring_attention_spmd_bwd
 from .ring_checks import needs_trn2, require_ring
-from .ring_math import group_axes, ring_backward, ring_forward
+from .ring_math import ring_backward, ring_forward
 
 MAX_TESTED_SEQ = 16384  # the kernel's docstring: tested up to 16k tokens per rank
 
@@ -65,7 +66,7 @@ def _forward_math(q, k, v, bound_min, bound_max, params):
     """``(o [b*h, S, d]`` accumulation dtype, ``lse [b*h, S])`` for the kernel's operands."""
     d = q.shape[3] if params["tp_q"] else q.shape[2]
     return ring_forward(_rows(q, not params["tp_q"]), _rows(k, not params["tp_k"]), _rows(v, False),
-                        axes=group_axes(params["replica_groups"]), nw=params["num_workers"],
+                        axes=lax_axis(params["replica_groups"]), nw=params["num_workers"],
                         scale=effective_scale(params["softmax_scale"], params["use_causal_mask"], d),
                         causal=params["use_causal_mask"], striped=params["striped_input"],
                         bounds=_bounds(bound_min, bound_max))
@@ -155,7 +156,7 @@ def _backward(kernel, residuals, params, cotangents):
     # float64, or S % 128 != 0: the same math in JAX, from a recomputed forward's statistics
     out, lse = _forward_math(q, k, v, operands["bound_min"], operands["bound_max"], params)
     dq, dk, dv = ring_backward(_rows(q, not tp_q), _rows(k, not tp_k), _rows(v, False), out, _rows(dy, False), lse,
-                               axes=group_axes(params["replica_groups"]), nw=params["num_workers"], scale=scale,
+                               axes=lax_axis(params["replica_groups"]), nw=params["num_workers"], scale=scale,
                                causal=causal, striped=params["striped_input"],
                                bounds=_bounds(operands["bound_min"], operands["bound_max"]))
     b, h = q.shape[:2]

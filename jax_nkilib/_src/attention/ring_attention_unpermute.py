@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from .ring_checks import needs_trn2, require_ring
-from .ring_math import group_axes, unpermute_striped
+from .ring_math import unpermute_striped
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def reference_ring_attention_unpermute(x, *, replica_groups, num_workers):
     """JAX reference (inside ``shard_map`` over ``replica_groups``); see the module docstring."""
-    return (unpermute_striped(x, group_axes(replica_groups), num_workers),)
+    return (unpermute_striped(x, lax_axis(replica_groups), num_workers),)
 
 
 def _check(call: CallInfo) -> None:

@@ -30,11 +30,6 @@ from .blockwise import attention_backward, attention_forward, log_sum_exp
 from .masks import MaskRule
 
 
-def group_axes(replica_groups: tuple[str, ...]):
-    """The axis-name argument of ``lax`` collectives for a replica group given as mesh axis names."""
-    return replica_groups if len(replica_groups) > 1 else replica_groups[0]
-
-
 def gather_in_position_order(x, axes, striped: bool):
     """This rank's ``[bs, S, d]`` -> every rank's ``[bs, nw * S, d]``, index = global position."""
     gathered = lax.all_gather(x, axes, axis=1, tiled=False)  # [bs, nw, S, d]: rank-major

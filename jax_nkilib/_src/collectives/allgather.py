@@ -38,6 +38,7 @@ from jax import lax
 
 from ..framework import compat
 from ..framework.hardware import GEMM_STATIONARY_MAX, PARTITIONS, SBUF_PARTITION_BYTES
+from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from .ring import gather_matmul as gather_matmul_ring
@@ -48,15 +49,11 @@ FGCC_RHS_SBUF_BYTES = 16 << 20
 GEMM_MOVING_MAX = 512  # nl.tile_size.gemm_moving_fmax: FGCC's N tile
 
 
-def _axes(replica_groups):
-    return replica_groups if len(replica_groups) > 1 else replica_groups[0]
-
-
 # --------------------------------------------------------------------------------------------------- references
 def reference_fine_grained_allgather(lhs, *, tp_degree, num_groups, force_hbm_cc=False, replica_groups):
     """``[tp_degree, m, K]``: every rank's ``lhs`` in rank order (inside ``shard_map``)."""
     del tp_degree, num_groups, force_hbm_cc  # checked against the mesh; the path does not change the result
-    return (lax.all_gather(lhs, _axes(replica_groups), axis=0),)
+    return (lax.all_gather(lhs, lax_axis(replica_groups), axis=0),)
 
 
 def reference_allgather_compute_matmul(lhs, rhs, *, tp_degree, num_groups, force_hbm_cc=False, replica_groups):
@@ -70,7 +67,7 @@ def reference_allgather_compute_matmul(lhs, rhs, *, tp_degree, num_groups, force
 def reference_allgather_sb2sb(inp, *, replica_groups, tp_degree):
     """``[H, tp_degree, W]``: every rank's ``inp`` along the last axis, in rank order."""
     del tp_degree
-    return (lax.all_gather(inp, _axes(replica_groups), axis=1),)
+    return (lax.all_gather(inp, lax_axis(replica_groups), axis=1),)
 
 
 # --------------------------------------------------------------------------------------------- mesh and limits

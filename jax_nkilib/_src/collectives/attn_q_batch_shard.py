@@ -36,9 +36,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..framework import compat
+from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import reference_vjp
 from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
-from .hbm_collectives import CollectiveKernel, global_rank, group_axes, mesh_axes, output_layout, require_replica_group
+from .hbm_collectives import CollectiveKernel, global_rank, mesh_axes, output_layout, require_replica_group
 
 
 class AttnQBatchShardLayout(enum.Enum):
@@ -62,7 +63,7 @@ def reference_attn_q_batch_shard(input, iota_workers, gathered_buf=None, rank_id
     """JAX reference (inside ``shard_map``); see the module docstring."""
     del gathered_buf  # workspace only
     groups, per_rank = gqa_group_size, input.shape[1] // gqa_group_size
-    gathered = lax.all_gather(input, group_axes(replica_group), axis=0, tiled=True)
+    gathered = lax.all_gather(input, lax_axis(replica_group), axis=0, tiled=True)
     grouped = gathered.reshape(groups, input.shape[0], *input.shape[1:])  # [G, dim0, B, ...]
     rank = global_rank("attn_q_batch_shard") if rank_id_in is None else rank_id_in[0, 0]
     offset = lax.dynamic_index_in_dim(iota_workers[0], rank, keepdims=False)

@@ -38,6 +38,7 @@ from jax import lax
 from ..framework import compat
 from ..framework.dynamic_outputs import FormulaDim
 from ..framework.layout import Layout, parse_dim
+from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import Kernel, Vjp, reference_vjp
 from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 
@@ -49,11 +50,6 @@ def output_layout(*tokens: str) -> Layout:
     """An output layout whose tokens may be products/quotients of dims and int params (``H/num_ranks``)."""
     return Layout(", ".join(tokens), tuple(FormulaDim(t, None) if "/" in t or "*" in t else parse_dim(t)
                                            for t in tokens))
-
-
-def group_axes(names: tuple[str, ...]):
-    """Mesh axis names as JAX collectives take them (one name, or a tuple of several)."""
-    return names if len(names) > 1 else names[0]
 
 
 def mesh_axes(function: str) -> tuple[str, ...]:
@@ -69,7 +65,7 @@ def mesh_axes(function: str) -> tuple[str, ...]:
 
 def global_rank(function: str):
     """This device's global rank: its position in the mesh's flattened device order (``ncc.rank_id()``)."""
-    return lax.axis_index(group_axes(mesh_axes(function)))
+    return lax.axis_index(lax_axis(mesh_axes(function)))
 
 
 class CollectiveKernel(Kernel):
@@ -83,7 +79,7 @@ class CollectiveKernel(Kernel):
     def call(self, operands, params, view=None, derived=None):
         axes = self.axes(self.spec, params, operands)
         if axes:
-            varying = lax.axis_index(group_axes(axes))  # a value varying over exactly these axes
+            varying = lax.axis_index(lax_axis(axes))  # a value varying over exactly these axes
             operands = {name: None if value is None else compat.varying_like(jnp.asarray(value), varying)
                         for name, value in operands.items()}
         return super().call(operands, params, view, derived)
@@ -107,19 +103,19 @@ def every_mesh_axis(spec: KernelSpec, params: Mapping, operands: Mapping) -> tup
 
 # ------------------------------------------------------------------------------------------------------ references
 def reference_all_reduce(input, *, replica_group):
-    return (lax.psum(input, group_axes(replica_group)),)
+    return (lax.psum(input, lax_axis(replica_group)),)
 
 
 def reference_all_gather(input, *, replica_group, num_ranks):
-    return (lax.all_gather(input, group_axes(replica_group), axis=0, tiled=True),)
+    return (lax.all_gather(input, lax_axis(replica_group), axis=0, tiled=True),)
 
 
 def reference_reduce_scatter(input, *, replica_group, num_ranks):
-    return (lax.psum_scatter(input, group_axes(replica_group), scatter_dimension=0, tiled=True),)
+    return (lax.psum_scatter(input, lax_axis(replica_group), scatter_dimension=0, tiled=True),)
 
 
 def reference_all_to_all(input, *, replica_group):
-    return (lax.all_to_all(input, group_axes(replica_group), 0, 0, tiled=True),)
+    return (lax.all_to_all(input, lax_axis(replica_group), 0, 0, tiled=True),)
 
 
 def reference_rank_id(in_tensor):

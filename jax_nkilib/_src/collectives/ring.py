@@ -11,24 +11,20 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..framework import compat
+from ..framework.mesh_axes import lax_axis
 from ..framework.spec import accumulation_dtype
-
-
-def ring_axis(names: tuple[str, ...]):
-    """The axis-name argument of ``lax`` collectives for the ring over ``names``."""
-    return names if len(names) > 1 else names[0]
 
 
 def shift(value, names: tuple[str, ...], n: int, direction: int = -1):
     """Rank ``r``'s ``value`` goes to rank ``r + direction`` (mod ``n``); the default passes it left, so rank ``r``
     receives rank ``r + 1``'s."""
-    return lax.ppermute(value, ring_axis(names), [(j, (j + direction) % n) for j in range(n)])
+    return lax.ppermute(value, lax_axis(names), [(j, (j + direction) % n) for j in range(n)])
 
 
 def visit_ring(chunk, names: tuple[str, ...], n: int, step, carry):
     """``carry = step(carry, block, source)`` for the block of every rank in turn, starting with this rank's
     ``chunk`` (``source`` is the rank the block came from); ``n - 1`` collective-permutes of the block."""
-    rank = lax.axis_index(ring_axis(names))
+    rank = lax.axis_index(lax_axis(names))
     for s in range(n):
         carry = step(carry, chunk, (rank + s) % n)
         if s < n - 1:

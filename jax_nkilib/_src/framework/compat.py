@@ -309,8 +309,10 @@ def custom_call(target: str, *, result_types, operands, backend_config: str, ope
 
 def bound_axis_size(names: tuple[str, ...]) -> int | None:
     """The size of the named (mesh) axes in the current trace, or ``None`` when one is not bound here."""
+    from .mesh_axes import lax_axis  # mesh_axes builds on this module
+
     try:
-        return int(jax.lax.axis_size(names if len(names) > 1 else names[0]))
+        return int(jax.lax.axis_size(lax_axis(names)))
     except (NameError, ValueError, KeyError):
         return None
 

@@ -1,19 +1,31 @@
-"""The ``axis_name`` argument of the shard_map building blocks (ring attention, collective matmuls)."""
+"""Mesh axes given by name: the ``axis_name`` of the shard_map building blocks (ring attention, collective matmuls)
+and the replica groups of the collective kernels (``replica_groups=("tp",)``), checked and converted in one place."""
 
 from __future__ import annotations
 
 from .compat import bound_axis_size
 
 
-def bound_axis(where: str, axis_name, hint: str = "") -> tuple[tuple[str, ...], int]:
-    """``(axis names, ring size)`` for a mesh axis name or a tuple of names bound by the enclosing
-    ``jax.shard_map``; ``TypeError`` for anything else, ``ValueError`` when the axis is not bound here."""
-    names = (axis_name,) if isinstance(axis_name, str) else axis_name
+def axis_names(where: str, value, argument: str = "axis_name", hint: str = "") -> tuple[str, ...]:
+    """``value`` (a mesh axis name or a non-empty tuple of names) as a tuple of names bound by the enclosing
+    ``jax.shard_map``; ``TypeError`` for anything else, ``ValueError`` when an axis is not bound here."""
+    names = (value,) if isinstance(value, str) else value
     if not (isinstance(names, tuple) and names and all(isinstance(name, str) for name in names)):
-        raise TypeError(f"{where}: `axis_name` must be a mesh axis name or a non-empty tuple of names; got "
-                        f"{axis_name!r}")
-    size = bound_axis_size(names)
-    if size is None:
-        raise ValueError(f"{where}: mesh axis {axis_name!r} is not bound here; call {where} inside jax.shard_map "
-                         f"over a mesh with that axis{hint}")
-    return names, size
+        raise TypeError(f"{where}: `{argument}` must be a mesh axis name or a non-empty tuple of names; got "
+                        f"{value!r}")
+    if bound_axis_size(names) is None:
+        shown = repr(value) if isinstance(value, str) else str(names)
+        raise ValueError(f"{where}: mesh axis {shown} is not bound here (`{argument}`); call {where} inside "
+                         f"jax.shard_map over a mesh with that axis{hint}")
+    return names
+
+
+def bound_axis(where: str, axis_name, hint: str = "") -> tuple[tuple[str, ...], int]:
+    """``(axis names, ring size)`` for the ``axis_name`` argument (see :func:`axis_names`)."""
+    names = axis_names(where, axis_name, "axis_name", hint)
+    return names, bound_axis_size(names)
+
+
+def lax_axis(names: tuple[str, ...]):
+    """The axis-name argument of ``lax`` collectives for mesh axes ``names`` (one name, or a tuple of several)."""
+    return names if len(names) > 1 else names[0]

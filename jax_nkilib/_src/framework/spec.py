@@ -15,8 +15,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from . import compat
 from .layout import Layout
+from .mesh_axes import axis_names
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float64))
 NEURON_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -106,17 +106,6 @@ class Operand:
         return "; ".join(f"{' or '.join(map(str, layouts))} when {param}={value}" for value, layouts in cases)
 
 
-def _axis_names(value: Any, param: str, function: str) -> tuple[str, ...]:
-    names = (value,) if isinstance(value, str) else value
-    if not (isinstance(names, tuple) and names and all(isinstance(name, str) for name in names)):
-        raise TypeError(f"{function}: parameter `{param}` must be a mesh axis name or a tuple of names (the replica "
-                        f"group is the devices along those axes); got {value!r}")
-    if compat.bound_axis_size(names) is None:
-        raise ValueError(f"{function}: parameter `{param}` names mesh axes {names}, which are not bound here: call "
-                         f"the kernel inside jax.shard_map over a mesh with those axes")
-    return names
-
-
 @dataclasses.dataclass(frozen=True)
 class Param:
     """A static (compile-time) argument.
@@ -159,7 +148,7 @@ class Param:
                 raise TypeError(f"{function}: parameter `{self.name}` must be a dtype (e.g. jnp.float32); "
                                 f"got {value!r}") from None
         if kind == "axis":
-            return _axis_names(value, self.name, function)
+            return axis_names(function, value, self.name)
         if isinstance(kind, tuple):
             if value in kind:
                 return value

@@ -15,6 +15,18 @@ from jax import lax
 
 from ..framework.common_types import NormType
 
+NORM_NAMES = {None: NormType.NO_NORM, "rms": NormType.RMS_NORM, "layer": NormType.LAYER_NORM}
+
+
+def norm_type_of(where: str, norm, has_gamma: bool = True) -> NormType:
+    """The kernels' ``NormType`` for the idiomatic ops' ``norm`` argument (``None``, ``"rms"`` or ``"layer"``); an RMS
+    norm without a weight is ``RMS_NORM_SKIP_GAMMA``."""
+    if norm not in NORM_NAMES:
+        raise ValueError(f"{where}: `norm` must be None, 'rms' or 'layer'; got {norm!r}")
+    if norm == "rms" and not has_gamma:
+        return NormType.RMS_NORM_SKIP_GAMMA
+    return NORM_NAMES[norm]
+
 
 def fused_norm(x, norm_type: NormType, gamma, beta, eps: float, hidden_actual: int | None = None):
     if norm_type == NormType.NO_NORM:

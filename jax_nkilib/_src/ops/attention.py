@@ -11,6 +11,7 @@ import numpy as np
 from ..attention.attention_cte import attention_cte
 from ..attention.attention_tkg import attention_tkg, valid_block_entries
 from ..attention.checks import check_qkv_layout, require_float_dtypes, require_nonempty
+from ..framework.arguments import array_argument
 from ..framework.runtime_checks import check_all
 from ..framework.validation import static_float, static_int
 from ..sharding import auto
@@ -178,10 +179,8 @@ def _as_arrays(named: dict) -> dict:
     for name, x in named.items():
         if x is None and name == "block_table":
             arrays[name] = None
-        elif hasattr(x, "shape") and hasattr(x, "dtype") and not isinstance(x, (str, bytes)):
-            arrays[name] = jnp.asarray(x)
         else:
-            raise TypeError(f"{_DECODE}: `{name}` must be an array; got {type(x).__name__}")
+            arrays[name] = array_argument(_DECODE, name, x, dtypes=None)
     return arrays
 
 

@@ -9,11 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..framework.common_types import ActFnType, NormType, QuantizationType
+from ..framework.arguments import array_argument
+from ..framework.common_types import ActFnType, QuantizationType
 from ..framework.spec import FLOAT_DTYPES
 from ..framework.validation import static_bool, static_bounds, static_float
 from ..mlp.mlp import mlp as mlp_kernel
 from ..mlp.mlp_reference import TKG_TOKEN_THRESHOLD, is_tkg
+from ..norm.fused_norm import norm_type_of
 from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from ..sharding import auto
 
@@ -23,20 +25,12 @@ ACTIVATIONS = {
     "gelu_sigmoid": ActFnType.Swish,  # the kernel's "Swish": x * sigmoid(1.702 x)
     "relu": ActFnType.ReLU,
 }
-NORMS = (None, "rms", "layer")
 _WHERE = "jax_nkilib.mlp"
 
 
 def _array(name, value, ndim=None, fp8=False):
     """A float array (FP8 only with ``fp8``: weights, refused with advice by :func:`_weight`)."""
-    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-        raise TypeError(f"{_WHERE}: `{name}` must be an array; got {type(value).__name__}")
-    if not jnp.issubdtype(value.dtype, jnp.floating) or not fp8 and np.dtype(value.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"{_WHERE}: `{name}` must have a floating dtype (float32, bfloat16, float16 or float64); got "
-                        f"{value.dtype}")
-    if ndim is not None and value.ndim != ndim:
-        raise ValueError(f"{_WHERE}: `{name}` must have rank {ndim}; got shape {tuple(value.shape)}")
-    return jnp.asarray(value)
+    return array_argument(_WHERE, name, value, rank=ndim, dtypes="floating" if fp8 else "kernel")
 
 
 def _weight(name, w, ndim=None):
@@ -215,8 +209,7 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
         return sharded.run(local, (rows, rows) if return_residual else rows)
     if activation not in ACTIVATIONS:
         raise ValueError(f"{_WHERE}: `activation` must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
-    if norm not in NORMS:
-        raise ValueError(f"{_WHERE}: `norm` must be None, 'rms' or 'layer'; got {norm!r}")
+    norm_type_of(_WHERE, norm)  # a valid name
     if norm is None and (norm_weight is not None or norm_bias is not None):
         raise ValueError(f"{_WHERE}: `norm_weight`/`norm_bias` need norm='rms' or norm='layer'")
     if norm == "rms" and norm_bias is not None:
@@ -228,8 +221,7 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
     gamma = _vector("norm_weight", norm_weight, hidden, "hidden")
     if norm == "layer" and gamma is None:
         gamma = jnp.ones((1, hidden), x.dtype)
-    norm_type = {None: NormType.NO_NORM, "layer": NormType.LAYER_NORM,
-                 "rms": NormType.RMS_NORM if gamma is not None else NormType.RMS_NORM_SKIP_GAMMA}[norm]
+    norm_type = norm_type_of(_WHERE, norm, has_gamma=gamma is not None)
     if w_gate is None and (gate_bias is not None or gate_clamp is not None):
         raise ValueError(f"{_WHERE}: `gate_bias` and `gate_clamp` need `w_gate` (w_gate=None computes act(n w_up))")
 

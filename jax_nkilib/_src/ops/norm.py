@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..framework.arguments import array_argument
 from ..framework.common_types import DtypeMode, NormType, QuantizationType
 from ..framework.hardware import PARTITIONS
-from ..framework.spec import FLOAT_DTYPES, FP8_DTYPES, accumulation_dtype
+from ..framework.spec import FP8_DTYPES, accumulation_dtype
 from ..framework.validation import check_positive_finite, static_float
 from ..norm.norm_tkg import layernorm_rows, layernorm_tkg, rmsnorm_tkg, rows_from_tiles
 from ..norm.rmsnorm_quant import compute_dtype, rmsnorm_quant_kernel, row_quantize, static_quantize
@@ -32,16 +33,8 @@ _KERNEL_MODES = {np.dtype(jnp.float8_e4m3): DtypeMode.NON_OCP, np.dtype(jnp.floa
 QUANT_MODES = ("row", "static")
 
 
-def _require_array(where: str, name: str, value, *, floating: bool = True):
-    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-        raise TypeError(f"{where}: `{name}` must be an array; got {type(value).__name__}")
-    if floating and np.dtype(value.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"{where}: `{name}` must have a floating dtype (float32, bfloat16, float16 or float64); "
-                        f"got {value.dtype}")
-
-
 def _check_norm_args(where: str, x, params) -> int:
-    _require_array(where, "x", x)
+    array_argument(where, "x", x)
     if x.ndim < 1 or x.shape[-1] == 0:
         raise ValueError(f"{where}: `x` must have layout [..., H] with H >= 1; got shape {tuple(x.shape)}")
     auto.leading(x.ndim - 1, where)
@@ -49,7 +42,7 @@ def _check_norm_args(where: str, x, params) -> int:
     for name, value in params.items():
         if value is None:
             continue
-        _require_array(where, name, value)
+        array_argument(where, name, value)
         if tuple(value.shape) != (hidden,):
             raise ValueError(f"{where}: `{name}` must have layout [H] = ({hidden},) for x of shape {tuple(x.shape)}; "
                              f"got {tuple(value.shape)}")
@@ -162,7 +155,7 @@ def _minus_row_mean(x):
 
 def _check_quantize_args(x, mode, scale, dtype):
     where = "jax_nkilib.quantize_fp8"
-    _require_array(where, "x", x)
+    array_argument(where, "x", x)
     if x.ndim < 1 or x.shape[-1] == 0:
         raise ValueError(f"{where}: `x` must have layout [..., H] with H >= 1; got shape {tuple(x.shape)}")
     auto.leading(x.ndim - 1, where)
@@ -282,7 +275,7 @@ def dequantize_fp8(q, scale, dtype=jnp.float32):
     (``scale`` ``[..., 1]`` per row or a scalar, a float array or a Python number; anything that broadcasts against
     ``q``). Differentiable in ``scale``; pure JAX."""
     where = "jax_nkilib.dequantize_fp8"
-    _require_array(where, "q", q, floating=False)
+    array_argument(where, "q", q, dtypes=None)
     if np.dtype(q.dtype) not in FP8_DTYPES:
         raise TypeError(f"{where}: `q` must have an FP8 dtype ({', '.join(map(str, FP8_DTYPES))}); got {q.dtype}")
     _require_scale(where, scale)

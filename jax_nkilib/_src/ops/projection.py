@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..framework.arguments import array_argument
 from ..framework.common_types import NormType, QuantizationType
-from ..framework.spec import FLOAT_DTYPES
 from ..framework.validation import check_positive_finite, require_static, static_float
+from ..norm.fused_norm import norm_type_of
 from ..projection.output_projection_cte import output_projection_cte
 from ..projection.output_projection_tkg import output_projection_tkg
 from ..projection.qkv import call_qkv, qkv_params
@@ -18,20 +19,11 @@ from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale
 from ..sharding import auto
 
 _ATTENTION_VIEW = {"attention": "B, S, N, D"}
-_NORMS = {None: NormType.NO_NORM, "rms": NormType.RMS_NORM, "layer": NormType.LAYER_NORM}
 
 
 def _array(where: str, name: str, value, layout: str, rank: int | None = None, activation: bool = False):
     """A float array (``activation``: in a dtype the kernels compute in, not FP8) of rank ``rank``."""
-    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-        raise TypeError(f"{where}: `{name}` must be an array {layout}; got {type(value).__name__}")
-    value = jnp.asarray(value)
-    if not jnp.issubdtype(value.dtype, jnp.floating) or activation and value.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{where}: `{name}` {layout} must have a floating dtype"
-                        f"{' (float32, bfloat16, float16 or float64)' if activation else ''}; got {value.dtype}")
-    if rank is not None and value.ndim != rank:
-        raise ValueError(f"{where}: `{name}` must be {layout}; got shape {tuple(value.shape)}")
-    return value
+    return array_argument(where, name, value, layout=layout, rank=rank, dtypes="kernel" if activation else "floating")
 
 
 def _row(where: str, name: str, value, size: int, dtype):
@@ -305,9 +297,7 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
         raise ValueError(f"{where}: `w` must be [hidden={hidden}, (num_q_heads + 2 * num_kv_heads) * head_dim] with "
                          f"{heads} heads and head_dim >= 1; got {tuple(w.shape)}")
     d = w.shape[1] // heads
-    if norm not in _NORMS:
-        raise ValueError(f"{where}: `norm` must be None, 'rms' or 'layer'; got {norm!r}")
-    norm_type = _NORMS[norm]
+    norm_type = norm_type_of(where, norm)
     gamma = _row(where, "norm_weight", norm_weight, hidden, x.dtype)
     beta = _row(where, "norm_bias", norm_bias, hidden, x.dtype)
     if norm is None and (gamma is not None or beta is not None):

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..framework.spec import FLOAT_DTYPES
+from ..framework.arguments import array_argument
 from ..quant import mx
 from ..quant.fp8 import saturate
 from ..quant.matmul_mxfp8 import matmul_mxfp8
@@ -47,15 +47,6 @@ from ..sharding import auto
 
 KERNEL_TILE = 512  # the quantize kernel's K tile: 16 blocks of 8 rows x 4 lanes
 _MX_MATMUL_VIEW = {"rhs": "K, N"}
-
-
-def _require_array(where: str, name: str, value, kinds=(jnp.floating,)) -> None:
-    if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-        raise TypeError(f"{where}: `{name}` must be an array; got {type(value).__name__}")
-    if not any(jnp.issubdtype(value.dtype, kind) for kind in kinds) or (
-            jnp.floating in kinds and np.dtype(value.dtype) not in FLOAT_DTYPES):
-        raise TypeError(f"{where}: `{name}` must have a floating dtype (float32, bfloat16, float16 or float64); got "
-                        f"{value.dtype}")
 
 
 def _fp8_name(where: str, name: str, dtype) -> str:
@@ -119,8 +110,7 @@ def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32):
     values: no gradient flows through them.
     """
     where = "jax_nkilib.quantize_mx"
-    _require_array(where, "x", x)
-    x = jnp.asarray(x)
+    x = array_argument(where, "x", x)
     name = _fp8_name(where, "dtype", dtype)
     axis = _axis(where, axis, x.ndim)
     if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
@@ -152,10 +142,8 @@ def dequantize_mx(data, scales, *, axis: int = -1, dtype=jnp.float32):
     consecutive elements along ``axis`` whose size is the ratio of the two arrays' sizes there). ``scales`` are
     uint8 biased exponents (or ``float8_e8m0fnu``)."""
     where = "jax_nkilib.dequantize_mx"
-    for name, value in (("data", data), ("scales", scales)):
-        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-            raise TypeError(f"{where}: `{name}` must be an array; got {type(value).__name__}")
-    data, scales = jnp.asarray(data), jnp.asarray(scales)
+    data, scales = (array_argument(where, name, value, dtypes=None)
+                    for name, value in (("data", data), ("scales", scales)))
     _fp8_name(where, "data.dtype", data.dtype)
     if scales.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
         raise TypeError(f"{where}: `scales` must be uint8 biased exponents (or float8_e8m0fnu); got {scales.dtype}")
@@ -183,9 +171,7 @@ def mxfp8_matmul(x, w, *, float8_dtype=jnp.float8_e4m3fn):
     ``matmul_mxfp8_backward``; elsewhere their JAX references run.
     """
     where = "jax_nkilib.mxfp8_matmul"
-    _require_array(where, "x", x)
-    _require_array(where, "w", w)
-    x, w = jnp.asarray(x), jnp.asarray(w)
+    x, w = array_argument(where, "x", x), array_argument(where, "w", w)
     name = _fp8_name(where, "float8_dtype", float8_dtype)
     if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"{where}: `x` must have layout [..., K] and `w` [K, N] with the same K; got shapes "

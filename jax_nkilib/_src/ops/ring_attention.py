@@ -62,7 +62,7 @@ from ..attention.checks import check_qkv_layout
 from ..attention.masks import MaskRule
 from ..collectives.ring import shift
 from ..framework.compat import varying_like
-from ..framework.mesh_axes import bound_axis
+from ..framework.mesh_axes import bound_axis, lax_axis
 from ..framework.spec import accumulation_dtype
 from ..framework.validation import static_float
 from ..sharding import auto
@@ -193,7 +193,7 @@ def _ring_steps(ring: _Ring, step, carry, blocks, shifted):
 
 def _ring_forward(ring: _Ring, q, k, v):
     """Engine layouts ``q [H_kv, G, L, d]``, ``k, v [H_kv, L, d]`` -> ``(out in q.dtype, lse [H_kv, G, L])``."""
-    rank = lax.axis_index(ring.axis)
+    rank = lax.axis_index(lax_axis(ring.axis_names))
     compute = lambda piece, k_block, v_block: _forward_piece(piece, q, k_block, v_block, ring.scale)  # noqa: E731
     shifted = lambda blocks: tuple(_shift(ring, x) for x in blocks)  # noqa: E731
     following = shifted((k, v)) if ring.size > 1 else None  # issued before step 0's compute
@@ -209,7 +209,7 @@ def _ring_forward(ring: _Ring, q, k, v):
 
 def _ring_backward(ring: _Ring, residuals, dy):
     q, k, v, out, lse = residuals
-    rank = lax.axis_index(ring.axis)
+    rank = lax.axis_index(lax_axis(ring.axis_names))
     dy = dy.astype(q.dtype)
     compute = lambda piece, k_block, v_block: _backward_piece(  # noqa: E731
         piece, q, k_block, v_block, out, dy, lse, ring.scale)

@@ -7,7 +7,7 @@ import math
 
 import jax.numpy as jnp
 
-from ..framework.spec import FLOAT_DTYPES
+from ..framework.arguments import array_argument
 from ..framework.validation import static_bool
 from ..rope.rope import RoPE
 from ..sharding import auto
@@ -16,11 +16,7 @@ from ..sharding import auto
 def _rope_argument_errors(x, cos, sin) -> None:
     where = "jax_nkilib.rope"
     for name, value in (("x", x), ("cos", cos), ("sin", sin)):
-        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-            raise TypeError(f"{where}: `{name}` must be an array; got {type(value).__name__}")
-        if not jnp.issubdtype(value.dtype, jnp.floating) or value.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{where}: `{name}` must have a floating dtype (float32, bfloat16, float16 or float64); "
-                            f"got {value.dtype}")
+        array_argument(where, name, value)
     if x.ndim < 3:
         raise ValueError(f"{where}: `x` must have layout [..., seq, heads, head_dim]; got shape {tuple(x.shape)}")
     auto.leading(x.ndim - 3, where)

@@ -37,9 +37,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..collectives.allgather import allgather_compute_matmul
-from ..collectives.ring import common_dtype, contract_last, gather_matmul, ring_axis, shift, visit_ring
+from ..collectives.ring import common_dtype, contract_last, gather_matmul, shift, visit_ring
 from ..framework import compat
-from ..framework.mesh_axes import bound_axis
+from ..framework.arguments import array_argument
+from ..framework.mesh_axes import bound_axis, lax_axis
 from ..framework.spec import accumulation_dtype
 from . import auto
 
@@ -47,12 +48,7 @@ from . import auto
 # ----------------------------------------------------------------------------------------------------- checks
 def _check(function: str, x, w, axis, axis_arg: str):
     """Validate ``x [..., K]``, ``w [K, N]`` and the token axis; return ``(x, w, axis normalized)``."""
-    for name, value in (("x", x), ("w", w)):
-        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-            raise TypeError(f"{function}: `{name}` must be an array; got {type(value).__name__}")
-        if not jnp.issubdtype(value.dtype, jnp.floating):
-            raise TypeError(f"{function}: `{name}` must have a floating dtype; got {value.dtype}")
-    x, w = jnp.asarray(x), jnp.asarray(w)
+    x, w = (array_argument(function, name, value, dtypes="floating") for name, value in (("x", x), ("w", w)))
     if w.ndim != 2:
         raise ValueError(f"{function}: `w` must have layout [K, N] (rank 2); got shape {w.shape}")
     if x.ndim < 2:
@@ -101,7 +97,7 @@ def _matmul_scatter(x, w, names, axis):
     out_dtype = x.dtype
     x, w, acc = common_dtype(x, w)
     rows = x.shape[axis] // n
-    rank = lax.axis_index(ring_axis(names))
+    rank = lax.axis_index(lax_axis(names))
 
     def product(block):
         return contract_last(lax.dynamic_slice_in_dim(x, block * rows, rows, axis), w, acc)

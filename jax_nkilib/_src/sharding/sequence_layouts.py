@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..framework import compat
+from ..framework.arguments import array_argument
 
 LAYOUTS = ("contiguous", "striped", "zigzag")
 
@@ -88,8 +89,7 @@ def _permutation(layout: str, axis_size: int, length: int, where: str) -> np.nda
 
 
 def _seq_axis(x, seq_axis, where: str) -> int:
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-        raise TypeError(f"{where}: `x` must be an array; got {type(x).__name__}")
+    x = array_argument(where, "x", x, dtypes=None)
     if isinstance(seq_axis, bool) or not isinstance(seq_axis, (int, np.integer)) or \
             not -x.ndim <= seq_axis < x.ndim:
         raise ValueError(f"{where}: `seq_axis` must be an axis of x (rank {x.ndim}); got {seq_axis!r}")
