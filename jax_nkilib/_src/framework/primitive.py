@@ -28,7 +28,7 @@ from jax.interpreters import batching as jax_batching
 from jax.interpreters import mlir
 
 from . import batching, compat, registry, runtime_checks, views
-from .spec import KernelSpec
+from .spec import FP8_DTYPES, KernelSpec
 from .validation import check_call, check_derived, normalize_params, output_avals, split_arguments
 
 REFERENCE_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -55,15 +55,11 @@ def register_neuron_lowering(builder: Callable) -> None:
 
 
 def reference_vjp(kernel, operands, params, outs, cotangents):
-    """A VJP rule for kernels with no backward kernel: differentiate the JAX reference (floating operands only)."""
+    """A VJP rule for kernels with no backward kernel: differentiate the JAX reference in the floating operands that
+    are not FP8 (FP8 data, like integer operands, gets no cotangent)."""
     names = [name for name, value in operands.items()
-             if value is not None and jnp.issubdtype(value.dtype, jnp.floating)]
-
-    def from_floats(*values):
-        return kernel.reference(dict(operands, **dict(zip(names, values))), params)
-
-    _, vjp = jax.vjp(from_floats, *(operands[name] for name in names))
-    return dict(zip(names, vjp(tuple(cotangents))))
+             if value is not None and jnp.issubdtype(value.dtype, jnp.floating) and value.dtype not in FP8_DTYPES]
+    return pull_back(lambda named: kernel.reference(named, params), operands, names, cotangents)
 
 
 def pull_back(fn: Callable, operands: Mapping[str, Any], names, cotangents) -> dict[str, Any]:

@@ -68,12 +68,11 @@ dequantization scales (row 0); FP8 and MX weights, MX scales and the static inpu
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..framework.common_types import ActFnType, NormType, QuantizationType
-from ..framework.primitive import Kernel
+from ..framework.primitive import Kernel, pull_back
 from ..framework.spec import FLOAT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from ..quant import mx
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
@@ -276,13 +275,11 @@ def _mlp_vjp(kernel, operands, params, outs, cotangents):
              if value is not None and name not in skip and name not in IN_SCALES
              and np.dtype(value.dtype) in FLOAT_DTYPES]
 
-    def smooth(*values):
-        out, add_out = mlp_forward(dict(operands, **dict(zip(names, values))), params, exact=True, lnc=params["lnc"])
+    def smooth(named):
+        out, add_out = mlp_forward(named, params, exact=True, lnc=params["lnc"])
         return (out,) if add_out is None else (out, add_out)
 
-    primal, backward = jax.vjp(smooth, *(operands[name] for name in names))
-    cts = tuple(jnp.zeros_like(p) if ct is None else ct.astype(p.dtype) for p, ct in zip(primal, cotangents))
-    return dict(zip(names, backward(cts)))
+    return pull_back(smooth, operands, names, cotangents)
 
 
 def _mac_count(call: CallInfo) -> int:

@@ -54,7 +54,7 @@ from ..framework import config
 from ..framework.common_types import DtypeMode, NormType, QuantizationType
 from ..framework.dynamic_outputs import parse_layout as output_layout
 from ..framework.platform import is_trn3
-from ..framework.primitive import make_kernel
+from ..framework.primitive import make_kernel, pull_back
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype
 from ..quant.fp8 import fp8_max, saturate, scale_to_bytes
 
@@ -186,13 +186,11 @@ def _vjp(kernel, operands, params, outs, cotangents):
         return {}
     names = [name for name in ("hidden", "residual", "pre_norm_gamma") if operands[name] is not None]
 
-    def residual_out(*values):
-        named = dict(operands, **dict(zip(names, values)))
+    def residual_out(named):
         wide = accumulation_dtype(operands["hidden"].dtype)
-        return residual_tile(named["hidden"], named["residual"], named["pre_norm_gamma"], params["eps"], wide)
+        return (residual_tile(named["hidden"], named["residual"], named["pre_norm_gamma"], params["eps"], wide),)
 
-    _, pullback = jax.vjp(residual_out, *(operands[name] for name in names))
-    return dict(zip(names, pullback(cotangents[1])))
+    return pull_back(residual_out, operands, names, cotangents[1:2])
 
 
 _GAMMA = ("H", "1, H")

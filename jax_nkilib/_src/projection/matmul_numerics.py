@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..framework.primitive import reference_vjp
 from ..framework.spec import FP8_DTYPES
 from ..quant import mx
 from ..quant.fp8 import fake_quantize, fp8_max
@@ -46,18 +47,8 @@ def contract(subscripts: str, x, w, acc):
                       preferred_element_type=acc)
 
 
-def differentiable_vjp(kernel, operands, params, outs, cotangents):
-    """VJP rule: differentiate the JAX reference in the floating operands that are not FP8 (FP8 weights and caches
-    and integer operands get no cotangent)."""
-    del outs
-    names = [name for name, value in operands.items()
-             if value is not None and jnp.issubdtype(value.dtype, jnp.floating) and not is_fp8(value.dtype)]
-
-    def from_floats(*values):
-        return kernel.reference(dict(operands, **dict(zip(names, values))), params)
-
-    _, vjp = jax.vjp(from_floats, *(operands[name] for name in names))
-    return dict(zip(names, vjp(tuple(cotangents))))
+# The projections' VJP rule: the reference differentiated in the floating, non-FP8 operands.
+differentiable_vjp = reference_vjp
 
 
 def mx_activation(x, axis: int = -1):
