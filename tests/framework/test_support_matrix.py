@@ -46,7 +46,7 @@ def test_device_adapters_parse_and_match_their_specs():
     assert {"rope_hf", "attention_tkg", "gen_mask_tkg", "rmsnorm_tkg", "matmul_mxfp8"} <= {s.name for s in adapters}
     for spec in adapters:
         module, function = spec.entry_point.split(":")
-        path = ROOT / "kernels" / (module.split(".", 1)[1].replace(".", "/") + ".py")
+        path = ROOT / "jax_nkilib_kernels" / (module.split(".", 1)[1].replace(".", "/") + ".py")
         tree = ast.parse(path.read_text(encoding="utf-8"))
         (node,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function]
         assert any(ast.unparse(d) == "nki.jit" for d in node.decorator_list)

@@ -21,7 +21,7 @@ from jax_nkilib._src.framework.spec import DTYPE_KINDS, FOLLOW_LNC
 from jax_nkilib._src.neuron.kernel_arguments import forwarded_params
 
 TABLE = json.loads((Path(__file__).parent / "library_signatures.json").read_text())
-KERNELS = Path(__file__).parents[2] / "kernels"
+KERNELS = Path(__file__).parents[2] / "jax_nkilib_kernels"
 LIBRARY_SPECS = sorted((kernel.spec for kernel in bound_kernels().values() if kernel.spec.entry_point.startswith(
     "nkilib.")), key=lambda spec: spec.name)
 

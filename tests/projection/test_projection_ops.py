@@ -207,10 +207,12 @@ def test_qkv_projection_neuron_lowering():
         assert "stablehlo.transpose" not in compute_operations(text)
         text = neuron_text(lambda x, w, k, v: qkv_projection(x, w, **heads, kv_cache=(k, v)), x, w, *caches)
         (cfg,) = kernel_configs(text)
-        assert cfg["func_name"] == "qkv_kv_cache" and cfg["aliases"] == [[2, 1], [3, 2]]
+        assert cfg["func_name"] == "qkv" and cfg["aliases"] == [[2, 1], [3, 2]]
+        assert cfg["output_names"] == ["q", "k_cache", "v_cache"]  # the fused cache write
         small = x[:, :2]
         text = neuron_text(lambda x, w, k, v: qkv_projection(x, w, **heads, kv_cache=(k, v)), small, w, *caches)
-        assert [cfg["func_name"] for cfg in kernel_configs(text)] == ["qkv_tkg"]
+        assert [(cfg["func_name"], cfg["output_names"], cfg["aliases"]) for cfg in kernel_configs(text)] == [
+            ("qkv", ["out"], [])]  # the TKG path: no cache write in the kernel
         assert "stablehlo.custom_call" in operations(text) and "stablehlo.scatter" in operations(text)
 
 

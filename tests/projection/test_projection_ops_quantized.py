@@ -182,7 +182,7 @@ def test_qkv_projection_jit_vmap_shard_map():
         assert_close(a, b, jnp.float32, reduction=HID)
 
 
-@pytest.mark.parametrize("mode, seq, kernel, kind", [("row", 2, "qkv_tkg", "ROW"), ("static", 2, "qkv_tkg", "STATIC"),
+@pytest.mark.parametrize("mode, seq, kernel, kind", [("row", 2, "qkv", "ROW"), ("static", 2, "qkv", "STATIC"),
                                                      ("static", 128, "qkv", "STATIC")])
 def test_qkv_projection_neuron_lowering(mode, seq, kernel, kind):
     x, q = random((1, seq, 256), jnp.bfloat16, 0), weight(mode, (256, 16 * 64))

@@ -21,7 +21,7 @@ import math
 import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel
-from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..framework.validation import static_float, static_int
 from .blockwise import attention_backward
 from .checks import head_dim_limit, require_same_dtype
@@ -105,6 +105,13 @@ def _neuron_limits(call: CallInfo) -> list[str]:
 
 _Q_LAYOUT = "bs, H, d, Sq"
 _KV_LAYOUT = "bs, H_kv, d, Sk"
+def _outputs(call: CallInfo):
+    """``dq, dk, dv`` (and ``dsinks`` when ``sinks_ref`` is given) like their operands."""
+    pairs = (("dq", "q_ref"), ("dk", "k_ref"), ("dv", "v_ref"), ("dsinks", "sinks_ref"))
+    return [(name, call.avals[operand].shape, call.avals[operand].dtype) for name, operand in pairs
+            if call.avals.get(operand) is not None]
+
+
 ATTENTION_BWD_SPEC = KernelSpec(
     name="attention_bwd",
     entry_point="nkilib.core.attention.attention_bwd:attention_bwd",
@@ -120,10 +127,8 @@ ATTENTION_BWD_SPEC = KernelSpec(
         Param("use_causal_mask", False, bool), Param("mixed_precision", False, bool),
         Param("softmax_scale", None, float), Param("sliding_window", None, int),
     ),
-    outputs=(
-        Output.like_operand("dq", "q_ref"), Output.like_operand("dk", "k_ref"), Output.like_operand("dv", "v_ref"),
-        Output.like_operand("dsinks", "sinks_ref", present_if="sinks_ref"),
-    ),
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_attention_bwd,
     check=_check,
     neuron_limits=_neuron_limits,

@@ -38,7 +38,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..framework.primitive import Vjp, make_kernel
-from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..framework.validation import static_float, static_int
 from .attention_bwd import LSE_TILE, attention_bwd, lse_tiles
 from .blockwise import attention_backward, attention_forward, group_queries, log_sum_exp, ungroup_queries
@@ -232,6 +232,16 @@ def _blockwise_backward(operands, params, out, dy):
     return result
 
 
+def _outputs(call: CallInfo):
+    """``o`` ``[B, Sq, d]`` (``[B, d, Sq]`` with ``tp_out``) in q's dtype, and with ``cache_softmax`` the softmax
+    statistics ``neg_max`` and ``recip`` ``[B, 128, Sq/128]`` in ``softmax_dtype``."""
+    p = call.params
+    out = [("o", call.shape("B, d, Sq" if p["tp_out"] else "B, Sq, d"), call.avals["q"].dtype)]
+    if p["cache_softmax"]:
+        out += [(name, call.shape("B, 128, Sq/128"), p["softmax_dtype"]) for name in ("neg_max", "recip")]
+    return out
+
+
 ATTENTION_CTE_SPEC = KernelSpec(
     name="attention_cte",
     entry_point="nkilib.core.attention.attention_cte:attention_cte",
@@ -254,11 +264,8 @@ ATTENTION_CTE_SPEC = KernelSpec(
         Param("mm_out_dtype", jnp.float32, "dtype"), Param("global_cp_deg", None, int),
         Param("cp_strided_q_slicing", False, bool),
     ),
-    outputs=(
-        Output.switched("o", "tp_out", {False: "B, Sq, d", True: "B, d, Sq"}, "q"),
-        Output.of("neg_max", "B, 128, Sq/128", "softmax_dtype", present_if="cache_softmax"),
-        Output.of("recip", "B, 128, Sq/128", "softmax_dtype", present_if="cache_softmax"),
-    ),
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_attention_cte,
     check=_check,
     neuron_limits=_neuron_limits,

@@ -39,7 +39,7 @@ from jax import lax
 from ..framework import compat
 from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import make_kernel, reference_vjp
-from ..framework.spec import FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from .attention_segmented_cte import CACHE_DTYPES, unpack_token_pairs
 from .blockwise import attention_forward, normalize
 from .checks import head_dim_limit, require_cache_dtypes, require_params
@@ -130,6 +130,12 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
+def _outputs(call: CallInfo):
+    """``out [QH, S, d]`` (``[QH, d, S]`` with ``tp_out``) in q's dtype."""
+    layout = "QH, d, S" if call.params["tp_out"] else "QH, S, d"
+    return [("out", call.shape(layout), call.avals["q"].dtype)]
+
+
 ATTENTION_KV_PARALLEL_SEGMENTED_CTE_SPEC = KernelSpec(
     name="attention_kv_parallel_segmented_cte",
     entry_point="nkilib.core.attention.attention_kv_parallel_segmented_cte:attention_kv_parallel_segmented_cte",
@@ -153,14 +159,15 @@ ATTENTION_KV_PARALLEL_SEGMENTED_CTE_SPEC = KernelSpec(
         Param("tp_out", False, bool), Param("sliding_window", 0, int), Param("kvp_group_size", 0, int),
         Param("apc_mode", False, bool), Param("fp8_packed", False, bool),
     ),
-    outputs=(Output.switched("out", "tp_out", {False: "QH, S, d", True: "QH, d, S"}, "q"),),
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_attention_kv_parallel_segmented_cte,
     check=_check,
     neuron_limits=_neuron_limits,
     # a vmapped axis folds into this rank's query heads (the gathered heads keep the rank-major order)
     fold_plans=(FoldPlan({"q": 0, "k_cache": None, "v_cache": None, "block_tables": None, "kvp_q_offset": None,
                           "kvp_rank_id": None, "valid_num_prior_tokens": None, "k_scale": None, "v_scale": None},
-                         outputs=(0,)),),
+                         outputs={"out": 0}),),
     has_collectives=True,
     mac_count=lambda call: 2 * call.dims["QH"] * call.params["group_size"] * call.dims["S"]
     * call.dims["max_blocks"] * call.params["block_size"] * call.dims["d"],

@@ -33,7 +33,6 @@ from ..framework.spec import (
     FoldPlan,
     KernelSpec,
     Operand,
-    Output,
     Param,
 )
 from .blockwise import attention_forward, group_queries, ungroup_queries
@@ -126,6 +125,12 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
+def _outputs(call: CallInfo):
+    """``out [BQ, Sq, d]`` (``[BQ, d, Sq]`` with ``tp_out``) in q's dtype."""
+    layout = "BQ, d, Sq" if call.params["tp_out"] else "BQ, Sq, d"
+    return [("out", call.shape(layout), call.avals["q"].dtype)]
+
+
 ATTENTION_SEGMENTED_CTE_SPEC = KernelSpec(
     name="attention_segmented_cte",
     entry_point="nkilib.core.attention.attention_segmented_cte:attention_segmented_cte",
@@ -151,13 +156,14 @@ ATTENTION_SEGMENTED_CTE_SPEC = KernelSpec(
         Param("kvp_group_size", 0, int), Param("kvp_cp_offset_int", 0, int), Param("kvp_seg_block_offset_int", 0, int),
         Param("kvp_prior_load_blocks", 0, int), Param("kvp_prior_fully_visible", False, bool),
     ),
-    outputs=(Output.switched("out", "tp_out", {False: "BQ, Sq, d", True: "BQ, d, Sq"}, "q"),),
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_attention_segmented_cte,
     check=_check,
     neuron_limits=_neuron_limits,
     fold_plans=(FoldPlan({"q": 0, "block_tables": 0, "sink": 0, "k_cache": None, "v_cache": None,
                           "prior_tokens": None, "k_scale": None, "v_scale": None, "kvp_q_offset": None,
-                          "kvp_rank_id": None}, outputs=(0,)),),
+                          "kvp_rank_id": None}, outputs={"out": 0}),),
     mac_count=lambda call: 2 * call.dims["BQ"] * call.dims["Sq"] * call.dims["max_blocks"] * call.dims["block"]
     * call.dims["d"],
     family="attention",

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.runtime_checks import check_all
-from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from .checks import head_dim_limit
 from .gen_mask_tkg import natural_order, resized_block_len
 
@@ -216,6 +216,14 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
+def _outputs(call: CallInfo):
+    """``out [B, H, d, s_a]``, and with ``fuse_rope`` the rotated ``k_out [B, 1, d, s_a]``."""
+    out = [("out", call.shape("B, H, d, s_a"), call.avals["q"].dtype)]
+    if call.params["fuse_rope"]:
+        out.append(("k_out", call.shape("B, 1, d, s_a"), call.avals["k_active"].dtype))
+    return out
+
+
 ATTENTION_TKG_SPEC = KernelSpec(
     reference_takes_lnc=True,
     name="attention_tkg",
@@ -242,8 +250,8 @@ ATTENTION_TKG_SPEC = KernelSpec(
         Param("qk_in_sb", False, bool), Param("k_out_in_sb", False, bool), Param("out_in_sb", False, bool),
         Param("enable_fa_s_prior_tiling", True, bool),
     ),
-    outputs=(Output.of("out", "B, H, d, s_a", "q"),
-             Output.of("k_out", "B, 1, d, s_a", "k_active", present_if="fuse_rope")),
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_attention_tkg,
     check=_check,
     runtime_checks=_runtime_checks,

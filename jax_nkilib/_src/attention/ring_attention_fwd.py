@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import Vjp, make_kernel
-from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param
 from .attention_bwd import LSE_TILE, lse_tiles
 from .checks import head_dim_limit
 from .ring_attention_bwd import ring_attention_spmd_bwd
@@ -163,6 +163,14 @@ def _backward(kernel, residuals, params, cotangents):
     return {"q": _unrows(dq, b, h, not tp_q), "k": _unrows(dk, b, h, not tp_k), "v": _unrows(dv, b, h, False)}
 
 
+def _outputs(call: CallInfo):
+    """``o [b, h, S, d]`` in q's dtype and, with ``training``, ``lse [b, h, 128, S/128]`` in ``lse_dtype``."""
+    out = [("o", call.shape("b, h, S, d"), call.avals["q"].dtype)]
+    if call.params["training"]:
+        out.append(("lse", call.shape("b, h, 128, S/128"), call.params["lse_dtype"]))
+    return out
+
+
 RING_ATTENTION_SPMD_FWD_SPEC = KernelSpec(
     name="ring_attention_spmd_fwd",
     entry_point="nkilib.experimental.attention.ring_attention_fwd:ring_attention_spmd_fwd",
@@ -178,10 +186,8 @@ RING_ATTENTION_SPMD_FWD_SPEC = KernelSpec(
         Param("use_causal_mask", False, bool), Param("striped_input", False, bool), Param("training", False, bool),
         Param("lse_dtype", jnp.float32, "dtype"), Param("tp_q", False, bool), Param("tp_k", False, bool),
     ),
-    outputs=(
-        Output.of("o", "b, h, S, d", "q"),
-        Output.of("lse", "b, h, 128, S/128", "lse_dtype", present_if="training"),
-    ),
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_ring_attention_spmd_fwd,
     check=_check,
     neuron_limits=_neuron_limits,

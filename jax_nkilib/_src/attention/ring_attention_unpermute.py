@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import make_kernel, reference_vjp
-from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param
 from .ring_checks import needs_trn2, require_ring
 from .ring_math import unpermute_striped
 
@@ -47,11 +47,12 @@ RING_ATTENTION_UNPERMUTE_SPEC = KernelSpec(
     entry_point="nkilib.experimental.attention.ring_attention_unpermute:ring_attention_unpermute",
     operands=(Operand.of("x", "bs, S, d"),),
     params=(Param("replica_groups", None, "axis"), Param("num_workers", 1, int)),
-    outputs=(Output.like_operand("out_x", "x"),),
+    outputs=(),
+    output_avals=lambda call: [("out_x", call.avals["x"].shape, call.avals["x"].dtype)],
     reference=reference_ring_attention_unpermute,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"x": 0}, outputs=(0,)),),
+    fold_plans=(FoldPlan({"x": 0}, outputs={"out_x": 0}),),
     has_collectives=True,
     family="parallel",
     catalog="row 44, section 3",

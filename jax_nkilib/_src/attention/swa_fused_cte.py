@@ -36,7 +36,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel, reference_vjp
-from ..framework.spec import FP8_DTYPES, INT_DTYPES, CallInfo, KernelSpec, Operand, Output, Param
+from ..framework.spec import FP8_DTYPES, INT_DTYPES, CallInfo, KernelSpec, Operand, Param
 from .attention_segmented_cte import CACHE_DTYPES
 from .blockwise import attention_forward, group_queries
 from .checks import head_dim_limit
@@ -242,8 +242,10 @@ SWA_FUSED_CTE_SPEC = KernelSpec(
         Param("scale", 1.0, float), Param("sliding_window", 128, int), Param("block_size", 128, int),
         Param("num_q_heads", 16, int), Param("num_kv_heads", 2, int), Param("d_head", 64, int),
     ),
-    outputs=(Output.of("out", "B, S, H", "hidden_states"), Output.like_operand("k_cache", "k_cache"),
-             Output.like_operand("v_cache", "v_cache")),
+    outputs=(),
+    output_avals=lambda call: [("out", call.shape("B, S, H"), call.avals["hidden_states"].dtype),
+                               *((name, call.avals[name].shape, call.avals[name].dtype)
+                                 for name in ("k_cache", "v_cache"))],  # the caches, updated
     reference=reference_swa_fused_cte,
     check=_check,
     neuron_limits=_neuron_limits,

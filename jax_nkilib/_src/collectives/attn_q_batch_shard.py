@@ -37,9 +37,9 @@ from jax import lax
 
 from ..framework import compat
 from ..framework.mesh_axes import lax_axis
-from ..framework.primitive import reference_vjp
-from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
-from .hbm_collectives import CollectiveKernel, global_rank, mesh_axes, output_layout, require_replica_group
+from ..framework.primitive import make_kernel, reference_vjp
+from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
+from .hbm_collectives import global_rank, marking_varying, mesh_axes, require_replica_group
 
 
 class AttnQBatchShardLayout(enum.Enum):
@@ -98,16 +98,37 @@ def _check(call: CallInfo) -> None:
                              f"mesh (the kernel indexes it by ncc.rank_id()); got R={dims['R']}")
 
 
-def _communicating_axes(spec: KernelSpec, params: Mapping, operands: Mapping) -> tuple[str, ...]:
+def _communicating_axes(function: str, params: Mapping, operands: Mapping) -> tuple[str, ...]:
     """The group's axes, or every mesh axis when the rank is the global device position (no ``rank_id_in``)."""
-    group = require_replica_group(spec.public_name, params)
-    return group if operands.get("rank_id_in") is not None else mesh_axes(spec.public_name)
+    group = require_replica_group(function, params)
+    return group if operands.get("rank_id_in") is not None else mesh_axes(function)
+
+
+_marking_varying = marking_varying(_communicating_axes)
+
+
+def _prepare(function, operands, params):
+    """Fill an omitted ``gathered_buf`` with a zero workspace, then mark the operands varying over the
+    communicating axes."""
+    if operands.get("gathered_buf") is None and params["gqa_group_size"] and operands.get("input") is not None:
+        # [G, n, B, S, d] (NBSd) or [G, d, B, n, S] (dBnS): the group axis before the input's
+        workspace = (params["gqa_group_size"],) + jnp.shape(operands["input"])
+        operands["gathered_buf"] = jnp.zeros(workspace, jnp.result_type(operands["input"]))
+    return _marking_varying(function, operands, params)
+
+
+def _outputs(call: CallInfo):
+    """``q_out``: ``[G * n, B / G, S, d]`` (NBSd) or ``[G, d, B / G, S]`` (dBnS) in the input's dtype."""
+    groups, dims = call.params["gqa_group_size"], call.dims
+    if call.params["q_layout"] == "NBSd":
+        shape = (groups * dims["n"], dims["B"] // groups, dims["S"], dims["d"])
+    else:
+        shape = (groups, dims["d"], dims["B"] // groups, dims["S"])
+    return [("q_out", shape, call.avals["input"].dtype)]
 
 
 INPUT_LAYOUTS = {"NBSd": "n, B, S, d", "dBnS": "d, B, n, S"}
 BUFFER_LAYOUTS = {"NBSd": "G, n, B, S, d", "dBnS": "G, d, B, n, S"}
-OUTPUT_LAYOUTS = {"NBSd": output_layout("gqa_group_size*n", "B/gqa_group_size", "S", "d"),
-                  "dBnS": output_layout("gqa_group_size", "d", "B/gqa_group_size", "S")}
 
 ATTN_Q_BATCH_SHARD_SPEC = KernelSpec(
     name="attn_q_batch_shard",
@@ -122,15 +143,17 @@ ATTN_Q_BATCH_SHARD_SPEC = KernelSpec(
         Param("gqa_group_size", None, int), Param("replica_group", None, "axis"),
         EnumNameParam("q_layout", "NBSd", AttnQBatchShardLayout, "the kernel's `layout`"),
     ),
-    outputs=(Output("q_out", OUTPUT_LAYOUTS["NBSd"], "input",
-                    switch=("q_layout", tuple((key, (layout,)) for key, layout in OUTPUT_LAYOUTS.items()))),),
+    outputs=(),
+    output_avals=_outputs,
+    prepare=_prepare,
+    keywords={"layout": "q_layout"},
     reference=reference_attn_q_batch_shard,
     check=_check,
     # a vmapped axis folds into S (the workspace's S axis with it)
     fold_plans=(
-        FoldPlan({"input": 2, "gathered_buf": 3, "iota_workers": None, "rank_id_in": None}, outputs=(2,),
+        FoldPlan({"input": 2, "gathered_buf": 3, "iota_workers": None, "rank_id_in": None}, outputs={"q_out": 2},
                  when=lambda call: call.params["q_layout"] == "NBSd"),
-        FoldPlan({"input": 3, "gathered_buf": 4, "iota_workers": None, "rank_id_in": None}, outputs=(3,),
+        FoldPlan({"input": 3, "gathered_buf": 4, "iota_workers": None, "rank_id_in": None}, outputs={"q_out": 3},
                  when=lambda call: call.params["q_layout"] == "dBnS"),
     ),
     has_collectives=True,
@@ -143,22 +166,4 @@ ATTN_Q_BATCH_SHARD_SPEC = KernelSpec(
 )
 
 
-class BatchShardKernel(CollectiveKernel):
-    """``attn_q_batch_shard``: takes the kernel's ``layout=`` keyword and fills an omitted ``gathered_buf``."""
-
-    def __call__(self, *args, layout=None, **kwargs):
-        if layout is not None:
-            if "q_layout" in kwargs:
-                raise TypeError(f"{self.spec.public_name}: give `layout` or `q_layout`, not both")
-            kwargs["q_layout"] = layout
-        return super().__call__(*args, **kwargs)
-
-    def call(self, operands, params, view=None, derived=None):
-        if operands.get("gathered_buf") is None and params["gqa_group_size"] and operands.get("input") is not None:
-            # [G, n, B, S, d] (NBSd) or [G, d, B, n, S] (dBnS): the group axis before the input's
-            workspace = (params["gqa_group_size"],) + jnp.shape(operands["input"])
-            operands = dict(operands, gathered_buf=jnp.zeros(workspace, jnp.result_type(operands["input"])))
-        return super().call(operands, params, view, derived)
-
-
-attn_q_batch_shard = BatchShardKernel(ATTN_Q_BATCH_SHARD_SPEC, _communicating_axes, reference_vjp)
+attn_q_batch_shard = make_kernel(ATTN_Q_BATCH_SHARD_SPEC, reference_vjp)

@@ -36,20 +36,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..framework import compat
-from ..framework.dynamic_outputs import FormulaDim
-from ..framework.layout import Layout, parse_dim
 from ..framework.mesh_axes import lax_axis
-from ..framework.primitive import Kernel, Vjp, reference_vjp
-from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.primitive import Kernel, Vjp, make_kernel, reference_vjp
+from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, Prepare
 
 ANY_RANK = ("d0", "d0, d1", "d0, d1, d2", "d0, d1, d2, d3")
 LIBRARY_MODULE = "nkilib.experimental.collectives.collectives"
-
-
-def output_layout(*tokens: str) -> Layout:
-    """An output layout whose tokens may be products/quotients of dims and int params (``H/num_ranks``)."""
-    return Layout(", ".join(tokens), tuple(FormulaDim(t, None) if "/" in t or "*" in t else parse_dim(t)
-                                           for t in tokens))
 
 
 def mesh_axes(function: str) -> tuple[str, ...]:
@@ -68,21 +60,20 @@ def global_rank(function: str):
     return lax.axis_index(lax_axis(mesh_axes(function)))
 
 
-class CollectiveKernel(Kernel):
-    """A kernel whose operands take part in a collective over ``axes(spec, params, operands)``: they are marked
-    varying over those mesh axes before the call, so the outputs' sharding types say that they vary over them."""
+def marking_varying(axes: Callable[[str, Mapping, Mapping], tuple[str, ...]]) -> Prepare:
+    """The ``prepare`` hook of a kernel whose operands take part in a collective over ``axes(function, params,
+    operands)``: they are marked varying over those mesh axes before the call, so the outputs' sharding types say
+    that they vary over them."""
 
-    def __init__(self, spec: KernelSpec, axes: Callable[[KernelSpec, Mapping, Mapping], tuple[str, ...]], vjp=None):
-        self.axes = axes
-        super().__init__(spec, vjp)
-
-    def call(self, operands, params, view=None, derived=None):
-        axes = self.axes(self.spec, params, operands)
-        if axes:
-            varying = lax.axis_index(lax_axis(axes))  # a value varying over exactly these axes
+    def prepare(function, operands, params):
+        names = axes(function, params, operands)
+        if names:
+            varying = lax.axis_index(lax_axis(names))  # a value varying over exactly these axes
             operands = {name: None if value is None else compat.varying_like(jnp.asarray(value), varying)
                         for name, value in operands.items()}
-        return super().call(operands, params, view, derived)
+        return operands, params
+
+    return prepare
 
 
 def require_replica_group(function: str, params: Mapping) -> tuple[str, ...]:
@@ -93,12 +84,16 @@ def require_replica_group(function: str, params: Mapping) -> tuple[str, ...]:
     return params["replica_group"]
 
 
-def replica_group_axes(spec: KernelSpec, params: Mapping, operands: Mapping) -> tuple[str, ...]:
-    return require_replica_group(spec.public_name, params)
+def replica_group_axes(function: str, params: Mapping, operands: Mapping) -> tuple[str, ...]:
+    return require_replica_group(function, params)
 
 
-def every_mesh_axis(spec: KernelSpec, params: Mapping, operands: Mapping) -> tuple[str, ...]:
-    return mesh_axes(spec.public_name)
+def every_mesh_axis(function: str, params: Mapping, operands: Mapping) -> tuple[str, ...]:
+    return mesh_axes(function)
+
+
+def _like_input(call: CallInfo):
+    return [("out", call.avals["input"].shape, call.avals["input"].dtype)]
 
 
 # ------------------------------------------------------------------------------------------------------ references
@@ -177,56 +172,58 @@ def transpose_vjp(transpose: Callable[[], Kernel]) -> Vjp:
     return Vjp(forward, backward)
 
 
-def _group_kernel(name: str, operands, params, outputs, reference, check, fold_plans, notes: str,
-                  transpose: Callable[[], Kernel], notes_extra: str = "") -> CollectiveKernel:
+def _group_kernel(name: str, operands, params, output_avals, reference, check, fold_plans, notes: str,
+                  transpose: Callable[[], Kernel], notes_extra: str = "") -> Kernel:
     spec = KernelSpec(
-        name=name, entry_point=f"{LIBRARY_MODULE}:{name}", operands=operands, params=params, outputs=outputs,
-        reference=reference, check=check, fold_plans=fold_plans, has_collectives=True, family="collectives",
+        name=name, entry_point=f"{LIBRARY_MODULE}:{name}", operands=operands, params=params, outputs=(),
+        output_avals=output_avals, prepare=marking_varying(replica_group_axes), reference=reference, check=check,
+        fold_plans=fold_plans, has_collectives=True, family="collectives",
         catalog="row 59",
         support={"vjp": "JAX rule binding " + notes,
                  "shard_map": "inside jax.shard_map only: replica_group names the mesh axes of each rank list",
                  "notes": "docs-only kernel (2.30+); the rank lists reach it as an nki.collectives.ReplicaGroup"
                           + notes_extra})
-    return CollectiveKernel(spec, replica_group_axes, transpose_vjp(transpose))
+    return make_kernel(spec, transpose_vjp(transpose))
 
 
 GROUP = Param("replica_group", None, "axis", "mesh axis name(s) of each rank list", required=True)
 NUM_RANKS = Param("num_ranks", None, int, "ranks per group (the replica group's size)", required=True)
 
 all_reduce_hbm_kernel = _group_kernel(
-    "all_reduce_hbm_kernel", (Operand.of("input", *ANY_RANK),), (GROUP,), (Output.like_operand("out", "input"),),
-    reference_all_reduce, check_group, (FoldPlan({"input": 0}, outputs=(0,)),),
+    "all_reduce_hbm_kernel", (Operand.of("input", *ANY_RANK),), (GROUP,), _like_input,
+    reference_all_reduce, check_group, (FoldPlan({"input": 0}, outputs={"out": 0}),),
     "all_reduce_hbm_kernel (its own transpose)", lambda: all_reduce_hbm_kernel)
 
 all_gather_hbm_kernel = _group_kernel(
     "all_gather_hbm_kernel", (Operand.of("input", "H, W"),), (GROUP, NUM_RANKS),
-    (Output("out", output_layout("num_ranks*H", "W"), "input"),),
+    lambda call: [("out", (call.params["num_ranks"] * call.dims["H"], call.dims["W"]), call.avals["input"].dtype)],
     reference_all_gather, lambda call: check_group(call, with_num_ranks=True),
-    (FoldPlan({"input": 1}, outputs=(1,)),), "reduce_scatter_hbm_kernel", lambda: reduce_scatter_hbm_kernel)
+    (FoldPlan({"input": 1}, outputs={"out": 1}),), "reduce_scatter_hbm_kernel", lambda: reduce_scatter_hbm_kernel)
 
 reduce_scatter_hbm_kernel = _group_kernel(
     "reduce_scatter_hbm_kernel", (Operand.of("input", "H, W"),), (GROUP, NUM_RANKS),
-    (Output("out", output_layout("H/num_ranks", "W"), "input"),),
-    reference_reduce_scatter, _check_reduce_scatter, (FoldPlan({"input": 1}, outputs=(1,)),),
+    lambda call: [("out", (call.dims["H"] // call.params["num_ranks"], call.dims["W"]), call.avals["input"].dtype)],
+    reference_reduce_scatter, _check_reduce_scatter, (FoldPlan({"input": 1}, outputs={"out": 1}),),
     "all_gather_hbm_kernel", lambda: all_gather_hbm_kernel)
 
 all_to_all_hbm_kernel = _group_kernel(
-    "all_to_all_hbm_kernel", (Operand.of("input", *ANY_RANK),), (GROUP,), (Output.like_operand("out", "input"),),
+    "all_to_all_hbm_kernel", (Operand.of("input", *ANY_RANK),), (GROUP,), _like_input,
     reference_all_to_all, _check_all_to_all,
-    (FoldPlan({"input": 1}, outputs=(1,), when=lambda call: call.avals["input"].ndim > 1),),
+    (FoldPlan({"input": 1}, outputs={"out": 1}, when=lambda call: call.avals["input"].ndim > 1),),
     "all_to_all_hbm_kernel (its own inverse)", lambda: all_to_all_hbm_kernel,
     "; the library tests it with 4 ranks at LNC2 or 8 at LNC1 (its mesh algorithm)")
 
 
-def _rank_kernel(name: str, operands, reference, fold_plans, notes: str) -> CollectiveKernel:
+def _rank_kernel(name: str, operands, reference, fold_plans, notes: str) -> Kernel:
     spec = KernelSpec(
         name=name, entry_point=f"{LIBRARY_MODULE}:{name}", operands=operands, params=(),
-        outputs=(Output.of("out", "H, W", "in_tensor"),), reference=reference, check=_check_rank_table,
+        outputs=(Output.of("out", "H, W", "in_tensor"),), prepare=marking_varying(every_mesh_axis),
+        reference=reference, check=_check_rank_table,
         fold_plans=fold_plans, has_collectives=True, family="collectives", catalog="row 59",
         support={"vjp": "JAX (the cotangent goes back to row `rank` of in_tensor)",
                  "shard_map": "inside jax.shard_map over every mesh axis (the rank is the global device position)",
                  "notes": notes})
-    return CollectiveKernel(spec, every_mesh_axis, reference_vjp)
+    return make_kernel(spec, reference_vjp)
 
 
 rank_id_kernel = _rank_kernel(

@@ -48,9 +48,9 @@ def choose_plan(spec: KernelSpec, present, batch_dims, call: CallInfo) -> FoldPl
 
 
 def output_axes(plan: FoldPlan, spec: KernelSpec, produced, view) -> list[int]:
-    """The axis of each produced output that carries the merged vmapped axis, in the call's layout view."""
+    """The axis of each produced output (by name) that carries the merged vmapped axis, in the call's layout view."""
     axes = plan.output_axes(spec.outputs)
-    return [views.given_axis(views.permutation_of(view, output.name), axes[output.name]) for output in produced]
+    return [views.given_axis(views.permutation_of(view, name), axes[name]) for name in produced]
 
 
 def operand_axes(plan: FoldPlan, view) -> dict[str, int | None]:

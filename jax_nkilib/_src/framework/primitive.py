@@ -29,7 +29,7 @@ from jax.interpreters import mlir
 
 from . import batching, compat, registry, runtime_checks, views
 from .spec import FP8_DTYPES, KernelSpec
-from .validation import check_call, check_derived, normalize_params, output_avals, split_arguments
+from .validation import check_call, check_derived, normalize_params, output_avals, output_names, split_arguments
 
 REFERENCE_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
@@ -129,6 +129,8 @@ class Kernel:
         (``{"x_in": "B, S, n_heads, d_head"}``); see :mod:`jax_nkilib._src.framework.views`. ``derived`` holds
         shape-derived config fields the caller gave, checked against the shapes.
         """
+        if self.spec.prepare is not None:
+            operands, params = self.spec.prepare(self.spec.public_name, dict(operands), dict(params))
         operands = {name: (None if value is None else jnp.asarray(value)) for name, value in operands.items()}
         if view:
             ranks = {name: operands[name].ndim for name in _present(operands)}
@@ -140,9 +142,8 @@ class Kernel:
             self.spec.runtime_checks(call, operands)
         outs = self.bind(operands, params) if self.vjp is None else self._differentiable(operands, params)
         if self.spec.nondifferentiable_outputs:
-            produced = self.spec.present_outputs(params, _present(operands))
-            outs = tuple(jax.lax.stop_gradient(out) if output.name in self.spec.nondifferentiable_outputs else out
-                         for out, output in zip(outs, produced))
+            outs = tuple(jax.lax.stop_gradient(out) if name in self.spec.nondifferentiable_outputs else out
+                         for out, name in zip(outs, output_names(self.spec, call)))
         return outs
 
     def bind(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
@@ -202,8 +203,10 @@ class Kernel:
         if spec.view_aware_reference:
             return tuple(spec.reference(**named, **static, view=dict(view)))
         outs = spec.reference(**self.to_kernel_layout(named, params), **static)
-        produced = spec.present_outputs(params, _present(named))
-        outs = self.from_kernel_layout({output.name: out for output, out in zip(produced, outs)}, params)
+        avals = {name: None if value is None else compat.ShapedArray(value.shape, value.dtype)
+                 for name, value in named.items()}
+        produced = output_names(spec, check_call(spec, avals, params))
+        outs = self.from_kernel_layout(dict(zip(produced, outs)), params)
         return tuple(outs.values())
 
     # ------------------------------------------------------------------------------------------- registrations
@@ -222,10 +225,8 @@ class Kernel:
         plan = batching.choose_plan(self.spec, present, batch_dims, call)
         if plan is not None:
             view = params["layout"]
-            produced = self.spec.present_outputs(params, present)
-            return batching.fold(batching.operand_axes(plan, view),
-                                 batching.output_axes(plan, self.spec, produced, view), bind, args, batch_dims,
-                                 present, size)
+            out_axes = batching.output_axes(plan, self.spec, output_names(self.spec, call), view)
+            return batching.fold(batching.operand_axes(plan, view), out_axes, bind, args, batch_dims, present, size)
         return batching.map_fallback(bind, args, batch_dims)
 
     def _register(self) -> None:

@@ -171,37 +171,17 @@ class Param:
 
 @dataclasses.dataclass(frozen=True)
 class Output:
-    """One kernel output.
-
-    Its shape comes from ``layout`` over the dimensions the operands bound and the static int params (or from the
-    layout a static flag selects, ``switch``), or is that of operand ``like``. Its dtype is that of operand
-    ``dtype_of``, or the value of the dtype param of that name, or that dtype (``"float32"``), or ``dtype_of(params)``
-    when it is a function (a dtype a flag selects, e.g. ``dtype_mode``). ``present_if`` names
-    a bool param or an optional operand: the output exists only when the param is true or the operand is given.
-    """
+    """A plain kernel output: its shape is ``layout`` over the dimensions the operands bound and the static int
+    params; its dtype is that of operand ``dtype_of``, or the dtype named ``dtype_of`` (``"float32"``) when no
+    operand has that name. Outputs this cannot describe come from :attr:`KernelSpec.output_avals`."""
 
     name: str
-    layout: Layout | None
-    dtype_of: str | Callable[[Mapping[str, Any]], Any]
-    switch: LayoutSwitch | None = None
-    like: str | None = None
-    present_if: str | None = None
+    layout: Layout
+    dtype_of: str
 
     @classmethod
-    def of(cls, name: str, layout: str, dtype_of: str, present_if: str | None = None) -> Output:
-        return cls(name, Layout.parse(layout), dtype_of, present_if=present_if)
-
-    @classmethod
-    def switched(cls, name: str, param: str, cases: Mapping[Any, str], dtype_of: str) -> Output:
-        switch = _switch(param, cases)
-        return cls(name, switch[1][0][1][0], dtype_of, switch=switch)
-
-    @classmethod
-    def like_operand(cls, name: str, operand: str, present_if: str | None = None) -> Output:
-        return cls(name, None, operand, like=operand, present_if=present_if)
-
-    def layout_for(self, params: Mapping[str, Any]) -> Layout | None:
-        return self.layout if self.switch is None else _select(self.switch, params)[0]
+    def of(cls, name: str, layout: str, dtype_of: str) -> Output:
+        return cls(name, Layout.parse(layout), dtype_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +223,19 @@ class CallInfo:
         """The Neuron platform target the call is traced for (``trn2``...)."""
         return self.params["target"]
 
+    def shape(self, layout: str | Layout) -> tuple[int, ...]:
+        """The shape that ``layout`` (layout grammar) gives over this call's bound dimensions and static int
+        params."""
+        layout = Layout.parse(layout) if isinstance(layout, str) else layout
+        sizes = {**{k: v for k, v in self.params.items() if isinstance(v, int)}, **self.dims}
+        return tuple(dim.expected(sizes) for dim in layout.dims)
+
+
+# output_avals(call) -> ((name, shape, dtype), ...): the outputs a call produces, in the kernel's order and layout
+OutputAvals = Callable[[CallInfo], Sequence[tuple[str, tuple[int, ...], Any]]]
+# prepare(function, operands, params) -> (operands, params): operands by name, normalized params
+Prepare = Callable[[str, dict[str, Any], dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]]
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
@@ -253,7 +246,18 @@ class KernelSpec:
       entry_point: ``module:function`` of the device-side ``@nki.jit`` entry point.
       operands: tensor arguments in the kernel's order.
       params: static arguments in the kernel's order.
-      outputs: outputs in the kernel's order.
+      outputs: plain outputs in the kernel's order (see :class:`Output`); empty when ``output_avals`` is given.
+      output_avals: the hook for outputs the layout grammar cannot describe (sizes computed from several
+        dimensions, layouts or dtypes a param selects, outputs like an operand, optional outputs, output sets that
+        depend on the call): ``output_avals(call) -> ((name, shape, dtype), ...)``, the outputs this call produces
+        in the kernel's order and layout. Such outputs have no layout: fold plans name their axes, and a layout
+        view cannot reorder them.
+      prepare: the hook for argument preparation: ``prepare(function, operands, params) -> (operands, params)``,
+        applied to every call (public, from a layer-2 op or a VJP rule) before validation, with operands by name
+        (``None`` when absent) and normalized params: defaults that depend on the operands, workspaces, marking
+        the operands of a collective as varying over its mesh axes.
+      keywords: ``{keyword: param name}`` for params that the public function also takes under the kernel's own
+        keyword where the spec stores them under another name (``layout`` is the layout-view key).
       reference: ``reference(**operands, **params) -> tuple`` in JAX, following the kernel's numerics.
       view_aware_reference: the reference also accepts ``view={name: permutation}`` (see ``views``) and then
         computes directly on operands given in that order, returning outputs in their viewed order.
@@ -269,7 +273,9 @@ class KernelSpec:
       fold_plans: batching strategies tried in order before the ``lax.map`` fallback.
       neuron_split_dims: named dimensions along which the kernel is elementwise-independent, in order of
         preference: when a call exceeds a kernel limit (e.g. SBUF capacity), the Neuron lowering splits it along
-        one of them into equal pieces that each meet every limit, one kernel call per piece.
+        one of them (that the call binds) into equal pieces that each meet every limit, one kernel call per piece,
+        and concatenates each output along its one axis whose size the split divides (the split dimension must
+        be that axis' major part).
       aliases: ``{operand name: output name}`` for outputs written in place (the kernel updates the operand and
         returns it, e.g. a KV cache).
       has_collectives: whether the kernel issues ``nki.collectives``.
@@ -291,6 +297,9 @@ class KernelSpec:
     params: tuple[Param, ...]
     outputs: tuple[Output, ...]
     reference: Callable[..., tuple]
+    output_avals: OutputAvals | None = None
+    prepare: Prepare | None = None
+    keywords: Mapping[str, str] = dataclasses.field(default_factory=dict)
     view_aware_reference: bool = False
     reference_takes_lnc: bool = False
     resolve_params: Callable[[dict[str, Any]], dict[str, Any]] | None = None
@@ -307,12 +316,6 @@ class KernelSpec:
     support: Mapping[str, str] = dataclasses.field(default_factory=dict)
     nondifferentiable_outputs: tuple[str, ...] = ()
     derived_params: tuple[tuple[str, str | Callable[[CallInfo], int]], ...] = ()
-
-    def present_outputs(self, params: Mapping[str, Any], present: Sequence[str]) -> tuple[Output, ...]:
-        """The outputs of a call with these params and present operands, in the kernel's order."""
-        return tuple(output for output in self.outputs
-                     if output.present_if is None or params.get(output.present_if) is True
-                     or output.present_if in present)
 
     def operand(self, name: str) -> Operand:
         for operand in self.operands:

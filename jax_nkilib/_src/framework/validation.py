@@ -36,8 +36,12 @@ def split_arguments(spec: KernelSpec, args: tuple, kwargs: dict) -> tuple[dict, 
             if key in operands:
                 raise TypeError(f"{function} got multiple values for argument `{key}`")
             operands[key] = value
-        elif key in param_names:
-            params[key] = value
+        elif key in param_names or key in spec.keywords:
+            name = spec.keywords.get(key, key)
+            if name in params:
+                keyword = next(k for k, v in spec.keywords.items() if v == name)
+                raise TypeError(f"{function}: give `{keyword}` or `{name}`, not both")
+            params[name] = value
         elif key in derived_names:
             derived[key] = value
         else:
@@ -122,42 +126,37 @@ def check_call(spec: KernelSpec, avals: Mapping[str, Any], params: Mapping[str, 
     return call
 
 
-def outputs_of(spec: KernelSpec, call: CallInfo):
-    """The outputs this call produces (some exist only for some flags or optional operands)."""
-    return spec.present_outputs(call.params, [name for name, aval in call.avals.items() if aval is not None])
+def kernel_outputs(spec: KernelSpec, call: CallInfo) -> tuple[tuple[str, Any], ...]:
+    """The outputs this call produces, ``(name, abstract value)`` in the kernel's order and layout: the spec's
+    plain outputs, or what its ``output_avals`` hook computes."""
+    if spec.output_avals is not None:
+        produced = spec.output_avals(call)
+    else:
+        operands = {operand.name for operand in spec.operands}
+        produced = [(output.name, call.shape(output.layout),
+                     call.avals[output.dtype_of].dtype if output.dtype_of in operands else output.dtype_of)
+                    for output in spec.outputs]
+    return tuple((name, compat.ShapedArray(tuple(int(size) for size in shape), np.dtype(dtype)))
+                 for name, shape, dtype in produced)
 
 
-def layout_of(spec: KernelSpec, name: str, call: CallInfo):
-    """The kernel layout of operand or output ``name`` in this call (``None`` for an absent operand)."""
-    for operand in spec.operands:
-        if operand.name == name:
-            aval = call.avals.get(name)
-            if aval is None:
-                return None
-            return next(layout for layout in operand.layouts_for(call.params) if layout.rank == aval.ndim)
-    output = next(output for output in spec.outputs if output.name == name)
-    return layout_of(spec, output.like, call) if output.like else output.layout_for(call.params)
+def output_names(spec: KernelSpec, call: CallInfo) -> tuple[str, ...]:
+    """The names of the outputs this call produces, in the kernel's order."""
+    return tuple(name for name, _ in kernel_outputs(spec, call))
+
+
+def operand_layout(spec: KernelSpec, name: str, call: CallInfo):
+    """The kernel layout of operand ``name`` in this call (``None`` when it is absent)."""
+    aval = call.avals.get(name)
+    if aval is None:
+        return None
+    return next(layout for layout in spec.operand(name).layouts_for(call.params) if layout.rank == aval.ndim)
 
 
 def output_avals(spec: KernelSpec, call: CallInfo) -> list:
     """The present outputs' abstract values, in the call's layout view."""
     view = call.params.get("layout", ())
-    outs = []
-    for output in outputs_of(spec, call):
-        if output.like is not None:
-            shape = tuple(call.avals[output.like].shape)
-        else:  # output dimensions come from the operands' dimensions or from static int params
-            sizes = {**{k: v for k, v in call.params.items() if isinstance(v, int)}, **call.dims}
-            shape = tuple(dim.expected(sizes) for dim in output.layout_for(call.params).dims)
-        if callable(output.dtype_of):
-            dtype = np.dtype(output.dtype_of(call.params))
-        elif call.avals.get(output.dtype_of) is not None:
-            dtype = call.avals[output.dtype_of].dtype
-        else:  # a dtype param, or a fixed dtype name
-            dtype = call.params[output.dtype_of] if output.dtype_of in call.params else np.dtype(output.dtype_of)
-        aval = compat.ShapedArray(shape, dtype)
-        outs.append(views.given_aval(aval, views.permutation_of(view, output.name)))
-    return outs
+    return [views.given_aval(aval, views.permutation_of(view, name)) for name, aval in kernel_outputs(spec, call)]
 
 
 # ---- static values of idiomatic ops

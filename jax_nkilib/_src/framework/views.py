@@ -49,7 +49,7 @@ def make_view(spec: KernelSpec, views: Mapping[str, str], ranks: Mapping[str, in
             layouts[operand.name] = next((option for option in options if option.rank == ranks[operand.name]),
                                          options[0])
     for output in spec.outputs:
-        layouts[output.name] = layouts.get(output.like) if output.like else output.layout_for(params)
+        layouts[output.name] = output.layout  # outputs computed by a spec's output_avals hook have no layout
     view = []
     for name, text in views.items():
         if name in absent:

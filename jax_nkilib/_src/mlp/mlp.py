@@ -72,8 +72,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..framework.common_types import ActFnType, NormType, QuantizationType
-from ..framework.primitive import Kernel, pull_back
-from ..framework.spec import FLOAT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.primitive import make_kernel, pull_back
+from ..framework.spec import FLOAT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant import mx
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
 from .mlp_reference import MX_TILE, STATIC_MX_TILE, STATIC_TYPES, is_tkg, mlp_forward
@@ -300,6 +300,14 @@ def _mx_device_dtype(params, dtype) -> str | None:
     return f"{params['mx_weight_dtype'].name}_x4" if dtype in MX_WORD_DTYPES else None
 
 
+def _prepare(function, operands, params):
+    """Refuse the formats not bound, and resolve ``output_dtype=None`` to the hidden dtype."""
+    _reject_unbound(params, function)
+    if params["output_dtype"] is None:
+        params["output_dtype"] = np.dtype(jnp.asarray(operands["hidden_tensor"]).dtype)
+    return operands, params
+
+
 MLP_SPEC = KernelSpec(
     name="mlp",
     entry_point="nkilib.core.mlp.mlp:mlp",
@@ -353,15 +361,17 @@ MLP_SPEC = KernelSpec(
         Param("up_clamp_upper_limit", None, float), Param("up_clamp_lower_limit", None, float),
         Param("force_cte_mode", False, bool, "run the CTE path even when B*S <= 96"),
     ),
-    outputs=(Output.of("out", "B, S, H", "output_dtype"),
-             Output.of("add_out", "B, S, H", "output_dtype", present_if="store_fused_add_result")),
+    outputs=(),
+    output_avals=lambda call: [(name, call.shape("B, S, H"), call.params["output_dtype"]) for name in
+                               ("out", "add_out")[:2 if call.params["store_fused_add_result"] else 1]],
+    prepare=_prepare,
     reference=reference_mlp,
     reference_takes_lnc=True,
     check=_check,
     neuron_limits=_neuron_limits,
     # Rows are independent, but folding a vmapped axis into B changes B*S and may switch TKG -> CTE (different
     # numerics): fold only calls that already run CTE; TKG calls run per element under lax.map.
-    fold_plans=(FoldPlan({"hidden_tensor": 0, "fused_add_tensor": 0}, outputs=(0, 0),
+    fold_plans=(FoldPlan({"hidden_tensor": 0, "fused_add_tensor": 0}, outputs={"out": 0, "add_out": 0},
                          when=lambda call: not _tkg(call)),),
     mac_count=_mac_count,
     family="mlp",
@@ -375,16 +385,6 @@ MLP_SPEC = KernelSpec(
 )
 
 
-class _MlpKernel(Kernel):
-    """The ``mlp`` kernel function; resolves ``output_dtype=None`` to the hidden dtype before validation."""
-
-    def call(self, operands, params, view=None, derived=None):
-        _reject_unbound(params, self.spec.public_name)
-        if params["output_dtype"] is None:
-            params = dict(params, output_dtype=np.dtype(jnp.asarray(operands["hidden_tensor"]).dtype))
-        return super().call(operands, params, view=view, derived=derived)
-
-
-mlp = _MlpKernel(MLP_SPEC, vjp=_mlp_vjp)
+mlp = make_kernel(MLP_SPEC, vjp=_mlp_vjp)
 
 __all__ = ["MLP_SPEC", "mlp", "reference_mlp"]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ..framework.primitive import Vjp, make_kernel
-from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant import mx
 from . import mxfp8_reference as math
 from .mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
@@ -152,10 +152,10 @@ MLP_FORWARD_MXFP8_SPEC = KernelSpec(
         Param("use_scale_packing", True, bool, "pack the kernel's internal scales (performance only)"),
         *(Param(spec.swizzled, False, bool, f"`{spec.name}` is given wrapX-swizzled") for spec in OPERANDS),
     ),
-    outputs=(
-        Output.of("output", "S, H", "dtype"),
-        *(Output.of(name, "S, I", "dtype", present_if=flag) for name, flag in zip(CHECKPOINTS, SAVES)),
-    ),
+    outputs=(),
+    output_avals=lambda call: [("output", call.shape("S, H"), call.params["dtype"]),
+                               *((name, call.shape("S, I"), call.params["dtype"])
+                                 for name, flag in zip(CHECKPOINTS, SAVES) if call.params[flag])],
     reference=reference_mlp_forward_mxfp8,
     check=_check,
     neuron_limits=_neuron_limits,

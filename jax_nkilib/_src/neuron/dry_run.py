@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..framework.spec import CallInfo, KernelSpec
-from ..framework.validation import outputs_of
+from ..framework.validation import output_names
 from .compiled import CompiledKernel, encode_backend_config
 from .kernel_arguments import TensorArgument, call_arguments
 
@@ -39,7 +39,7 @@ class DryRunCompiler:
     def compile(self, spec: KernelSpec, call: CallInfo, output_avals) -> CompiledKernel:
         arguments = call_arguments(spec, call)
         tensors = [value for value in arguments.values() if isinstance(value, TensorArgument)]
-        outputs = [output.name for output in outputs_of(spec, call)]
+        outputs = list(output_names(spec, call))
         inputs = [t.name for t in tensors]
         aliases = {inputs.index(i): outputs.index(o) for i, o in spec.aliases.items() if i in inputs and o in outputs}
         cfg = {

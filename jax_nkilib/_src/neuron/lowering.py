@@ -18,10 +18,10 @@ from jax.interpreters import mlir
 
 from ..framework import compat, config, views
 from ..framework.spec import CallInfo, KernelSpec
-from ..framework.validation import check_call, output_avals, outputs_of
+from ..framework.validation import check_call, output_avals, output_names
 from .compiled import CompiledKernel, NeuronOutputMismatchError, mismatched_outputs
 from .compilers import active_compiler
-from .planning import NeuronPlan, axes_of, plan_neuron_call
+from .planning import NeuronPlan, operand_axes, output_axes, piece_call, plan_neuron_call
 
 CUSTOM_CALL_TARGET = "AwsNeuronCustomNativeKernel"
 # For jax.export(..., platforms=[..., "neuron"], disabled_checks=EXPORT_DISABLED_CHECKS): the kernel calls are custom
@@ -44,9 +44,9 @@ _warned_lock = threading.Lock()
 
 def _split_lowering(spec: KernelSpec, primitive, plan: NeuronPlan, call: CallInfo, present, params):
     """A function computing the call as ``plan.pieces`` kernel calls over equal slices along ``plan.dim``."""
-    axes = axes_of(spec, plan.dim, call)
-    n_outputs = len(outputs_of(spec, call))
     width = call.dims[plan.dim] // plan.pieces
+    axes = operand_axes(spec, plan.dim, call)
+    out_axes = output_axes(spec, call, piece_call(spec, call, plan.dim, width))
 
     def split(*values):
         pieces = []
@@ -54,19 +54,19 @@ def _split_lowering(spec: KernelSpec, primitive, plan: NeuronPlan, call: CallInf
             sliced = [lax.slice_in_dim(value, start, start + width, axis=axes[name]) if name in axes else value
                       for name, value in zip(present, values)]
             pieces.append(primitive.bind(*sliced, present=present, **params))
-        return [lax.concatenate([outs[i] for outs in pieces], axes[i]) for i in range(n_outputs)]
+        return [lax.concatenate([outs[i] for outs in pieces], axis) for i, axis in enumerate(out_axes)]
 
     return split
 
 
-def _through_kernel_layout(spec: KernelSpec, primitive, present, params):
+def _through_kernel_layout(spec: KernelSpec, primitive, call: CallInfo, present, params):
     view = params["layout"]
-    produced = spec.present_outputs(params, present)
+    produced = output_names(spec, call)
 
     def through(*values):
         in_kernel_layout = [views.to_kernel(v, views.permutation_of(view, n)) for n, v in zip(present, values)]
         outs = primitive.bind(*in_kernel_layout, present=present, **dict(params, layout=()))
-        return [views.to_given(out, views.permutation_of(view, output.name)) for out, output in zip(outs, produced)]
+        return [views.to_given(out, views.permutation_of(view, name)) for out, name in zip(outs, produced)]
 
     return through
 
@@ -123,11 +123,11 @@ def neuron_lowering_rule(spec: KernelSpec, reference_rule: Callable) -> Callable
     """The lowering rule registered as the primitive's default (and for ``neuron`` when that platform is known)."""
 
     def rule(ctx, *operands, present, **params):
-        if params["layout"]:  # a layout view: transpose to the kernel layout around a kernel-layout call
-            through = _through_kernel_layout(spec, ctx.primitive, present, params)
-            return mlir.lower_fun(through, multiple_results=True)(ctx, *operands)
         avals = {name: aval for name, aval in zip(present, ctx.avals_in)}
         call = check_call(spec, avals, params)
+        if params["layout"]:  # a layout view: transpose to the kernel layout around a kernel-layout call
+            through = _through_kernel_layout(spec, ctx.primitive, call, present, params)
+            return mlir.lower_fun(through, multiple_results=True)(ctx, *operands)
         plan = plan_neuron_call(spec, call)
         if plan.kind == "split":
             split = _split_lowering(spec, ctx.primitive, plan, call, present, params)

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..framework import compat, config
 from ..framework.spec import FP8_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, KernelSpec
-from ..framework.validation import layout_of, outputs_of
+from ..framework.validation import kernel_outputs, operand_layout
 from .sdk import describe_versions, entry_point_missing, nki_available
 
 
@@ -58,26 +58,37 @@ class NeuronPlan:
         return "fallback: " + "; ".join(self.unmet)
 
 
-def axes_of(spec: KernelSpec, dim: str, call: CallInfo) -> dict:
-    """For each present operand (by name) and output (by index), the axis whose layout token is exactly ``dim``."""
-    layouts = {name: layout_of(spec, name, call) for name, aval in call.avals.items() if aval is not None}
-    layouts.update((index, layout_of(spec, output.name, call)) for index, output in enumerate(outputs_of(spec, call)))
+def operand_axes(spec: KernelSpec, dim: str, call: CallInfo) -> dict[str, int]:
+    """For each present operand (by name), the axis whose layout token is exactly ``dim``."""
     axes = {}
-    for key, layout in layouts.items():
-        for axis, token in enumerate(layout.dims):
+    for name, aval in call.avals.items():
+        for axis, token in enumerate(() if aval is None else operand_layout(spec, name, call).dims):
             if token.binds and token.name == dim:
-                axes[key] = axis
+                axes[name] = axis
     return axes
 
 
-def _piece_call(spec: KernelSpec, call: CallInfo, dim: str, size: int) -> CallInfo:
+def piece_call(spec: KernelSpec, call: CallInfo, dim: str, size: int) -> CallInfo:
+    """The call on one slice of size ``size`` along ``dim``."""
     avals = dict(call.avals)
-    for name, axis in axes_of(spec, dim, call).items():
-        if isinstance(name, str):
-            shape = list(avals[name].shape)
-            shape[axis] = size
-            avals[name] = compat.ShapedArray(tuple(shape), call.avals[name].dtype)
+    for name, axis in operand_axes(spec, dim, call).items():
+        shape = list(avals[name].shape)
+        shape[axis] = size
+        avals[name] = compat.ShapedArray(tuple(shape), call.avals[name].dtype)
     return CallInfo(call.function, avals, dict(call.dims, **{dim: size}), call.params)
+
+
+def output_axes(spec: KernelSpec, call: CallInfo, piece: CallInfo) -> list[int] | None:
+    """For each output, the axis along which the pieces' outputs concatenate in order: its one axis whose size
+    differs between the whole call and a ``piece`` (``neuron_split_dims`` promises that the split dimension is that
+    axis' major part). ``None`` when an output has no such axis: the call cannot be split this way."""
+    axes = []
+    for (_, whole), (_, part) in zip(kernel_outputs(spec, call), kernel_outputs(spec, piece)):
+        changed = [axis for axis, (a, b) in enumerate(zip(whole.shape, part.shape)) if a != b]
+        if len(changed) != 1 or whole.dtype != part.dtype:
+            return None
+        axes.append(changed[0])
+    return axes
 
 
 def plan_neuron_call(spec: KernelSpec, call: CallInfo) -> NeuronPlan:
@@ -85,10 +96,11 @@ def plan_neuron_call(spec: KernelSpec, call: CallInfo) -> NeuronPlan:
     unmet = tuple(unmet_neuron_limits(spec, call))
     if not unmet:
         return NeuronPlan("kernel")
-    for dim in spec.neuron_split_dims:
+    for dim in (dim for dim in spec.neuron_split_dims if dim in call.dims):
         size = call.dims[dim]
         for pieces in range(2, size + 1):
-            if size % pieces == 0 and not unmet_neuron_limits(spec, _piece_call(spec, call, dim, size // pieces)):
+            piece = piece_call(spec, call, dim, size // pieces) if size % pieces == 0 else None
+            if piece and not unmet_neuron_limits(spec, piece) and output_axes(spec, call, piece) is not None:
                 return NeuronPlan("split", unmet, dim, pieces)
     return NeuronPlan("fallback", unmet)
 

@@ -29,10 +29,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ..framework.dynamic_outputs import parse_layout as output_layout
 from ..framework.hardware import PARTITIONS, SBUF_PARTITION_BYTES
 from ..framework.primitive import make_kernel
-from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param, accumulation_dtype
 
 RMSNORM_BXS_TILE = 512  # rmsnorm_tkg processes B*S in tiles of 512 rows
 RMSNORM_CONTIGUOUS_LOAD_H = 2048  # up to this H the loader stages [128 rows, H] per partition
@@ -249,8 +248,12 @@ def _layernorm_neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
-_OUT = Output("out", output_layout("128, B*S, H/128"), "input")
-_FOLD = (FoldPlan({"input": 0, "gamma": None, "beta": None}, outputs=(1,)),)
+def _outputs(call: CallInfo):
+    """``out [128, B * S, H / 128]`` in the input's dtype."""
+    dims = call.dims
+    return [("out", (128, dims["B"] * dims["S"], dims["H"] // 128), call.avals["input"].dtype)]
+
+_FOLD = (FoldPlan({"input": 0, "gamma": None, "beta": None}, outputs={"out": 1}),)
 
 
 def _elements(call: CallInfo) -> int:
@@ -273,7 +276,8 @@ RMSNORM_TKG_SPEC = KernelSpec(
         Param("shard_on_h", False, bool, "LNC=2: split H instead of B*S across the cores (same output)"),
         Param("use_heap_memory", False, bool, "SBUF heap instead of stack allocation (no numeric effect)"),
     ),
-    outputs=(_OUT,),
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_rmsnorm_tkg,
     check=_check_rmsnorm,
     neuron_limits=_rmsnorm_neuron_limits,
@@ -302,7 +306,8 @@ LAYERNORM_TKG_SPEC = KernelSpec(
         Param("shard_on_h", False, bool, "LNC=2: split H across the cores (2.32; same output)"),
         Param("use_heap_memory", False, bool, "SBUF heap instead of stack allocation (no numeric effect)"),
     ),
-    outputs=(_OUT,),
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_layernorm_tkg,
     check=_check_h,
     neuron_limits=_layernorm_neuron_limits,

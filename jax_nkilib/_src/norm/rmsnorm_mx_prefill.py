@@ -41,18 +41,13 @@ Trn3.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..framework.common_types import RouterActFnType
-from ..framework.dynamic_outputs import SelectedOutputsSpec
-from ..framework.dynamic_outputs import parse_layout as output_layout
-from ..framework.layout import Dim, Layout
 from ..framework.primitive import make_kernel, pull_back
-from ..framework.spec import CallInfo, FoldPlan, Operand, Output, Param
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param
 from . import rmsnorm_mx_prefill_reference as math
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -79,61 +74,37 @@ def _affinity_dtype(params):
     return np.dtype(math.NOAUX_AFFINITY_DTYPE if _noaux(params) else math.AFFINITY_DTYPE)
 
 
-@dataclasses.dataclass(frozen=True)
-class _RowDim(Dim):
-    """The packed row's width from H (and E): bytes, or affinity-dtype elements when the affinities are packed."""
-
-    pack_scales: bool = True
-    affinity_size: int = 0  # bytes per affinity when they are packed into the row
-
-    @property
-    def binds(self) -> bool:
-        return False
-
-    def expected(self, dims):
-        if "H" not in dims or (self.affinity_size and "E" not in dims):
-            return None
-        size = self.affinity_size
-        row = math.packed_row_bytes(dims["H"], self.pack_scales, dims["E"] * size if size else 0)
-        return row // size if size else row
-
-
-@dataclasses.dataclass(frozen=True)
-class _PackedOutput(Output):
-    """``norm_quant_packed``: ``[B*S, row]`` with the row width from ``pack_scales`` and H (and E)."""
-
-    affinities: bool = False
-
-    def layout_for(self, params):
-        size = _affinity_dtype(params).itemsize if self.affinities else 0
-        text = f"(H+scale_region+{size}*E+pad)/{size}" if size else "H+scale_region"
-        row = _RowDim(text, None, pack_scales=params["pack_scales"], affinity_size=size)
-        return Layout(f"B*S, {text}", (output_layout("B*S").dims[0], row))
-
-
-OUTPUTS = (
-    _PackedOutput("norm_quant_packed", None, "float8_e4m3fn"),
-    _PackedOutput("norm_quant_packed", None, _affinity_dtype, affinities=True),  # router with pack_affinities
-    Output("expert_index", output_layout("B*S, top_k"), "int32"),
-    Output("expert_affinities", output_layout("B*S, E"), _affinity_dtype),
-    Output("output_residual", output_layout("B*S, H"), "residual"),
-    Output("norm_bf16", output_layout("B*S, H"), "bfloat16"),
-)
-
-
-def _select_outputs(params, present):
+def _produced(params, present) -> list[str]:
+    """The names of the outputs a call with these params and present operands returns, in the kernel's order."""
     router = "router_weights" in present
-    packed_affinities = router and params["pack_affinities"]
-    chosen = [1 if packed_affinities else 0]
+    names = ["norm_quant_packed"]
     if router and not _noaux(params):
-        chosen.append(2)
-    if router and not packed_affinities:
-        chosen.append(3)
+        names.append("expert_index")
+    if router and not params["pack_affinities"]:
+        names.append("expert_affinities")
     if "residual" in present:
-        chosen.append(4)
+        names.append("output_residual")
     if params["emit_norm_bf16"]:
-        chosen.append(5)
-    return chosen
+        names.append("norm_bf16")
+    return names
+
+
+def _outputs(call: CallInfo):
+    """The outputs of the module docstring, over ``T = B * S`` tokens."""
+    p, dims, avals = call.params, call.dims, call.avals
+    present = [name for name, aval in avals.items() if aval is not None]
+    tokens, hidden, affinity = dims["B"] * dims["S"], dims["H"], _affinity_dtype(p)
+    if "router_weights" in present and p["pack_affinities"]:  # the row viewed as affinity-dtype elements
+        row = math.packed_row_bytes(hidden, p["pack_scales"], dims["E"] * affinity.itemsize) // affinity.itemsize
+        packed = ((tokens, row), affinity)
+    else:
+        packed = ((tokens, math.packed_row_bytes(hidden, p["pack_scales"], 0)), jnp.float8_e4m3fn)
+    every = {"norm_quant_packed": lambda: packed,
+             "expert_index": lambda: ((tokens, p["top_k"]), jnp.int32),
+             "expert_affinities": lambda: ((tokens, dims["E"]), affinity),
+             "output_residual": lambda: ((tokens, hidden), avals["residual"].dtype),
+             "norm_bf16": lambda: ((tokens, hidden), jnp.bfloat16)}
+    return [(name, *every[name]()) for name in _produced(p, present)]
 
 
 # ------------------------------------------------------------------------------------------------ reference
@@ -226,8 +197,7 @@ def _neuron_limits(call: CallInfo) -> list[str]:
 def _vjp(kernel, operands, params, outs, cotangents):
     """Gradients of ``output_residual`` and ``norm_bf16`` through the unrounded math."""
     names = [name for name in ("hidden_states", "gamma", "residual") if operands[name] is not None]
-    produced = [output.name for output in RMSNORM_MX_PREFILL_SPEC.present_outputs(
-        params, [name for name, value in operands.items() if value is not None])]
+    produced = _produced(params, [name for name, value in operands.items() if value is not None])
     wanted_names = [name for name in ("output_residual", "norm_bf16") if name in produced]
     if not wanted_names:
         return {}
@@ -243,7 +213,7 @@ def _vjp(kernel, operands, params, outs, cotangents):
     return pull_back(outputs, operands, names, tuple(cotangents[produced.index(name)] for name in wanted_names))
 
 
-RMSNORM_MX_PREFILL_SPEC = SelectedOutputsSpec(
+RMSNORM_MX_PREFILL_SPEC = KernelSpec(
     name="rmsnorm_mx_prefill",
     entry_point="nkilib.core.rmsnorm.rmsnorm_mx_prefill:rmsnorm_mx_prefill",
     operands=(
@@ -267,8 +237,8 @@ RMSNORM_MX_PREFILL_SPEC = SelectedOutputsSpec(
         Param("emit_norm_bf16", False, bool, "also return the bfloat16 norm"),
         Param("hidden_interleaved", False, bool, "hidden_states/residual in the 4-way interleaved H order"),
     ),
-    outputs=OUTPUTS,
-    select_outputs=_select_outputs,
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_rmsnorm_mx_prefill,
     check=_check,
     neuron_limits=_neuron_limits,

@@ -32,10 +32,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..framework.dynamic_outputs import parse_layout as output_layout
 from ..framework.hardware import PARTITIONS
 from ..framework.primitive import make_kernel, pull_back
-from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant import mx
 
 P = PARTITIONS
@@ -125,6 +124,18 @@ def _vjp(kernel, operands, params, outs, cotangents):
     return pull_back(outputs, operands, names, wanted)
 
 
+def _outputs(call: CallInfo):
+    """Over the ``T = B * S`` tokens: ``output [128, T, H/128]`` (input dtype), ``output_quant`` (uint32 x4 words)
+    and ``output_scale`` (uint8) ``[128, H/512, T]``, and ``output_residual [T, H]`` when ``residual`` is given."""
+    tokens, hidden = call.dims["B"] * call.dims["S"], call.dims["H"]
+    out = [("output", (128, tokens, hidden // 128), call.avals["input"].dtype),
+           ("output_quant", (128, hidden // 512, tokens), jnp.uint32),
+           ("output_scale", (128, hidden // 512, tokens), jnp.uint8)]
+    if call.avals.get("residual") is not None:
+        out.append(("output_residual", (tokens, hidden), call.avals["residual"].dtype))
+    return out
+
+
 RMSNORM_MX_QUANTIZE_TKG_SPEC = KernelSpec(
     name="rmsnorm_mx_quantize_tkg",
     entry_point="jax_nkilib_kernels.mxfp8:rmsnorm_mx_quantize_tkg",
@@ -138,12 +149,8 @@ RMSNORM_MX_QUANTIZE_TKG_SPEC = KernelSpec(
         Param("hidden_actual", None, int, "unpadded hidden size for the mean (default H)"),
         Param("hidden_dim_tp", True, bool, "the [H/128, 128] view of H (the only one the kernel supports)"),
     ),
-    outputs=(
-        Output("output", output_layout("128, B*S, H/128"), "input"),
-        Output("output_quant", output_layout("128, H/512, B*S"), "uint32"),
-        Output("output_scale", output_layout("128, H/512, B*S"), "uint8"),
-        Output("output_residual", output_layout("B*S, H"), "residual", present_if="residual"),
-    ),
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_rmsnorm_mx_quantize_tkg,
     check=_check,
     neuron_limits=_neuron_limits,

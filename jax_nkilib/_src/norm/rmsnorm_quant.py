@@ -52,10 +52,9 @@ import jax.numpy as jnp
 
 from ..framework import config
 from ..framework.common_types import DtypeMode, NormType, QuantizationType
-from ..framework.dynamic_outputs import parse_layout as output_layout
 from ..framework.platform import is_trn3
 from ..framework.primitive import make_kernel, pull_back
-from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param, accumulation_dtype
 from ..quant.fp8 import fp8_max, saturate, scale_to_bytes
 
 MODE_DTYPES = {DtypeMode.NON_OCP: jnp.dtype(jnp.float8_e4m3), DtypeMode.OCP: jnp.dtype(jnp.float8_e4m3fn)}
@@ -194,7 +193,18 @@ def _vjp(kernel, operands, params, outs, cotangents):
 
 
 _GAMMA = ("H", "1, H")
-_ROW, _STATIC = output_layout("B, S, H+4"), output_layout("B, S, H")
+
+
+def _outputs(call: CallInfo):
+    """``out``: FP8 of ``dtype_mode``, ``[B, S, H + 4]`` for ROW (the packed float32 scale) or ``[B, S, H]`` for
+    STATIC; ``residual_out`` like ``hidden`` when ``residual`` is given."""
+    extra = 4 if call.params["quantization_type"] == QuantizationType.ROW else 0
+    out = [("out", call.shape("B, S, H")[:2] + (call.dims["H"] + extra,), MODE_DTYPES[call.params["dtype_mode"]])]
+    if call.avals.get("residual") is not None:
+        out.append(("residual_out", call.avals["hidden"].shape, call.avals["hidden"].dtype))
+    return out
+
+
 RMSNORM_QUANT_SPEC = KernelSpec(
     name="rmsnorm_quant_kernel",
     entry_point="jax_nkilib_kernels.norm:rmsnorm_quant_kernel",
@@ -214,11 +224,8 @@ RMSNORM_QUANT_SPEC = KernelSpec(
         Param("dtype_mode", "NON_OCP", DtypeMode, "FP8 E4M3 of the output: NON_OCP float8_e4m3 (240), OCP "
               "float8_e4m3fn (448), AUTO (OCP on a trn3 platform target, resolved at trace time)"),
     ),
-    outputs=(
-        Output("out", _ROW, lambda params: MODE_DTYPES[params["dtype_mode"]],
-               switch=("quantization_type", ((QuantizationType.ROW, (_ROW,)), (QuantizationType.STATIC, (_STATIC,))))),
-        Output.like_operand("residual_out", "hidden", present_if="residual"),
-    ),
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_rmsnorm_quant_kernel,
     resolve_params=lambda params: dict(params, dtype_mode=resolve_dtype_mode(params["dtype_mode"], params["target"])),
     check=_check,

@@ -13,7 +13,7 @@ from ..framework.validation import check_positive_finite, require_static, static
 from ..norm.fused_norm import norm_type_of
 from ..projection.output_projection_cte import output_projection_cte
 from ..projection.output_projection_tkg import output_projection_tkg
-from ..projection.qkv import call_qkv, qkv_params
+from ..projection.qkv import qkv
 from ..projection.qkv_reference import kv_bounds, quantize_kv, uses_tkg, write_cache
 from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from ..sharding import auto
@@ -338,7 +338,7 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
         if batch * seq == 0:  # no tokens: nothing for a kernel to compute
             return (jnp.zeros((batch, seq, num_q_heads, d), x.dtype), jnp.zeros((batch, seq, num_kv_heads, d), x.dtype),
                     jnp.zeros((batch, seq, num_kv_heads, d), x.dtype))
-        (out,) = call_qkv(operands, qkv_params(**flags))
+        (out,) = qkv.call(operands, qkv.params(**flags))
         out = out.astype(x.dtype)  # STATIC on the CTE path returns bfloat16
         q, k, v = out[..., :q_dim], out[..., q_dim:q_dim + kv_dim], out[..., q_dim + kv_dim:]
         return (q.reshape(batch, seq, num_q_heads, d), k.reshape(batch, seq, num_kv_heads, d),
@@ -354,10 +354,10 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
         cache_flags.update(use_block_kv=True, block_size=shape[1])
     if not uses_tkg(batch, seq, rope is not None):
         operands.update(k_cache=flat[0], v_cache=flat[1], k_scale=k_scale, v_scale=v_scale, slot_mapping=slots)
-        q, k_new, v_new = call_qkv(operands, qkv_params(**flags, **cache_flags))
+        q, k_new, v_new = qkv.call(operands, qkv.params(**flags, **cache_flags))
         q = q.astype(x.dtype)
     else:  # the TKG path ignores caches: the same write, by XLA
-        (out,) = call_qkv(operands, qkv_params(**flags))
+        (out,) = qkv.call(operands, qkv.params(**flags))
         q = out[..., :q_dim]
         bounds = kv_bounds(k_cache.dtype, None, None)
         acc = jnp.promote_types(out.dtype, jnp.float32)

@@ -23,9 +23,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..framework.common_types import QuantizationType
-from ..framework.dynamic_outputs import SelectedOutputsSpec
 from ..framework.primitive import make_kernel
-from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, Operand, Output, Param
+from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
 from .matmul_numerics import differentiable_vjp
 from .output_projection_reference import MX_WORDS, check_formats, project, project_mx, require_scales
@@ -112,17 +111,21 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
-def _select(params, present):
-    if params["quantization_type"] == QuantizationType.MX:
-        return (2,)
-    return (0,) if params["output_dtype"] is None else (1,)
+def _outputs(call: CallInfo):
+    """``out [B, S, H]``: bfloat16 for MX, else ``output_dtype`` (default: the attention's dtype)."""
+    p = call.params
+    if p["quantization_type"] == QuantizationType.MX:
+        dtype = jnp.bfloat16
+    else:
+        dtype = call.avals["attention"].dtype if p["output_dtype"] is None else p["output_dtype"]
+    return [("out", call.shape("B, S, H"), dtype)]
 
 
 def _by_format(mx_layout: str, layout: str) -> dict:
     return {q: mx_layout if q == QuantizationType.MX else layout for q in QuantizationType}
 
 
-OUTPUT_PROJECTION_CTE_SPEC = SelectedOutputsSpec(
+OUTPUT_PROJECTION_CTE_SPEC = KernelSpec(
     name="output_projection_cte",
     entry_point="nkilib.core.output_projection.output_projection_cte.output_projection_cte:output_projection_cte",
     operands=(
@@ -141,9 +144,8 @@ OUTPUT_PROJECTION_CTE_SPEC = SelectedOutputsSpec(
         Param("quantization_type", QuantizationType.NONE, QuantizationType, "NONE, STATIC (FP8) or MX (MXFP4)"),
         Param("output_dtype", None, "dtype", "output dtype (default: the attention's)"),
     ),
-    outputs=(Output.of("out", "B, S, H", "attention"), Output.of("out", "B, S, H", "output_dtype"),
-             Output.of("out", "B, S, H", "bfloat16")),
-    select_outputs=_select,
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_output_projection_cte,
     view_aware_reference=True,
     check=_check,

@@ -18,9 +18,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..framework.common_types import QuantizationType
-from ..framework.dynamic_outputs import ParamLayoutOutput, SelectedOutputsSpec
 from ..framework.primitive import make_kernel
-from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, Operand, Param
+from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant.fp8 import FP8_WEIGHT_DTYPES, fp8_max
 from .matmul_numerics import differentiable_vjp
 from .output_projection_reference import check_formats, project, require_scales
@@ -88,8 +87,13 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
-def _out_layout(params) -> str:
-    return "128, lnc, H/lnc/128, B*S" if params.get("TRANSPOSE_OUT") else "B*S, H"
+def _outputs(call: CallInfo):
+    """``out [B * S, H]``, or ``[128, LNC, H / LNC / 128, B * S]`` with ``TRANSPOSE_OUT``, in the attention's
+    dtype."""
+    dims, lnc = call.dims, call.lnc
+    tokens = dims["B"] * dims["S"]
+    shape = (128, lnc, dims["H"] // lnc // 128, tokens) if call.params["TRANSPOSE_OUT"] else (tokens, dims["H"])
+    return [("out", shape, call.avals["attention"].dtype)]
 
 
 def _transposed(call: CallInfo) -> bool:
@@ -97,7 +101,7 @@ def _transposed(call: CallInfo) -> bool:
 
 
 _UNBATCHED = {"weight": None, "bias": None, "weight_scale": None, "input_scale": None}
-OUTPUT_PROJECTION_TKG_SPEC = SelectedOutputsSpec(
+OUTPUT_PROJECTION_TKG_SPEC = KernelSpec(
     name="output_projection_tkg",
     entry_point="nkilib.core.output_projection.output_projection_tkg:output_projection_tkg",
     operands=(
@@ -113,7 +117,8 @@ OUTPUT_PROJECTION_TKG_SPEC = SelectedOutputsSpec(
         Param("TRANSPOSE_OUT", False, bool, "output [128, LNC, H / LNC / 128, B * S] instead of [B * S, H]"),
         Param("OUT_IN_SB", False, bool, "output in SBUF (for fusing kernels; must be False here)"),
     ),
-    outputs=(ParamLayoutOutput.from_params("out", _out_layout, "attention"),),
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_output_projection_tkg,
     view_aware_reference=True,
     reference_takes_lnc=True,

@@ -9,14 +9,14 @@ d]`` (flat) or ``[num_blocks, block_size, nkv d]`` (``use_block_kv``, with ``slo
 ``k_scale``, ``v_scale [128, 1]`` float32.
 
 The NKI ``qkv`` dispatches on shapes: ``qkv_tkg`` when ``S <= 96``, ``B * S <= 128`` and no fused RoPE, else
-``qkv_cte``. The two paths return different things, so the binding has one primitive per path behind the public
-``jax_nkilib.nki.qkv`` (all lower to the same entry point ``nkilib.core.qkv.qkv:qkv``):
+``qkv_cte``. The paths return different things; ``jax_nkilib.nki.qkv`` is one primitive (lowering to the entry point
+``nkilib.core.qkv.qkv:qkv``) whose outputs follow the path the call takes:
 
-* ``qkv`` (CTE path): ``out`` (``BSD [B, S, I]``, ``NBSd [I/d, B, S, d]``, ``NBdS [I/d, B, d, S]``); bfloat16 for
+* CTE path: ``out`` (``BSD [B, S, I]``, ``NBSd [I/d, B, S, d]``, ``NBdS [I/d, B, d, S]``); bfloat16 for
   ``STATIC``, else the input's dtype.
-* ``qkv_tkg`` (TKG path): ``out`` in the input's dtype, and ``fused_hidden [B, S, H]`` (the residual sum) when
+* TKG path: ``out`` in the input's dtype, and ``fused_hidden [B, S, H]`` (the residual sum) when
   ``fused_residual_add``.
-* ``qkv_kv_cache`` (CTE path with ``k_scale`` and ``v_scale``, the kernel's condition for the cache write):
+* KV-cache write (CTE path with ``k_scale`` and ``v_scale``, the kernel's condition for the cache write):
   ``(q [B, S, nq d], k_cache, v_cache)``, the caches updated (aliased to the input caches on Neuron). The TKG path
   ignores caches, so a cache write with TKG shapes is an error; caches without scales are ignored by the kernel and
   are an error too (pass ``k_scale = v_scale = ones`` for an unscaled cache).
@@ -35,16 +35,11 @@ not emulated); FP8 input; ``store_output_in_sbuf``.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax.numpy as jnp
 
 from ..framework.common_types import NormType, QKVOutputLayout, QKVWeightLayout, QuantizationType
-from ..framework.dynamic_outputs import ParamLayoutOutput, SelectedOutputsSpec
 from ..framework.primitive import make_kernel
-from ..framework.spec import FLOAT_DTYPES, FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, Operand, Output, Param
-from ..framework.validation import normalize_params, split_arguments
+from ..framework.spec import FLOAT_DTYPES, FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
 from .matmul_numerics import differentiable_vjp
 from .output_projection_reference import NOT_BOUND_FORMATS
@@ -104,7 +99,6 @@ _PARAMS = {param.name: param for param in (
 )}
 _CACHE_REQUIRED = CACHE_OPERANDS[:4]
 CACHE_PARAMS = ("fp8_max", "fp8_min", "kv_dtype", "use_block_kv", "block_size")
-_COMMON_PARAMS = tuple(param for name, param in _PARAMS.items() if name not in CACHE_PARAMS)
 
 
 # ------------------------------------------------------------------------------------------------------ checks
@@ -271,9 +265,43 @@ def _check_cache(call: CallInfo) -> None:
                          "to qkv_tkg, which ignores the caches")
 
 
+def _path(call: CallInfo) -> str:
+    """The kernel's device path for this call: ``"kv_cache"`` (CTE with the fused KV-cache write, when any cache
+    operand is given), ``"tkg"`` (``S <= 96``, ``B * S <= 128``, no RoPE tables) or ``"cte"``."""
+    avals = call.avals
+    if any(avals.get(name) is not None for name in CACHE_OPERANDS):
+        return "kv_cache"
+    tables = avals.get("cos_cache") is not None or avals.get("sin_cache") is not None
+    tkg = not tables and uses_tkg(call.dims["B"], call.dims["S"], call.params["fused_rope"])
+    return "tkg" if tkg else "cte"  # (the CTE checks reject tables without fused_rope)
+
+
+def _check_cache_arguments(call: CallInfo) -> None:
+    """The cache operands come together, and the cache params only with them."""
+    p, function = call.params, call.function
+    if _path(call) == "kv_cache":
+        missing = [name for name in _CACHE_REQUIRED if call.avals.get(name) is None]
+        if missing:
+            raise ValueError(f"{function}: the fused KV-cache write needs k_cache, v_cache ([B, max_S, KV] or "
+                             f"[num_blocks, block_size, KV]), k_scale and v_scale ([128, 1] float32); missing "
+                             f"{', '.join(missing)}. The kernel writes the caches only when both scales are given and "
+                             "ignores them otherwise: pass jnp.ones((128, 1), jnp.float32) for an unscaled cache")
+        return
+    changed = [name for name in CACHE_PARAMS if p[name] != _PARAMS[name].default]
+    if changed:
+        raise ValueError(f"{function}: {', '.join(changed)} configure the fused KV-cache write; give k_cache, v_cache, "
+                         "k_scale and v_scale with them")
+
+
 def _check(call: CallInfo) -> None:
+    _check_cache_arguments(call)
+    path = _path(call)
+    if path == "tkg":
+        _check_tkg(call)
     _check_formats(call)
     _check_fusions(call)
+    if path == "kv_cache":
+        _check_cache(call)
 
 
 def _check_tkg(call: CallInfo) -> None:
@@ -283,12 +311,6 @@ def _check_tkg(call: CallInfo) -> None:
         raise ValueError(f"{call.function}: MX (quantization_type=MX, MX weight layouts, is_h_dim_4h_transposed) runs "
                          f"only on qkv's CTE path; B={call.dims['B']}, S={call.dims['S']} dispatch to qkv_tkg (S <= "
                          f"{TKG_MAX_SEQ} and B * S <= {TKG_MAX_TOKENS} without fused_rope)")
-    _check(call)
-
-
-def _check_kv(call: CallInfo) -> None:
-    _check(call)
-    _check_cache(call)
 
 
 # ------------------------------------------------------------------------------------------------ Neuron limits
@@ -328,131 +350,81 @@ def _tkg_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
-# ------------------------------------------------------------------------------------------------------- specs
-def _out_layout(params) -> str:
-    layout = params.get("output_layout")
-    d, nq, nkv = params.get("d_head"), params.get("num_q_heads"), params.get("num_kv_heads")
-    if layout in (None, QKVOutputLayout.BSD) or (d is None and (nq is None or nkv is None)):
-        return "B, S, I"
-    heads, d = (f"I/{d}", str(d)) if d is not None else (str(nq + 2 * nkv), f"I/{nq + 2 * nkv}")
-    return f"{heads}, B, S, {d}" if layout == QKVOutputLayout.NBSd else f"{heads}, B, {d}, S"
+def _neuron_limits(call: CallInfo) -> list[str]:
+    return _tkg_limits(call) if _path(call) == "tkg" else _cte_limits(call)
 
 
-def _q_layout(params) -> str:
-    d, nq = params.get("d_head"), params.get("num_q_heads")
-    return "B, S, I" if d is None or nq is None else f"B, S, {nq * d}"
+# -------------------------------------------------------------------------------------------------------- spec
+def _outputs(call: CallInfo):
+    """By path (see the module docstring): ``out`` (CTE: bfloat16 for STATIC), ``out`` and with
+    ``fused_residual_add`` ``fused_hidden [B, S, H]`` (TKG), or ``q [B, S, nq d]`` and the updated caches (KV)."""
+    p, dims, io = call.params, call.dims, call.avals["input"].dtype
+    batch, seq, width = dims["B"], dims["S"], dims["I"]
+    path = _path(call)
+    if path == "kv_cache":
+        q_width = width if p["d_head"] is None or p["num_q_heads"] is None else p["num_q_heads"] * p["d_head"]
+        return [("q", (batch, seq, q_width), io),
+                *((name, call.avals[name].shape, call.avals[name].dtype) for name in ("k_cache", "v_cache"))]
+    d = _heads(call)[2]
+    if p["output_layout"] == QKVOutputLayout.BSD or d is None:
+        shape = (batch, seq, width)
+    elif p["output_layout"] == QKVOutputLayout.NBSd:
+        shape = (width // d, batch, seq, d)
+    else:
+        shape = (width // d, batch, d, seq)
+    if path == "tkg":
+        return [("out", shape, io)] + ([("fused_hidden", call.shape("B, S, H"), io)] if p["fused_residual_add"] else [])
+    return [("out", shape, jnp.bfloat16 if p["quantization_type"] == QuantizationType.STATIC else io)]
+
+
+def _reference(**arguments):
+    """:func:`reference_qkv` on the path the kernel takes for these arguments."""
+    x, tables = arguments["input"], (arguments["cos_cache"], arguments["sin_cache"])
+    caches = any(arguments[name] is not None for name in CACHE_OPERANDS)
+    tkg = not caches and tables == (None, None) and uses_tkg(x.shape[0], x.shape[1], arguments["fused_rope"])
+    return reference_qkv(**arguments, tkg=tkg)
 
 
 def _heads_first(call: CallInfo) -> bool:
     return call.params["output_layout"] != QKVOutputLayout.BSD
 
 
+def _folds(heads_first: bool):
+    """Fold plans into B: never on the TKG path (a larger B may change the path), nor into a block cache."""
+    def when(call: CallInfo) -> bool:
+        path = _path(call)
+        return path != "tkg" and _heads_first(call) == heads_first and not (path == "kv_cache"
+                                                                             and call.params["use_block_kv"])
+    return when
+
+
 _ROW_OPERANDS = ("input", "mlp_prev", "attention_prev", "cos_cache", "sin_cache")
 _SHARED = {name: None for name in KERNEL_ORDER if name not in _ROW_OPERANDS}
-_COMMON = dict(entry_point=ENTRY_POINT, view_aware_reference=False, family="qkv", catalog="1.15", shown_name="qkv",
-               mac_count=lambda call: call.dims["B"] * call.dims["S"] * call.dims["H"] * call.dims["I"])
 _VJP = "JAX (differentiates the reference; FP8 operands get no cotangent)"
 
-QKV_SPEC = SelectedOutputsSpec(
+QKV_SPEC = KernelSpec(
     name="qkv",
-    operands=tuple(_OPERANDS[name] for name in _NO_CACHE),
-    params=_COMMON_PARAMS,
-    outputs=(ParamLayoutOutput.from_params("out", _out_layout, "input"),
-             ParamLayoutOutput.from_params("out", _out_layout, "bfloat16")),
-    select_outputs=lambda params, present: (1,) if params["quantization_type"] == QuantizationType.STATIC else (0,),
-    reference=functools.partial(reference_qkv, tkg=False),
-    check=_check,
-    neuron_limits=_cte_limits,
-    fold_plans=(FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS, 0)}, {"out": 0}, lambda c: not _heads_first(c)),
-                FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS, 0)}, {"out": 1}, _heads_first)),
-    support={"idiomatic": "qkv_projection", "vjp": _VJP,
-             "notes": "one primitive per device path: qkv (CTE), qkv_tkg (S <= 96 and B*S <= 128 without RoPE; "
-                      "returns fused_hidden with fused_residual_add), qkv_kv_cache (fused KV-cache write, "
-                      "caches aliased); FP8 STATIC/ROW; MX (MX_CONTIGUOUS, CTE only). Neuron: H % 128 == 0, "
-                      "H <= 24576, I <= 4096"},
-    **_COMMON,
-)
-
-QKV_TKG_SPEC = SelectedOutputsSpec(
-    name="qkv_tkg",
-    operands=tuple(_OPERANDS[name] for name in _NO_CACHE if name not in ("cos_cache", "sin_cache")),
-    params=_COMMON_PARAMS,
-    outputs=(ParamLayoutOutput.from_params("out", _out_layout, "input"),
-             Output.of("fused_hidden", "B, S, H", "input", present_if="fused_residual_add")),
-    reference=functools.partial(reference_qkv, tkg=True),
-    check=_check_tkg,
-    neuron_limits=_tkg_limits,
-    support={"vjp": _VJP, "notes": "the TKG path of qkv (lax.map under vmap: folding would change the path)"},
-    **_COMMON,
-)
-
-QKV_KV_CACHE_SPEC = SelectedOutputsSpec(
-    name="qkv_kv_cache",
-    operands=tuple(dataclasses.replace(_OPERANDS[name], optional=False) if name in _CACHE_REQUIRED else _OPERANDS[name]
-                   for name in KERNEL_ORDER),
+    entry_point=ENTRY_POINT,
+    operands=tuple(_OPERANDS.values()),
     params=tuple(_PARAMS.values()),
-    outputs=(ParamLayoutOutput.from_params("q", _q_layout, "input"), Output.like_operand("k_cache", "k_cache"),
-             Output.like_operand("v_cache", "v_cache")),
-    reference=functools.partial(reference_qkv, tkg=False),
-    check=_check_kv,
-    neuron_limits=_cte_limits,
+    outputs=(),
+    output_avals=_outputs,
+    reference=_reference,
+    check=_check,
+    neuron_limits=_neuron_limits,
     fold_plans=(FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS + ("k_cache", "v_cache"), 0)},
-                         {"q": 0, "k_cache": 0, "v_cache": 0}, lambda c: not c.params["use_block_kv"]),),
+                         {"out": 0, "q": 0, "k_cache": 0, "v_cache": 0}, _folds(heads_first=False)),
+                FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS, 0)}, {"out": 1}, _folds(heads_first=True))),
     aliases={"k_cache": "k_cache", "v_cache": "v_cache"},
     nondifferentiable_outputs=("k_cache", "v_cache"),
-    support={"vjp": _VJP + "; the updated caches carry no gradient",
-             "notes": "qkv's CTE path with the fused KV-cache write"},
-    **_COMMON,
+    mac_count=lambda call: call.dims["B"] * call.dims["S"] * call.dims["H"] * call.dims["I"],
+    family="qkv",
+    catalog="1.15",
+    support={"idiomatic": "qkv_projection", "vjp": _VJP,
+             "notes": "one primitive following the kernel's dispatch: CTE, TKG (S <= 96 and B*S <= 128 without "
+                      "RoPE; returns fused_hidden with fused_residual_add; lax.map under vmap), fused KV-cache write "
+                      "(CTE with k_cache, v_cache, k_scale, v_scale; caches aliased); FP8 STATIC/ROW; MX "
+                      "(MX_CONTIGUOUS, CTE only). Neuron: H % 128 == 0, H <= 24576, I <= 4096"},
 )
 
-qkv_cte_path = make_kernel(QKV_SPEC, vjp=differentiable_vjp)
-qkv_tkg_path = make_kernel(QKV_TKG_SPEC, vjp=differentiable_vjp)
-qkv_kv_cache = make_kernel(QKV_KV_CACHE_SPEC, vjp=differentiable_vjp)
-
-_SIGNATURE = dataclasses.replace(QKV_KV_CACHE_SPEC, operands=tuple(_OPERANDS.values()))
-
-
-# ---------------------------------------------------------------------------------------------- public function
-def call_qkv(operands, params):
-    """Run ``qkv`` on the primitive of its device path; ``operands`` by name, ``params`` normalized over the full
-    signature. Returns the kernel's outputs as a tuple."""
-    x = operands["input"]
-    if any(operands.get(name) is not None for name in CACHE_OPERANDS):
-        missing = [name for name in _CACHE_REQUIRED if operands.get(name) is None]
-        if missing:
-            raise ValueError(f"jax_nkilib.nki.qkv: the fused KV-cache write needs k_cache, v_cache ([B, max_S, KV] or "
-                             f"[num_blocks, block_size, KV]), k_scale and v_scale ([128, 1] float32); missing "
-                             f"{', '.join(missing)}. The kernel writes the caches only when both scales are given and "
-                             "ignores them otherwise: pass jnp.ones((128, 1), jnp.float32) for an unscaled cache")
-        kernel = qkv_kv_cache
-    else:
-        changed = [name for name in CACHE_PARAMS if params[name] != _PARAMS[name].default]
-        if changed:
-            raise ValueError(f"jax_nkilib.nki.qkv: {', '.join(changed)} configure the fused KV-cache write; give "
-                             "k_cache, v_cache, k_scale and v_scale with them")
-        tables = operands.get("cos_cache") is not None or operands.get("sin_cache") is not None
-        tkg = getattr(x, "ndim", 0) == 3 and not tables and uses_tkg(x.shape[0], x.shape[1], params["fused_rope"])
-        kernel = qkv_tkg_path if tkg else qkv_cte_path  # (the CTE spec's checks reject tables without fused_rope)
-    names = {param.name for param in kernel.spec.params}
-    own = {key: value for key, value in params.items() if key in names or key in ("lnc", "target", "layout")}
-    return kernel.call({operand.name: operands.get(operand.name) for operand in kernel.spec.operands}, own)
-
-
-def qkv_params(**flags):
-    """Normalized params of ``qkv`` for ``flags`` (defaults filled, over the full signature), for :func:`call_qkv`."""
-    return normalize_params(_SIGNATURE, flags)
-
-
-def qkv(*args, **kwargs):
-    """The NKI ``qkv`` kernel (see :mod:`jax_nkilib._src.projection.qkv`): tensors positional in the kernel's order
-    ``(input, fused_qkv_weights, bias, qkv_w_scale, qkv_in_scale, mlp_prev, attention_prev, gamma_norm_weights,
-    layer_norm_bias, cos_cache, sin_cache, k_cache, v_cache, k_scale, v_scale, slot_mapping)``, flags by keyword.
-
-    Returns ``out``; on the TKG path with ``fused_residual_add`` ``(out, fused_hidden)``; with the fused KV-cache
-    write ``(q, k_cache, v_cache)``."""
-    operands, raw, _ = split_arguments(_SIGNATURE, args, kwargs)
-    outs = call_qkv(operands, normalize_params(_SIGNATURE, raw))
-    return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-qkv.__module__ = "jax_nkilib.nki"
+qkv = make_kernel(QKV_SPEC, vjp=differentiable_vjp)

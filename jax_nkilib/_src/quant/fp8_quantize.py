@@ -36,22 +36,22 @@ the library's other row quantizations (rmsnorm_quant, the 2.29 MLP kernel). It k
 NaN at the inf and 0 elsewhere.
 
 Layer 1 drops the kernel's ``sbm`` and its destination buffers (``quantized``, ``dequant_scale``). The rank-3 path of
-``row_quantization`` is its own primitive, ``row_quantization_3d`` (its outputs' ranks differ); the public
-:func:`row_quantization` picks it by the rank. Gradients: quantized values and row scales are non-differentiable
+``row_quantization`` is one primitive for both ranks (the rank of ``hidden_state`` picks the layout and the outputs).
+Gradients: quantized values and row scales are non-differentiable
 (zero cotangents); static's passed-through ``input_dequant_scale`` has the identity gradient;
 ``pre_combine_dequant_scales`` is differentiable (a product).
 """
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 
-from ..framework.dynamic_outputs import SelectedOutputsSpec
 from ..framework.hardware import PARTITIONS, SBUF_PARTITION_BYTES
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype
-from ..framework.validation import normalize_params, split_arguments
 from .fp8 import FP8_DTYPES, ROW_SCALE_FLOOR, fp8_max, saturate
 
 ENTRY_MODULE = "jax_nkilib_kernels.quant"
@@ -129,15 +129,34 @@ def _static_limits(call: CallInfo) -> list[str]:
 
 
 def _row_limits(call: CallInfo) -> list[str]:
-    # hidden, its absolute values and the quantized tile (all in hidden's dtype), plus the scales
-    return _tile_limits(call, "P", 3 * call.dims["F"] * _itemsize(call, "hidden_state") + 8)
-
-
-def _row_3d_limits(call: CallInfo) -> list[str]:
+    size = _itemsize(call, "hidden_state")
+    if not _tokens(call):  # hidden, its absolute values and the quantized tile (in hidden's dtype), plus the scales
+        return _tile_limits(call, "P", 3 * call.dims["F"] * size + 8)
     # hidden, float32 absolute values, the product (and the FP8 tile with output_dtype), plus four scale rows
-    tokens, size = call.dims["BxS"], _itemsize(call, "hidden_state")
     per_token = call.dims["F0"] * (2 * size + 4 + (1 if call.params["output_dtype"] is not None else 0)) + 16
-    return _tile_limits(call, "P0", tokens * per_token)
+    return _tile_limits(call, "P0", call.dims["BxS"] * per_token)
+
+
+def _tokens(call: CallInfo) -> bool:
+    """Whether ``row_quantization`` runs on tokens ``[P0, BxS, F0]`` (rank 3) rather than rows ``[P, F]``."""
+    return call.avals["hidden_state"].ndim == 3
+
+
+def _row_outputs(call: CallInfo):
+    """``quantized`` like ``hidden_state`` (rank 3 with ``output_dtype``: in that FP8 dtype) and float32
+    ``dequant_scale`` ``[P, 1]`` or ``[P0, BxS, 1]``."""
+    hidden = call.avals["hidden_state"]
+    fp8 = _tokens(call) and call.params["output_dtype"] is not None
+    return [("quantized", hidden.shape, call.params["output_dtype"] if fp8 else hidden.dtype),
+            ("dequant_scale", hidden.shape[:-1] + (1,), jnp.float32)]
+
+
+def _require_rank(function, operands, params):
+    hidden = operands["hidden_state"]
+    if jnp.ndim(hidden) not in (2, 3):
+        raise ValueError(f"{function}: argument `hidden_state` must have layout [P, F] or [P0, BxS, F0] (rank 2 or "
+                         f"3); got shape {jnp.shape(hidden)}")
+    return operands, params
 
 
 def _combine_check(call: CallInfo) -> None:
@@ -170,8 +189,7 @@ _ROW_SUPPORT = {
     "idiomatic": "",
     "vjp": "none (quantized values and scales have zero cotangents)",
     "notes": "rank 2 [P, F] quantizes rows and returns hidden's dtype (output_dtype ignored, as in the kernel); rank "
-             "3 [P0, BxS, F0] (primitive row_quantization_3d) quantizes tokens across P0 and F0, FP8 with "
-             "output_dtype; MINVAL = 1e-6 assumed (constants.py not available); Neuron: P <= 128 (split along "
+             "3 [P0, BxS, F0] quantizes tokens across P0 and F0, FP8 with output_dtype; MINVAL = 1e-6 assumed (constants.py not available); Neuron: P <= 128 (split along "
              "P / BxS beyond it), SBUF capacity; device adapter jax_nkilib_kernels/quant.py",
 }
 
@@ -185,13 +203,13 @@ STATIC_QUANTIZATION_SPEC = KernelSpec(
                    doc="pre-computed 1 / input_dequant_scale (used as given)"),
     ),
     params=(_DTYPE,),
-    outputs=(
-        Output.of("quantized", "P, F", "dtype"),
-        Output.like_operand("input_dequant_scale_out", "input_dequant_scale"),
-    ),
+    outputs=(),
+    output_avals=lambda call: [("quantized", call.shape("P, F"), call.params["dtype"]),
+                               ("input_dequant_scale_out", call.shape("P, 1"), call.avals["input_dequant_scale"].dtype)],
     reference=reference_static_quantization,
     neuron_limits=_static_limits,
-    fold_plans=(FoldPlan({"hidden_state": 0, "input_dequant_scale": 0, "quant_scale": 0}, outputs=(0, 0)),),
+    fold_plans=(FoldPlan({"hidden_state": 0, "input_dequant_scale": 0, "quant_scale": 0},
+                         outputs={"quantized": 0, "input_dequant_scale_out": 0}),),
     neuron_split_dims=("P", "F"),
     mac_count=lambda call: 2 * call.dims["P"] * call.dims["F"],
     family="quant",
@@ -206,39 +224,23 @@ STATIC_QUANTIZATION_SPEC = KernelSpec(
 ROW_QUANTIZATION_SPEC = KernelSpec(
     name="row_quantization",
     entry_point=f"{ENTRY_MODULE}:row_quantization",
-    operands=(Operand.of("hidden_state", "P, F", doc=_HIDDEN_DOC + "; one row per partition"),),
+    operands=(Operand.of("hidden_state", "P, F", "P0, BxS, F0",
+                         doc=_HIDDEN_DOC + "; one row per partition, or token t is [:, t, :]"),),
     params=(_DTYPE, _OUTPUT_DTYPE),
-    outputs=(Output.like_operand("quantized", "hidden_state"), Output.of("dequant_scale", "P, 1", "float32")),
+    outputs=(),
+    output_avals=_row_outputs,
     reference=reference_row_quantization,
+    prepare=_require_rank,
     neuron_limits=_row_limits,
-    fold_plans=(FoldPlan({"hidden_state": 0}, outputs=(0, 0)),),
-    neuron_split_dims=("P",),
-    mac_count=lambda call: 3 * call.dims["P"] * call.dims["F"],
+    fold_plans=(FoldPlan({"hidden_state": 0}, outputs={"quantized": 0, "dequant_scale": 0},
+                         when=lambda call: not _tokens(call)),
+                FoldPlan({"hidden_state": 1}, outputs={"quantized": 1, "dequant_scale": 1}, when=_tokens)),
+    neuron_split_dims=("P", "BxS"),
+    mac_count=lambda call: 3 * math.prod(call.avals["hidden_state"].shape),
     family="quant",
     catalog="row 86",
     nondifferentiable_outputs=("quantized", "dequant_scale"),
     support=_ROW_SUPPORT,
-)
-
-_TOKENS = "P0, BxS, F0"
-ROW_QUANTIZATION_3D_SPEC = SelectedOutputsSpec(
-    name="row_quantization_3d",
-    shown_name="row_quantization",
-    entry_point=f"{ENTRY_MODULE}:row_quantization",
-    operands=(Operand.of("hidden_state", _TOKENS, doc=_HIDDEN_DOC + "; token t is [:, t, :]"),),
-    params=(_DTYPE, _OUTPUT_DTYPE),
-    outputs=(Output.like_operand("quantized", "hidden_state"), Output.of("quantized", _TOKENS, "output_dtype"),
-             Output.of("dequant_scale", "P0, BxS, 1", "float32")),
-    select_outputs=lambda params, present: (0, 2) if params["output_dtype"] is None else (1, 2),
-    reference=reference_row_quantization,
-    neuron_limits=_row_3d_limits,
-    fold_plans=(FoldPlan({"hidden_state": 1}, outputs={"quantized": 1, "dequant_scale": 1}),),
-    neuron_split_dims=("BxS",),
-    mac_count=lambda call: 3 * call.dims["P0"] * call.dims["BxS"] * call.dims["F0"],
-    family="quant",
-    catalog="row 86",
-    nondifferentiable_outputs=("quantized", "dequant_scale"),
-    support=dict(_ROW_SUPPORT, notes="the rank-3 path of row_quantization"),
 )
 
 PRE_COMBINE_DEQUANT_SCALES_SPEC = KernelSpec(
@@ -249,7 +251,7 @@ PRE_COMBINE_DEQUANT_SCALES_SPEC = KernelSpec(
         Operand.of("weight_dequant_scale", "P, F_w", dtypes=COMBINE_DTYPES, doc="weight dequant scales"),
     ),
     params=(),
-    outputs=(Output.like_operand("combined", "weight_dequant_scale"),),
+    outputs=(Output.of("combined", "P, F_w", "weight_dequant_scale"),),
     reference=reference_pre_combine_dequant_scales,
     check=_combine_check,
     neuron_limits=_combine_limits,
@@ -265,21 +267,6 @@ PRE_COMBINE_DEQUANT_SCALES_SPEC = KernelSpec(
 )
 
 static_quantization = make_kernel(STATIC_QUANTIZATION_SPEC, vjp=_passthrough_cotangent)
-row_quantization_2d = make_kernel(ROW_QUANTIZATION_SPEC, vjp=_zero_cotangents)
-row_quantization_3d = make_kernel(ROW_QUANTIZATION_3D_SPEC, vjp=_zero_cotangents)
+row_quantization = make_kernel(ROW_QUANTIZATION_SPEC, vjp=_zero_cotangents)
 pre_combine_dequant_scales = make_kernel(PRE_COMBINE_DEQUANT_SCALES_SPEC, vjp=reference_vjp)
 
-
-def row_quantization(*args, **kwargs):
-    """The NKI ``row_quantization`` helper: ``(quantized, dequant_scale)`` of ``hidden_state [P, F]`` (per row) or
-    ``[P0, BxS, F0]`` (per token); flags ``dtype`` and ``output_dtype`` by keyword (see the module doc)."""
-    operands, raw, _ = split_arguments(ROW_QUANTIZATION_SPEC, args, kwargs)
-    hidden = operands["hidden_state"]
-    if jnp.ndim(hidden) not in (2, 3):
-        raise ValueError(f"{ROW_QUANTIZATION_SPEC.public_name}: argument `hidden_state` must have layout [P, F] or "
-                         f"[P0, BxS, F0] (rank 2 or 3); got shape {jnp.shape(hidden)}")
-    kernel = row_quantization_3d if jnp.ndim(hidden) == 3 else row_quantization_2d
-    return kernel.call({"hidden_state": hidden}, normalize_params(kernel.spec, raw))
-
-
-row_quantization.__module__ = "jax_nkilib.nki"

@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 
 from ..framework.primitive import make_kernel
-from ..framework.spec import FLOAT_DTYPES, FOLLOW_LNC, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import FLOAT_DTYPES, FOLLOW_LNC, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from . import mx
 from .quantize_block_mxfp8 import FP8_NAMES, MIN_K, SCALE_DTYPES, DtypeOr, Float8Name, scale_bytes
 
@@ -277,7 +277,7 @@ _SWIZZLE_FLAGS = ("lhs_is_swizzled", "rhs_is_swizzled")
 _CASES = ((True, True), (True, False), (False, True), (False, False))
 _LHS = dict(zip(_CASES, ("Kq, M4", "Kq, M4", "M, K", "M, K")))
 _RHS = dict(zip(_CASES, ("Kq, N4", "N, 4*Kq", "K/4, N4", "N, K")))
-_OUT = dict(zip(_CASES, ("M4/4, N4/4", "M4/4, N", "M, N4/4", "M, N")))
+_OUT = dict(zip(_CASES, ("M4/4, N4/4", "M4/4, N", "M, N4/4", "M, N")))  # out [M, N] in each case
 
 
 def _swizzled(side: str, value: bool):
@@ -324,15 +324,17 @@ MATMUL_MXFP8_SPEC = KernelSpec(
         Param("rhs_is_swizzled", True, bool, "rhs is [K/4, 4N] (True) or [N, K] (False)"),
         Param("quant_scheme", "wrapX", SCHEMES, "the K swizzle: 'wrapX' or '1x32' (32 consecutive K per scale)"),
     ),
-    outputs=(Output.switched("out", _SWIZZLE_FLAGS, _OUT, "output_dtype"),),
+    outputs=(),
+    output_avals=lambda call: [("out", call.shape(_OUT[tuple(call.params[flag] for flag in _SWIZZLE_FLAGS)]),
+                                call.params["output_dtype"])],
     reference=reference_matmul_mxfp8,
     check=_check_matmul,
     neuron_limits=_matmul_neuron_limits,
     fold_plans=(
-        FoldPlan({"lhs": 0}, outputs=(0,), when=_swizzled("lhs", False)),  # rows of a raw lhs are independent
-        FoldPlan({"lhs": 1, "lhs_scales": 1}, outputs=(0,), when=_swizzled("lhs", True)),  # M is in 4M (major)
-        FoldPlan({"rhs": 0}, outputs=(1,), when=_swizzled("rhs", False)),
-        FoldPlan({"rhs": 1, "rhs_scales": 1}, outputs=(1,), when=_swizzled("rhs", True)),
+        FoldPlan({"lhs": 0}, outputs={"out": 0}, when=_swizzled("lhs", False)),  # rows of a raw lhs are independent
+        FoldPlan({"lhs": 1, "lhs_scales": 1}, outputs={"out": 0}, when=_swizzled("lhs", True)),  # M is in 4M (major)
+        FoldPlan({"rhs": 0}, outputs={"out": 1}, when=_swizzled("rhs", False)),
+        FoldPlan({"rhs": 1, "rhs_scales": 1}, outputs={"out": 1}, when=_swizzled("rhs", True)),
     ),
     mac_count=_matmul_mac_count,
     family="quant",
@@ -408,11 +410,14 @@ MATMUL_MXFP8_BACKWARD_SPEC = KernelSpec(
         Param("weights_is_swizzled", False, bool, "must be False (the kernel cannot use it)"),
         Param("input_is_swizzled", False, bool, "must be False (the kernel cannot use it)"),
     ),
-    outputs=(Output.of("input_grad", "M, K", "output_dtype"), Output.of("weight_grad", "N, K", "output_dtype")),
+    outputs=(),
+    output_avals=lambda call: [("input_grad", call.shape("M, K"), call.params["output_dtype"]),
+                               ("weight_grad", call.shape("N, K"), call.params["output_dtype"])],
     reference=reference_matmul_mxfp8_backward,
     check=_check_backward,
     neuron_limits=_backward_neuron_limits,
-    fold_plans=(FoldPlan({"output_grad": None, "weights": 1, "input_activation": 1}, outputs=(1, 1)),),  # K is free
+    fold_plans=(FoldPlan({"output_grad": None, "weights": 1, "input_activation": 1},  # K is free
+                         outputs={"input_grad": 1, "weight_grad": 1}),),
     mac_count=lambda call: 2 * call.dims["M"] * call.dims["N"] * call.dims["K"],
     family="quant",
     catalog="row 66",

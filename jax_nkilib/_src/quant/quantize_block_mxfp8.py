@@ -29,16 +29,14 @@ Quantized outputs carry no gradient.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..framework.layout import Dim, Layout
 from ..framework.primitive import make_kernel
-from ..framework.spec import FLOAT_DTYPES, FOLLOW_LNC, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import FLOAT_DTYPES, FOLLOW_LNC, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from . import mx
 
 FP8_NAMES = {"float8_e4m3fn": jnp.dtype(jnp.float8_e4m3fn), "float8_e5m2": jnp.dtype(jnp.float8_e5m2)}
@@ -86,24 +84,13 @@ def require_fp8_name(call: CallInfo, param: str) -> None:
         raise TypeError(f"{call.function}: missing required parameter `{param}` (one of {tuple(FP8_NAMES)})")
 
 
-@dataclasses.dataclass(frozen=True)
-class _PackedRows(Dim):
-    """The packed scales' row count ``ceil(K / 2048) * 128``, which no layout token can express."""
-
-    def expected(self, dims):
-        return None if self.name not in dims else mx.matmul_scale_rows(dims[self.name], True)
-
-
-def packed_scales_layout(k: str, f: str) -> Layout:
-    text = f"ceil({k}/2048)*128"
-    return Layout(f"{text}, {f}", (_PackedRows(text, k), Layout.parse(f).dims[0]))
-
-
-def scales_output(name: str, k: str, f: str, packing_param: str) -> Output:
-    """An output of scales ``[k/4, f]``, or packed ``[ceil(k/2048)*128, f]`` when ``packing_param`` is true."""
-    packed, plain = packed_scales_layout(k, f), Layout.parse(f"{k}/4, {f}")
-    switch = (packing_param, ((True, (packed,)), (False, (plain,))))
-    return Output(name, packed, SCALE_DTYPE.name, switch=switch)
+def _outputs(call: CallInfo):
+    """``quantized_scales_hbm``: uint8 e8m0 scales ``[K/4, F]``, or packed ``[ceil(K/2048)*128, F]`` with
+    ``enable_scale_packing``; ``quantized_data_hbm [K/4, 4F]`` in ``return_fp8_dtype``."""
+    k, f = call.dims["K"], call.dims["F"]
+    rows = mx.matmul_scale_rows(k, True) if call.params["enable_scale_packing"] else k // 4
+    return [("quantized_scales_hbm", (rows, f), SCALE_DTYPE),
+            ("quantized_data_hbm", (k // 4, 4 * f), call.params["return_fp8_dtype"])]
 
 
 def reference_quantize_block_mxfp8_kernel(src_tensor, *, return_fp8_dtype, run_with_lnc2=False,
@@ -151,14 +138,13 @@ QUANTIZE_BLOCK_MXFP8_SPEC = KernelSpec(
         Param("run_with_lnc2", FOLLOW_LNC, bool, "split F over two logical cores (default: LNC degree > 1)"),
         Param("enable_scale_packing", True, bool, "packed scales [ceil(K/2048)*128, F] instead of [K/4, F]"),
     ),
-    outputs=(
-        scales_output("quantized_scales_hbm", "K", "F", "enable_scale_packing"),
-        Output.of("quantized_data_hbm", "K/4, 4*F", "return_fp8_dtype"),
-    ),
+    outputs=(),
+    output_avals=_outputs,
     reference=reference_quantize_block_mxfp8_kernel,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"src_tensor": 0}, outputs=(1, 1)),),  # F merges into the columns of both outputs
+    fold_plans=(FoldPlan({"src_tensor": 0},  # F merges into the columns of both outputs
+                         outputs={"quantized_scales_hbm": 1, "quantized_data_hbm": 1}),),
     mac_count=lambda call: math.prod(call.avals["src_tensor"].shape),
     family="quant",
     catalog="row 84",
