@@ -27,7 +27,6 @@ Autodiff: JAX differentiates the reference (the all-gather transposes to a reduc
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Mapping
 from typing import Any
@@ -37,7 +36,7 @@ from jax import lax
 
 from ..framework import compat
 from ..framework.primitive import reference_vjp
-from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
+from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, enum_member
 from .hbm_collectives import CollectiveKernel, global_rank, group_axes, mesh_axes, output_layout, require_replica_group
 
 
@@ -48,13 +47,10 @@ class AttnQBatchShardLayout(enum.Enum):
     dBnS = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class EnumNameParam(Param):
-    """An enum flag (members or member names accepted) kept as the member's name, which the device adapter turns
-    into the library's own enum."""
-
-    def normalize(self, value: Any, function: str) -> Any:
-        return super().normalize(value, function).name
+def _layout_name(value: Any, where: str) -> str:
+    """The ``AttnQBatchShardLayout`` flag (a member or a member's name) as the member's name, which the device
+    adapter turns into the library's own enum."""
+    return enum_member(AttnQBatchShardLayout, value, where).name
 
 
 def reference_attn_q_batch_shard(input, iota_workers, gathered_buf=None, rank_id_in=None, *, gqa_group_size,
@@ -119,7 +115,7 @@ ATTN_Q_BATCH_SHARD_SPEC = KernelSpec(
     ),
     params=(
         Param("gqa_group_size", None, int), Param("replica_group", None, "axis"),
-        EnumNameParam("q_layout", "NBSd", AttnQBatchShardLayout, "the kernel's `layout`"),
+        Param("q_layout", "NBSd", AttnQBatchShardLayout, "the kernel's `layout`", normalizer=_layout_name),
     ),
     outputs=(Output("q_out", OUTPUT_LAYOUTS["NBSd"], "input",
                     switch=("q_layout", tuple((key, (layout,)) for key, layout in OUTPUT_LAYOUTS.items()))),),

@@ -117,6 +117,25 @@ def _axis_names(value: Any, param: str, function: str) -> tuple[str, ...]:
     return names
 
 
+def enum_member(kind: type[enum.Enum], value: Any, where: str) -> enum.Enum:
+    """``value`` as a member of the enum ``kind``: a member, or a member's name (``TypeError`` otherwise, its
+    message starting with ``where``)."""
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str) and value in kind.__members__:
+        return kind[value]
+    raise TypeError(f"{where} must be a {kind.__name__} member or one of {', '.join(kind.__members__)}; "
+                    f"got {value!r}")
+
+
+def dtype_value(value: Any, where: str) -> np.dtype:
+    """``value`` as a NumPy dtype (a JAX/NumPy dtype or its name; ``TypeError`` otherwise)."""
+    try:
+        return np.dtype(jnp.dtype(value))
+    except TypeError:
+        raise TypeError(f"{where} must be a dtype (e.g. jnp.float32); got {value!r}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Param:
     """A static (compile-time) argument.
@@ -126,6 +145,12 @@ class Param:
     name or a tuple of names bound by the enclosing ``jax.shard_map``; normalized to a tuple), an ``enum.Enum``
     subclass (members or member-name strings accepted) or a tuple of allowed values. A ``None`` default makes the
     param optional. ``default`` may be :data:`FOLLOW_LNC` for flags that follow the LNC degree.
+
+    ``normalizer``, where the kinds above do not describe the accepted values, is the function that checks and
+    normalizes every value given (``None`` included) in their place: ``normalizer(value, where) -> value``, raising
+    ``TypeError``/``ValueError`` with a message that starts with ``where`` (``"<function>: parameter `<name>`"``).
+    The normalized value must be hashable (it is a primitive param). ``kind`` then still tells the Neuron lowering
+    how to pass the value (a ``"dtype"`` becomes an ``nl`` dtype).
 
     ``required=True`` (with a ``None`` default) marks a parameter the kernel requires: leaving it out is a
     ``TypeError`` naming it. ``to_kernel=False`` marks a parameter of jax_nkilib's own: it shapes validation,
@@ -139,44 +164,38 @@ class Param:
     doc: str = ""
     to_kernel: bool = True
     required: bool = False
+    normalizer: Callable[[Any, str], Any] | None = None
 
     def normalize(self, value: Any, function: str) -> Any:
+        """The checked, normalized ``value`` of this param in a call of ``function``."""
+        where = f"{function}: parameter `{self.name}`"
+        if self.normalizer is not None:
+            return self.normalizer(value, where)
         if value is None and self.default is None:
             return None
         kind = self.kind
         if isinstance(kind, type) and issubclass(kind, enum.Enum):
-            if isinstance(value, kind):
-                return value
-            if isinstance(value, str) and value in kind.__members__:
-                return kind[value]
-            expected = ", ".join(kind.__members__)
-            raise TypeError(f"{function}: parameter `{self.name}` must be a {kind.__name__} member or one of "
-                            f"{expected}; got {value!r}")
+            return enum_member(kind, value, where)
         if kind in DTYPE_KINDS:
-            try:
-                return np.dtype(jnp.dtype(value))
-            except TypeError:
-                raise TypeError(f"{function}: parameter `{self.name}` must be a dtype (e.g. jnp.float32); "
-                                f"got {value!r}") from None
+            return dtype_value(value, where)
         if kind == "axis":
             return _axis_names(value, self.name, function)
         if isinstance(kind, tuple):
             if value in kind:
                 return value
-            raise ValueError(f"{function}: parameter `{self.name}` must be one of {kind}; got {value!r}")
+            raise ValueError(f"{where} must be one of {kind}; got {value!r}")
         if kind is bool:
             if isinstance(value, (bool, np.bool_)):
                 return bool(value)
-            raise TypeError(f"{function}: parameter `{self.name}` must be a Python bool; got {value!r} "
-                            f"of type {type(value).__name__}")
+            raise TypeError(f"{where} must be a Python bool; got {value!r} of type {type(value).__name__}")
         if kind is int:
             if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
                 return int(value)
-            raise TypeError(f"{function}: parameter `{self.name}` must be a Python int; got {value!r}")
+            raise TypeError(f"{where} must be a Python int; got {value!r}")
         if kind is float:
             if isinstance(value, (int, float, np.floating)) and not isinstance(value, bool):
                 return float(value)
-            raise TypeError(f"{function}: parameter `{self.name}` must be a Python float; got {value!r}")
+            raise TypeError(f"{where} must be a Python float; got {value!r}")
         raise AssertionError(f"unsupported parameter kind {kind!r}")  # a spec bug, not a user error
 
 

@@ -52,7 +52,7 @@ from ..framework.dynamic_outputs import SelectedOutputsSpec
 from ..framework.dynamic_outputs import parse_layout as output_layout
 from ..framework.layout import Dim, Layout
 from ..framework.primitive import make_kernel, pull_back
-from ..framework.spec import CallInfo, FoldPlan, Operand, Output, Param
+from ..framework.spec import CallInfo, FoldPlan, Operand, Output, Param, enum_member
 from . import rmsnorm_mx_prefill_reference as math
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -66,7 +66,7 @@ def swizzle_router_weights(weights, router_act_fn=RouterActFnType.SIGMOID):
     weights = jnp.asarray(weights)
     if weights.ndim != 2 or weights.shape[0] % math.H_BLOCK:
         raise ValueError(f"swizzle_router_weights: expected [H, E] weights with H % 512 == 0; got {weights.shape}")
-    noaux = RouterActFnType[router_act_fn] if isinstance(router_act_fn, str) else router_act_fn
+    noaux = enum_member(RouterActFnType, router_act_fn, "swizzle_router_weights: `router_act_fn`")
     return jnp.take(weights, math.router_h_index(weights.shape[0], noaux == RouterActFnType.NOAUX_TC), axis=0)
 
 

@@ -50,7 +50,7 @@ import numpy as np
 from ..framework.dynamic_outputs import SelectedOutputsSpec
 from ..framework.hardware import PARTITIONS, SBUF_PARTITION_BYTES
 from ..framework.primitive import make_kernel, reference_vjp
-from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype, dtype_value
 from ..framework.validation import normalize_params, split_arguments
 from .fp8 import FP8_DTYPES, ROW_SCALE_FLOOR, fp8_max, saturate
 
@@ -60,16 +60,17 @@ COMBINE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))  # float64 on 
 _FP8_NAMES = ", ".join(d.name for d in FP8_DTYPES)
 
 
-class Fp8Dtype(Param):
-    """A dtype param that must be one of the FP8 formats (``None`` allowed when the default is ``None``)."""
+def _fp8_dtype(value, where: str) -> np.dtype:
+    """One of the FP8 formats, as a dtype."""
+    dtype = None if value is None else dtype_value(value, where)
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"{where} must be an FP8 dtype ({_FP8_NAMES}); got {dtype}")
+    return dtype
 
-    def normalize(self, value, function):
-        if value is None and self.default is None:
-            return None
-        dtype = None if value is None else Param(self.name, self.default, "dtype").normalize(value, function)
-        if dtype not in FP8_DTYPES:
-            raise ValueError(f"{function}: parameter `{self.name}` must be an FP8 dtype ({_FP8_NAMES}); got {dtype}")
-        return dtype
+
+def _optional_fp8_dtype(value, where: str) -> np.dtype | None:
+    """``None`` or one of the FP8 formats."""
+    return None if value is None else _fp8_dtype(value, where)
 
 
 # ----------------------------------------------------------------------------------------------------- references
@@ -162,9 +163,10 @@ def _zero_cotangents(kernel, operands, params, outs, cotangents):
 
 
 # ---------------------------------------------------------------------------------------------------------- specs
-_DTYPE = Fp8Dtype("dtype", "float8_e4m3fn", "dtype", "FP8 format: its largest value M bounds the scaling")
-_OUTPUT_DTYPE = Fp8Dtype("output_dtype", None, "dtype", "rank 3: clip to +-M(output_dtype) and return FP8 "
-                         "(ignored by rank 2, as in the kernel)")
+_DTYPE = Param("dtype", "float8_e4m3fn", "dtype", "FP8 format: its largest value M bounds the scaling",
+               normalizer=_fp8_dtype)
+_OUTPUT_DTYPE = Param("output_dtype", None, "dtype", "rank 3: clip to +-M(output_dtype) and return FP8 "
+                      "(ignored by rank 2, as in the kernel)", normalizer=_optional_fp8_dtype)
 _HIDDEN_DOC = "tile to quantize (the kernel documents bfloat16)"
 _ROW_SUPPORT = {
     "idiomatic": "",
