@@ -157,9 +157,9 @@ ATTENTION_KV_PARALLEL_SEGMENTED_CTE_SPEC = KernelSpec(
     check=_check,
     neuron_limits=_neuron_limits,
     # a vmapped axis folds into this rank's query heads (the gathered heads keep the rank-major order)
-    fold_plans=(FoldPlan({"q": 0, "k_cache": None, "v_cache": None, "block_tables": None, "kvp_q_offset": None,
+    fold_plans=(FoldPlan({"q": "QH", "k_cache": None, "v_cache": None, "block_tables": None, "kvp_q_offset": None,
                           "kvp_rank_id": None, "valid_num_prior_tokens": None, "k_scale": None, "v_scale": None},
-                         outputs=(0,)),),
+                         outputs=("QH",)),),
     has_collectives=True,
     mac_count=lambda call: 2 * call.dims["QH"] * call.params["group_size"] * call.dims["S"]
     * call.dims["max_blocks"] * call.params["block_size"] * call.dims["d"],

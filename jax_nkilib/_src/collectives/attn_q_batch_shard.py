@@ -122,12 +122,8 @@ ATTN_Q_BATCH_SHARD_SPEC = KernelSpec(
     reference=reference_attn_q_batch_shard,
     check=_check,
     # a vmapped axis folds into S (the workspace's S axis with it)
-    fold_plans=(
-        FoldPlan({"input": 2, "gathered_buf": 3, "iota_workers": None, "rank_id_in": None}, outputs=(2,),
-                 when=lambda call: call.params["q_layout"] == "NBSd"),
-        FoldPlan({"input": 3, "gathered_buf": 4, "iota_workers": None, "rank_id_in": None}, outputs=(3,),
-                 when=lambda call: call.params["q_layout"] == "dBnS"),
-    ),
+    fold_plans=(FoldPlan({"input": "S", "gathered_buf": "S", "iota_workers": None, "rank_id_in": None},
+                         outputs=("S",)),),
     has_collectives=True,
     family="collectives",
     catalog="row 62",

@@ -225,11 +225,9 @@ class Kernel:
         bind = lambda values: self.primitive.bind(*values, present=present, **params)  # noqa: E731
         plan = batching.choose_plan(self.spec, present, batch_dims, call)
         if plan is not None:
-            view = params["layout"]
             produced = self.spec.present_outputs(params, present)
-            return batching.fold(batching.operand_axes(plan, view),
-                                 batching.output_axes(plan, self.spec, produced, view), bind, args, batch_dims,
-                                 present, size)
+            axes, out_axes = batching.fold_axes(self.spec, plan, call, present, produced)
+            return batching.fold(axes, out_axes, bind, args, batch_dims, present, size)
         return batching.map_fallback(bind, args, batch_dims)
 
     def _register(self) -> None:

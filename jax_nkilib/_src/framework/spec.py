@@ -236,23 +236,25 @@ class Output:
 
 @dataclasses.dataclass(frozen=True)
 class FoldPlan:
-    """A way to absorb a vmapped axis into the kernel's own axes.
+    """A way to absorb a vmapped axis into one of the kernel's own dimensions.
 
-    ``axes`` maps each operand to the axis the vmapped axis merges into (as its major part), or ``None`` when the
-    plan applies only if that operand is not batched. ``outputs`` gives, per output (in order, or by name), the axis
-    that carries the merged vmapped axis. ``when`` optionally restricts the plan to some operand ranks/presences.
-    Unbatched operands with an axis are broadcast along the vmapped axis before merging.
+    ``axes`` maps each operand to the dimension of its layout that the vmapped axis merges into (as its major part),
+    named by its layout token (``"B"``, ``"n_heads"``, ``"4*F"``), or to ``None`` when the plan applies only if that
+    operand is not batched. ``outputs`` names, per output (by name, or in the spec's output order), the dimension of
+    its layout that carries the merged vmapped axis; an output with no layout gives its axis as an int. Names resolve
+    against the layouts the call selects (by rank or flag). ``when`` optionally restricts the plan to some operand
+    ranks/presences or flags. Unbatched operands with a dimension are broadcast along the vmapped axis before merging.
     """
 
-    axes: Mapping[str, int | None]
-    outputs: tuple[int, ...] | Mapping[str, int]
+    axes: Mapping[str, str | None]
+    outputs: tuple[str | int, ...] | Mapping[str, str | int]
     when: Callable[[CallInfo], bool] | None = None
 
-    def output_axes(self, outputs: Sequence[Output]) -> dict[str, int]:
-        """Output name -> axis (``outputs`` positional over the spec's outputs, or already by name)."""
+    def output_dims(self, outputs: Sequence[Output]) -> dict[str, str | int]:
+        """Output name -> dimension (``outputs`` positional over the spec's outputs, or already by name)."""
         if isinstance(self.outputs, Mapping):
             return dict(self.outputs)
-        return {output.name: axis for output, axis in zip(outputs, self.outputs)}
+        return {output.name: dim for output, dim in zip(outputs, self.outputs)}
 
 
 @dataclasses.dataclass(frozen=True)

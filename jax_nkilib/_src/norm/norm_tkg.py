@@ -250,7 +250,7 @@ def _layernorm_neuron_limits(call: CallInfo) -> list[str]:
 
 
 _OUT = Output("out", output_layout("128, B*S, H/128"), "input")
-_FOLD = (FoldPlan({"input": 0, "gamma": None, "beta": None}, outputs=(1,)),)
+_FOLD = (FoldPlan({"input": "B", "gamma": None, "beta": None}, outputs=("B*S",)),)
 
 
 def _elements(call: CallInfo) -> int:

@@ -363,8 +363,8 @@ QKV_SPEC = SelectedOutputsSpec(
     reference=functools.partial(reference_qkv, tkg=False),
     check=_check,
     neuron_limits=_cte_limits,
-    fold_plans=(FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS, 0)}, {"out": 0}, lambda c: not _heads_first(c)),
-                FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS, 0)}, {"out": 1}, _heads_first)),
+    fold_plans=(FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS, "B")}, {"out": 0}, lambda c: not _heads_first(c)),
+                FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS, "B")}, {"out": 1}, _heads_first)),
     support={"idiomatic": "qkv_projection", "vjp": _VJP,
              "notes": "one primitive per device path: qkv (CTE), qkv_tkg (S <= 96 and B*S <= 128 without RoPE; "
                       "returns fused_hidden with fused_residual_add), qkv_kv_cache (fused KV-cache write, "
@@ -396,8 +396,8 @@ QKV_KV_CACHE_SPEC = SelectedOutputsSpec(
     reference=functools.partial(reference_qkv, tkg=False),
     check=_check_kv,
     neuron_limits=_cte_limits,
-    fold_plans=(FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS + ("k_cache", "v_cache"), 0)},
-                         {"q": 0, "k_cache": 0, "v_cache": 0}, lambda c: not c.params["use_block_kv"]),),
+    fold_plans=(FoldPlan({**_SHARED, **dict.fromkeys(_ROW_OPERANDS + ("k_cache", "v_cache"), "B")},
+                         {"q": 0, "k_cache": "B", "v_cache": "B"}, lambda c: not c.params["use_block_kv"]),),
     aliases={"k_cache": "k_cache", "v_cache": "v_cache"},
     nondifferentiable_outputs=("k_cache", "v_cache"),
     support={"vjp": _VJP + "; the updated caches carry no gradient",

@@ -325,10 +325,11 @@ MATMUL_MXFP8_SPEC = KernelSpec(
     check=_check_matmul,
     neuron_limits=_matmul_neuron_limits,
     fold_plans=(
-        FoldPlan({"lhs": 0}, outputs=(0,), when=_swizzled("lhs", False)),  # rows of a raw lhs are independent
-        FoldPlan({"lhs": 1, "lhs_scales": 1}, outputs=(0,), when=_swizzled("lhs", True)),  # M is in 4M (major)
-        FoldPlan({"rhs": 0}, outputs=(1,), when=_swizzled("rhs", False)),
-        FoldPlan({"rhs": 1, "rhs_scales": 1}, outputs=(1,), when=_swizzled("rhs", True)),
+        FoldPlan({"lhs": "M"}, outputs=("M",), when=_swizzled("lhs", False)),  # rows of a raw lhs are independent
+        FoldPlan({"lhs": "M4", "lhs_scales": "lhs_scols"}, outputs=("M4/4",),  # M is in 4M (major)
+                 when=_swizzled("lhs", True)),
+        FoldPlan({"rhs": "N"}, outputs=("N",), when=_swizzled("rhs", False)),
+        FoldPlan({"rhs": "N4", "rhs_scales": "rhs_scols"}, outputs=("N4/4",), when=_swizzled("rhs", True)),
     ),
     mac_count=_matmul_mac_count,
     family="quant",
@@ -411,7 +412,8 @@ MATMUL_MXFP8_BACKWARD_SPEC = KernelSpec(
     reference=reference_matmul_mxfp8_backward,
     check=_check_backward,
     neuron_limits=_backward_neuron_limits,
-    fold_plans=(FoldPlan({"output_grad": None, "weights": 1, "input_activation": 1}, outputs=(1, 1)),),  # K is free
+    # K is free in both outputs: a vmapped axis folds into it
+    fold_plans=(FoldPlan({"output_grad": None, "weights": "K", "input_activation": "K"}, outputs=("K", "K")),),
     mac_count=lambda call: 2 * call.dims["M"] * call.dims["N"] * call.dims["K"],
     family="quant",
     catalog="row 66",

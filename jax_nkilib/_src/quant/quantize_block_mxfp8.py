@@ -160,7 +160,7 @@ QUANTIZE_BLOCK_MXFP8_SPEC = KernelSpec(
     reference=reference_quantize_block_mxfp8_kernel,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"src_tensor": 0}, outputs=(1, 1)),),  # F merges into the columns of both outputs
+    fold_plans=(FoldPlan({"src_tensor": "F"}, outputs=("F", "4*F")),),  # F merges into F of both outputs
     mac_count=lambda call: math.prod(call.avals["src_tensor"].shape),
     family="quant",
     catalog="row 84",

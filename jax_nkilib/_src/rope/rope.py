@@ -149,8 +149,8 @@ ROPE_SPEC = KernelSpec(
     check=_rope_check,
     neuron_limits=_rope_neuron_limits,
     fold_plans=(
-        FoldPlan({"x_in": 2, "cos": None, "sin": None}, outputs=(2,)),  # tables shared: fold into heads
-        FoldPlan({"x_in": 1, "cos": 1, "sin": 1}, outputs=(1,)),  # fold into the batch axis
+        FoldPlan({"x_in": "n_heads", "cos": None, "sin": None}, outputs=("n_heads",)),  # tables shared: fold into heads
+        FoldPlan({"x_in": "B", "cos": "B", "sin": "B"}, outputs=("B",)),  # fold into the batch axis
     ),
     neuron_split_dims=("n_heads", "B", "S"),
     mac_count=lambda call: 2 * math.prod(call.avals["x_in"].shape),
@@ -251,8 +251,9 @@ ROPE_HF_SPEC = KernelSpec(
     check=_rope_hf_check,
     neuron_limits=_rope_hf_neuron_limits,
     fold_plans=(
-        FoldPlan({"q": 1, "k": 1}, outputs=(1, 1)),  # tables shared: fold into heads
-        FoldPlan({"q": 0, "k": 0, "cos": 0, "sin": 0, "rope_cache": 0}, outputs=(0, 0), when=_tables_have_batch),
+        FoldPlan({"q": "Hq", "k": "Hk"}, outputs=("Hq", "Hk")),  # tables shared: fold into heads
+        FoldPlan(dict.fromkeys(("q", "k", "cos", "sin", "rope_cache"), "B"), outputs=("B", "B"),
+                 when=_tables_have_batch),
     ),
     mac_count=lambda call: 2 * (math.prod(call.avals["q"].shape) + math.prod(call.avals["k"].shape)),
     family="rope",
