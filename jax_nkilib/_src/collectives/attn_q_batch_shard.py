@@ -19,7 +19,7 @@ undefined on the device).
 ``gathered_buf`` is the kernel's HBM workspace (``[G, n, B, S, d]`` / ``[G, d, B, 1, S]``, it must be a kernel
 input on the device): optional here, a zero buffer is passed when it is omitted; its values never matter. The
 output has the input's dtype. The kernel's ``layout`` flag is the ``AttnQBatchShardLayout`` enum (members or names);
-the spec stores it as ``q_layout`` because ``layout`` is the framework's layout-view key.
+the spec stores it as ``q_layout`` (both names are accepted).
 
 Autodiff: JAX differentiates the reference (the all-gather transposes to a reduce-scatter over the group);
 ``iota_workers``, ``rank_id_in`` and ``gathered_buf`` get no gradient.
@@ -144,12 +144,12 @@ class BatchShardKernel(CollectiveKernel):
             kwargs["q_layout"] = layout
         return super().__call__(*args, **kwargs)
 
-    def call(self, operands, params, view=None, derived=None):
+    def call(self, operands, params, derived=None):
         if operands.get("gathered_buf") is None and params["gqa_group_size"] and operands.get("input") is not None:
             # [G, n, B, S, d] (NBSd) or [G, d, B, n, S] (dBnS): the group axis before the input's
             workspace = (params["gqa_group_size"],) + jnp.shape(operands["input"])
             operands = dict(operands, gathered_buf=jnp.zeros(workspace, jnp.result_type(operands["input"])))
-        return super().call(operands, params, view, derived)
+        return super().call(operands, params, derived)
 
 
 attn_q_batch_shard = BatchShardKernel(ATTN_Q_BATCH_SHARD_SPEC, _communicating_axes, reference_vjp)

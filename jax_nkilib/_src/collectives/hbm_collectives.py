@@ -80,13 +80,13 @@ class CollectiveKernel(Kernel):
         self.axes = axes
         super().__init__(spec, vjp)
 
-    def call(self, operands, params, view=None, derived=None):
+    def call(self, operands, params, derived=None):
         axes = self.axes(self.spec, params, operands)
         if axes:
             varying = lax.axis_index(group_axes(axes))  # a value varying over exactly these axes
             operands = {name: None if value is None else compat.varying_like(jnp.asarray(value), varying)
                         for name, value in operands.items()}
-        return super().call(operands, params, view, derived)
+        return super().call(operands, params, derived)
 
 
 def require_replica_group(function: str, params: Mapping) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 from jax import lax
 
-from . import compat, views
+from . import compat
 from .spec import CallInfo, FoldPlan, KernelSpec
 from .validation import layout_of
 
@@ -49,19 +49,16 @@ def choose_plan(spec: KernelSpec, present, batch_dims, call: CallInfo) -> FoldPl
 
 
 def _axis(spec: KernelSpec, name: str, dim: str | int, call: CallInfo) -> int:
-    """The axis of operand or output ``name`` that the plan's ``dim`` names, in the call's layout view: the position
-    of that token in the kernel layout the call selects (an int is an output's axis, for outputs with no layout)."""
-    view = call.params.get("layout", ())
+    """The axis of operand or output ``name`` that the plan's ``dim`` names: the position of that token in the
+    layout the call selects (an int is an output's axis, for outputs with no layout)."""
     if isinstance(dim, int):
-        axis = dim
-    else:
-        layout = layout_of(spec, name, call)
-        tokens = [] if layout is None else [token.text for token in layout.dims]
-        if dim not in tokens:  # a spec bug, not a user error
-            raise AssertionError(f"{spec.name}: a fold plan names dimension {dim} of `{name}`, whose layout in this "
-                                 f"call is {layout}")
-        axis = tokens.index(dim)
-    return views.given_axis(views.permutation_of(view, name), axis)
+        return dim
+    layout = layout_of(spec, name, call)
+    tokens = [] if layout is None else [token.text for token in layout.dims]
+    if dim not in tokens:  # a spec bug, not a user error
+        raise AssertionError(f"{spec.name}: a fold plan names dimension {dim} of `{name}`, whose layout in this call "
+                             f"is {layout}")
+    return tokens.index(dim)
 
 
 def fold_axes(spec: KernelSpec, plan: FoldPlan, call: CallInfo, present, produced) -> tuple[dict, list[int]]:

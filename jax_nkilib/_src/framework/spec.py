@@ -287,8 +287,6 @@ class KernelSpec:
       params: static arguments in the kernel's order.
       outputs: outputs in the kernel's order.
       reference: ``reference(**operands, **params) -> tuple`` in JAX, following the kernel's numerics.
-      view_aware_reference: the reference also accepts ``view={name: permutation}`` (see ``views``) and then
-        computes directly on operands given in that order, returning outputs in their viewed order.
       resolve_params: ``resolve_params(params) -> params`` applied when a call's params are normalised, for values
         that resolve from the environment at trace time (``dtype_mode=AUTO``): the resolved value is then part of
         the params, so abstract evaluation, lowering and the jit caches agree on it.
@@ -323,7 +321,6 @@ class KernelSpec:
     params: tuple[Param, ...]
     outputs: tuple[Output, ...]
     reference: Callable[..., tuple]
-    view_aware_reference: bool = False
     reference_takes_lnc: bool = False
     resolve_params: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     check: Callable[[CallInfo], None] | None = None

@@ -381,11 +381,11 @@ MLP_SPEC = KernelSpec(
 class _MlpKernel(Kernel):
     """The ``mlp`` kernel function; resolves ``output_dtype=None`` to the hidden dtype before validation."""
 
-    def call(self, operands, params, view=None, derived=None):
+    def call(self, operands, params, derived=None):
         _reject_unbound(params, self.spec.public_name)
         if params["output_dtype"] is None:
             params = dict(params, output_dtype=np.dtype(jnp.asarray(operands["hidden_tensor"]).dtype))
-        return super().call(operands, params, view=view, derived=derived)
+        return super().call(operands, params, derived=derived)
 
 
 mlp = _MlpKernel(MLP_SPEC, vjp=_mlp_vjp)

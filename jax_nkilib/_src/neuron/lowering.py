@@ -1,7 +1,7 @@
 """The Neuron lowering rule: one ``AwsNeuronCustomNativeKernel`` custom call per kernel call.
 
-A call made through a layout view is first transposed to the kernel layout. A call that exceeds a kernel limit
-which splitting fixes becomes several kernel calls over slices (see :mod:`planning`). When a limit is not met
+A call that exceeds a kernel limit which splitting fixes becomes several kernel calls over slices (see
+:mod:`planning`). When a limit is not met
 otherwise (head size, dtype, LNC divisibility, ...) the policy decides: ``"fallback"`` lowers the JAX reference
 instead and warns once per call site naming the limit; ``"error"`` raises :class:`NeuronUnsupportedError`.
 """
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from jax import export, lax
 from jax.interpreters import mlir
 
-from ..framework import compat, config, views
+from ..framework import compat, config
 from ..framework.spec import CallInfo, KernelSpec
 from ..framework.validation import check_call, output_avals, outputs_of
 from .compiled import CompiledKernel, NeuronOutputMismatchError, mismatched_outputs
@@ -57,18 +57,6 @@ def _split_lowering(spec: KernelSpec, primitive, plan: NeuronPlan, call: CallInf
         return [lax.concatenate([outs[i] for outs in pieces], axes[i]) for i in range(n_outputs)]
 
     return split
-
-
-def _through_kernel_layout(spec: KernelSpec, primitive, present, params):
-    view = params["layout"]
-    produced = spec.present_outputs(params, present)
-
-    def through(*values):
-        in_kernel_layout = [views.to_kernel(v, views.permutation_of(view, n)) for n, v in zip(present, values)]
-        outs = primitive.bind(*in_kernel_layout, present=present, **dict(params, layout=()))
-        return [views.to_given(out, views.permutation_of(view, output.name)) for out, output in zip(outs, produced)]
-
-    return through
 
 
 def _warn_once(spec: KernelSpec, site: str, unmet: list[str]) -> None:
@@ -123,9 +111,6 @@ def neuron_lowering_rule(spec: KernelSpec, reference_rule: Callable) -> Callable
     """The lowering rule registered as the primitive's default (and for ``neuron`` when that platform is known)."""
 
     def rule(ctx, *operands, present, **params):
-        if params["layout"]:  # a layout view: transpose to the kernel layout around a kernel-layout call
-            through = _through_kernel_layout(spec, ctx.primitive, present, params)
-            return mlir.lower_fun(through, multiple_results=True)(ctx, *operands)
         avals = {name: aval for name, aval in zip(present, ctx.avals_in)}
         call = check_call(spec, avals, params)
         plan = plan_neuron_call(spec, call)

@@ -349,7 +349,7 @@ def _heads_first(call: CallInfo) -> bool:
 
 _ROW_OPERANDS = ("input", "mlp_prev", "attention_prev", "cos_cache", "sin_cache")
 _SHARED = {name: None for name in KERNEL_ORDER if name not in _ROW_OPERANDS}
-_COMMON = dict(entry_point=ENTRY_POINT, view_aware_reference=False, family="qkv", catalog="1.15", shown_name="qkv",
+_COMMON = dict(entry_point=ENTRY_POINT, family="qkv", catalog="1.15", shown_name="qkv",
                mac_count=lambda call: call.dims["B"] * call.dims["S"] * call.dims["H"] * call.dims["I"])
 _VJP = "JAX (differentiates the reference; FP8 operands get no cotangent)"
 
@@ -434,7 +434,7 @@ def call_qkv(operands, params):
         tkg = getattr(x, "ndim", 0) == 3 and not tables and uses_tkg(x.shape[0], x.shape[1], params["fused_rope"])
         kernel = qkv_tkg_path if tkg else qkv_cte_path  # (the CTE spec's checks reject tables without fused_rope)
     names = {param.name for param in kernel.spec.params}
-    own = {key: value for key, value in params.items() if key in names or key in ("lnc", "target", "layout")}
+    own = {key: value for key, value in params.items() if key in names or key in ("lnc", "target")}
     return kernel.call({operand.name: operands.get(operand.name) for operand in kernel.spec.operands}, own)
 
 

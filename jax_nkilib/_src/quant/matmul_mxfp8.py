@@ -246,8 +246,7 @@ def _matmul_neuron_limits(call: CallInfo) -> list[str]:
 
 def _straight_through_vjp(kernel, operands, params, outs, cotangents):
     """dlhs, drhs by ``matmul_mxfp8_backward`` on the raw (or dequantized) operands in K order (see the module doc)."""
-    ops = kernel.to_kernel_layout(operands, params)
-    (g,) = kernel.to_kernel_layout({"out": cotangents[0]}, params).values()
+    ops, (g,) = operands, cotangents
     scheme = params["quant_scheme"]
     values = {side: logical_operand(ops[side], ops[f"{side}_scales"], params[f"{side}_is_swizzled"], scheme)
               for side in _SIDES}
@@ -264,7 +263,7 @@ def _straight_through_vjp(kernel, operands, params, outs, cotangents):
         if side in raw:
             grad = swizzle(grad, scheme) if params[f"{side}_is_swizzled"] else grad
             grads[side] = grad
-    return kernel.from_kernel_layout(grads, params)
+    return grads
 
 
 _SWIZZLE_FLAGS = ("lhs_is_swizzled", "rhs_is_swizzled")
