@@ -33,21 +33,20 @@ SPEC = KernelSpec(
     outputs=(Output.of("out", "N, M", "x"), Output.of("row_sums", "N", "x")),
     reference=reference,
     neuron_limits=lambda call: ["N must be even"] if call.dims["N"] % 2 else [],
-    fold_plans=(FoldPlan({"x": 0, "w": 0, "bias": 0}, outputs=(0, 0)),),
+    fold_plans=(FoldPlan({"x": "N", "w": "N", "bias": "N"}, outputs=("N", "N")),),
     aliases={"x": "out"},
 )
 
 
 def vjp(kernel, operands, params, outs, cotangents):
-    operands = kernel.to_kernel_layout(operands, params)
-    g, g_sums = kernel.to_kernel_layout(dict(zip(("out", "row_sums"), cotangents)), params).values()
+    g, g_sums = cotangents
     g_total = g + g_sums[:, None]
     x, w = operands["x"], operands["w"]
     sign = 1.0 if params["mode"] is Mode.ADD else -1.0
     grads = {"x": g_total * w[:, None] * params["scale"], "w": jnp.sum(g_total * x, axis=1) * params["scale"]}
     if operands["bias"] is not None:
         grads["bias"] = sign * g_total
-    return kernel.from_kernel_layout(grads, params)
+    return grads
 
 
 toy = make_kernel(SPEC, vjp=vjp)
@@ -91,31 +90,3 @@ def test_neuron_lowering_aliases_and_lnc_flag():
     (cfg,) = kernel_configs(text)
     assert cfg["params"] == {"mode": "ADD", "scale": 1.0, "shard": True} and cfg["aliases"] == [[0, 0]]
     assert "output_operand_aliases" in text
-
-
-def test_layout_view_without_a_view_aware_reference():
-    """A call through a view equals the kernel-layout call between transposes, in every transformation."""
-    params = toy.params(mode="SUB")
-    view = {"x": "M, N", "bias": "M, N", "out": "M, N"}
-    xt, bt = X.T, B.T
-    out, sums = toy.call({"x": xt, "w": W, "bias": bt}, params, view=view)
-    want_out, want_sums = toy(X, W, B, mode="SUB")
-    np.testing.assert_allclose(out, want_out.T)
-    np.testing.assert_allclose(sums, want_sums)
-    batched = jax.vmap(lambda x: toy.call({"x": x, "w": W, "bias": bt}, params, view=view)[0])(jnp.stack([xt, xt]))
-    np.testing.assert_allclose(batched[1], want_out.T)
-    grad = jax.grad(lambda x: jnp.sum(toy.call({"x": x, "w": W, "bias": None}, params, view=view)[0] ** 2))(xt)
-    np.testing.assert_allclose(grad, jax.grad(lambda x: jnp.sum(toy(x, W, mode="SUB")[0] ** 2))(X).T, rtol=1e-6)
-    with jax_nkilib.neuron.dry_run():
-        text = neuron_text(lambda x: toy.call({"x": x, "w": W, "bias": bt}, params, view=view), xt)
-    (cfg,) = kernel_configs(text)
-    assert cfg["input_specs"][0] == [[4, 3], "float32"]  # the kernel sees its own layout
-    assert text.count("stablehlo.transpose") == 3  # x and bias in, out back
-
-
-def test_bad_layout_views():
-    params = toy.params()
-    with pytest.raises(ValueError, match="must order the dimensions of \\[N, M\\]"):
-        toy.call({"x": X, "w": W, "bias": None}, params, view={"x": "N, K"})
-    with pytest.raises(ValueError, match="unknown operand or output `y`"):
-        toy.call({"x": X, "w": W, "bias": None}, params, view={"y": "M, N"})

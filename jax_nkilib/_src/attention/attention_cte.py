@@ -269,9 +269,9 @@ ATTENTION_CTE_SPEC = KernelSpec(
     reference=reference_attention_cte,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"q": 0, "k": 0, "v": 0, "k_prior": 0, "v_prior": 0, "sink": 0, "prior_used_len": None,
-                          "cp_offset": None, "bound_min": None, "bound_max": None},
-                         outputs={"o": 0, "neg_max": 0, "recip": 0}),),
+    fold_plans=(FoldPlan({"q": "B", "k": "B_kv", "v": "B_kv", "k_prior": "B_kv", "v_prior": "B_kv", "sink": "B",
+                          "prior_used_len": None, "cp_offset": None, "bound_min": None, "bound_max": None},
+                         outputs={"o": "B", "neg_max": "B", "recip": "B"}),),
     mac_count=lambda call: 2 * call.dims["B"] * call.dims["Sq"] * (call.dims["Sk"] + call.dims.get("S_prior", 0))
     * call.dims["d"],
     nondifferentiable_outputs=("neg_max", "recip"),

@@ -165,7 +165,7 @@ ATTENTION_KV_PARALLEL_SEGMENTED_CTE_SPEC = KernelSpec(
     check=_check,
     neuron_limits=_neuron_limits,
     # a vmapped axis folds into this rank's query heads (the gathered heads keep the rank-major order)
-    fold_plans=(FoldPlan({"q": 0, "k_cache": None, "v_cache": None, "block_tables": None, "kvp_q_offset": None,
+    fold_plans=(FoldPlan({"q": "QH", "k_cache": None, "v_cache": None, "block_tables": None, "kvp_q_offset": None,
                           "kvp_rank_id": None, "valid_num_prior_tokens": None, "k_scale": None, "v_scale": None},
                          outputs={"out": 0}),),
     has_collectives=True,

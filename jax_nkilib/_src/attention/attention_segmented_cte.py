@@ -161,7 +161,7 @@ ATTENTION_SEGMENTED_CTE_SPEC = KernelSpec(
     reference=reference_attention_segmented_cte,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"q": 0, "block_tables": 0, "sink": 0, "k_cache": None, "v_cache": None,
+    fold_plans=(FoldPlan({"q": "BQ", "block_tables": "bs", "sink": "BQ", "k_cache": None, "v_cache": None,
                           "prior_tokens": None, "k_scale": None, "v_scale": None, "kvp_q_offset": None,
                           "kvp_rank_id": None}, outputs={"out": 0}),),
     mac_count=lambda call: 2 * call.dims["BQ"] * call.dims["Sq"] * call.dims["max_blocks"] * call.dims["block"]

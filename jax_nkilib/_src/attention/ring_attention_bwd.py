@@ -99,8 +99,8 @@ RING_ATTENTION_SPMD_BWD_SPEC = KernelSpec(
     reference=reference_ring_attention_spmd_bwd,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({name: 0 for name in ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref", "lse_ref", "bound_min",
-                                               "bound_max")}, outputs=(0, 0, 0)),),
+    fold_plans=(FoldPlan({**dict.fromkeys(("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref", "lse_ref"), "B"),
+                          "bound_min": "BN", "bound_max": "BN"}, outputs=("B", "B", "B")),),
     has_collectives=True,
     mac_count=lambda call: 4 * call.dims["B"] * call.dims["N"] * call.dims["S"] ** 2 * call.params["num_workers"]
     * call.dims["D"],

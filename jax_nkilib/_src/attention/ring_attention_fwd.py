@@ -192,7 +192,8 @@ RING_ATTENTION_SPMD_FWD_SPEC = KernelSpec(
     check=_check,
     neuron_limits=_neuron_limits,
     # a vmapped axis folds into the batch (and the bounds' b*h rows, whose major part is b)
-    fold_plans=(FoldPlan({"q": 0, "k": 0, "v": 0, "bound_min": 0, "bound_max": 0}, outputs={"o": 0, "lse": 0}),),
+    fold_plans=(FoldPlan({"q": "b", "k": "b", "v": "b", "bound_min": "bh", "bound_max": "bh"},
+                         outputs={"o": "b", "lse": "b"}),),
     has_collectives=True,
     mac_count=lambda call: 2 * call.dims["b"] * call.dims["h"] * call.dims["S"] ** 2 * call.params["num_workers"]
     * call.dims["d"],

@@ -52,7 +52,7 @@ RING_ATTENTION_UNPERMUTE_SPEC = KernelSpec(
     reference=reference_ring_attention_unpermute,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"x": 0}, outputs={"out_x": 0}),),
+    fold_plans=(FoldPlan({"x": "bs"}, outputs={"out_x": 0}),),
     has_collectives=True,
     family="parallel",
     catalog="row 44, section 3",

@@ -227,7 +227,7 @@ FINE_GRAINED_ALLGATHER_SPEC = KernelSpec(
     check=_check_ring,
     neuron_limits=_ring_limits,
     # a vmapped axis folds into K (the gathered rows keep their rank-major order)
-    fold_plans=(FoldPlan({"lhs": 1}, outputs=(2,)),),
+    fold_plans=(FoldPlan({"lhs": "K"}, outputs=("K",)),),
     has_collectives=True,
     family="collectives",
     catalog="row 33",
@@ -245,7 +245,7 @@ ALLGATHER_COMPUTE_MATMUL_SPEC = KernelSpec(
     check=_check_ring,
     neuron_limits=_ring_limits,
     # a vmapped rhs alone folds into N; a vmapped lhs runs under lax.map
-    fold_plans=(FoldPlan({"lhs": None, "rhs": 1}, outputs=(2,)),),
+    fold_plans=(FoldPlan({"lhs": None, "rhs": "N"}, outputs=("N",)),),
     has_collectives=True,
     mac_count=lambda call: call.params["tp_degree"] * call.dims["m"] * call.dims["K"] * call.dims["N"],
     family="collectives",
@@ -266,7 +266,7 @@ def _sb2sb_spec(name: str, rows: str, width: str, tiled: bool, row: str) -> Kern
         reference=reference_allgather_sb2sb,
         check=_check_group,
         neuron_limits=_sb2sb_limits(rows, width, tiled),
-        fold_plans=(FoldPlan({"inp": 0}, outputs=(0,)),),
+        fold_plans=(FoldPlan({"inp": rows}, outputs=(rows,)),),
         neuron_split_dims=(rows,),
         has_collectives=True,
         family="collectives",

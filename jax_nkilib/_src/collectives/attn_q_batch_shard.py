@@ -19,7 +19,7 @@ undefined on the device).
 ``gathered_buf`` is the kernel's HBM workspace (``[G, n, B, S, d]`` / ``[G, d, B, 1, S]``, it must be a kernel
 input on the device): optional here, a zero buffer is passed when it is omitted; its values never matter. The
 output has the input's dtype. The kernel's ``layout`` flag is the ``AttnQBatchShardLayout`` enum (members or names);
-the spec stores it as ``q_layout`` because ``layout`` is the framework's layout-view key.
+the spec stores it as ``q_layout`` (both names are accepted).
 
 Autodiff: JAX differentiates the reference (the all-gather transposes to a reduce-scatter over the group);
 ``iota_workers``, ``rank_id_in`` and ``gathered_buf`` get no gradient.
@@ -27,7 +27,6 @@ Autodiff: JAX differentiates the reference (the all-gather transposes to a reduc
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Mapping
 from typing import Any
@@ -38,7 +37,7 @@ from jax import lax
 from ..framework import compat
 from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import make_kernel, reference_vjp
-from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
+from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param, enum_member
 from .hbm_collectives import global_rank, marking_varying, mesh_axes, require_replica_group
 
 
@@ -49,13 +48,10 @@ class AttnQBatchShardLayout(enum.Enum):
     dBnS = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class EnumNameParam(Param):
-    """An enum flag (members or member names accepted) kept as the member's name, which the device adapter turns
-    into the library's own enum."""
-
-    def normalize(self, value: Any, function: str) -> Any:
-        return super().normalize(value, function).name
+def _layout_name(value: Any, where: str) -> str:
+    """The ``AttnQBatchShardLayout`` flag (a member or a member's name) as the member's name, which the device
+    adapter turns into the library's own enum."""
+    return enum_member(AttnQBatchShardLayout, value, where).name
 
 
 def reference_attn_q_batch_shard(input, iota_workers, gathered_buf=None, rank_id_in=None, *, gqa_group_size,
@@ -141,7 +137,7 @@ ATTN_Q_BATCH_SHARD_SPEC = KernelSpec(
     ),
     params=(
         Param("gqa_group_size", None, int), Param("replica_group", None, "axis"),
-        EnumNameParam("q_layout", "NBSd", AttnQBatchShardLayout, "the kernel's `layout`"),
+        Param("q_layout", "NBSd", AttnQBatchShardLayout, "the kernel's `layout`", normalizer=_layout_name),
     ),
     outputs=(),
     output_avals=_outputs,
@@ -151,9 +147,9 @@ ATTN_Q_BATCH_SHARD_SPEC = KernelSpec(
     check=_check,
     # a vmapped axis folds into S (the workspace's S axis with it)
     fold_plans=(
-        FoldPlan({"input": 2, "gathered_buf": 3, "iota_workers": None, "rank_id_in": None}, outputs={"q_out": 2},
+        FoldPlan({"input": "S", "gathered_buf": "S", "iota_workers": None, "rank_id_in": None}, outputs={"q_out": 2},
                  when=lambda call: call.params["q_layout"] == "NBSd"),
-        FoldPlan({"input": 3, "gathered_buf": 4, "iota_workers": None, "rank_id_in": None}, outputs={"q_out": 3},
+        FoldPlan({"input": "S", "gathered_buf": "S", "iota_workers": None, "rank_id_in": None}, outputs={"q_out": 3},
                  when=lambda call: call.params["q_layout"] == "dBnS"),
     ),
     has_collectives=True,

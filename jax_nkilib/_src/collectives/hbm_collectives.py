@@ -191,25 +191,25 @@ NUM_RANKS = Param("num_ranks", None, int, "ranks per group (the replica group's 
 
 all_reduce_hbm_kernel = _group_kernel(
     "all_reduce_hbm_kernel", (Operand.of("input", *ANY_RANK),), (GROUP,), _like_input,
-    reference_all_reduce, check_group, (FoldPlan({"input": 0}, outputs={"out": 0}),),
+    reference_all_reduce, check_group, (FoldPlan({"input": "d0"}, outputs={"out": 0}),),
     "all_reduce_hbm_kernel (its own transpose)", lambda: all_reduce_hbm_kernel)
 
 all_gather_hbm_kernel = _group_kernel(
     "all_gather_hbm_kernel", (Operand.of("input", "H, W"),), (GROUP, NUM_RANKS),
     lambda call: [("out", (call.params["num_ranks"] * call.dims["H"], call.dims["W"]), call.avals["input"].dtype)],
     reference_all_gather, lambda call: check_group(call, with_num_ranks=True),
-    (FoldPlan({"input": 1}, outputs={"out": 1}),), "reduce_scatter_hbm_kernel", lambda: reduce_scatter_hbm_kernel)
+    (FoldPlan({"input": "W"}, outputs={"out": 1}),), "reduce_scatter_hbm_kernel", lambda: reduce_scatter_hbm_kernel)
 
 reduce_scatter_hbm_kernel = _group_kernel(
     "reduce_scatter_hbm_kernel", (Operand.of("input", "H, W"),), (GROUP, NUM_RANKS),
     lambda call: [("out", (call.dims["H"] // call.params["num_ranks"], call.dims["W"]), call.avals["input"].dtype)],
-    reference_reduce_scatter, _check_reduce_scatter, (FoldPlan({"input": 1}, outputs={"out": 1}),),
+    reference_reduce_scatter, _check_reduce_scatter, (FoldPlan({"input": "W"}, outputs={"out": 1}),),
     "all_gather_hbm_kernel", lambda: all_gather_hbm_kernel)
 
 all_to_all_hbm_kernel = _group_kernel(
     "all_to_all_hbm_kernel", (Operand.of("input", *ANY_RANK),), (GROUP,), _like_input,
     reference_all_to_all, _check_all_to_all,
-    (FoldPlan({"input": 1}, outputs={"out": 1}, when=lambda call: call.avals["input"].ndim > 1),),
+    (FoldPlan({"input": "d1"}, outputs={"out": 1}, when=lambda call: call.avals["input"].ndim > 1),),
     "all_to_all_hbm_kernel (its own inverse)", lambda: all_to_all_hbm_kernel,
     "; the library tests it with 4 ranks at LNC2 or 8 at LNC1 (its mesh algorithm)")
 
@@ -228,11 +228,11 @@ def _rank_kernel(name: str, operands, reference, fold_plans, notes: str) -> Kern
 
 rank_id_kernel = _rank_kernel(
     "rank_id_kernel", (Operand.of("in_tensor", "R, H, W"),), reference_rank_id,
-    (FoldPlan({"in_tensor": 1}, outputs=(0,)),),
+    (FoldPlan({"in_tensor": "H"}, outputs=("H",)),),
     "docs-only kernel (2.30+): out = in_tensor[ncc.rank_id()]; has_collectives assumed")
 
 dma_copy_rank_id_kernel = _rank_kernel(
     "dma_copy_rank_id_kernel",
     (Operand.of("in_tensor", "R, H, W"), Operand.of("rank_id_lookup", "1, R_lookup", dtypes=INT_DTYPES)),
-    reference_dma_copy_rank_id, (FoldPlan({"in_tensor": 1, "rank_id_lookup": None}, outputs=(0,)),),
+    reference_dma_copy_rank_id, (FoldPlan({"in_tensor": "H", "rank_id_lookup": None}, outputs=("H",)),),
     "docs-only kernel (2.30+): out = in_tensor[rank_id_lookup[0, ncc.rank_id()]]; has_collectives assumed")

@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 from jax import lax
 
-from . import compat, views
+from . import compat
 from .spec import CallInfo, FoldPlan, KernelSpec
+from .validation import operand_layout
 
 
 def _merge_axis(x, source_axis: int | None, target_axis: int, size: int):
@@ -47,16 +48,27 @@ def choose_plan(spec: KernelSpec, present, batch_dims, call: CallInfo) -> FoldPl
     return None
 
 
-def output_axes(plan: FoldPlan, spec: KernelSpec, produced, view) -> list[int]:
-    """The axis of each produced output (by name) that carries the merged vmapped axis, in the call's layout view."""
-    axes = plan.output_axes(spec.outputs)
-    return [views.given_axis(views.permutation_of(view, name), axes[name]) for name in produced]
+def _axis(spec: KernelSpec, name: str, dim: str | int, call: CallInfo) -> int:
+    """The axis of operand or output ``name`` that the plan's ``dim`` names: the position of that token in the
+    layout the call selects (an int is an output's axis, for outputs with no layout)."""
+    if isinstance(dim, int):
+        return dim
+    plain = {output.name: output.layout for output in spec.outputs}
+    layout = plain[name] if name in plain else operand_layout(spec, name, call)
+    tokens = [] if layout is None else [token.text for token in layout.dims]
+    if dim not in tokens:  # a spec bug, not a user error
+        raise AssertionError(f"{spec.name}: a fold plan names dimension {dim} of `{name}`, whose layout in this call "
+                             f"is {layout}")
+    return tokens.index(dim)
 
 
-def operand_axes(plan: FoldPlan, view) -> dict[str, int | None]:
-    """The plan's operand axes moved to where the call's layout view puts them."""
-    return {name: None if axis is None else views.given_axis(views.permutation_of(view, name), axis)
-            for name, axis in plan.axes.items()}
+def fold_axes(spec: KernelSpec, plan: FoldPlan, call: CallInfo, present, produced) -> tuple[dict, list[int]]:
+    """``(operand name -> axis or None, [axis of each produced output])``: where the plan merges the vmapped axis
+    in the present operands and where the produced outputs carry it, resolved against this call's layouts."""
+    operand_axes = {name: None if plan.axes.get(name) is None else _axis(spec, name, plan.axes[name], call)
+                    for name in present}
+    dims = plan.output_dims(spec.outputs)
+    return operand_axes, [_axis(spec, name, dims[name], call) for name in produced]
 
 
 def fold(axes: dict, out_axes: list[int], bind: Callable, args, batch_dims, present, size: int):

@@ -27,7 +27,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching as jax_batching
 from jax.interpreters import mlir
 
-from . import batching, compat, registry, runtime_checks, views
+from . import batching, compat, registry, runtime_checks
 from .spec import FP8_DTYPES, KernelSpec
 from .validation import check_call, check_derived, normalize_params, output_avals, output_names, split_arguments
 
@@ -49,9 +49,8 @@ def register_neuron_lowering(builder: Callable) -> None:
 # a different forward (e.g. one that also returns softmax statistics):
 #     forward(kernel, operands, params) -> (outputs, residuals)
 #     backward(kernel, residuals, params, cotangents) -> {operand name: cotangent or None}
-# Operands, outputs and cotangents arrive as the call gave them (through its layout view, if any): a rule computes
-# with kernel.call / kernel.reference, which honour the view, or converts with kernel.to_kernel_layout and
-# kernel.from_kernel_layout. A missing or None cotangent means zero (integer operands always get None).
+# Operands, outputs and cotangents are in the kernel's layouts. A missing or None cotangent means zero (integer
+# operands always get None).
 
 
 def reference_vjp(kernel, operands, params, outs, cotangents):
@@ -122,19 +121,13 @@ class Kernel:
         return normalize_params(self.spec, flags)
 
     def call(self, operands: Mapping[str, Any], params: Mapping[str, Any],
-             view: Mapping[str, str] | None = None, derived: Mapping[str, Any] | None = None) -> tuple:
-        """Call with operands by name (``None`` for absent optional ones) and normalized params.
-
-        ``view`` optionally gives operands and outputs in another order of the kernel layout's dimension names
-        (``{"x_in": "B, S, n_heads, d_head"}``); see :mod:`jax_nkilib._src.framework.views`. ``derived`` holds
-        shape-derived config fields the caller gave, checked against the shapes.
-        """
+             derived: Mapping[str, Any] | None = None) -> tuple:
+        """Call with operands by name (``None`` for absent optional ones) and normalized params (the spec's
+        ``prepare`` hook, if any, first). ``derived`` holds shape-derived config fields the caller gave, checked
+        against the shapes."""
         if self.spec.prepare is not None:
             operands, params = self.spec.prepare(self.spec.public_name, dict(operands), dict(params))
         operands = {name: (None if value is None else jnp.asarray(value)) for name, value in operands.items()}
-        if view:
-            ranks = {name: operands[name].ndim for name in _present(operands)}
-            params = dict(params, layout=views.make_view(self.spec, view, ranks, params))
         call = check_call(self.spec, operands, params)
         if derived:
             check_derived(self.spec, call, derived)
@@ -179,35 +172,13 @@ class Kernel:
         kernel_call.defvjp(forward, backward)
         return tuple(kernel_call(*(operands[name] for name in present)))
 
-    def to_kernel_layout(self, values: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
-        """Operand or output values by name, transposed from the call's layout view to the kernel layout."""
-        view = params.get("layout", ())
-        return {name: None if value is None else views.to_kernel(value, views.permutation_of(view, name))
-                for name, value in values.items()}
-
-    def from_kernel_layout(self, values: Mapping[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
-        """Inverse of :meth:`to_kernel_layout`."""
-        view = params.get("layout", ())
-        return {name: None if value is None else views.to_given(value, views.permutation_of(view, name))
-                for name, value in values.items()}
-
     def reference(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
-        """The JAX reference on operands by name, honouring the layout view in ``params`` (for VJP rules)."""
-        spec, view = self.spec, params.get("layout", ())
+        """The JAX reference on operands by name (for VJP rules)."""
+        spec = self.spec
         static = {param.name: params[param.name] for param in spec.params}
         if spec.reference_takes_lnc:
             static["lnc"] = params["lnc"]
-        named = {op.name: operands.get(op.name) for op in spec.operands}
-        if not view:
-            return tuple(spec.reference(**named, **static))
-        if spec.view_aware_reference:
-            return tuple(spec.reference(**named, **static, view=dict(view)))
-        outs = spec.reference(**self.to_kernel_layout(named, params), **static)
-        avals = {name: None if value is None else compat.ShapedArray(value.shape, value.dtype)
-                 for name, value in named.items()}
-        produced = output_names(spec, check_call(spec, avals, params))
-        outs = self.from_kernel_layout(dict(zip(produced, outs)), params)
-        return tuple(outs.values())
+        return tuple(spec.reference(**{op.name: operands.get(op.name) for op in spec.operands}, **static))
 
     # ------------------------------------------------------------------------------------------- registrations
     def _reference(self, *values, present, **params):
@@ -224,9 +195,8 @@ class Kernel:
         bind = lambda values: self.primitive.bind(*values, present=present, **params)  # noqa: E731
         plan = batching.choose_plan(self.spec, present, batch_dims, call)
         if plan is not None:
-            view = params["layout"]
-            out_axes = batching.output_axes(plan, self.spec, output_names(self.spec, call), view)
-            return batching.fold(batching.operand_axes(plan, view), out_axes, bind, args, batch_dims, present, size)
+            axes, out_axes = batching.fold_axes(self.spec, plan, call, present, output_names(self.spec, call))
+            return batching.fold(axes, out_axes, bind, args, batch_dims, present, size)
         return batching.map_fallback(bind, args, batch_dims)
 
     def _register(self) -> None:

@@ -106,6 +106,25 @@ class Operand:
         return "; ".join(f"{' or '.join(map(str, layouts))} when {param}={value}" for value, layouts in cases)
 
 
+def enum_member(kind: type[enum.Enum], value: Any, where: str) -> enum.Enum:
+    """``value`` as a member of the enum ``kind``: a member, or a member's name (``TypeError`` otherwise, its
+    message starting with ``where``)."""
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str) and value in kind.__members__:
+        return kind[value]
+    raise TypeError(f"{where} must be a {kind.__name__} member or one of {', '.join(kind.__members__)}; "
+                    f"got {value!r}")
+
+
+def dtype_value(value: Any, where: str) -> np.dtype:
+    """``value`` as a NumPy dtype (a JAX/NumPy dtype or its name; ``TypeError`` otherwise)."""
+    try:
+        return np.dtype(jnp.dtype(value))
+    except TypeError:
+        raise TypeError(f"{where} must be a dtype (e.g. jnp.float32); got {value!r}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Param:
     """A static (compile-time) argument.
@@ -115,6 +134,12 @@ class Param:
     name or a tuple of names bound by the enclosing ``jax.shard_map``; normalized to a tuple), an ``enum.Enum``
     subclass (members or member-name strings accepted) or a tuple of allowed values. A ``None`` default makes the
     param optional. ``default`` may be :data:`FOLLOW_LNC` for flags that follow the LNC degree.
+
+    ``normalizer``, where the kinds above do not describe the accepted values, is the function that checks and
+    normalizes every value given (``None`` included) in their place: ``normalizer(value, where) -> value``, raising
+    ``TypeError``/``ValueError`` with a message that starts with ``where`` (``"<function>: parameter `<name>`"``).
+    The normalized value must be hashable (it is a primitive param). ``kind`` then still tells the Neuron lowering
+    how to pass the value (a ``"dtype"`` becomes an ``nl`` dtype).
 
     ``required=True`` (with a ``None`` default) marks a parameter the kernel requires: leaving it out is a
     ``TypeError`` naming it. ``to_kernel=False`` marks a parameter of jax_nkilib's own: it shapes validation,
@@ -128,44 +153,38 @@ class Param:
     doc: str = ""
     to_kernel: bool = True
     required: bool = False
+    normalizer: Callable[[Any, str], Any] | None = None
 
     def normalize(self, value: Any, function: str) -> Any:
+        """The checked, normalized ``value`` of this param in a call of ``function``."""
+        where = f"{function}: parameter `{self.name}`"
+        if self.normalizer is not None:
+            return self.normalizer(value, where)
         if value is None and self.default is None:
             return None
         kind = self.kind
         if isinstance(kind, type) and issubclass(kind, enum.Enum):
-            if isinstance(value, kind):
-                return value
-            if isinstance(value, str) and value in kind.__members__:
-                return kind[value]
-            expected = ", ".join(kind.__members__)
-            raise TypeError(f"{function}: parameter `{self.name}` must be a {kind.__name__} member or one of "
-                            f"{expected}; got {value!r}")
+            return enum_member(kind, value, where)
         if kind in DTYPE_KINDS:
-            try:
-                return np.dtype(jnp.dtype(value))
-            except TypeError:
-                raise TypeError(f"{function}: parameter `{self.name}` must be a dtype (e.g. jnp.float32); "
-                                f"got {value!r}") from None
+            return dtype_value(value, where)
         if kind == "axis":
             return axis_names(function, value, self.name)
         if isinstance(kind, tuple):
             if value in kind:
                 return value
-            raise ValueError(f"{function}: parameter `{self.name}` must be one of {kind}; got {value!r}")
+            raise ValueError(f"{where} must be one of {kind}; got {value!r}")
         if kind is bool:
             if isinstance(value, (bool, np.bool_)):
                 return bool(value)
-            raise TypeError(f"{function}: parameter `{self.name}` must be a Python bool; got {value!r} "
-                            f"of type {type(value).__name__}")
+            raise TypeError(f"{where} must be a Python bool; got {value!r} of type {type(value).__name__}")
         if kind is int:
             if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
                 return int(value)
-            raise TypeError(f"{function}: parameter `{self.name}` must be a Python int; got {value!r}")
+            raise TypeError(f"{where} must be a Python int; got {value!r}")
         if kind is float:
             if isinstance(value, (int, float, np.floating)) and not isinstance(value, bool):
                 return float(value)
-            raise TypeError(f"{function}: parameter `{self.name}` must be a Python float; got {value!r}")
+            raise TypeError(f"{where} must be a Python float; got {value!r}")
         raise AssertionError(f"unsupported parameter kind {kind!r}")  # a spec bug, not a user error
 
 
@@ -186,23 +205,25 @@ class Output:
 
 @dataclasses.dataclass(frozen=True)
 class FoldPlan:
-    """A way to absorb a vmapped axis into the kernel's own axes.
+    """A way to absorb a vmapped axis into one of the kernel's own dimensions.
 
-    ``axes`` maps each operand to the axis the vmapped axis merges into (as its major part), or ``None`` when the
-    plan applies only if that operand is not batched. ``outputs`` gives, per output (in order, or by name), the axis
-    that carries the merged vmapped axis. ``when`` optionally restricts the plan to some operand ranks/presences.
-    Unbatched operands with an axis are broadcast along the vmapped axis before merging.
+    ``axes`` maps each operand to the dimension of its layout that the vmapped axis merges into (as its major part),
+    named by its layout token (``"B"``, ``"n_heads"``, ``"4*F"``), or to ``None`` when the plan applies only if that
+    operand is not batched. ``outputs`` names, per output (by name, or in the spec's output order), the dimension of
+    its layout that carries the merged vmapped axis; an output with no layout gives its axis as an int. Names resolve
+    against the layouts the call selects (by rank or flag). ``when`` optionally restricts the plan to some operand
+    ranks/presences or flags. Unbatched operands with a dimension are broadcast along the vmapped axis before merging.
     """
 
-    axes: Mapping[str, int | None]
-    outputs: tuple[int, ...] | Mapping[str, int]
+    axes: Mapping[str, str | None]
+    outputs: tuple[str | int, ...] | Mapping[str, str | int]
     when: Callable[[CallInfo], bool] | None = None
 
-    def output_axes(self, outputs: Sequence[Output]) -> dict[str, int]:
-        """Output name -> axis (``outputs`` positional over the spec's outputs, or already by name)."""
+    def output_dims(self, outputs: Sequence[Output]) -> dict[str, str | int]:
+        """Output name -> dimension (``outputs`` positional over the spec's outputs, or already by name)."""
         if isinstance(self.outputs, Mapping):
             return dict(self.outputs)
-        return {output.name: axis for output, axis in zip(outputs, self.outputs)}
+        return {output.name: dim for output, dim in zip(outputs, self.outputs)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,17 +271,14 @@ class KernelSpec:
       output_avals: the hook for outputs the layout grammar cannot describe (sizes computed from several
         dimensions, layouts or dtypes a param selects, outputs like an operand, optional outputs, output sets that
         depend on the call): ``output_avals(call) -> ((name, shape, dtype), ...)``, the outputs this call produces
-        in the kernel's order and layout. Such outputs have no layout: fold plans name their axes, and a layout
-        view cannot reorder them.
+        in the kernel's order and layout. Such outputs have no layout: fold plans give their axes as ints.
       prepare: the hook for argument preparation: ``prepare(function, operands, params) -> (operands, params)``,
         applied to every call (public, from a layer-2 op or a VJP rule) before validation, with operands by name
         (``None`` when absent) and normalized params: defaults that depend on the operands, workspaces, marking
         the operands of a collective as varying over its mesh axes.
       keywords: ``{keyword: param name}`` for params that the public function also takes under the kernel's own
-        keyword where the spec stores them under another name (``layout`` is the layout-view key).
+        keyword where the spec stores them under another name.
       reference: ``reference(**operands, **params) -> tuple`` in JAX, following the kernel's numerics.
-      view_aware_reference: the reference also accepts ``view={name: permutation}`` (see ``views``) and then
-        computes directly on operands given in that order, returning outputs in their viewed order.
       resolve_params: ``resolve_params(params) -> params`` applied when a call's params are normalised, for values
         that resolve from the environment at trace time (``dtype_mode=AUTO``): the resolved value is then part of
         the params, so abstract evaluation, lowering and the jit caches agree on it.
@@ -300,7 +318,6 @@ class KernelSpec:
     output_avals: OutputAvals | None = None
     prepare: Prepare | None = None
     keywords: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    view_aware_reference: bool = False
     reference_takes_lnc: bool = False
     resolve_params: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     check: Callable[[CallInfo], None] | None = None

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import compat, config, views
+from . import compat, config
 from .layout import LayoutMismatch, bind_layouts
 from .spec import FOLLOW_LNC, CallInfo, KernelSpec, switch_key
 
@@ -71,8 +71,7 @@ def check_derived(spec: KernelSpec, call: CallInfo, derived: Mapping[str, Any]) 
 
 def normalize_params(spec: KernelSpec, raw: Mapping[str, Any]) -> dict[str, Any]:
     """Fill defaults (a required param left out is a ``TypeError``), check types, resolve LNC-following flags, add
-    the LNC degree as ``lnc``, the Neuron platform target as ``target`` and the kernel-layout view ``layout=()``
-    (see :mod:`views`)."""
+    the LNC degree as ``lnc`` and the Neuron platform target as ``target``."""
     lnc = config.current_lnc()
     params: dict[str, Any] = {}
     for param in spec.params:
@@ -86,20 +85,12 @@ def normalize_params(spec: KernelSpec, raw: Mapping[str, Any]) -> dict[str, Any]
             params[param.name] = param.normalize(value, spec.public_name)
     params["lnc"] = lnc
     params["target"] = config.current_target()
-    params["layout"] = ()
     return spec.resolve_params(params) if spec.resolve_params is not None else params
 
 
 def check_call(spec: KernelSpec, avals: Mapping[str, Any], params: Mapping[str, Any]) -> CallInfo:
-    """Validate dtypes, layouts and the spec's semantic checks; return the bound :class:`CallInfo`.
-
-    ``avals`` may be given through the layout view in ``params["layout"]``; the returned call describes the
-    kernel layout.
-    """
+    """Validate dtypes, layouts and the spec's semantic checks; return the bound :class:`CallInfo`."""
     function = spec.public_name
-    view = params.get("layout", ())
-    avals = {name: None if aval is None else views.kernel_aval(aval, views.permutation_of(view, name))
-             for name, aval in avals.items()}
     present = [(operand, avals[operand.name]) for operand in spec.operands if avals.get(operand.name) is not None]
     for operand, aval in present:
         dtype = np.dtype(aval.dtype)
@@ -154,9 +145,8 @@ def operand_layout(spec: KernelSpec, name: str, call: CallInfo):
 
 
 def output_avals(spec: KernelSpec, call: CallInfo) -> list:
-    """The present outputs' abstract values, in the call's layout view."""
-    view = call.params.get("layout", ())
-    return [views.given_aval(aval, views.permutation_of(view, name)) for name, aval in kernel_outputs(spec, call)]
+    """The present outputs' abstract values."""
+    return [aval for _, aval in kernel_outputs(spec, call)]
 
 
 # ---- static values of idiomatic ops

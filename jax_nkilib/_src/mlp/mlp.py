@@ -371,7 +371,7 @@ MLP_SPEC = KernelSpec(
     neuron_limits=_neuron_limits,
     # Rows are independent, but folding a vmapped axis into B changes B*S and may switch TKG -> CTE (different
     # numerics): fold only calls that already run CTE; TKG calls run per element under lax.map.
-    fold_plans=(FoldPlan({"hidden_tensor": 0, "fused_add_tensor": 0}, outputs={"out": 0, "add_out": 0},
+    fold_plans=(FoldPlan({"hidden_tensor": "B", "fused_add_tensor": "B"}, outputs={"out": 0, "add_out": 0},
                          when=lambda call: not _tkg(call)),),
     mac_count=_mac_count,
     family="mlp",

@@ -1,7 +1,7 @@
 """The Neuron lowering rule: one ``AwsNeuronCustomNativeKernel`` custom call per kernel call.
 
-A call made through a layout view is first transposed to the kernel layout. A call that exceeds a kernel limit
-which splitting fixes becomes several kernel calls over slices (see :mod:`planning`). When a limit is not met
+A call that exceeds a kernel limit which splitting fixes becomes several kernel calls over slices (see
+:mod:`planning`). When a limit is not met
 otherwise (head size, dtype, LNC divisibility, ...) the policy decides: ``"fallback"`` lowers the JAX reference
 instead and warns once per call site naming the limit; ``"error"`` raises :class:`NeuronUnsupportedError`.
 """
@@ -16,9 +16,9 @@ from collections.abc import Callable
 from jax import export, lax
 from jax.interpreters import mlir
 
-from ..framework import compat, config, views
+from ..framework import compat, config
 from ..framework.spec import CallInfo, KernelSpec
-from ..framework.validation import check_call, output_avals, output_names
+from ..framework.validation import check_call, output_avals
 from .compiled import CompiledKernel, NeuronOutputMismatchError, mismatched_outputs
 from .compilers import active_compiler
 from .planning import NeuronPlan, operand_axes, output_axes, piece_call, plan_neuron_call
@@ -57,18 +57,6 @@ def _split_lowering(spec: KernelSpec, primitive, plan: NeuronPlan, call: CallInf
         return [lax.concatenate([outs[i] for outs in pieces], axis) for i, axis in enumerate(out_axes)]
 
     return split
-
-
-def _through_kernel_layout(spec: KernelSpec, primitive, call: CallInfo, present, params):
-    view = params["layout"]
-    produced = output_names(spec, call)
-
-    def through(*values):
-        in_kernel_layout = [views.to_kernel(v, views.permutation_of(view, n)) for n, v in zip(present, values)]
-        outs = primitive.bind(*in_kernel_layout, present=present, **dict(params, layout=()))
-        return [views.to_given(out, views.permutation_of(view, name)) for out, name in zip(outs, produced)]
-
-    return through
 
 
 def _warn_once(spec: KernelSpec, site: str, unmet: list[str]) -> None:
@@ -125,9 +113,6 @@ def neuron_lowering_rule(spec: KernelSpec, reference_rule: Callable) -> Callable
     def rule(ctx, *operands, present, **params):
         avals = {name: aval for name, aval in zip(present, ctx.avals_in)}
         call = check_call(spec, avals, params)
-        if params["layout"]:  # a layout view: transpose to the kernel layout around a kernel-layout call
-            through = _through_kernel_layout(spec, ctx.primitive, call, present, params)
-            return mlir.lower_fun(through, multiple_results=True)(ctx, *operands)
         plan = plan_neuron_call(spec, call)
         if plan.kind == "split":
             split = _split_lowering(spec, ctx.primitive, plan, call, present, params)

@@ -149,18 +149,16 @@ def reference_layernorm_tkg(input, gamma, beta=None, *, eps=1e-6, shard_on_h=Fal
 
 
 # ------------------------------------------------------------------------------------------------------ VJPs
-def _cotangent_rows(kernel, params, g, n, hidden_dim_tp=False):
-    (g,) = kernel.to_kernel_layout({"out": g}, params).values()
+def _cotangent_rows(g, n, hidden_dim_tp=False):
     return from_kernel_order(g, n, hidden_dim_tp).astype(accumulation_dtype(g.dtype))
 
 
 def _rmsnorm_tkg_vjp(kernel, operands, params, outs, cotangents):
     """``y = x g r``, ``r = (sum(x^2)/Ha + eps)^-1/2``: ``dx = r (dy g) - x r^3 sum(dy g x) / Ha``,
     ``dgamma = sum_rows(dy x r)``."""
-    ops = kernel.to_kernel_layout(operands, params)
-    x, gamma = ops["input"], ops["gamma"]
+    x, gamma = operands["input"], operands["gamma"]
     n = params["lnc"] if not (params["hidden_dim_tp"] or params["single_core_forced"]) else 1
-    dy = _cotangent_rows(kernel, params, cotangents[0], n, params["hidden_dim_tp"])
+    dy = _cotangent_rows(cotangents[0], n, params["hidden_dim_tp"])
     wide = accumulation_dtype(x.dtype)
     xw, gw = _rows(x).astype(wide), gamma.reshape(1, -1).astype(wide)
     hidden_actual = params["hidden_actual"] or x.shape[-1]
@@ -168,16 +166,14 @@ def _rmsnorm_tkg_vjp(kernel, operands, params, outs, cotangents):
     dyg = dy * gw
     dx = r * dyg - xw * (r ** 3) * jnp.sum(dyg * xw, axis=-1, keepdims=True) / hidden_actual
     dgamma = jnp.sum(dy * xw * r, axis=0, keepdims=True)
-    grads = kernel.from_kernel_layout({"input": dx.reshape(x.shape), "gamma": dgamma}, params)
-    return grads
+    return {"input": dx.reshape(x.shape), "gamma": dgamma}
 
 
 def _layernorm_tkg_vjp(kernel, operands, params, outs, cotangents):
     """``xhat = (x - mu) r``: ``dx = r (dxhat - mean(dxhat) - xhat mean(dxhat xhat))`` with ``dxhat = dy gamma``;
     ``dgamma = sum_rows(dy xhat)``, ``dbeta = sum_rows(dy)``."""
-    ops = kernel.to_kernel_layout(operands, params)
-    x, gamma, beta = ops["input"], ops["gamma"], ops["beta"]
-    dy = _cotangent_rows(kernel, params, cotangents[0], params["lnc"])
+    x, gamma, beta = operands["input"], operands["gamma"], operands["beta"]
+    dy = _cotangent_rows(cotangents[0], params["lnc"])
     wide = accumulation_dtype(x.dtype)
     xw = _rows(x).astype(wide)
     mean, r = layer_statistics(xw, params["eps"])
@@ -185,9 +181,8 @@ def _layernorm_tkg_vjp(kernel, operands, params, outs, cotangents):
     dxhat = dy * gamma.reshape(1, -1).astype(wide)
     dx = r * (dxhat - jnp.mean(dxhat, axis=-1, keepdims=True)
               - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True))
-    grads = {"input": dx.reshape(x.shape), "gamma": jnp.sum(dy * xhat, axis=0, keepdims=True),
-             "beta": None if beta is None else jnp.sum(dy, axis=0, keepdims=True)}
-    return kernel.from_kernel_layout(grads, params)
+    return {"input": dx.reshape(x.shape), "gamma": jnp.sum(dy * xhat, axis=0, keepdims=True),
+            "beta": None if beta is None else jnp.sum(dy, axis=0, keepdims=True)}
 
 
 # ----------------------------------------------------------------------------------------------------- specs
@@ -253,7 +248,7 @@ def _outputs(call: CallInfo):
     dims = call.dims
     return [("out", (128, dims["B"] * dims["S"], dims["H"] // 128), call.avals["input"].dtype)]
 
-_FOLD = (FoldPlan({"input": 0, "gamma": None, "beta": None}, outputs={"out": 1}),)
+_FOLD = (FoldPlan({"input": "B", "gamma": None, "beta": None}, outputs={"out": 1}),)
 
 
 def _elements(call: CallInfo) -> int:

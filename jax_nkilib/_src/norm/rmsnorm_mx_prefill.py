@@ -47,7 +47,7 @@ import numpy as np
 
 from ..framework.common_types import RouterActFnType
 from ..framework.primitive import make_kernel, pull_back
-from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param, enum_member
 from . import rmsnorm_mx_prefill_reference as math
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -61,7 +61,7 @@ def swizzle_router_weights(weights, router_act_fn=RouterActFnType.SIGMOID):
     weights = jnp.asarray(weights)
     if weights.ndim != 2 or weights.shape[0] % math.H_BLOCK:
         raise ValueError(f"swizzle_router_weights: expected [H, E] weights with H % 512 == 0; got {weights.shape}")
-    noaux = RouterActFnType[router_act_fn] if isinstance(router_act_fn, str) else router_act_fn
+    noaux = enum_member(RouterActFnType, router_act_fn, "swizzle_router_weights: `router_act_fn`")
     return jnp.take(weights, math.router_h_index(weights.shape[0], noaux == RouterActFnType.NOAUX_TC), axis=0)
 
 
@@ -242,10 +242,10 @@ RMSNORM_MX_PREFILL_SPEC = KernelSpec(
     reference=reference_rmsnorm_mx_prefill,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"hidden_states": 0, "residual": 0, "gamma": None, "router_weights": None,
+    fold_plans=(FoldPlan({"hidden_states": "B", "residual": "B", "gamma": None, "router_weights": None,
                           "router_bias": None},
-                         outputs={"norm_quant_packed": 0, "expert_index": 0, "expert_affinities": 0,
-                                  "output_residual": 0, "norm_bf16": 0}),),
+                         outputs={"norm_quant_packed": 0, "expert_index": "B*S", "expert_affinities": "B*S",
+                                  "output_residual": "B*S", "norm_bf16": "B*S"}),),
     mac_count=lambda call: call.dims["B"] * call.dims["S"] * call.dims["H"] * (4 + call.dims.get("E", 0)),
     nondifferentiable_outputs=("norm_quant_packed", "expert_index", "expert_affinities"),
     family="norm",

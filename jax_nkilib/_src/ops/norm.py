@@ -4,9 +4,8 @@
 Each normalizes or quantizes over the last axis of ``x [..., H]``. On Neuron ``rms_norm``/``layer_norm`` are the
 ``rmsnorm_tkg``/``layernorm_tkg`` kernels and ``quantize_fp8`` (E4M3 formats) is ``rmsnorm_quant_kernel`` with
 ``norm_type=NO_NORM``; elsewhere the kernels' JAX references run. Layout glue: the tokens become the kernels' ``B*S``
-axis; the norm kernels' output ``[128, B*S, H/128]`` is swapped to ``[B*S, 128, H/128]`` (one transpose), which
-is ``[..., H]`` by a reshape at LNC=1; at LNC=2 the two ``H`` halves are additionally regrouped by an explicit
-transpose. Token counts past the TKG kernels' SBUF capacity
+axis; the norm kernels' output ``[128, B*S, H/128]`` becomes ``[..., H]`` by a transpose and a reshape (at
+LNC=2 the two ``H`` halves are additionally regrouped). Token counts past the TKG kernels' SBUF capacity
 become several kernel calls over equal token slices.
 """
 
@@ -23,7 +22,7 @@ from ..framework.common_types import DtypeMode, NormType, QuantizationType
 from ..framework.hardware import PARTITIONS
 from ..framework.spec import FP8_DTYPES, accumulation_dtype
 from ..framework.validation import check_positive_finite, static_float
-from ..norm.norm_tkg import layernorm_rows, layernorm_tkg, rmsnorm_tkg, rows_from_tiles
+from ..norm.norm_tkg import from_kernel_order, layernorm_rows, layernorm_tkg, rmsnorm_tkg
 from ..norm.rmsnorm_quant import compute_dtype, rmsnorm_quant_kernel, row_quantize, static_quantize
 from ..quant.fp8 import SCALE_BYTES, fp8_max, saturate, scale_from_bytes
 from ..sharding import auto
@@ -54,8 +53,8 @@ def _norm_call(kernel, x, vectors, params):
     tokens = math.prod(x.shape[:-1])
     operands = {"input": x.reshape(tokens, 1, hidden), **{k: None if v is None else v.reshape(1, hidden)
                                                            for k, v in vectors.items()}}
-    (out,) = kernel.call(operands, params)  # [128, tokens, H/128]
-    return rows_from_tiles(jnp.swapaxes(out, 0, 1), params["lnc"]).reshape(x.shape)
+    (tiles,) = kernel.call(operands, params)  # [128, tokens, H/128]
+    return from_kernel_order(tiles, params["lnc"]).reshape(x.shape)
 
 
 RMS_NORM_SHARDING = auto.register_rule(auto.ShardingRule("jax_nkilib.rms_norm", free=auto.LEADING))

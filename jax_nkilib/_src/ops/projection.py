@@ -18,8 +18,6 @@ from ..projection.qkv_reference import kv_bounds, quantize_kv, uses_tkg, write_c
 from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from ..sharding import auto
 
-_ATTENTION_VIEW = {"attention": "B, S, N, D"}
-
 
 def _array(where: str, name: str, value, layout: str, rank: int | None = None, activation: bool = False):
     """A float array (``activation``: in a dtype the kernels compute in, not FP8) of rank ``rank``."""
@@ -108,14 +106,14 @@ def output_projection(attn, w, bias=None):
     weight = fp8_data(w) if quant != QuantizationType.NONE else w.astype(attn.dtype)
     w_scale = None if quant == QuantizationType.NONE else scale_tile(w)
     in_scale = input_scale_tile(w) if quant == QuantizationType.STATIC else None
-    operands = {"attention": attn, "weight": weight, "bias": _row(where, "bias", bias, hidden, attn.dtype)}
-    if tkg:
+    operands = {"weight": weight, "bias": _row(where, "bias", bias, hidden, attn.dtype)}
+    if tkg:  # attention [head_dim, batch, heads, seq]
         kernel = output_projection_tkg
-        operands.update(weight_scale=w_scale, input_scale=in_scale)
-    else:
+        operands.update(attention=jnp.transpose(attn, (3, 0, 2, 1)), weight_scale=w_scale, input_scale=in_scale)
+    else:  # attention [batch, heads, head_dim, seq]
         kernel = output_projection_cte
-        operands.update(input_scales=in_scale, weight_scales=w_scale)
-    (out,) = kernel.call(operands, kernel.params(quantization_type=quant), view=_ATTENTION_VIEW)
+        operands.update(attention=jnp.transpose(attn, (0, 2, 3, 1)), input_scales=in_scale, weight_scales=w_scale)
+    (out,) = kernel.call(operands, kernel.params(quantization_type=quant))
     return out.reshape(batch, seq, hidden)
 
 

@@ -24,7 +24,7 @@ consecutive elements (one transpose), the other axes are the kernel's ``F``, and
 transposes and a slice of the scale rows; otherwise the same math runs in JAX. ``dequantize_mx`` is JAX math.
 
 ``mxfp8_matmul(x [..., K], w [K, N])`` is ``matmul_mxfp8`` (raw operands, wrapX blocks along K; ``w`` reaches the
-kernel as ``[N, K]`` through a layout view). Reverse mode is ``matmul_mxfp8_backward``: the quantization is passed
+kernel transposed, as ``[N, K]``). Reverse mode is ``matmul_mxfp8_backward``: the quantization is passed
 straight through (``dx = dy w^T``, ``dw = x^T dy``) and each of those products is itself an MXFP8 matmul quantizing
 ``dy`` and ``w`` along N, ``dy`` and ``x`` along the tokens. The output dtype is ``x``'s and ``w``'s common dtype.
 """
@@ -46,7 +46,6 @@ from ..quant.quantize_block_mxfp8 import FP8_NAMES, quantize_block_mxfp8_kernel,
 from ..sharding import auto
 
 KERNEL_TILE = 512  # the quantize kernel's K tile: 16 blocks of 8 rows x 4 lanes
-_MX_MATMUL_VIEW = {"rhs": "K, N"}
 
 
 def _fp8_name(where: str, name: str, dtype) -> str:
@@ -187,6 +186,6 @@ def mxfp8_matmul(x, w, *, float8_dtype=jnp.float8_e4m3fn):
     params = matmul_mxfp8.params(lhs_is_swizzled=False, rhs_is_swizzled=False, float8_dtype=name,
                                  output_dtype=dtype)
     rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    (out,) = matmul_mxfp8.call({"lhs": rows.astype(dtype), "rhs": w.astype(dtype), "lhs_scales": None,
-                                "rhs_scales": None}, params, view=_MX_MATMUL_VIEW)
+    (out,) = matmul_mxfp8.call({"lhs": rows.astype(dtype), "rhs": w.T.astype(dtype), "lhs_scales": None,
+                                "rhs_scales": None}, params)
     return out.reshape(*x.shape[:-1], w.shape[1])

@@ -54,9 +54,8 @@ def rope(x, cos, sin, *, interleaved: bool = False):
     ``sin``; the output has ``x``'s shape and dtype (a batched table must broadcast to ``x``'s leading axes without
     adding any); an empty ``x`` is returned as it is, without a kernel call.
 
-    It is the NKI ``RoPE`` kernel called through a layout view: on CPU/GPU the reference runs in ``x``'s own
-    layout; on Neuron the kernel gets ``[head_dim, batch, heads, seq]`` by one transpose each way (and the tables,
-    broadcast over the batch, by one transpose each).
+    It is the NKI ``RoPE`` kernel, which gets ``x`` as ``[head_dim, batch, heads, seq]`` by one transpose each way
+    (and the tables, broadcast over the batch, by one transpose each).
     """
     _rope_argument_errors(x, cos, sin)
     interleaved = static_bool("jax_nkilib.rope", "interleaved", interleaved)
@@ -79,10 +78,7 @@ def rope(x, cos, sin, *, interleaved: bool = False):
     else:
         cos, sin = (jnp.broadcast_to(t, (*lead, seq, head_dim // 2)).reshape(table_shape) for t in (cos, sin))
     params = RoPE.params(contiguous_layout=not interleaved)
-    (out,) = RoPE.call({"x_in": x.reshape(batch, seq, heads, head_dim), "cos": cos, "sin": sin}, params,
-                       view=_ROPE_VIEW)
-    return out.reshape(x.shape)
-
-
-_ROPE_VIEW = {"x_in": "B, S, n_heads, d_head", "x_out": "B, S, n_heads, d_head", "cos": "B, S, d_head/2",
-              "sin": "B, S, d_head/2"}
+    x_in = jnp.transpose(x.reshape(batch, seq, heads, head_dim), (3, 0, 2, 1))  # [d_head, B, n_heads, S]
+    cos, sin = (jnp.transpose(table, (2, 0, 1)) for table in (cos, sin))  # [d_head/2, B, S]
+    (out,) = RoPE.call({"x_in": x_in, "cos": cos, "sin": sin}, params)
+    return jnp.transpose(out, (1, 3, 2, 0)).reshape(x.shape)

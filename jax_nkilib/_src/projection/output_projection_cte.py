@@ -31,18 +31,15 @@ from .output_projection_reference import MX_WORDS, check_formats, project, proje
 
 CTE_FP8 = jnp.dtype(jnp.float8_e4m3)  # the kernel quantizes the attention to float8_e4m3 ...
 CTE_FP8_BOUND = 240.0  # ... clamped at 240, whatever the weights' FP8 format
-_KERNEL_LETTERS = "bnds"  # attention's kernel layout [B, N, D, S]
 
 
 def reference_output_projection_cte(attention, weight, bias=None, input_scales=None, weight_scales=None, *,
-                                    quantization_type=QuantizationType.NONE, output_dtype=None, view=None):
-    """JAX reference; with ``view`` the attention may come in another axis order (no transpose is made)."""
-    perm = (view or {}).get("attention", (0, 1, 2, 3))
-    given = "".join(_KERNEL_LETTERS[axis] for axis in perm)
-    n, d = (attention.shape[perm.index(axis)] for axis in (1, 2))
+                                    quantization_type=QuantizationType.NONE, output_dtype=None):
+    """JAX reference on the attention's kernel layout ``[B, N, D, S]``."""
+    _, n, d, _ = attention.shape
     if quantization_type == QuantizationType.MX:
-        return (project_mx(attention, f"{given}->bsnd", weight, weight_scales, bias),)
-    out = project(attention, f"{given},ndh->bsh", weight.reshape(n, d, weight.shape[1]), bias,
+        return (project_mx(attention, "bnds->bsnd", weight, weight_scales, bias),)
+    out = project(attention, "bnds,ndh->bsh", weight.reshape(n, d, weight.shape[1]), bias,
                   quantization_type=quantization_type, input_scale=input_scales, weight_scale=weight_scales,
                   fp8_dtype=CTE_FP8, bound=CTE_FP8_BOUND)
     return (out if output_dtype is None else out.astype(output_dtype),)
@@ -147,11 +144,10 @@ OUTPUT_PROJECTION_CTE_SPEC = KernelSpec(
     outputs=(),
     output_avals=_outputs,
     reference=reference_output_projection_cte,
-    view_aware_reference=True,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"attention": 0, "weight": None, "bias": None, "input_scales": None,
-                          "weight_scales": None}, outputs={"out": 0}),),
+    fold_plans=(FoldPlan({"attention": "B", "weight": None, "bias": None, "input_scales": None,
+                          "weight_scales": None}, outputs={"out": "B"}),),
     neuron_split_dims=("B", "S"),
     mac_count=lambda call: call.dims["B"] * call.dims["S"] * call.dims["N"] * call.dims["D"] * call.dims["H"],
     family="projection",

@@ -24,8 +24,6 @@ from ..quant.fp8 import FP8_WEIGHT_DTYPES, fp8_max
 from .matmul_numerics import differentiable_vjp
 from .output_projection_reference import check_formats, project, require_scales
 
-_KERNEL_LETTERS = "dbns"  # attention's kernel layout [D, B, N, S]
-
 
 def transposed_out(out, lnc: int):
     """``[B * S, H]`` -> the ``TRANSPOSE_OUT`` layout ``[128, LNC, H / LNC / 128, B * S]``."""
@@ -35,13 +33,11 @@ def transposed_out(out, lnc: int):
 
 def reference_output_projection_tkg(attention, weight, bias=None, weight_scale=None, input_scale=None, *,
                                     quantization_type=QuantizationType.NONE, TRANSPOSE_OUT=False, OUT_IN_SB=False,
-                                    lnc=1, view=None):
-    """JAX reference; with ``view`` the attention may come in another axis order (no transpose is made)."""
+                                    lnc=1):
+    """JAX reference on the attention's kernel layout ``[D, B, N, S]``."""
     del OUT_IN_SB
-    perm = (view or {}).get("attention", (0, 1, 2, 3))
-    given = "".join(_KERNEL_LETTERS[axis] for axis in perm)
-    n, d = (attention.shape[perm.index(axis)] for axis in (2, 0))
-    out = project(attention, f"{given},ndh->bsh", weight.reshape(n, d, weight.shape[1]), bias,
+    d, _, n, _ = attention.shape
+    out = project(attention, "dbns,ndh->bsh", weight.reshape(n, d, weight.shape[1]), bias,
                   quantization_type=quantization_type, input_scale=input_scale, weight_scale=weight_scale,
                   fp8_dtype=weight.dtype, bound=fp8_max(weight.dtype) if weight.dtype in FP8_WEIGHT_DTYPES else None,
                   round_scaled_input=True)
@@ -120,12 +116,11 @@ OUTPUT_PROJECTION_TKG_SPEC = KernelSpec(
     outputs=(),
     output_avals=_outputs,
     reference=reference_output_projection_tkg,
-    view_aware_reference=True,
     reference_takes_lnc=True,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"attention": 1, **_UNBATCHED}, outputs={"out": 0}, when=lambda c: not _transposed(c)),
-                FoldPlan({"attention": 1, **_UNBATCHED}, outputs={"out": 3}, when=_transposed)),
+    fold_plans=(FoldPlan({"attention": "B", **_UNBATCHED}, outputs={"out": 0}, when=lambda c: not _transposed(c)),
+                FoldPlan({"attention": "B", **_UNBATCHED}, outputs={"out": 3}, when=_transposed)),
     mac_count=lambda call: call.dims["B"] * call.dims["S"] * call.dims["ND"] * call.dims["H"],
     family="projection",
     catalog="1.14",

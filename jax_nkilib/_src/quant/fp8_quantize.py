@@ -51,7 +51,7 @@ import numpy as np
 
 from ..framework.hardware import PARTITIONS, SBUF_PARTITION_BYTES
 from ..framework.primitive import make_kernel, reference_vjp
-from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype, dtype_value
 from .fp8 import FP8_DTYPES, ROW_SCALE_FLOOR, fp8_max, saturate
 
 ENTRY_MODULE = "jax_nkilib_kernels.quant"
@@ -60,16 +60,17 @@ COMBINE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))  # float64 on 
 _FP8_NAMES = ", ".join(d.name for d in FP8_DTYPES)
 
 
-class Fp8Dtype(Param):
-    """A dtype param that must be one of the FP8 formats (``None`` allowed when the default is ``None``)."""
+def _fp8_dtype(value, where: str) -> np.dtype:
+    """One of the FP8 formats, as a dtype."""
+    dtype = None if value is None else dtype_value(value, where)
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"{where} must be an FP8 dtype ({_FP8_NAMES}); got {dtype}")
+    return dtype
 
-    def normalize(self, value, function):
-        if value is None and self.default is None:
-            return None
-        dtype = None if value is None else Param(self.name, self.default, "dtype").normalize(value, function)
-        if dtype not in FP8_DTYPES:
-            raise ValueError(f"{function}: parameter `{self.name}` must be an FP8 dtype ({_FP8_NAMES}); got {dtype}")
-        return dtype
+
+def _optional_fp8_dtype(value, where: str) -> np.dtype | None:
+    """``None`` or one of the FP8 formats."""
+    return None if value is None else _fp8_dtype(value, where)
 
 
 # ----------------------------------------------------------------------------------------------------- references
@@ -181,9 +182,10 @@ def _zero_cotangents(kernel, operands, params, outs, cotangents):
 
 
 # ---------------------------------------------------------------------------------------------------------- specs
-_DTYPE = Fp8Dtype("dtype", "float8_e4m3fn", "dtype", "FP8 format: its largest value M bounds the scaling")
-_OUTPUT_DTYPE = Fp8Dtype("output_dtype", None, "dtype", "rank 3: clip to +-M(output_dtype) and return FP8 "
-                         "(ignored by rank 2, as in the kernel)")
+_DTYPE = Param("dtype", "float8_e4m3fn", "dtype", "FP8 format: its largest value M bounds the scaling",
+               normalizer=_fp8_dtype)
+_OUTPUT_DTYPE = Param("output_dtype", None, "dtype", "rank 3: clip to +-M(output_dtype) and return FP8 "
+                      "(ignored by rank 2, as in the kernel)", normalizer=_optional_fp8_dtype)
 _HIDDEN_DOC = "tile to quantize (the kernel documents bfloat16)"
 _ROW_SUPPORT = {
     "idiomatic": "",
@@ -208,7 +210,7 @@ STATIC_QUANTIZATION_SPEC = KernelSpec(
                                ("input_dequant_scale_out", call.shape("P, 1"), call.avals["input_dequant_scale"].dtype)],
     reference=reference_static_quantization,
     neuron_limits=_static_limits,
-    fold_plans=(FoldPlan({"hidden_state": 0, "input_dequant_scale": 0, "quant_scale": 0},
+    fold_plans=(FoldPlan(dict.fromkeys(("hidden_state", "input_dequant_scale", "quant_scale"), "P"),
                          outputs={"quantized": 0, "input_dequant_scale_out": 0}),),
     neuron_split_dims=("P", "F"),
     mac_count=lambda call: 2 * call.dims["P"] * call.dims["F"],
@@ -232,9 +234,9 @@ ROW_QUANTIZATION_SPEC = KernelSpec(
     reference=reference_row_quantization,
     prepare=_require_rank,
     neuron_limits=_row_limits,
-    fold_plans=(FoldPlan({"hidden_state": 0}, outputs={"quantized": 0, "dequant_scale": 0},
+    fold_plans=(FoldPlan({"hidden_state": "P"}, outputs={"quantized": 0, "dequant_scale": 0},
                          when=lambda call: not _tokens(call)),
-                FoldPlan({"hidden_state": 1}, outputs={"quantized": 1, "dequant_scale": 1}, when=_tokens)),
+                FoldPlan({"hidden_state": "BxS"}, outputs={"quantized": 1, "dequant_scale": 1}, when=_tokens)),
     neuron_split_dims=("P", "BxS"),
     mac_count=lambda call: 3 * math.prod(call.avals["hidden_state"].shape),
     family="quant",
@@ -255,7 +257,7 @@ PRE_COMBINE_DEQUANT_SCALES_SPEC = KernelSpec(
     reference=reference_pre_combine_dequant_scales,
     check=_combine_check,
     neuron_limits=_combine_limits,
-    fold_plans=(FoldPlan({"input_dequant_scale": 0, "weight_dequant_scale": 0}, outputs=(0,)),),
+    fold_plans=(FoldPlan({"input_dequant_scale": "P", "weight_dequant_scale": "P"}, outputs=("P",)),),
     neuron_split_dims=("P", "F_w"),
     mac_count=lambda call: call.dims["P"] * call.dims["F_w"],
     family="quant",

@@ -51,7 +51,7 @@ from jax import lax
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, FOLLOW_LNC, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from . import mx
-from .quantize_block_mxfp8 import FP8_NAMES, MIN_K, SCALE_DTYPES, DtypeOr, Float8Name, scale_bytes
+from .quantize_block_mxfp8 import FP8_NAMES, MIN_K, SCALE_DTYPES, dtype_or_bfloat16, float8_name, scale_bytes
 
 SCHEMES = ("wrapX", "1x32")
 TILE_LOOP_ORDERS = ("mnk", "nmk", "mkn")
@@ -116,31 +116,25 @@ def logical_operand(value, scales, swizzled: bool, scheme: str):
 
 
 # ------------------------------------------------------------------------------------------------- parameters
-class TileShape(Param):
+def tile_shape(value, where: str):
     """``None`` or a ``(tile_k, tile_other)`` pair of positive ints (the kernel's logical matmul tile)."""
-
-    def normalize(self, value, function):
-        if value is None:
-            return None
-        if (isinstance(value, (tuple, list)) and len(value) == 2
-                and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in value)):
-            return tuple(int(v) for v in value)
-        raise TypeError(f"{function}: parameter `{self.name}` must be None or a (tile_k, tile) pair of positive ints; "
-                        f"got {value!r}")
+    if value is None:
+        return None
+    if (isinstance(value, (tuple, list)) and len(value) == 2
+            and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in value)):
+        return tuple(int(v) for v in value)
+    raise TypeError(f"{where} must be None or a (tile_k, tile) pair of positive ints; got {value!r}")
 
 
-class TileConfig(Param):
+def tile_config(value, where: str):
     """``None`` or a mapping of ``MatmulMxfp8KernelConfig`` tiling fields to positive ints (normalized to sorted
     ``(field, value)`` pairs, hashable)."""
-
-    def normalize(self, value, function):
-        if value is None:
-            return None
-        if not isinstance(value, Mapping) or not set(value) <= set(TILE_FIELDS) or not all(
-                isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in value.values()):
-            raise TypeError(f"{function}: parameter `{self.name}` must be None or a mapping of {TILE_FIELDS} to "
-                            f"positive ints; got {value!r}")
-        return tuple(sorted((key, int(v)) for key, v in value.items()))
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not set(value) <= set(TILE_FIELDS) or not all(
+            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in value.values()):
+        raise TypeError(f"{where} must be None or a mapping of {TILE_FIELDS} to positive ints; got {value!r}")
+    return tuple(sorted((key, int(v)) for key, v in value.items()))
 
 
 def _check_tiling(function: str, fields: Mapping[str, int | None], where: str = "") -> None:
@@ -252,8 +246,7 @@ def _matmul_neuron_limits(call: CallInfo) -> list[str]:
 
 def _straight_through_vjp(kernel, operands, params, outs, cotangents):
     """dlhs, drhs by ``matmul_mxfp8_backward`` on the raw (or dequantized) operands in K order (see the module doc)."""
-    ops = kernel.to_kernel_layout(operands, params)
-    (g,) = kernel.to_kernel_layout({"out": cotangents[0]}, params).values()
+    ops, (g,) = operands, cotangents
     scheme = params["quant_scheme"]
     values = {side: logical_operand(ops[side], ops[f"{side}_scales"], params[f"{side}_is_swizzled"], scheme)
               for side in _SIDES}
@@ -270,7 +263,7 @@ def _straight_through_vjp(kernel, operands, params, outs, cotangents):
         if side in raw:
             grad = swizzle(grad, scheme) if params[f"{side}_is_swizzled"] else grad
             grads[side] = grad
-    return kernel.from_kernel_layout(grads, params)
+    return grads
 
 
 _SWIZZLE_FLAGS = ("lhs_is_swizzled", "rhs_is_swizzled")
@@ -309,13 +302,15 @@ MATMUL_MXFP8_SPEC = KernelSpec(
         Param("TILES_IN_BLOCK_K", None, int, "matmul tiles per block along K (performance only)"),
         Param("TILES_IN_LOAD_M", None, int, "tiles per DMA along M; divides TILES_IN_BLOCK_M"),
         Param("TILES_IN_LOAD_N", None, int, "tiles per DMA along N; divides TILES_IN_BLOCK_N"),
-        TileShape("lhs_matmul_tile_shape_logical", None,
-                  doc="(tile_k, tile_m): tile_k % 128, <= 512; tile_m % 32, <= 128"),
-        TileShape("rhs_matmul_tile_shape_logical", None, doc="(tile_k, tile_n): tile_n % 32, <= 8192"),
+        Param("lhs_matmul_tile_shape_logical", None, doc="(tile_k, tile_m): tile_k % 128, <= 512; tile_m % 32, <= 128",
+              normalizer=tile_shape),
+        Param("rhs_matmul_tile_shape_logical", None, doc="(tile_k, tile_n): tile_n % 32, <= 8192",
+              normalizer=tile_shape),
         Param("block_loop_order", "mnk", ("mnk",), "block loop order (the kernel implements 'mnk' only)"),
         Param("tile_loop_order", "mnk", TILE_LOOP_ORDERS, "tile loop order within a block"),
-        Float8Name("float8_dtype", "float8_e5m2", doc="element format of the quantized operands"),
-        DtypeOr("output_dtype", None, "dtype", "output dtype (None: bfloat16, the kernel's default)"),
+        Param("float8_dtype", "float8_e5m2", doc="element format of the quantized operands", normalizer=float8_name),
+        Param("output_dtype", None, "dtype", "output dtype (None: bfloat16, the kernel's default)",
+              normalizer=dtype_or_bfloat16),
         Param("run_with_lnc2", FOLLOW_LNC, bool, "split over two logical cores (default: LNC degree > 1)"),
         Param("lnc_2_shard_rhs", None, bool, "with LNC2 split N (True) or M (False); None: the larger"),
         Param("use_scale_packing", False, bool, "pre-quantized scales are packed [ceil(K/2048)*128, F]"),
@@ -331,10 +326,11 @@ MATMUL_MXFP8_SPEC = KernelSpec(
     check=_check_matmul,
     neuron_limits=_matmul_neuron_limits,
     fold_plans=(
-        FoldPlan({"lhs": 0}, outputs={"out": 0}, when=_swizzled("lhs", False)),  # rows of a raw lhs are independent
-        FoldPlan({"lhs": 1, "lhs_scales": 1}, outputs={"out": 0}, when=_swizzled("lhs", True)),  # M is in 4M (major)
-        FoldPlan({"rhs": 0}, outputs={"out": 1}, when=_swizzled("rhs", False)),
-        FoldPlan({"rhs": 1, "rhs_scales": 1}, outputs={"out": 1}, when=_swizzled("rhs", True)),
+        FoldPlan({"lhs": "M"}, outputs={"out": 0}, when=_swizzled("lhs", False)),  # rows of a raw lhs are independent
+        FoldPlan({"lhs": "M4", "lhs_scales": "lhs_scols"}, outputs={"out": 0},  # M is in 4M (major)
+                 when=_swizzled("lhs", True)),
+        FoldPlan({"rhs": "N"}, outputs={"out": 1}, when=_swizzled("rhs", False)),
+        FoldPlan({"rhs": "N4", "rhs_scales": "rhs_scols"}, outputs={"out": 1}, when=_swizzled("rhs", True)),
     ),
     mac_count=_matmul_mac_count,
     family="quant",
@@ -397,11 +393,14 @@ MATMUL_MXFP8_BACKWARD_SPEC = KernelSpec(
         Operand.of("input_activation", "M, K", doc="X"),
     ),
     params=(
-        TileConfig("input_grad_config", None, doc="tiling fields of the dX matmul (performance only)"),
-        TileConfig("weight_grad_config", None, doc="tiling fields of the dW matmul (performance only)"),
+        Param("input_grad_config", None, doc="tiling fields of the dX matmul (performance only)",
+              normalizer=tile_config),
+        Param("weight_grad_config", None, doc="tiling fields of the dW matmul (performance only)",
+              normalizer=tile_config),
         Param("tile_loop_order", "mnk", TILE_LOOP_ORDERS, "tile loop order within a block"),
-        Float8Name("float8_dtype", "float8_e5m2", doc="element format of the quantized operands"),
-        DtypeOr("output_dtype", None, "dtype", "dtype of dX and dW (None: bfloat16, the kernel's default)"),
+        Param("float8_dtype", "float8_e5m2", doc="element format of the quantized operands", normalizer=float8_name),
+        Param("output_dtype", None, "dtype", "dtype of dX and dW (None: bfloat16, the kernel's default)",
+              normalizer=dtype_or_bfloat16),
         Param("run_with_lnc2", FOLLOW_LNC, bool, "split over two logical cores (default: LNC degree > 1)"),
         Param("lnc_2_shard_rhs", True, bool, "with LNC2 split the rhs free dimension (K)"),
         Param("use_scale_packing", False, bool, "packed scales (pre-quantized operands; not bound)"),
@@ -416,7 +415,8 @@ MATMUL_MXFP8_BACKWARD_SPEC = KernelSpec(
     reference=reference_matmul_mxfp8_backward,
     check=_check_backward,
     neuron_limits=_backward_neuron_limits,
-    fold_plans=(FoldPlan({"output_grad": None, "weights": 1, "input_activation": 1},  # K is free
+    # K is free in both outputs: a vmapped axis folds into it
+    fold_plans=(FoldPlan({"output_grad": None, "weights": "K", "input_activation": "K"},
                          outputs={"input_grad": 1, "weight_grad": 1}),),
     mac_count=lambda call: 2 * call.dims["M"] * call.dims["N"] * call.dims["K"],
     family="quant",

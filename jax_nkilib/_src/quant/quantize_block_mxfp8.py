@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 
 from ..framework.primitive import make_kernel
-from ..framework.spec import FLOAT_DTYPES, FOLLOW_LNC, CallInfo, FoldPlan, KernelSpec, Operand, Param
+from ..framework.spec import FLOAT_DTYPES, FOLLOW_LNC, CallInfo, FoldPlan, KernelSpec, Operand, Param, dtype_value
 from . import mx
 
 FP8_NAMES = {"float8_e4m3fn": jnp.dtype(jnp.float8_e4m3fn), "float8_e5m2": jnp.dtype(jnp.float8_e5m2)}
@@ -47,30 +47,21 @@ MIN_F = 8
 MIN_F_LNC2 = 512
 
 
-class Float8Name(Param):
-    """A float8 format given as the kernels' string (``"float8_e4m3fn"``, ``"float8_e5m2"``) or as a dtype;
-    normalized to the string the kernel takes."""
-
-    def normalize(self, value, function):
-        if value is None and self.default is None:
-            return None
-        try:
-            name = np.dtype(value).name
-        except TypeError:
-            name = None
-        if name not in FP8_NAMES:
-            raise ValueError(f"{function}: parameter `{self.name}` must be one of {tuple(FP8_NAMES)} (or that "
-                             f"jnp dtype); got {value!r}")
-        return name
+def float8_name(value, where: str) -> str:
+    """A float8 format given as the kernels' string (``"float8_e4m3fn"``, ``"float8_e5m2"``) or as a dtype,
+    as the string the kernel takes."""
+    try:
+        name = np.dtype(value).name
+    except TypeError:
+        name = None
+    if name not in FP8_NAMES:
+        raise ValueError(f"{where} must be one of {tuple(FP8_NAMES)} (or that jnp dtype); got {value!r}")
+    return name
 
 
-class DtypeOr(Param):
-    """A dtype param whose ``None`` default means ``fallback`` (the kernel's ``nl.*`` default)."""
-
-    fallback = jnp.bfloat16
-
-    def normalize(self, value, function):
-        return np.dtype(self.fallback) if value is None else super().normalize(value, function)
+def dtype_or_bfloat16(value, where: str) -> np.dtype:
+    """A dtype, where ``None`` (the default) means bfloat16, the kernel's ``nl.bfloat16`` default."""
+    return np.dtype(jnp.bfloat16) if value is None else dtype_value(value, where)
 
 
 def scale_bytes(scales):
@@ -134,7 +125,8 @@ QUANTIZE_BLOCK_MXFP8_SPEC = KernelSpec(
     entry_point="nkilib.experimental.quantize_mxfp8.quantize_mxfp8:quantize_block_mxfp8_kernel",
     operands=(Operand.of("src_tensor", "F, K", dtypes=FLOAT_DTYPES, doc="matrix to quantize along K (bfloat16)"),),
     params=(
-        Float8Name("return_fp8_dtype", None, doc="element format: 'float8_e4m3fn' or 'float8_e5m2'", required=True),
+        Param("return_fp8_dtype", None, doc="element format: 'float8_e4m3fn' or 'float8_e5m2'", required=True,
+              normalizer=float8_name),
         Param("run_with_lnc2", FOLLOW_LNC, bool, "split F over two logical cores (default: LNC degree > 1)"),
         Param("enable_scale_packing", True, bool, "packed scales [ceil(K/2048)*128, F] instead of [K/4, F]"),
     ),
@@ -143,7 +135,7 @@ QUANTIZE_BLOCK_MXFP8_SPEC = KernelSpec(
     reference=reference_quantize_block_mxfp8_kernel,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"src_tensor": 0},  # F merges into the columns of both outputs
+    fold_plans=(FoldPlan({"src_tensor": "F"},  # F merges into the columns of both outputs
                          outputs={"quantized_scales_hbm": 1, "quantized_data_hbm": 1}),),
     mac_count=lambda call: math.prod(call.avals["src_tensor"].shape),
     family="quant",

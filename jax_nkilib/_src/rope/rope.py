@@ -63,38 +63,19 @@ def _rotate_pairs(a, b, cos_a, sin_a, cos_b, sin_b, out_dtype, transpose=False):
 
 
 # ------------------------------------------------------------------------------------------------------- RoPE
-_TABLE_AXIS_OF_X_AXIS = {0: 0, 1: 1, 3: 2}  # x_in's d_head, B, S are the tables' d_head/2, B, S
-
-
-def reference_rope(x_in, cos, sin, *, lnc_shard=False, contiguous_layout=True, relayout_in_sbuf=False, view=None):
-    """JAX reference of the ``RoPE`` kernel (the LNC and relayout flags do not change the result).
-
-    With ``view`` (see ``framework.views``) the operands may come in another axis order; the computation then runs
-    in ``x_in``'s order without transposing ``x_in``.
-    """
+def reference_rope(x_in, cos, sin, *, lnc_shard=False, contiguous_layout=True, relayout_in_sbuf=False):
+    """JAX reference of the ``RoPE`` kernel (the LNC and relayout flags do not change the result)."""
     del lnc_shard, relayout_in_sbuf
-    view = view or {}
-    x_perm = view.get("x_in", (0, 1, 2, 3))
-    d_axis, head_axis = x_perm.index(0), x_perm.index(2)
-    table_order = [_TABLE_AXIS_OF_X_AXIS[axis] for axis in x_perm if axis != 2]
-
-    def aligned(table, name):  # the table in x_in's axis order, with a unit heads axis
-        table_perm = view.get(name, (0, 1, 2))
-        return jnp.expand_dims(jnp.transpose(table, [table_perm.index(a) for a in table_order]), head_axis)
-
-    c, s = aligned(cos, "cos"), aligned(sin, "sin")
-    half = x_in.shape[d_axis] // 2
+    c, s = cos[:, :, None, :], sin[:, :, None, :]  # [d_head/2, B, 1, S]: a unit heads axis
+    half = x_in.shape[0] // 2
     stride = 1 if contiguous_layout else 2
-    a = jax.lax.slice_in_dim(x_in, 0, None if stride == 2 else half, stride, axis=d_axis)
-    b = jax.lax.slice_in_dim(x_in, half if stride == 1 else 1, None, stride, axis=d_axis)
+    a = jax.lax.slice_in_dim(x_in, 0, None if stride == 2 else half, stride, axis=0)
+    b = jax.lax.slice_in_dim(x_in, half if stride == 1 else 1, None, stride, axis=0)
     first, second = _rotate_pairs(a, b, c, s, c, s, x_in.dtype)
     if contiguous_layout:
-        out = jnp.concatenate([first, second], axis=d_axis)
+        out = jnp.concatenate([first, second], axis=0)
     else:
-        out = jnp.stack([first, second], axis=d_axis + 1).reshape(x_in.shape)
-    out_perm = view.get("x_out", (0, 1, 2, 3))
-    if out_perm != x_perm:
-        out = jnp.transpose(out, [x_perm.index(axis) for axis in out_perm])
+        out = jnp.stack([first, second], axis=1).reshape(x_in.shape)
     return (out,)
 
 
@@ -145,12 +126,11 @@ ROPE_SPEC = KernelSpec(
     ),
     outputs=(Output.of("x_out", "d_head, B, n_heads, S", "x_in"),),
     reference=reference_rope,
-    view_aware_reference=True,
     check=_rope_check,
     neuron_limits=_rope_neuron_limits,
     fold_plans=(
-        FoldPlan({"x_in": 2, "cos": None, "sin": None}, outputs=(2,)),  # tables shared: fold into heads
-        FoldPlan({"x_in": 1, "cos": 1, "sin": 1}, outputs=(1,)),  # fold into the batch axis
+        FoldPlan({"x_in": "n_heads", "cos": None, "sin": None}, outputs=("n_heads",)),  # tables shared: fold into heads
+        FoldPlan({"x_in": "B", "cos": "B", "sin": "B"}, outputs=("B",)),  # fold into the batch axis
     ),
     neuron_split_dims=("n_heads", "B", "S"),
     mac_count=lambda call: 2 * math.prod(call.avals["x_in"].shape),
@@ -251,8 +231,9 @@ ROPE_HF_SPEC = KernelSpec(
     check=_rope_hf_check,
     neuron_limits=_rope_hf_neuron_limits,
     fold_plans=(
-        FoldPlan({"q": 1, "k": 1}, outputs=(1, 1)),  # tables shared: fold into heads
-        FoldPlan({"q": 0, "k": 0, "cos": 0, "sin": 0, "rope_cache": 0}, outputs=(0, 0), when=_tables_have_batch),
+        FoldPlan({"q": "Hq", "k": "Hk"}, outputs=("Hq", "Hk")),  # tables shared: fold into heads
+        FoldPlan(dict.fromkeys(("q", "k", "cos", "sin", "rope_cache"), "B"), outputs=("B", "B"),
+                 when=_tables_have_batch),
     ),
     mac_count=lambda call: 2 * (math.prod(call.avals["q"].shape) + math.prod(call.avals["k"].shape)),
     family="rope",

@@ -84,7 +84,6 @@ def _report(kernel, eqn, context: str) -> KernelCallReport:
     present = params.pop("present")
     avals = {name: var.aval for name, var in zip(present, eqn.invars)}
     call = check_call(spec, avals, params)
-    in_kernel_layout = dataclasses.replace(call, params=dict(call.params, layout=()))
     plan = plan_neuron_call(spec, call)
     neuron = plan.describe()
     if plan.kind == "fallback" and config.current_on_unsupported() == "error":
@@ -92,7 +91,7 @@ def _report(kernel, eqn, context: str) -> KernelCallReport:
     return KernelCallReport(
         kernel=spec.name, entry_point=spec.entry_point,
         inputs=tuple((n, tuple(a.shape), np.dtype(a.dtype).name) for n, a in call.avals.items()),
-        outputs=tuple((tuple(a.shape), np.dtype(a.dtype).name) for a in output_avals(spec, in_kernel_layout)),
+        outputs=tuple((tuple(a.shape), np.dtype(a.dtype).name) for a in output_avals(spec, call)),
         params={p.name: params[p.name] for p in spec.params}, lnc=params["lnc"], context=context, neuron=neuron)
 
 
