@@ -40,10 +40,11 @@ from jax_nkilib._src.framework.common_types import (
 from jax_nkilib._src.mlp.mlp import mlp
 from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
-from jax_nkilib._src.norm.norm_tkg import layernorm_tkg, rmsnorm_tkg
+from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
 from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
 from jax_nkilib._src.norm.rmsnorm_mx_quantize_tkg import rmsnorm_mx_quantize_tkg
 from jax_nkilib._src.norm.rmsnorm_quant import rmsnorm_quant_kernel
+from jax_nkilib._src.norm.rmsnorm_tkg import rmsnorm_tkg
 from jax_nkilib._src.projection.output_projection_cte import output_projection_cte
 from jax_nkilib._src.projection.output_projection_tkg import output_projection_tkg
 from jax_nkilib._src.projection.qkv import qkv

@@ -87,9 +87,9 @@ DECODE_ATTENTION_SHARDING = auto.register_rule(auto.ShardingRule(
 
 def _plan_attention(q, k, v, sinks, prefix, sliding_window):
     """The shard_map plan of :func:`attention`: batch and heads free; a sharded sequence selects ring attention."""
-    operands = [auto.Operand("q", q, "bsnd"), auto.Operand("k", k, "bsnd"), auto.Operand("v", v, "bsnd"),
-                auto.Operand("sinks", sinks, None if sinks is None else "bn"[2 - jnp.ndim(sinks):])]
-    operands.append(auto.Operand("prefix", None if prefix is None else tuple(prefix), ("b_nd", "b_nd", None)))
+    operands = [auto.ShardedArgument("q", q, "bsnd"), auto.ShardedArgument("k", k, "bsnd"), auto.ShardedArgument("v", v, "bsnd"),
+                auto.ShardedArgument("sinks", sinks, None if sinks is None else "bn"[2 - jnp.ndim(sinks):])]
+    operands.append(auto.ShardedArgument("prefix", None if prefix is None else tuple(prefix), ("b_nd", "b_nd", None)))
     sharded = auto.plan(ATTENTION_SHARDING, operands)
     if sharded and "s" in sharded.axes:
         if sliding_window or sinks is not None or prefix is not None:
@@ -265,9 +265,9 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
     scale = None if scale is None else static_float(_DECODE, "scale", scale)
     cache_dims = "bn_d" if block_table is None else "_n_d"
     sharded = auto.plan(DECODE_ATTENTION_SHARDING, [
-        auto.Operand("q", q, "bsnd"), auto.Operand("k_new", k_new, "bsnd"), auto.Operand("v_new", v_new, "bsnd"),
-        auto.Operand("k_cache", k_cache, cache_dims), auto.Operand("v_cache", v_cache, cache_dims),
-        auto.Operand("cache_len", cache_len, "b"), auto.Operand("block_table", block_table, "b_")])
+        auto.ShardedArgument("q", q, "bsnd"), auto.ShardedArgument("k_new", k_new, "bsnd"), auto.ShardedArgument("v_new", v_new, "bsnd"),
+        auto.ShardedArgument("k_cache", k_cache, cache_dims), auto.ShardedArgument("v_cache", v_cache, cache_dims),
+        auto.ShardedArgument("cache_len", cache_len, "b"), auto.ShardedArgument("block_table", block_table, "b_")])
     if sharded:
         if block_table is not None and "b" in sharded.axes:
             axis = auto.spec_entry(sharded.axes["b"])

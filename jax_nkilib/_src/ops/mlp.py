@@ -126,11 +126,11 @@ def _plan_mlp(x, w_gate, w_up, w_down, norm_weight, norm_bias, residual, gate_bi
     rows = auto.leading(x.ndim - 1, _WHERE) + "h"
     hi, ih = (None, None) if quantized else ("hi", "ih")  # quantized weights must be replicated
     return auto.plan(MLP_SHARDING, [
-        auto.Operand("x", x, rows), auto.Operand("w_gate", w_gate, hi),
-        auto.Operand("w_up", w_up, hi), auto.Operand("w_down", w_down, ih),
-        auto.Operand("norm_weight", norm_weight, "h"), auto.Operand("norm_bias", norm_bias, "h"),
-        auto.Operand("residual", residual, rows), auto.Operand("gate_bias", gate_bias, "i"),
-        auto.Operand("up_bias", up_bias, "i"), auto.Operand("down_bias", down_bias, "h")])
+        auto.ShardedArgument("x", x, rows), auto.ShardedArgument("w_gate", w_gate, hi),
+        auto.ShardedArgument("w_up", w_up, hi), auto.ShardedArgument("w_down", w_down, ih),
+        auto.ShardedArgument("norm_weight", norm_weight, "h"), auto.ShardedArgument("norm_bias", norm_bias, "h"),
+        auto.ShardedArgument("residual", residual, rows), auto.ShardedArgument("gate_bias", gate_bias, "i"),
+        auto.ShardedArgument("up_bias", up_bias, "i"), auto.ShardedArgument("down_bias", down_bias, "h")])
 
 
 def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None = None, norm_weight=None,

@@ -22,8 +22,10 @@ from ..framework.common_types import DtypeMode, NormType, QuantizationType
 from ..framework.hardware import PARTITIONS
 from ..framework.spec import FP8_DTYPES, accumulation_dtype
 from ..framework.validation import check_positive_finite, static_float
-from ..norm.norm_tkg import from_kernel_order, layernorm_rows, layernorm_tkg, rmsnorm_tkg
+from ..norm.layernorm_tkg import layernorm_rows, layernorm_tkg
 from ..norm.rmsnorm_quant import compute_dtype, rmsnorm_quant_kernel, row_quantize, static_quantize
+from ..norm.rmsnorm_tkg import rmsnorm_tkg
+from ..norm.tkg_output import from_kernel_order
 from ..quant.fp8 import SCALE_BYTES, fp8_max, saturate, scale_from_bytes
 from ..sharding import auto
 
@@ -68,8 +70,8 @@ QUANTIZE_FP8_SHARDING = auto.register_rule(auto.ShardingRule(
 
 def _plan_rows(rule, x, **per_hidden):
     """Plan a row-wise op on ``x [..., H]``: rows shard freely; ``[H]`` operands (and a scalar scale) replicate."""
-    operands = [auto.Operand("x", x, auto.leading(x.ndim - 1) + "h")]
-    operands += [auto.Operand(name, value, None if value is None or jnp.ndim(value) == 0 else "h")
+    operands = [auto.ShardedArgument("x", x, auto.leading(x.ndim - 1) + "h")]
+    operands += [auto.ShardedArgument(name, value, None if value is None or jnp.ndim(value) == 0 else "h")
                  for name, value in per_hidden.items()]
     return auto.plan(rule, operands)
 

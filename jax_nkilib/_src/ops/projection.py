@@ -89,8 +89,8 @@ def output_projection(attn, w, bias=None):
                          f"{tuple(attn.shape)}; got {tuple(w.shape)}")
     hidden = w.shape[1]
     sharded = auto.plan(OUTPUT_PROJECTION_SHARDING, [
-        auto.Operand("attn", attn, "bsnd"), auto.Operand("w", w, None if isinstance(w, QuantizedWeight) else "nh"),
-        auto.Operand("bias", bias, None if bias is None else "h")])
+        auto.ShardedArgument("attn", attn, "bsnd"), auto.ShardedArgument("w", w, None if isinstance(w, QuantizedWeight) else "nh"),
+        auto.ShardedArgument("bias", bias, None if bias is None else "h")])
     if sharded:
         def local(attn, w, bias, axes):
             if "n" not in axes:
@@ -277,12 +277,12 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
     if split:
         w, bias = _split_weights(where, w, bias, hidden, num_q_heads, num_kv_heads)
     sharded = auto.plan(QKV_PROJECTION_SHARDING, [
-        auto.Operand("x", x, "bsh"),
-        auto.Operand("w", w, ("hn",) * 3 if split else None if isinstance(w, QuantizedWeight) else "hf"),
-        auto.Operand("bias", bias, ("n",) * 3 if split else "f"), auto.Operand("norm_weight", norm_weight, "h"),
-        auto.Operand("norm_bias", norm_bias, "h"), auto.Operand("rope", rope, ("bs_", "bs_")),
-        auto.Operand("kv_cache", kv_cache, ("b_nd", "b_nd")), auto.Operand("cache_positions", cache_positions, "bs"),
-        auto.Operand("kv_scale", kv_scale)])
+        auto.ShardedArgument("x", x, "bsh"),
+        auto.ShardedArgument("w", w, ("hn",) * 3 if split else None if isinstance(w, QuantizedWeight) else "hf"),
+        auto.ShardedArgument("bias", bias, ("n",) * 3 if split else "f"), auto.ShardedArgument("norm_weight", norm_weight, "h"),
+        auto.ShardedArgument("norm_bias", norm_bias, "h"), auto.ShardedArgument("rope", rope, ("bs_", "bs_")),
+        auto.ShardedArgument("kv_cache", kv_cache, ("b_nd", "b_nd")), auto.ShardedArgument("cache_positions", cache_positions, "bs"),
+        auto.ShardedArgument("kv_scale", kv_scale)])
     if sharded:
         return _sharded_qkv(sharded, x, w, bias, norm_weight, norm_bias, rope, kv_cache, cache_positions, kv_scale,
                             num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, norm=norm, eps=eps)

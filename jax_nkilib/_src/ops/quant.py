@@ -119,7 +119,7 @@ def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32):
         raise ValueError(f"{where}: the quantized axis {axis} of `x` (shape {tuple(x.shape)}) must be a multiple of "
                          f"block={block}")
     dims = _dims_with_blocks(x.ndim, axis, where, "x")
-    sharded = auto.plan(QUANTIZE_MX_SHARDING, [auto.Operand("x", x, dims)], granule={"q": block})
+    sharded = auto.plan(QUANTIZE_MX_SHARDING, [auto.ShardedArgument("x", x, dims)], granule={"q": block})
     if sharded:
         return sharded.run(lambda x, axes: quantize_mx(x, axis=axis, dtype=dtype, block=block), (dims, dims))
     moved = jnp.moveaxis(x, axis, -1)
@@ -155,7 +155,7 @@ def dequantize_mx(data, scales, *, axis: int = -1, dtype=jnp.float32):
     dims = _dims_with_blocks(data.ndim, axis, where, "data")
     # equal shards of data and scales along the quantized axis hold whole blocks
     sharded = auto.plan(DEQUANTIZE_MX_SHARDING,
-                        [auto.Operand("data", data, dims), auto.Operand("scales", scales, dims)])
+                        [auto.ShardedArgument("data", data, dims), auto.ShardedArgument("scales", scales, dims)])
     if sharded:
         return sharded.run(lambda data, scales, axes: dequantize_mx(data, scales, axis=axis, dtype=dtype), dims)
     return mx.dequantize_mx_along(data, scale_bytes(scales), axis).astype(dtype)
@@ -176,7 +176,7 @@ def mxfp8_matmul(x, w, *, float8_dtype=jnp.float8_e4m3fn):
         raise ValueError(f"{where}: `x` must have layout [..., K] and `w` [K, N] with the same K; got shapes "
                          f"{tuple(x.shape)} and {tuple(w.shape)}")
     rows_dims = auto.leading(x.ndim - 1, where)
-    sharded = auto.plan(MXFP8_MATMUL_SHARDING, [auto.Operand("x", x, rows_dims + "k"), auto.Operand("w", w, "kn")])
+    sharded = auto.plan(MXFP8_MATMUL_SHARDING, [auto.ShardedArgument("x", x, rows_dims + "k"), auto.ShardedArgument("w", w, "kn")])
     if sharded:
         def local(x, w, axes):
             out = mxfp8_matmul(x, w, float8_dtype=float8_dtype)

@@ -64,8 +64,8 @@ def rope(x, cos, sin, *, interleaved: bool = False):
         return x
     lead_dims = auto.leading(x.ndim - 3)
     table_dims = ("_" if cos.shape[0] == 1 else lead_dims[-1:]) + "s_" if cos.ndim == 3 else "s_"
-    sharded = auto.plan(ROPE_SHARDING, [auto.Operand("x", x, lead_dims + "snd"), auto.Operand("cos", cos, table_dims),
-                                        auto.Operand("sin", sin, table_dims)])
+    sharded = auto.plan(ROPE_SHARDING, [auto.ShardedArgument("x", x, lead_dims + "snd"), auto.ShardedArgument("cos", cos, table_dims),
+                                        auto.ShardedArgument("sin", sin, table_dims)])
     if sharded:
         return sharded.run(lambda x, cos, sin, axes: rope(x, cos, sin, interleaved=interleaved), lead_dims + "snd")
     *lead, seq, heads, head_dim = x.shape

@@ -83,8 +83,8 @@ def register_rule(rule: ShardingRule) -> ShardingRule:
 
 
 @dataclasses.dataclass(frozen=True)
-class Operand:
-    """An operand of an op: ``value`` (an array, ``None`` or a pytree of arrays) and ``dims``, one letter per
+class ShardedArgument:
+    """An argument of an idiomatic op, for the sharding planner: ``value`` (an array, ``None`` or a pytree of arrays) and ``dims``, one letter per
     axis (``None``: every leaf must be replicated; a letter ``'_'`` names an axis that never shards). For a tuple
     ``value``, ``dims`` may be a tuple giving each element's dims."""
     name: str
@@ -134,7 +134,7 @@ class Plan:
     rule: ShardingRule
     mesh: Any
     axes: Mapping[str, tuple[str, ...]]
-    operands: tuple[Operand, ...]
+    operands: tuple[ShardedArgument, ...]
     mapped: tuple[str, ...] = ()
     split: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
@@ -218,7 +218,7 @@ def spec_entry(axes: tuple[str, ...]):
     return axes[0] if len(axes) == 1 else axes
 
 
-def plan(rule: ShardingRule, operands: Sequence[Operand], *, granule: Mapping[str, int] | None = None) -> Plan | None:
+def plan(rule: ShardingRule, operands: Sequence[ShardedArgument], *, granule: Mapping[str, int] | None = None) -> Plan | None:
     """The ``shard_map`` plan for these operands, or ``None`` when nothing is sharded over explicit mesh axes (and
     no enclosing ``jax.vmap`` maps over one: then the plan runs the op with those axes Auto, see :class:`Plan`).
 
