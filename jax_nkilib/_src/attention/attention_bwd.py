@@ -134,7 +134,7 @@ ATTENTION_BWD_SPEC = KernelSpec(
     neuron_limits=_neuron_limits,
     fold_plans=(FoldPlan({**dict.fromkeys(("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref", "lse_ref", "sinks_ref"), "bs"),
                           "bound_min": None, "bound_max": None},
-                         outputs=dict.fromkeys(("dq", "dk", "dv", "dsinks"), "bs")),),
+                         outputs=dict.fromkeys(("dq", "dk", "dv", "dsinks"), 0)),),
     neuron_split_dims=("bs",),
     mac_count=lambda call: 4 * call.dims["bs"] * call.dims["H"] * call.dims["Sq"] * call.dims["Sk"] * call.dims["d"],
     family="attention",

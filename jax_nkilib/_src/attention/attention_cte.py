@@ -271,7 +271,7 @@ ATTENTION_CTE_SPEC = KernelSpec(
     neuron_limits=_neuron_limits,
     fold_plans=(FoldPlan({"q": "B", "k": "B_kv", "v": "B_kv", "k_prior": "B_kv", "v_prior": "B_kv", "sink": "B",
                           "prior_used_len": None, "cp_offset": None, "bound_min": None, "bound_max": None},
-                         outputs={"o": "B", "neg_max": "B", "recip": "B"}),),
+                         outputs={"o": 0, "neg_max": 0, "recip": 0}),),
     mac_count=lambda call: 2 * call.dims["B"] * call.dims["Sq"] * (call.dims["Sk"] + call.dims.get("S_prior", 0))
     * call.dims["d"],
     nondifferentiable_outputs=("neg_max", "recip"),

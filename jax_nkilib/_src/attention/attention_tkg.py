@@ -258,11 +258,11 @@ ATTENTION_TKG_SPEC = KernelSpec(
     neuron_limits=_neuron_limits,
     fold_plans=(FoldPlan({"q": "B", "k_active": "B", "v_active": "B", "k_prior": "B_cache", "v_prior": "B_cache",
                           "mask": "B", "rope_pos_ids": "B", "start_pos_ids": "B", "inv_freqs": None, "sink": None,
-                          "active_blocks_table": None}, outputs={"out": "B", "k_out": "B"},
+                          "active_blocks_table": None}, outputs={"out": 0, "k_out": 0},
                          when=lambda call: call.dims.get("B_cache") == call.dims["B"]),
                 FoldPlan({"q": "B", "k_active": "B", "v_active": "B", "k_prior": None, "v_prior": None, "mask": "B",
                           "rope_pos_ids": "B", "start_pos_ids": "B", "inv_freqs": None, "sink": None,
-                          "active_blocks_table": "B"}, outputs={"out": "B", "k_out": "B"},
+                          "active_blocks_table": "B"}, outputs={"out": 0, "k_out": 0},
                          # a given block mask's order depends on B at LNC > 1: fold only where it cannot change
                          when=lambda call: call.avals.get("active_blocks_table") is not None
                          and (call.params["use_pos_id"] or call.lnc == 1))),

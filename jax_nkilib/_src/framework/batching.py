@@ -62,6 +62,20 @@ def _axis(spec: KernelSpec, name: str, dim: str | int, call: CallInfo) -> int:
     return tokens.index(dim)
 
 
+def check_fold_plans(spec: KernelSpec) -> None:
+    """At kernel creation: every output dimension a fold plan names by token is a token of that plain output's
+    layout (an output the ``output_avals`` hook computes has no layout: its axis must be an int)."""
+    layouts = {output.name: output.layout for output in spec.outputs}
+    for plan in spec.fold_plans:
+        for name, dim in plan.output_dims(spec.outputs).items():
+            if isinstance(dim, int):
+                continue
+            layout = layouts.get(name)
+            if layout is None or dim not in [token.text for token in layout.dims]:
+                raise AssertionError(f"{spec.name}: a fold plan names dimension {dim} of output `{name}`, which "
+                                     f"{'has no layout (give its axis as an int)' if layout is None else f'is {layout}'}")
+
+
 def fold_axes(spec: KernelSpec, plan: FoldPlan, call: CallInfo, present, produced) -> tuple[dict, list[int]]:
     """``(operand name -> axis or None, [axis of each produced output])``: where the plan merges the vmapped axis
     in the present operands and where the produced outputs carry it, resolved against this call's layouts."""

@@ -103,6 +103,7 @@ class Kernel:
     def __init__(self, spec: KernelSpec, vjp: Callable | Vjp | None = None):
         self.spec = spec
         self.vjp = vjp if vjp is None or isinstance(vjp, Vjp) else _saving_operands_and_outputs(vjp)
+        batching.check_fold_plans(spec)
         self.primitive = Primitive(spec.name)
         self.primitive.multiple_results = True
         self._register()

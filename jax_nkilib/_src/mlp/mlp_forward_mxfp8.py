@@ -159,7 +159,7 @@ MLP_FORWARD_MXFP8_SPEC = KernelSpec(
     reference=reference_mlp_forward_mxfp8,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"hidden": "hidden_rows"}, outputs=dict.fromkeys(("output",) + CHECKPOINTS, "S"),
+    fold_plans=(FoldPlan({"hidden": "hidden_rows"}, outputs=dict.fromkeys(("output",) + CHECKPOINTS, 0),
                          when=_raw_hidden),),
     mac_count=lambda call: 3 * call.dims["S"] * call.dims["H"] * call.dims["I"],
     nondifferentiable_outputs=CHECKPOINTS,
