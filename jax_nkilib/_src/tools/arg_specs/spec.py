@@ -1,0 +1,206 @@
+"""Named argument specs: for every bound kernel (``jax_nkilib.nki``) and every idiomatic op (``jax_nkilib``), small
+but realistic arguments and the properties the shared conformance suite (``tests/conformance``) checks.
+
+An :class:`ArgSpec` says how to call one function (its operands, built deterministically from a seed, and its
+static keyword arguments) and what it promises: which operands are differentiable, which vmap may batch, how it runs
+inside ``jax.shard_map``, which kernels its Neuron lowering calls, and one bad input with the error it must raise.
+Each spec has a ``size``: ``"small"`` ones feed the conformance suite, ``"realistic"`` ones the benchmarks and the
+examples. Look specs up with :func:`arg_specs` (all, or one function's, or one size) and :func:`arg_spec` (by name).
+
+The specs use only the public API (``jax_nkilib``, ``jax_nkilib.nki``), JAX and NumPy. Each family's specs are in
+the module of that name in this package; they register themselves with :func:`register`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+Builder = Callable[[np.random.Generator], tuple]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """How a function runs inside ``jax.shard_map``: the mesh (axis names and sizes), one ``PartitionSpec`` per
+    operand and the output specs. ``collective`` functions (kernels that take mesh axes as replica groups) only run
+    inside ``shard_map`` over these axes and their results are per rank; the others must give inside ``shard_map``
+    what they give outside it."""
+
+    mesh: tuple[tuple[str, int], ...]
+    in_specs: tuple
+    out_specs: Any
+    collective: bool = False
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.mesh)
+
+    @property
+    def axis_sizes(self) -> tuple[int, ...]:
+        return tuple(size for _, size in self.mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class BadInput:
+    """One invalid call: the operand or keyword ``argument`` replaced by ``value(good_value)``, which must raise
+    ``error`` with a message naming the argument and containing ``match``."""
+
+    argument: str
+    value: Callable[[Any], Any]
+    match: str = ""
+    error: tuple[type[Exception], ...] = (TypeError, ValueError)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ArgSpec:
+    """Named arguments for one call of ``fn`` and the properties of that call.
+
+    * ``operands``: the names of the positional (array) arguments, in order; ``build(rng)`` returns them.
+    * ``kwargs``: static keyword arguments.
+    * ``kernels``: the bound kernels the call runs, i.e. the ``func_name`` of each Neuron custom call when lowered
+      for ``neuron`` under dry run, in program order. ``only_kernels``: the lowering has nothing but those calls
+      (and constants), as for layer-1 kernels.
+    * ``grad``: the differentiable operands (``check_grads`` in float64, reverse mode, to ``grad_order``);
+      ``grad_output`` picks the differentiable outputs when some are not (integer, quantized).
+    * ``batch``: the operands vmap may batch (``None``: every operand).
+    * ``sharding``: how it runs inside ``jax.shard_map`` (``None``: it does not; say why in ``notes``).
+    * ``bad``: one invalid input and the error it raises.
+    * ``neuron``: operands within the Neuron kernel's limits (a builder like ``build``; ``None``: ``build``'s meet
+      them), for the lowering check, which only traces.
+    * ``size``: ``"small"`` (conformance) or ``"realistic"`` (benchmarks, examples).
+    """
+
+    name: str
+    fn: Callable
+    operands: tuple[str, ...]
+    build: Builder
+    kernels: tuple[str, ...]
+    kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    only_kernels: bool = True
+    grad: tuple[str, ...] = ()
+    grad_order: int = 1
+    grad_output: Callable[[Any], Any] | None = None
+    batch: tuple[str, ...] | None = None
+    sharding: Sharding | None = None
+    bad: BadInput | None = None
+    neuron: Builder | None = None
+    size: str = "small"
+    notes: str = ""
+
+    def args(self, seed: int = 0) -> tuple:
+        """The operands, as JAX arrays, built from ``seed`` (the same seed gives the same arrays)."""
+        built = self.build(np.random.default_rng(seed))
+        assert len(built) == len(self.operands), f"{self.name}: build gives {len(built)} operands"
+        return tuple(jnp.asarray(a) if a is not None else None for a in built)
+
+    def shapes(self, neuron: bool = False) -> tuple:
+        """The operands' ``jax.ShapeDtypeStruct`` s (with ``neuron``: those of the Neuron-sized operands)."""
+        build = (self.neuron if neuron else None) or self.build
+        return tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
+                     for a in build(np.random.default_rng(0)))
+
+    def __call__(self, *args):
+        """``fn(*args, **kwargs)``."""
+        return self.fn(*args, **self.kwargs)
+
+    @property
+    def batched(self) -> tuple[str, ...]:
+        """The operands vmap batches."""
+        return self.operands if self.batch is None else self.batch
+
+    @property
+    def fn_name(self) -> str:
+        """``jax_nkilib.nki.<kernel>`` or ``jax_nkilib.<op>``: where ``fn`` is public."""
+        return public_name(self.fn)
+
+
+_SPECS: dict[str, ArgSpec] = {}
+
+
+def register(*specs: ArgSpec) -> None:
+    """Add specs (names are unique)."""
+    for spec in specs:
+        if spec.name in _SPECS:
+            raise ValueError(f"arg spec {spec.name} is defined twice")
+        _SPECS[spec.name] = spec
+
+
+def arg_specs(fn: Callable | str | None = None, size: str | None = None) -> list[ArgSpec]:
+    """Every spec, or those of ``fn`` (a function or a spec's ``fn_name``), of one ``size``, sorted by name."""
+    _load()
+    found = [s for s in _SPECS.values() if fn is None or s.fn is fn or s.fn_name == fn]
+    return sorted((s for s in found if size is None or s.size == size), key=lambda s: s.name)
+
+
+def arg_spec(name: str) -> ArgSpec:
+    """The spec called ``name``."""
+    _load()
+    return _SPECS[name]
+
+
+# ---------------------------------------------------------------------------------------------- building blocks
+def normal(rng, shape, dtype=jnp.float32, scale=1.0):
+    """Standard-normal values (times ``scale``) rounded to ``dtype``."""
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+
+
+def uniform(rng, shape, low, high, dtype=jnp.float32):
+    return jnp.asarray(rng.uniform(low, high, shape), dtype)
+
+
+def angles(rng, shape, dtype=jnp.float32):
+    """``(cos, sin)`` of random angles."""
+    theta = rng.uniform(-np.pi, np.pi, shape)
+    return jnp.asarray(np.cos(theta), dtype), jnp.asarray(np.sin(theta), dtype)
+
+
+def integers(value, shape=(1, 1), dtype=jnp.int32):
+    """A constant integer array (runtime scalars such as ``prior_used_len``)."""
+    return jnp.full(shape, value, dtype)
+
+
+def drop_last_axis(x):
+    """A bad value: ``x`` with one axis fewer."""
+    return x[..., 0]
+
+
+def other_dtype(dtype):
+    """A bad value maker: ``x`` cast to ``dtype``."""
+    return lambda x: jnp.asarray(x).astype(dtype)
+
+
+def every(*names) -> P:
+    """A ``PartitionSpec`` sharding axis 0 over the mesh axes ``names``."""
+    return P(names if len(names) > 1 else names[0])
+
+
+def public_name(fn) -> str:
+    """``jax_nkilib.nki.<name>`` or ``jax_nkilib.<name>`` for a public function."""
+    import jax_nkilib
+    import jax_nkilib.nki
+
+    for module in (jax_nkilib.nki, jax_nkilib):
+        for name in module.__all__:
+            if getattr(module, name) is fn:
+                return f"{module.__name__}.{name}"
+    raise ValueError(f"{fn} is neither in jax_nkilib.nki nor in jax_nkilib")
+
+
+_FAMILIES = ("rope",)
+_loaded = False
+
+
+def _load():
+    """Import the per-family spec modules (they register their specs)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        import importlib
+
+        for family in _FAMILIES:
+            importlib.import_module(f"jax_nkilib._src.tools.arg_specs.{family}")
