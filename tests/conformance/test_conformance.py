@@ -5,6 +5,7 @@ Collective kernels only run inside ``jax.shard_map`` over their mesh axes: for t
 ``shard_map`` over global arrays (per-rank semantics are checked against oracles in ``tests/parallel``).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -37,13 +38,14 @@ def mesh_of(spec):
 
 
 @functools.cache
-def function(spec):
-    """The spec's call on global arrays: ``spec`` itself, or for collective kernels its ``shard_map``."""
-    sharding = spec.sharding
+def function(spec, neuron=False):
+    """The spec's call on global arrays: ``spec`` itself, or for collective kernels its ``shard_map`` (with
+    ``neuron``: the call lowered for Neuron)."""
+    sharding, call = spec.sharding, spec.neuron_call if neuron else spec
     if sharding is None or not sharding.collective:
-        return spec
+        return call
     mesh = mesh_of(spec)
-    body = jax.shard_map(spec, mesh=mesh, in_specs=sharding.in_specs, out_specs=sharding.out_specs)
+    body = jax.shard_map(call, mesh=mesh, in_specs=sharding.in_specs, out_specs=sharding.out_specs)
 
     def collective(*args):
         return body(*(reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, sharding.in_specs)))
@@ -189,7 +191,7 @@ def test_inside_shard_map_on_8_devices(spec):
 def test_neuron_lowering_is_the_expected_kernel_calls(spec):
     args = spec.shapes(neuron=True)
     with jax_nkilib.neuron.dry_run():
-        text = jitted(spec).trace(*args).lower(lowering_platforms=("neuron",)).as_text()
+        text = jax.jit(function(spec, neuron=True)).trace(*args).lower(lowering_platforms=("neuron",)).as_text()
     assert [config["func_name"] for config in kernel_configs(text)] == list(spec.kernels)
     assert operations(text).count("stablehlo.custom_call") == len(spec.kernels), "a custom call that is no kernel"
     if spec.only_kernels:
@@ -204,12 +206,8 @@ def test_bad_input_names_the_argument(spec):
         args[index] = bad.value(args[index])
     else:
         kwargs[bad.argument] = bad.value(kwargs.get(bad.argument))
-    call = functools.partial(spec.fn, **kwargs)
-    if spec.sharding is not None and spec.sharding.collective:
-        mesh, sharding = mesh_of(spec), spec.sharding
-        call = jax.shard_map(call, mesh=mesh, in_specs=sharding.in_specs, out_specs=sharding.out_specs)
     with pytest.raises(bad.error, match=bad.match) as info:
-        call(*args)
+        function(dataclasses.replace(spec, kwargs=kwargs))(*args)
     assert bad.argument in str(info.value)
 
 

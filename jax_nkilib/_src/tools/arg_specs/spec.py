@@ -71,7 +71,7 @@ class ArgSpec:
     * ``sharding``: how it runs inside ``jax.shard_map`` (``None``: it does not; say why in ``notes``).
     * ``bad``: one invalid input and the error it raises.
     * ``neuron``: operands within the Neuron kernel's limits (a builder like ``build``; ``None``: ``build``'s meet
-      them), for the lowering check, which only traces.
+      them) and ``neuron_kwargs`` (``None``: ``kwargs``), for the lowering check, which only traces.
     * ``size``: ``"small"`` (conformance) or ``"realistic"`` (benchmarks, examples).
     """
 
@@ -89,6 +89,7 @@ class ArgSpec:
     sharding: Sharding | None = None
     bad: BadInput | None = None
     neuron: Builder | None = None
+    neuron_kwargs: Mapping[str, Any] | None = None
     size: str = "small"
     notes: str = ""
 
@@ -107,6 +108,10 @@ class ArgSpec:
     def __call__(self, *args):
         """``fn(*args, **kwargs)``."""
         return self.fn(*args, **self.kwargs)
+
+    def neuron_call(self, *args):
+        """``fn(*args, **neuron_kwargs)``: the call lowered for Neuron."""
+        return self.fn(*args, **(self.kwargs if self.neuron_kwargs is None else self.neuron_kwargs))
 
     @property
     def batched(self) -> tuple[str, ...]:
@@ -191,7 +196,7 @@ def public_name(fn) -> str:
     raise ValueError(f"{fn} is neither in jax_nkilib.nki nor in jax_nkilib")
 
 
-_FAMILIES = ("rope",)
+_FAMILIES = ("rope", "attention")
 _loaded = False
 
 
