@@ -60,7 +60,8 @@ class BadInput:
 class ArgSpec:
     """Named arguments for one call of ``fn`` and the properties of that call.
 
-    * ``operands``: the names of the positional (array) arguments, in order; ``build(rng)`` returns them.
+    * ``operands``: the names of the array arguments, in order; ``build(rng)`` returns them. The first
+      ``positional`` are passed by position (``None``: all), the others by keyword.
     * ``kwargs``: static keyword arguments.
     * ``kernels``: the bound kernels the call runs, i.e. the ``func_name`` of each Neuron custom call when lowered
       for ``neuron`` under dry run, in program order. ``only_kernels``: the lowering has nothing but those calls
@@ -81,6 +82,7 @@ class ArgSpec:
     build: Builder
     kernels: tuple[str, ...]
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    positional: int | None = None
     only_kernels: bool = True
     grad: tuple[str, ...] = ()
     grad_order: int = 1
@@ -106,12 +108,16 @@ class ArgSpec:
                      for a in build(np.random.default_rng(0)))
 
     def __call__(self, *args):
-        """``fn(*args, **kwargs)``."""
-        return self.fn(*args, **self.kwargs)
+        """``fn`` on the operands ``args`` and the static ``kwargs``."""
+        return self._call(args, self.kwargs)
 
     def neuron_call(self, *args):
-        """``fn(*args, **neuron_kwargs)``: the call lowered for Neuron."""
-        return self.fn(*args, **(self.kwargs if self.neuron_kwargs is None else self.neuron_kwargs))
+        """``fn`` on the operands ``args`` and ``neuron_kwargs``: the call lowered for Neuron."""
+        return self._call(args, self.kwargs if self.neuron_kwargs is None else self.neuron_kwargs)
+
+    def _call(self, args, kwargs):
+        n = len(args) if self.positional is None else self.positional
+        return self.fn(*args[:n], **dict(zip(self.operands[n:], args[n:])), **kwargs)
 
     @property
     def batched(self) -> tuple[str, ...]:
@@ -196,7 +202,7 @@ def public_name(fn) -> str:
     raise ValueError(f"{fn} is neither in jax_nkilib.nki nor in jax_nkilib")
 
 
-_FAMILIES = ("rope", "attention")
+_FAMILIES = ("rope", "attention", "norm", "projection")
 _loaded = False
 
 
