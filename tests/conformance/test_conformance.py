@@ -157,7 +157,7 @@ def test_nested_vmap_matches_a_loop(spec):
     assert_same(nested, loop(lambda *a: loop(jitted(spec), a, axes), args, axes))
 
 
-@params("grad")
+@params("grad", "check_grads")
 def test_gradients_float64(spec):
     fn, argnums, args = differentiable(spec)
     check_grads(jax.jit(fn), tuple(args[i] for i in argnums), order=spec.grad_order, modes=["rev"])

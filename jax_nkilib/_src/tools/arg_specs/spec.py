@@ -66,7 +66,8 @@ class ArgSpec:
     * ``kernels``: the bound kernels the call runs, i.e. the ``func_name`` of each Neuron custom call when lowered
       for ``neuron`` under dry run, in program order. ``only_kernels``: the lowering has nothing but those calls
       (and constants), as for layer-1 kernels.
-    * ``grad``: the differentiable operands (``check_grads`` in float64, reverse mode, to ``grad_order``);
+    * ``grad``: the differentiable operands (``check_grads`` in float64, reverse mode, to ``grad_order``, unless
+      ``check_grads`` is false: a VJP that approximates the gradient, e.g. through MX quantization);
       ``grad_output`` picks the differentiable outputs when some are not (integer, quantized).
     * ``batch``: the operands vmap may batch (``None``: every operand).
     * ``sharding``: how it runs inside ``jax.shard_map`` (``None``: it does not; say why in ``notes``).
@@ -86,6 +87,7 @@ class ArgSpec:
     only_kernels: bool = True
     grad: tuple[str, ...] = ()
     grad_order: int = 1
+    check_grads: bool = True
     grad_output: Callable[[Any], Any] | None = None
     batch: tuple[str, ...] | None = None
     sharding: Sharding | None = None
@@ -202,7 +204,7 @@ def public_name(fn) -> str:
     raise ValueError(f"{fn} is neither in jax_nkilib.nki nor in jax_nkilib")
 
 
-_FAMILIES = ("rope", "attention", "norm", "projection")
+_FAMILIES = ("rope", "attention", "norm", "projection", "mlp")
 _loaded = False
 
 
