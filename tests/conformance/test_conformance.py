@@ -194,7 +194,7 @@ def test_inside_shard_map_on_8_devices(spec):
 @params()
 def test_neuron_lowering_is_the_expected_kernel_calls(spec):
     args = spec.shapes(neuron=True)
-    with jax_nkilib.neuron.dry_run():
+    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(lnc=spec.neuron_lnc):
         text = jax.jit(function(spec, neuron=True)).trace(*args).lower(lowering_platforms=("neuron",)).as_text()
     assert [config["func_name"] for config in kernel_configs(text)] == list(spec.kernels)
     assert operations(text).count("stablehlo.custom_call") == len(spec.kernels), "a custom call that is no kernel"

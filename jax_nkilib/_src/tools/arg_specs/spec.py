@@ -73,7 +73,8 @@ class ArgSpec:
     * ``sharding``: how it runs inside ``jax.shard_map`` (``None``: it does not; say why in ``notes``).
     * ``bad``: one invalid input and the error it raises.
     * ``neuron``: operands within the Neuron kernel's limits (a builder like ``build``; ``None``: ``build``'s meet
-      them) and ``neuron_kwargs`` (``None``: ``kwargs``), for the lowering check, which only traces.
+      them) and ``neuron_kwargs`` (``None``: ``kwargs``), lowered at LNC ``neuron_lnc``, for the lowering check,
+      which only traces.
     * ``size``: ``"small"`` (conformance) or ``"realistic"`` (benchmarks, examples).
     """
 
@@ -94,6 +95,7 @@ class ArgSpec:
     bad: BadInput | None = None
     neuron: Builder | None = None
     neuron_kwargs: Mapping[str, Any] | None = None
+    neuron_lnc: int = 1
     size: str = "small"
     notes: str = ""
 
@@ -204,7 +206,7 @@ def public_name(fn) -> str:
     raise ValueError(f"{fn} is neither in jax_nkilib.nki nor in jax_nkilib")
 
 
-_FAMILIES = ("rope", "attention", "norm", "projection", "mlp")
+_FAMILIES = ("rope", "attention", "norm", "projection", "mlp", "quant")
 _loaded = False
 
 
