@@ -89,16 +89,6 @@ def test_jit_vmap_and_gradients():
     check_grads(lambda s: attention_tkg(*args, mask, sink=s), (sink,), order=1, modes=["rev"])
 
 
-def test_inside_shard_map():
-    mesh = mesh_1d()
-    args = inputs(batch=8)
-    mask = random_mask(16, 8, 4, 3)
-    specs = (P("data"),) * 5 + (P(None, "data"),)
-    fn = jax.shard_map(lambda *a: attention_tkg(*a), mesh=mesh, in_specs=specs, out_specs=P("data"))
-    out = jax.jit(fn)(*shard(mesh, specs, *args, mask))
-    assert_close(out, attention_tkg_oracle(*args, mask)[0], jnp.float32)
-
-
 def test_neuron_lowering():
     args = inputs(s_full=256)
     mask = jnp.ones((128, 2, 4, 3), jnp.uint8)

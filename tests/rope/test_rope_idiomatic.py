@@ -98,20 +98,6 @@ def test_jit_vmap_nested_and_vmap_of_grad():
     assert jac.shape == (1, 2, 1, 4, 2, 2)
 
 
-def test_batch_sharded_inside_shard_map():
-    mesh = mesh_1d()
-    x = random((8, 6, 2, 64))
-    cos, sin = angles((8, 6, 32))
-    spec = (P("data"), P("data"), P("data"))
-    args = shard(mesh, spec, x, cos, sin)
-    sharded = jax.shard_map(jax_nkilib.rope, mesh=mesh, in_specs=spec, out_specs=P("data"))
-    out = jax.jit(sharded)(*args)
-    assert_close(out, idiomatic_rope_oracle(x, cos, sin), jnp.float32)
-    loss = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 3), argnums=(0, 1, 2)))  # noqa: E731
-    for got, want in zip(loss(sharded)(*args), loss(jax_nkilib.rope)(x, cos, sin)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
 def test_head_sharded_inside_shard_map_with_replicated_tables():
     mesh = mesh_1d("model")
     x = random((2, 6, 8, 64))
