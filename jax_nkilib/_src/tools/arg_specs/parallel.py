@@ -130,7 +130,7 @@ register(
     ArgSpec("ring_attention", jax_nkilib.ring_attention, ("q", "k", "v"), _qkv(1, 32, 2, 8),
             kwargs={"axis_name": "cp"}, kernels=(), only_kernels=False, grad=("q", "k", "v"),
             sharding=_ring("cp", (P(None, "cp"),) * 3, P(None, "cp")), bad=BadInput("q", drop_last_axis, "q")),
-    ArgSpec("ring_attention.realistic", jax_nkilib.ring_attention, ("q", "k", "v"), _qkv(1, 65536, 8, 128),
+    ArgSpec("ring_attention.realistic", jax_nkilib.ring_attention, ("q", "k", "v"), _qkv(1, 65536, 8, 64),
             kwargs={"axis_name": "cp"}, kernels=(), only_kernels=False,
             sharding=_ring("cp", (P(None, "cp"),) * 3, P(None, "cp")), size="realistic"),
     ArgSpec("to_ring_layout", jax_nkilib.to_ring_layout, ("x",), lambda rng: (normal(rng, (2, 32, 3)),),

@@ -106,10 +106,14 @@ class ArgSpec:
         return tuple(jnp.asarray(a) if a is not None else None for a in built)
 
     def shapes(self, neuron: bool = False) -> tuple:
-        """The operands' ``jax.ShapeDtypeStruct`` s (with ``neuron``: those of the Neuron-sized operands)."""
+        """The operands' ``jax.ShapeDtypeStruct`` s (with ``neuron``: those of the Neuron-sized operands), without
+        materializing them where the builder allows (realistic sizes cost no memory)."""
         build = (self.neuron if neuron else None) or self.build
-        return tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
-                     for a in build(np.random.default_rng(0)))
+        try:
+            built = jax.eval_shape(lambda: build(_AbstractRng()))
+        except Exception:  # a builder that needs concrete values (NumPy on random draws)
+            built = build(np.random.default_rng(0))
+        return tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in built)
 
     def __call__(self, *args):
         """``fn`` on the operands ``args`` and the static ``kwargs``."""
@@ -132,6 +136,23 @@ class ArgSpec:
     def fn_name(self) -> str:
         """``jax_nkilib.nki.<kernel>`` or ``jax_nkilib.<op>``: where ``fn`` is public."""
         return public_name(self.fn)
+
+
+class _AbstractRng:
+    """Stands in for ``np.random.Generator`` under ``jax.eval_shape``: zeros of the requested shapes (traced, so
+    nothing is allocated)."""
+
+    def standard_normal(self, shape):
+        return jnp.zeros(shape)
+
+    def uniform(self, low=0.0, high=1.0, size=None):
+        return jnp.zeros(size)
+
+    def integers(self, low, high=None, size=None):
+        return jnp.zeros(size, jnp.int32)
+
+    def permutation(self, n):
+        return jnp.arange(n)
 
 
 _SPECS: dict[str, ArgSpec] = {}
