@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.test_util import check_grads
 
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
@@ -157,15 +156,6 @@ def test_jit_vmap_and_nested_vmap():
     nested = jax.vmap(jax.vmap(lambda x: output_projection_tkg(tkg_layout(x), w, bias)))(stack[None].repeat(2, 0))
     assert nested.shape == (2, 3, 10, 7)
     np.testing.assert_allclose(nested[1, 2], output_projection_tkg(tkg_layout(stack[2]), w, bias), rtol=1e-6)
-
-
-def test_gradients_float64_and_vmap_of_grad():
-    a, w, bias = (x.astype(jnp.float64) for x in problem(2, 3, 2, 3, 4))
-    check_grads(lambda x, y, z: output_projection_cte(cte_layout(x), y, z), (a, w, bias), order=1, modes=["rev"])
-    check_grads(lambda x, y, z: output_projection_tkg(tkg_layout(x), y, z), (a, w, bias), order=2, modes=["rev"])
-    grad = jax.grad(lambda x: jnp.sum(output_projection_tkg(tkg_layout(x), w) ** 2))
-    batched = jax.vmap(grad)(jnp.stack([a, 2 * a]))
-    np.testing.assert_allclose(batched[1], grad(2 * a), rtol=1e-12)
 
 
 def test_fp8_weights_get_no_cotangent_and_the_attention_does():
