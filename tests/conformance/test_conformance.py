@@ -26,9 +26,11 @@ N = 2  # batch size of the vmap checks
 
 
 def params(*selectors):
-    """pytest params over the small specs that have every one of ``selectors`` (attribute names)."""
+    """pytest params over the small specs that have every one of ``selectors`` (attribute names). A spec's checks
+    run in one xdist worker (``--dist loadgroup``), so they share its compiled functions."""
     chosen = [s for s in SPECS if all(getattr(s, attr) for attr in selectors)]
-    return pytest.mark.parametrize("spec", chosen, ids=[s.name for s in chosen])
+    return pytest.mark.parametrize("spec", [pytest.param(s, id=s.name, marks=pytest.mark.xdist_group(s.name))
+                                            for s in chosen])
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
