@@ -132,14 +132,14 @@ def test_jit_matches_eager(spec):
     assert_same(jitted(spec)(*args), function(spec)(*args))
 
 
-@params()
+@params("batched")
 def test_vmap_matches_a_loop(spec):
     axes = in_axes(spec)
     args = stacked(spec, axes)
     assert_same(jax.jit(jax.vmap(function(spec), in_axes=axes))(*args), loop(jitted(spec), args, axes))
 
 
-@params()
+@params("batched")
 def test_partial_vmap_on_a_trailing_axis_matches_a_loop(spec):
     """Only the last batchable operand is batched, along its last axis."""
     name = spec.batched[-1]
@@ -149,7 +149,7 @@ def test_partial_vmap_on_a_trailing_axis_matches_a_loop(spec):
     assert_same(jax.jit(jax.vmap(function(spec), in_axes=axes))(*args), loop(jitted(spec), args, axes))
 
 
-@params()
+@params("batched")
 def test_nested_vmap_matches_a_loop(spec):
     """vmap of vmap, both over every batchable operand."""
     axes = in_axes(spec)

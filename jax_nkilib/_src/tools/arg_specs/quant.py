@@ -85,7 +85,7 @@ register(
             neuron=lambda rng: (spread(rng, (16, 1024), jnp.bfloat16),),
             bad=BadInput("return_fp8_dtype", lambda _: "float8_e4m3", "return_fp8_dtype")),
     ArgSpec("rmsnorm_mx_quantize_tkg", nki.rmsnorm_mx_quantize_tkg, ("input", "gamma", "residual"),
-            _rmsnorm_mx(8, 1, 512), kernels=("rmsnorm_mx_quantize_tkg",), grad=("input", "gamma", "residual"),
+            _rmsnorm_mx(8, 1, 512, jnp.float32), kernels=("rmsnorm_mx_quantize_tkg",), grad=("input", "gamma", "residual"),
             grad_output=lambda out: (out[0], out[3]), batch=("input", "residual"),
             sharding=Sharding(_DATA, (P("data"), P(), P("data")),
                               (P(None, "data"), P(None, None, "data"), P(None, None, "data"), P("data"))),
