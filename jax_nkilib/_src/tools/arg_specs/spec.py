@@ -19,7 +19,6 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 Builder = Callable[[np.random.Generator], tuple]
 
@@ -70,12 +69,13 @@ class ArgSpec:
       ``check_grads`` is false: a VJP that approximates the gradient, e.g. through MX quantization);
       ``grad_output`` picks the differentiable outputs when some are not (integer, quantized).
     * ``batch``: the operands vmap may batch (``None``: every operand).
-    * ``sharding``: how it runs inside ``jax.shard_map`` (``None``: it does not; say why in ``notes``).
+    * ``sharding``: how it runs inside ``jax.shard_map`` (``None``: not checked for this spec).
     * ``bad``: one invalid input and the error it raises.
     * ``neuron``: operands within the Neuron kernel's limits (a builder like ``build``; ``None``: ``build``'s meet
       them) and ``neuron_kwargs`` (``None``: ``kwargs``), lowered at LNC ``neuron_lnc``, for the lowering check,
       which only traces.
     * ``size``: ``"small"`` (conformance) or ``"realistic"`` (benchmarks, examples).
+    * ``notes``: what a reader should know, e.g. why a check is left out.
     """
 
     name: str
@@ -203,16 +203,6 @@ def integers(value, shape=(1, 1), dtype=jnp.int32):
 def drop_last_axis(x):
     """A bad value: ``x`` with one axis fewer."""
     return x[..., 0]
-
-
-def other_dtype(dtype):
-    """A bad value maker: ``x`` cast to ``dtype``."""
-    return lambda x: jnp.asarray(x).astype(dtype)
-
-
-def every(*names) -> P:
-    """A ``PartitionSpec`` sharding axis 0 over the mesh axes ``names``."""
-    return P(names if len(names) > 1 else names[0])
 
 
 def public_name(fn) -> str:
