@@ -1,16 +1,13 @@
 """jax_nkilib.nki.attention_bwd against the float64 oracle's gradients; vmap; shard_map."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from jax_nkilib.nki import attention_bwd
 from tests.attention.oracle import allowed_mask, attention_rows, attention_rows_grads
 from tests.support.data import random
 from tests.support.numerics import assert_close
-from tests.support.sharding import mesh_1d, shard
 
 
 def problem(bs=2, heads=4, kv_heads=2, d=8, seq=128, dtype=jnp.float32, causal=True, window=0, scale=None,
@@ -57,18 +54,3 @@ def test_sequence_packing_bounds():
     got = attention_bwd(q, k, v, o, dy, lse, None, jnp.asarray(lo), jnp.asarray(hi))
     for g, w in zip(got, want):
         assert_close(g, w, jnp.float32, reduction=128)
-
-
-def test_vmap_and_shard_map():
-    (q, k, v, o, dy, lse, _), _ = problem(bs=8)
-    args = (q, k, v, o, dy, lse)
-    want = attention_bwd(*args, use_causal_mask=True)
-    got = jax.vmap(lambda *a: attention_bwd(*(x[None] for x in a), use_causal_mask=True))(*args)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g[:, 0], w, rtol=1e-5, atol=1e-6)
-    mesh = mesh_1d()
-    specs = (P("data"),) * 6
-    fn = jax.shard_map(lambda *a: attention_bwd(*a, use_causal_mask=True), mesh=mesh, in_specs=specs,
-                       out_specs=(P("data"),) * 3)
-    for g, w in zip(jax.jit(fn)(*shard(mesh, specs, *args)), want):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

@@ -4,14 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 from jax_nkilib.nki import attention_cte
 from tests.attention.oracle import allowed_mask, attention_rows, attention_rows_grads
 from tests.support.data import random
 from tests.support.numerics import assert_close
-from tests.support.sharding import mesh_1d, shard
 
 I32 = jnp.int32
 
@@ -158,18 +156,3 @@ def test_jit_vmap_and_vmap_of_grad():
     ok = allowed_mask(16, 4, 16, prior_used=3, causal=True)
     assert_close(out[1], attention_rows(q, jnp.concatenate([kp, k], 1), jnp.concatenate([vp, v], 1), ok, 1.0)[0],
                  jnp.float32)
-
-
-def test_inside_shard_map_on_8_devices():
-    mesh = mesh_1d()
-    q, k, v, _ = make(b=16, b_kv=8)
-    kt = kernel_layout(k, False)
-    args = shard(mesh, (P("data"),) * 3, q, kt, v)
-    fn = jax.shard_map(lambda a, b, c: attention_cte(a, b, c, scale=0.3), mesh=mesh, in_specs=(P("data"),) * 3,
-                       out_specs=P("data"))
-    out = jax.jit(fn)(*args)
-    assert_close(out, attention_rows(q, k, v, allowed_mask(16, 0, 16, causal=True), 0.3)[0], jnp.float32)
-    grads = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2)))(*args)
-    want = jax.grad(lambda *a: jnp.sum(attention_cte(*a, scale=0.3) ** 2), argnums=(0, 1, 2))(q, kt, v)
-    for got, expected in zip(grads, want):
-        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)

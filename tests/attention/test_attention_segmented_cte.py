@@ -4,8 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
-from jax.test_util import check_grads
 
 import jax_nkilib
 from jax_nkilib.nki import attention_segmented_cte
@@ -13,7 +11,6 @@ from tests.attention.oracle import segmented_cte_oracle
 from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.numerics import assert_close
-from tests.support.sharding import mesh_1d, shard
 
 BLOCK = 4
 
@@ -54,7 +51,7 @@ def test_pre_transposed_keys_and_dequant_scales():
     assert_close(out, want, jnp.float32, reduction=20)
 
 
-def test_runtime_prior_under_jit_vmap_gradients_and_shard_map():
+def test_runtime_prior_under_jit():
     q, k_cache, v_cache, tables = problem(dtype=jnp.float64)
     fn = jax.jit(lambda q_, p: attention_segmented_cte(q_, k_cache, v_cache, tables, p, block_size=BLOCK,
                                                        prior_seg_size=8, num_q_heads=4))
@@ -62,23 +59,6 @@ def test_runtime_prior_under_jit_vmap_gradients_and_shard_map():
         p = jnp.array([[prior]], jnp.int32)
         assert_close(fn(q, p), segmented_cte_oracle(q, k_cache, v_cache, tables, p, block_size=BLOCK, num_q_heads=4),
                      jnp.float64)
-    p = jnp.array([[8]], jnp.int32)
-    batched = jax.vmap(lambda q_, t: attention_segmented_cte(q_, k_cache, v_cache, t, p, block_size=BLOCK,
-                                                             prior_seg_size=8, num_q_heads=4))(
-        jnp.stack([q, -q]), jnp.stack([tables, tables[::-1]]))
-    assert_close(batched[1], segmented_cte_oracle(-q, k_cache, v_cache, tables[::-1], p, block_size=BLOCK,
-                                                  num_q_heads=4), jnp.float64)
-    check_grads(lambda a, b, c: attention_segmented_cte(a, b, c, tables, p, block_size=BLOCK, prior_seg_size=8,
-                                                        num_q_heads=4), (q[:, :4], k_cache, v_cache), order=1,
-                modes=["rev"])
-    mesh = mesh_1d()
-    q8, k8, v8, t8 = problem(bs=8, dtype=jnp.float32)
-    specs = (P("data"), P(), P(), P("data"), P())
-    sharded = jax.shard_map(lambda *a: attention_segmented_cte(*a, block_size=BLOCK, prior_seg_size=8,
-                                                               num_q_heads=4), mesh=mesh, in_specs=specs,
-                            out_specs=P("data"))
-    out = jax.jit(sharded)(*shard(mesh, specs, q8, k8, v8, t8, p))
-    assert_close(out, segmented_cte_oracle(q8, k8, v8, t8, p, block_size=BLOCK, num_q_heads=4), jnp.float32)
 
 
 def test_neuron_lowering():

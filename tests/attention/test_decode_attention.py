@@ -4,14 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from tests.attention.oracle import decode_attention_oracle
 from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.numerics import assert_close
-from tests.support.sharding import mesh_1d, shard
 
 
 def problem(batch=2, s_new=2, heads=4, kv_heads=2, d=8, max_len=16, dtype=jnp.float32):
@@ -46,16 +44,6 @@ def test_jit_generation_loop_and_vmap():
     stacked = jax.vmap(jax_nkilib.decode_attention, in_axes=(0, None, None, None, None, None))(
         jnp.stack([q, -q]), k_new, v_new, k_cache, v_cache, lengths)
     assert_close(stacked[0][1], decode_attention_oracle(-q, k_new, v_new, k_cache, v_cache, lengths), jnp.float32)
-
-
-def test_batch_sharded_inside_shard_map():
-    mesh = mesh_1d()
-    args = problem(batch=8)
-    lengths = jnp.arange(8, dtype=jnp.int32)
-    specs = (P("data"),) * 6
-    fn = jax.shard_map(jax_nkilib.decode_attention, mesh=mesh, in_specs=specs, out_specs=(P("data"),) * 3)
-    out, _, _ = jax.jit(fn)(*shard(mesh, specs, *args, lengths))
-    assert_close(out, decode_attention_oracle(*args, lengths), jnp.float32)
 
 
 def test_neuron_lowering_is_the_tkg_kernel():

@@ -4,6 +4,7 @@ Run:
   python tests/benchmarks/bench_attention.py            # sweep over sequence lengths, ratios ours / jax.nn
   python tests/benchmarks/bench_attention.py --long     # issue 3's bar: seq 32768, 8 heads, head_dim 128, f32
 
+The sweep's heads and head_dim are the arg spec ``attention.realistic``'s (``jax_nkilib/_src/tools/arg_specs``).
 Each measurement runs in a fresh process (peak resident memory is per process), with causal attention, batch 1,
 float32, and the gradient of sum(attention(q, k, v) * dy) with respect to q, k and v.
 """
@@ -60,9 +61,13 @@ def main():
         print(f"jax_nkilib.attention fwd+bwd seq=32768 heads=8 head_dim=128 f32 causal: run_s={result['run_s']:.1f} "
               f"compile_s={result['compile_s']:.1f} peak_rss_gib={result['peak_rss_gib']:.2f}")
         return
-    print("seq    time ratio  memory ratio   (jax_nkilib / jax.nn.dot_product_attention; 8 heads, head_dim 64)")
+    from jax_nkilib._src.tools.arg_specs import arg_spec
+
+    _, _, heads, head_dim = arg_spec("attention.realistic").shapes()[0].shape
+    print(f"seq    time ratio  memory ratio   (jax_nkilib / jax.nn.dot_product_attention; {heads} heads, "
+          f"head_dim {head_dim})")
     for seq in map(int, opts.seqs.split(",")):
-        ours, theirs = in_child("jax_nkilib", seq, 8, 64), in_child("xla", seq, 8, 64)
+        ours, theirs = in_child("jax_nkilib", seq, heads, head_dim), in_child("xla", seq, heads, head_dim)
         if "error" in theirs:
             print(f"{seq:<6} jax_nkilib {ours['run_s']:.2f}s {ours['peak_rss_gib']:.2f} GiB; jax.nn failed: "
                   f"{theirs['error']}")

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import jax_nkilib  # noqa: E402
 from jax_nkilib._src.sharding.sequence_layouts import from_ring_layout, to_ring_layout  # noqa: E402
 from jax_nkilib._src.ops.ring_attention import ring_attention  # noqa: E402
+from jax_nkilib._src.tools.arg_specs import arg_spec  # noqa: E402
 
 DEVICES = 8
 
@@ -55,9 +56,10 @@ def timed(compiled, *args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq", type=int, default=65536, help="total sequence length (default 65536)")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=64)
+    _, seq, heads, head_dim = arg_spec("ring_attention.realistic").shapes()[0].shape
+    parser.add_argument("--seq", type=int, default=seq, help=f"total sequence length (default {seq})")
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--head-dim", type=int, default=head_dim)
     parser.add_argument("--layout", default="zigzag", choices=("zigzag", "striped", "contiguous"))
     opts = parser.parse_args()
     shape = (1, opts.seq, opts.heads, opts.head_dim)

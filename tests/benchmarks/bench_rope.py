@@ -1,6 +1,7 @@
 """Overhead of jitted `jax_nkilib.rope` against a hand-written `jnp` RoPE on this machine (CPU).
 
 Run: python tests/benchmarks/bench_rope.py [--batch 4 --seq 2048 --heads 32 --head-dim 128 --repeats 30]
+(the default sizes are the arg spec ``rope.realistic``'s, see ``jax_nkilib/_src/tools/arg_specs``)
 
 Reports ratios measured in one run (jax_nkilib / jnp): run time (median over interleaved repeats, forward and
 forward+backward) and compile time (median of fresh lower+compile). A ratio of 1.00 means no overhead.
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_nkilib
+from jax_nkilib._src.tools.arg_specs import arg_spec
 
 
 def jnp_rope(x, cos, sin):
@@ -58,10 +60,11 @@ def compile_time_ratio(ours, theirs, args, repeats: int) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--head-dim", type=int, default=128)
+    batch, seq, heads, head_dim = arg_spec("rope.realistic").shapes()[0].shape
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--head-dim", type=int, default=head_dim)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     opts = parser.parse_args()

@@ -88,25 +88,12 @@ def test_gradients_float64():
     assert not np.any(np.asarray(quantized(inp)))
 
 
-def test_jit_vmap_and_shard_map():
-    inp, gamma, res = problem(b=8, s=1, h=512, seed=2)
+def test_vmap_of_gamma_and_gamma_gradient_inside_shard_map():
+    inp, gamma, _ = problem(b=8, s=1, h=512, seed=2)
     fn = lambda a, g, r: rmsnorm_mx_quantize_tkg(a, g, r)  # noqa: E731
-    eager = fn(inp, gamma, res)
-    for got, want in zip(jax.jit(fn)(inp, gamma, res), eager):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    stacked = jnp.stack([inp, -inp])
-    batched = jax.vmap(fn, in_axes=(0, None, 0))(stacked, gamma, jnp.stack([res, res]))  # folds into B
-    for got, want in zip(batched, fn(-inp, gamma, res)):
-        np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want, np.float32))
     gammas = jax.vmap(lambda g: fn(inp, g, None)[1])(jnp.stack([gamma, 2 * gamma]))  # batched gamma: lax.map
     np.testing.assert_array_equal(np.asarray(gammas[1]), np.asarray(fn(inp, 2 * gamma, None)[1]))
     mesh = mesh_1d()
-    specs = (P("data"), P(), P("data"))
-    sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs,
-                                    out_specs=(P(None, "data"), P(None, None, "data"), P(None, None, "data"),
-                                               P("data"))))(*shard(mesh, specs, inp, gamma, res))
-    for got, want in zip(sharded, eager):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     loss = lambda a, g: jnp.sum(rmsnorm_mx_quantize_tkg(a, g)[0].astype(jnp.float32))  # noqa: E731
     grad_gamma = jax.jit(jax.shard_map(jax.grad(loss, argnums=1), mesh=mesh, in_specs=(P("data"), P()),
                                        out_specs=P()))(*shard(mesh, (P("data"), P()), inp, gamma))

@@ -4,14 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_nkilib
 from tests.support.data import random
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text
 from tests.support.numerics import assert_close, assert_no_worse_than_plain
-from tests.support.sharding import mesh_1d, shard
 
 
 def rms_oracle(x, weight=None, eps=1e-6):
@@ -111,36 +109,6 @@ def test_gradient_matches_oracle_gradient():
         numeric = np.sum(np.asarray(g) * (oracle(plus, w) - oracle(minus, w))) / (2 * eps)
         np.testing.assert_allclose(dx[idx], numeric, rtol=1e-6, atol=1e-8)
         np.testing.assert_allclose(dw, np.sum(np.asarray(g) * (oracle(x, w) / np.asarray(w)), axis=0), rtol=1e-8)
-
-
-def test_jit_vmap_nested_and_vmap_of_grad():
-    x, w = random((2, 5, 256)), random((256,), seed=1)
-    xs = jnp.stack([x, -2 * x, x[:, ::-1]])
-    for op, oracle in ((jax_nkilib.rms_norm, rms_oracle), (jax_nkilib.layer_norm, layer_oracle)):
-        out = jax.jit(jax.vmap(op, in_axes=(0, None)))(xs, w)
-        assert_close(out[1], oracle(xs[1], w), jnp.float32, reduction=256)
-        nested = jax.vmap(jax.vmap(op, in_axes=(0, None)), in_axes=(0, None))(xs, w)
-        assert_close(nested, oracle(xs, w), jnp.float32, reduction=256)
-        ws = jnp.stack([w, 0.5 * w])
-        per_w = jax.vmap(op, in_axes=(None, 0))(x, ws)
-        assert_close(per_w[1], oracle(x, ws[1]), jnp.float32, reduction=256)
-        loss = lambda a, c: jnp.sum(op(a, c) ** 3)  # noqa: E731
-        grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None)))(xs, w)
-        for i in range(3):
-            for got, want in zip(grads, jax.jit(jax.grad(loss, argnums=(0, 1)))(xs[i], w)):
-                np.testing.assert_allclose(got[i], want, rtol=2e-4, atol=2e-4)
-
-
-def test_batch_sharded_inside_shard_map():
-    mesh = mesh_1d()
-    x, w = random((8, 3, 256)), random((256,), seed=1)
-    for op, oracle in ((jax_nkilib.rms_norm, rms_oracle), (jax_nkilib.layer_norm, layer_oracle)):
-        fn = jax.shard_map(op, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
-        args = shard(mesh, (P("data"), P()), x, w)
-        assert_close(jax.jit(fn)(*args), oracle(x, w), jnp.float32, reduction=256)
-        loss = lambda f: jax.jit(jax.grad(lambda a, c: jnp.sum(f(a, c) ** 2), argnums=(0, 1)))  # noqa: E731
-        for got, want in zip(loss(fn)(*args), loss(op)(x, w)):
-            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_neuron_lowering_is_one_kernel_and_layout_glue():

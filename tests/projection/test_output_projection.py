@@ -6,8 +6,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
-from jax.test_util import check_grads
 
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
@@ -15,7 +13,6 @@ from jax_nkilib.nki import QuantizationType, output_projection_cte, output_proje
 from tests.support.data import random
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text
 from tests.support.numerics import assert_close
-from tests.support.sharding import mesh_1d, shard
 
 E4M3, E4M3FN = jnp.float8_e4m3, jnp.float8_e4m3fn
 
@@ -161,35 +158,12 @@ def test_jit_vmap_and_nested_vmap():
     np.testing.assert_allclose(nested[1, 2], output_projection_tkg(tkg_layout(stack[2]), w, bias), rtol=1e-6)
 
 
-def test_gradients_float64_and_vmap_of_grad():
-    a, w, bias = (x.astype(jnp.float64) for x in problem(2, 3, 2, 3, 4))
-    check_grads(lambda x, y, z: output_projection_cte(cte_layout(x), y, z), (a, w, bias), order=1, modes=["rev"])
-    check_grads(lambda x, y, z: output_projection_tkg(tkg_layout(x), y, z), (a, w, bias), order=2, modes=["rev"])
-    grad = jax.grad(lambda x: jnp.sum(output_projection_tkg(tkg_layout(x), w) ** 2))
-    batched = jax.vmap(grad)(jnp.stack([a, 2 * a]))
-    np.testing.assert_allclose(batched[1], grad(2 * a), rtol=1e-12)
-
-
 def test_fp8_weights_get_no_cotangent_and_the_attention_does():
     a, w = _exact_fp8_problem(jnp.float32, E4M3FN)
     scales = jnp.full((128, 1), 0.5, jnp.float32), jnp.full((128, 1), 0.125, jnp.float32)
     g = jax.grad(lambda x: jnp.sum(output_projection_cte(cte_layout(x), w, None, *scales,
                                                          quantization_type="STATIC")))(a + 0.01)
     assert g.shape == a.shape and np.isfinite(np.asarray(g)).all()
-
-
-def test_shard_map_over_the_batch():
-    mesh = mesh_1d()
-    a, w, bias = problem(b=8, s=3)
-    specs = (P("data"), P(), P())
-    fn = jax.shard_map(lambda x, y, z: output_projection_cte(cte_layout(x), y, z), mesh=mesh, in_specs=specs,
-                       out_specs=P("data"))
-    got = jax.jit(fn)(*shard(mesh, specs, a, w, bias))
-    assert_close(got, projection_oracle(a, w, bias), jnp.float32, reduction=12)
-    fn = jax.shard_map(lambda x, y, z: output_projection_tkg(tkg_layout(x), y, z), mesh=mesh, in_specs=specs,
-                       out_specs=P("data"))
-    got = jax.jit(fn)(*shard(mesh, specs, a, w, bias))
-    assert_close(got.reshape(8, 3, 7), projection_oracle(a, w, bias), jnp.float32, reduction=12)
 
 
 # ----------------------------------------------------------------------------------------------------- Neuron

@@ -75,14 +75,6 @@ def test_output_projection_neuron_lowering(seq, kernel, transposes):
                                                                             "stablehlo.reshape"}
 
 
-def test_output_projection_shard_map():
-    mesh = mesh_1d()
-    attn, w = random((8, 2, 3, 4), jnp.float32, 0), random((12, 6), jnp.float32, 1)
-    fn = jax.shard_map(output_projection, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
-    got = jax.jit(fn)(*shard(mesh, (P("data"), P()), attn, w))
-    assert_close(got, projection_oracle(attn, w), jnp.float32, reduction=12)
-
-
 @pytest.mark.parametrize("args, error, fragment", [
     ((jnp.zeros((2, 3, 4)), jnp.zeros((4, 5))), ValueError, "`attn` must be [batch, seq, heads, head_dim]"),
     ((jnp.zeros((2, 3, 2, 4)), jnp.zeros((7, 5))), ValueError, "`w` must be [heads * head_dim, hidden] = [8, hidden]"),

