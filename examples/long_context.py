@@ -31,9 +31,11 @@ def memory_bytes(compiled) -> int:
 
 def loss_and_grads(attend):
     """``sum(attend(q, k, v) * dy)`` and its gradients in q, k, v."""
+
     def run(q, k, v, dy):
         out, pullback = jax.vjp(attend, q, k, v)
         return (out, *pullback(dy))
+
     return run
 
 
@@ -47,22 +49,30 @@ def main(seq: int = 8192):
         return loss_and_grads(lambda *a: jax_nkilib.ring_attention(*a, axis_name="seq", layout="zigzag"))(q, k, v, dy)
 
     ring = jax.jit(jax.shard_map(ring_body, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))
-    zigzag = [jax.device_put(jax_nkilib.to_ring_layout(x, layout="zigzag", axis_size=DEVICES),
-                             NamedSharding(mesh, spec)) for x in (q, k, v, dy)]
+    zigzag = [
+        jax.device_put(jax_nkilib.to_ring_layout(x, layout="zigzag", axis_size=DEVICES), NamedSharding(mesh, spec))
+        for x in (q, k, v, dy)
+    ]
     ring_results = [jax_nkilib.from_ring_layout(x, layout="zigzag", axis_size=DEVICES) for x in ring(*zigzag)]
 
     single = jax.jit(loss_and_grads(jax_nkilib.attention))
     single_results = single(q, k, v, dy)
 
-    errors = {name: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-              for name, a, b in zip(("out", "dq", "dk", "dv"), ring_results, single_results)}
+    errors = {
+        name: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), ring_results, single_results)
+    }
     ring_memory = memory_bytes(ring.lower(*zigzag).compile())
     single_memory = memory_bytes(single.lower(q, k, v, dy).compile())
     print(f"causal attention, seq {seq}, {HEADS} heads x {HEAD_DIM}, float32, forward + backward")
-    print(f"ring over {DEVICES} devices vs one device, relative difference: "
-          + ", ".join(f"{name} {error:.1e}" for name, error in errors.items()))
-    print(f"per-device memory: ring {ring_memory / 2**20:.1f} MiB, single device {single_memory / 2**20:.1f} MiB "
-          f"(ratio {ring_memory / single_memory:.3f})")
+    print(
+        f"ring over {DEVICES} devices vs one device, relative difference: "
+        + ", ".join(f"{name} {error:.1e}" for name, error in errors.items())
+    )
+    print(
+        f"per-device memory: ring {ring_memory / 2**20:.1f} MiB, single device {single_memory / 2**20:.1f} MiB "
+        f"(ratio {ring_memory / single_memory:.3f})"
+    )
     return {"errors": errors, "memory_ratio": ring_memory / single_memory}
 
 

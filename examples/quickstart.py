@@ -28,13 +28,15 @@ def rotary_tables(seq: int, head_dim: int, base: float = 10000.0):
 def init_params(key):
     keys = jax.random.split(key, 5)
     normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32) * shape[0] ** -0.5  # noqa: E731
-    return {"attn_norm": jnp.ones((MODEL,), jnp.float32),
-            "qkv": normal(keys[0], (MODEL, (HEADS + 2 * KV_HEADS) * HEAD_DIM)),
-            "out": normal(keys[1], (MODEL, MODEL)),
-            "mlp_norm": jnp.ones((MODEL,), jnp.float32),
-            "gate": normal(keys[2], (MODEL, INTERMEDIATE)),
-            "up": normal(keys[3], (MODEL, INTERMEDIATE)),
-            "down": normal(keys[4], (INTERMEDIATE, MODEL))}
+    return {
+        "attn_norm": jnp.ones((MODEL,), jnp.float32),
+        "qkv": normal(keys[0], (MODEL, (HEADS + 2 * KV_HEADS) * HEAD_DIM)),
+        "out": normal(keys[1], (MODEL, MODEL)),
+        "mlp_norm": jnp.ones((MODEL,), jnp.float32),
+        "gate": normal(keys[2], (MODEL, INTERMEDIATE)),
+        "up": normal(keys[3], (MODEL, INTERMEDIATE)),
+        "down": normal(keys[4], (INTERMEDIATE, MODEL)),
+    }
 
 
 def transformer_block(params, x, cos, sin):

@@ -37,18 +37,26 @@ def split_qkv(params):
     """The fused [model, (q + 2 kv) heads * d] projection as (w_q, w_k, w_v), so heads can be split by columns."""
     q_cols, kv_cols = quickstart.HEADS * quickstart.HEAD_DIM, quickstart.KV_HEADS * quickstart.HEAD_DIM
     w = params["qkv"]
-    return {**params, "qkv": (w[:, :q_cols], w[:, q_cols:q_cols + kv_cols], w[:, q_cols + kv_cols:])}
+    return {**params, "qkv": (w[:, :q_cols], w[:, q_cols : q_cols + kv_cols], w[:, q_cols + kv_cols :])}
 
 
 def param_specs():
     """Megatron tensor parallelism over `model`."""
-    return {"attn_norm": P(), "qkv": (P(None, "model"),) * 3, "out": P("model"), "mlp_norm": P(),
-            "gate": P(None, "model"), "up": P(None, "model"), "down": P("model")}
+    return {
+        "attn_norm": P(),
+        "qkv": (P(None, "model"),) * 3,
+        "out": P("model"),
+        "mlp_norm": P(),
+        "gate": P(None, "model"),
+        "up": P(None, "model"),
+        "down": P("model"),
+    }
 
 
 def place(mesh, tree, specs):
-    return jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs,
-                        is_leaf=lambda s: isinstance(s, P))
+    return jax.tree.map(
+        lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), tree, specs, is_leaf=lambda s: isinstance(s, P)
+    )
 
 
 def collective_counts(compiled_text: str) -> dict[str, int]:
@@ -87,12 +95,18 @@ def main():
     print(f"mesh {dict(mesh.shape)}; output {out.shape} sharded as {out.sharding.spec}")
     print(f"relative difference to the unsharded block: {error:.2e}")
     print(f"collectives in the compiled program: {counts}")
-    print(f"Neuron program: {len(calls)} NKI kernel calls inside {neuron_text.count('sdy.manual_computation')} "
-          "manual computations, at per-device shapes:")
+    print(
+        f"Neuron program: {len(calls)} NKI kernel calls inside {neuron_text.count('sdy.manual_computation')} "
+        "manual computations, at per-device shapes:"
+    )
     for name, shapes in calls:
         print(f"  {name}{tuple(tuple(s) for s in shapes)}")
-    return {"error": error, "collectives": counts, "kernels": [name for name, _ in calls],
-            "manual": "sdy.manual_computation" in neuron_text}
+    return {
+        "error": error,
+        "collectives": counts,
+        "kernels": [name for name, _ in calls],
+        "manual": "sdy.manual_computation" in neuron_text,
+    }
 
 
 if __name__ == "__main__":

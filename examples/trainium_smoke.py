@@ -71,13 +71,18 @@ def normal(key, shape, dtype=jnp.bfloat16, scale=1.0):
 def rope_case(devices):
     x = normal(0, (2, 128, 4, 128))
     angle = jnp.arange(128)[:, None] * (10000.0 ** (-jnp.arange(64) / 64))[None, :]
-    return (lambda x, c, s: jax_nkilib.rope(x, c, s)), (x, jnp.cos(angle).astype(jnp.bfloat16),
-                                                        jnp.sin(angle).astype(jnp.bfloat16))
+    return (lambda x, c, s: jax_nkilib.rope(x, c, s)), (
+        x,
+        jnp.cos(angle).astype(jnp.bfloat16),
+        jnp.sin(angle).astype(jnp.bfloat16),
+    )
 
 
 def rmsnorm_quant_case(devices):
-    return (lambda h, w: nki.rmsnorm_quant_kernel(h, w, quantization_type="ROW")), (normal(1, (1, 128, 512)),
-                                                                                     normal(2, (1, 512)))
+    return (lambda h, w: nki.rmsnorm_quant_kernel(h, w, quantization_type="ROW")), (
+        normal(1, (1, 128, 512)),
+        normal(2, (1, 512)),
+    )
 
 
 def attention_case(devices):
@@ -92,15 +97,22 @@ def attention_case(devices):
 
 def mlp_case(devices):
     x = normal(6, (1, 128, 512))
-    gate, up, down = normal(7, (512, 1024), scale=0.05), normal(8, (512, 1024), scale=0.05), normal(9, (1024, 512),
-                                                                                                   scale=0.05)
+    gate, up, down = (
+        normal(7, (512, 1024), scale=0.05),
+        normal(8, (512, 1024), scale=0.05),
+        normal(9, (1024, 512), scale=0.05),
+    )
     return (lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d, activation="silu")), (x, gate, up, down)
 
 
 def all_reduce_case(devices):
     mesh = jax.sharding.Mesh(np.array(devices), ("ranks",))
-    body = jax.shard_map(lambda v: nki.all_reduce_hbm_kernel(v, replica_group="ranks"), mesh=mesh,
-                         in_specs=P("ranks"), out_specs=P("ranks"))
+    body = jax.shard_map(
+        lambda v: nki.all_reduce_hbm_kernel(v, replica_group="ranks"),
+        mesh=mesh,
+        in_specs=P("ranks"),
+        out_specs=P("ranks"),
+    )
     x = jax.device_put(normal(10, (len(devices) * 128, 512)), NamedSharding(mesh, P("ranks")))
     return body, (x,)
 
@@ -151,8 +163,10 @@ def table(rows: list[dict]) -> str:
     lines = [f"{'case':<52} {'LNC':>3} {'compile s':>9} {'error':>10} {'tolerance':>9}  status  kernels"]
     for row in rows:
         error = f"{row['error']:.3g}" if "error" in row else "-"
-        lines.append(f"{row['case']:<52} {row['lnc']:>3} {row.get('compile_s', '-'):>9} {error:>10} "
-                     f"{row.get('tolerance', '-'):>9}  {row['status']:<6}  {row.get('kernels', '')}")
+        lines.append(
+            f"{row['case']:<52} {row['lnc']:>3} {row.get('compile_s', '-'):>9} {error:>10} "
+            f"{row.get('tolerance', '-'):>9}  {row['status']:<6}  {row.get('kernels', '')}"
+        )
         if "detail" in row:
             lines.append(f"    {row['detail']}")
     return "\n".join(lines)
@@ -166,8 +180,10 @@ def main(argv=None) -> int:
     try:
         jax.devices("neuron")
     except RuntimeError as err:
-        print(f"no Neuron device here ({err}); run this on a Trainium instance with the Neuron SDK installed "
-              "(see the README, 'Running on Trainium')")
+        print(
+            f"no Neuron device here ({err}); run this on a Trainium instance with the Neuron SDK installed "
+            "(see the README, 'Running on Trainium')"
+        )
         return 2
     print("Neuron SDK:", jax_nkilib.neuron.installed_versions(), "| jax", jax.__version__, file=sys.stderr)
     if options.lnc is not None:
@@ -176,8 +192,9 @@ def main(argv=None) -> int:
         rows = []
         for lnc in (1, 2):  # one process per degree: neuronx-cc compiles a whole program at one LNC degree
             env = dict(os.environ, NEURON_LOGICAL_NC_CONFIG=str(lnc))
-            done = subprocess.run([sys.executable, __file__, "--lnc", str(lnc), "--json"], env=env,
-                                  capture_output=True, text=True)
+            done = subprocess.run(
+                [sys.executable, __file__, "--lnc", str(lnc), "--json"], env=env, capture_output=True, text=True
+            )
             try:
                 rows += json.loads(done.stdout.strip().splitlines()[-1])
             except (IndexError, json.JSONDecodeError):

@@ -18,9 +18,16 @@ AttnQBatchShardLayout = load("experimental.collectives.batch_shard", "AttnQBatch
 
 
 @nki.jit
-def attn_q_batch_shard(input, iota_workers, gathered_buf=None, rank_id_in=None, gqa_group_size=None,
-                       replica_group=None, q_layout="NBSd"):
+def attn_q_batch_shard(
+    input, iota_workers, gathered_buf=None, rank_id_in=None, gqa_group_size=None, replica_group=None, q_layout="NBSd"
+):
     """The group's heads for this rank's batch slice (``gathered_buf``: the kernel's HBM workspace input)."""
-    return body(_library_batch_shard)(input, iota_workers, gathered_buf, gqa_group_size,
-                                      ReplicaGroup([list(ranks) for ranks in replica_group]),
-                                      layout=AttnQBatchShardLayout[q_layout], rank_id_in=rank_id_in)
+    return body(_library_batch_shard)(
+        input,
+        iota_workers,
+        gathered_buf,
+        gqa_group_size,
+        ReplicaGroup([list(ranks) for ranks in replica_group]),
+        layout=AttnQBatchShardLayout[q_layout],
+        rank_id_in=rank_id_in,
+    )

@@ -31,13 +31,25 @@ def _library_enum(enum_class, value):
 
 
 @nki.jit
-def rmsnorm_quant_kernel(hidden, ln_w=None, input_dequant_scale=None, pre_norm_gamma=None, residual=None,
-                         lower_bound=0.0, norm_type="RMS_NORM", quantization_type="ROW", eps=1e-6,
-                         dtype_mode="NON_OCP"):
+def rmsnorm_quant_kernel(
+    hidden,
+    ln_w=None,
+    input_dequant_scale=None,
+    pre_norm_gamma=None,
+    residual=None,
+    lower_bound=0.0,
+    norm_type="RMS_NORM",
+    quantization_type="ROW",
+    eps=1e-6,
+    dtype_mode="NON_OCP",
+):
     """``out`` (and ``residual_out`` with ``residual``) from the library kernel with ``RmsNormQuantKernelArgs``."""
-    kargs = RmsNormQuantKernelArgs(lower_bound=lower_bound, norm_type=_library_enum(NormType, norm_type),
-                                   quantization_type=_library_enum(QuantizationType, quantization_type),
-                                   eps=eps)
+    kargs = RmsNormQuantKernelArgs(
+        lower_bound=lower_bound,
+        norm_type=_library_enum(NormType, norm_type),
+        quantization_type=_library_enum(QuantizationType, quantization_type),
+        eps=eps,
+    )
     newer = {}
     if pre_norm_gamma is not None:
         newer["pre_norm_gamma"] = pre_norm_gamma
@@ -49,14 +61,30 @@ def rmsnorm_quant_kernel(hidden, ln_w=None, input_dequant_scale=None, pre_norm_g
 
 
 @nki.jit
-def rmsnorm_tkg(input, gamma, eps=1e-6, hidden_actual=None, hidden_dim_tp=False, single_core_forced=False,
-                shard_on_h=False, use_heap_memory=False):
+def rmsnorm_tkg(
+    input,
+    gamma,
+    eps=1e-6,
+    hidden_actual=None,
+    hidden_dim_tp=False,
+    single_core_forced=False,
+    shard_on_h=False,
+    use_heap_memory=False,
+):
     """``out [128, B*S, H/128]`` in HBM from the ``rmsnorm_tkg`` subkernel."""
     batch, seq, hidden = input.shape
     out = nl.ndarray((P_MAX, batch * seq, hidden // P_MAX), dtype=input.dtype, buffer=nl.shared_hbm)
-    _library_rmsnorm_tkg(input, gamma, out, eps=eps, hidden_actual=hidden_actual, hidden_dim_tp=hidden_dim_tp,
-                         single_core_forced=single_core_forced, shard_on_h=shard_on_h,
-                         use_heap_memory=use_heap_memory)
+    _library_rmsnorm_tkg(
+        input,
+        gamma,
+        out,
+        eps=eps,
+        hidden_actual=hidden_actual,
+        hidden_dim_tp=hidden_dim_tp,
+        single_core_forced=single_core_forced,
+        shard_on_h=shard_on_h,
+        use_heap_memory=use_heap_memory,
+    )
     return out
 
 
@@ -65,6 +93,7 @@ def layernorm_tkg(input, gamma, beta=None, eps=1e-6, shard_on_h=False, use_heap_
     """``out [128, B*S, H/128]`` in HBM from the ``layernorm_tkg`` subkernel."""
     batch, seq, hidden = input.shape
     out = nl.ndarray((P_MAX, batch * seq, hidden // P_MAX), dtype=input.dtype, buffer=nl.shared_hbm)
-    _library_layernorm_tkg(input, gamma, out, beta=beta, eps=eps, shard_on_h=shard_on_h,
-                           use_heap_memory=use_heap_memory)
+    _library_layernorm_tkg(
+        input, gamma, out, beta=beta, eps=eps, shard_on_h=shard_on_h, use_heap_memory=use_heap_memory
+    )
     return out

@@ -34,41 +34,96 @@ def _config(fields, m, k, n):
 
 
 @nki.jit
-def matmul_mxfp8(lhs, rhs, lhs_scales=None, rhs_scales=None, TILES_IN_BLOCK_M=None, TILES_IN_BLOCK_N=None,
-                 TILES_IN_BLOCK_K=None, TILES_IN_LOAD_M=None, TILES_IN_LOAD_N=None,
-                 lhs_matmul_tile_shape_logical=None, rhs_matmul_tile_shape_logical=None, block_loop_order="mnk",
-                 tile_loop_order="mnk", float8_dtype="float8_e5m2", output_dtype=None, run_with_lnc2=True,
-                 lnc_2_shard_rhs=None, use_scale_packing=False, spill_reload=False, lhs_is_swizzled=True,
-                 rhs_is_swizzled=True, quant_scheme="wrapX"):
+def matmul_mxfp8(
+    lhs,
+    rhs,
+    lhs_scales=None,
+    rhs_scales=None,
+    TILES_IN_BLOCK_M=None,
+    TILES_IN_BLOCK_N=None,
+    TILES_IN_BLOCK_K=None,
+    TILES_IN_LOAD_M=None,
+    TILES_IN_LOAD_N=None,
+    lhs_matmul_tile_shape_logical=None,
+    rhs_matmul_tile_shape_logical=None,
+    block_loop_order="mnk",
+    tile_loop_order="mnk",
+    float8_dtype="float8_e5m2",
+    output_dtype=None,
+    run_with_lnc2=True,
+    lnc_2_shard_rhs=None,
+    use_scale_packing=False,
+    spill_reload=False,
+    lhs_is_swizzled=True,
+    rhs_is_swizzled=True,
+    quant_scheme="wrapX",
+):
     """``out [M, N]`` from the library's ``matmul_mxfp8``."""
     newer = {} if quant_scheme == "wrapX" else {"quant_scheme": quant_scheme}
     return _library_matmul(
-        lhs, rhs, TILES_IN_BLOCK_M=TILES_IN_BLOCK_M, TILES_IN_BLOCK_N=TILES_IN_BLOCK_N,
-        TILES_IN_BLOCK_K=TILES_IN_BLOCK_K, TILES_IN_LOAD_M=TILES_IN_LOAD_M, TILES_IN_LOAD_N=TILES_IN_LOAD_N,
+        lhs,
+        rhs,
+        TILES_IN_BLOCK_M=TILES_IN_BLOCK_M,
+        TILES_IN_BLOCK_N=TILES_IN_BLOCK_N,
+        TILES_IN_BLOCK_K=TILES_IN_BLOCK_K,
+        TILES_IN_LOAD_M=TILES_IN_LOAD_M,
+        TILES_IN_LOAD_N=TILES_IN_LOAD_N,
         lhs_matmul_tile_shape_logical=lhs_matmul_tile_shape_logical,
-        rhs_matmul_tile_shape_logical=rhs_matmul_tile_shape_logical, block_loop_order=block_loop_order,
-        tile_loop_order=tile_loop_order, float8_dtype=float8_dtype,
-        output_dtype=nl.bfloat16 if output_dtype is None else output_dtype, run_with_lnc2=run_with_lnc2,
-        lnc_2_shard_rhs=lnc_2_shard_rhs, lhs_scales=lhs_scales, rhs_scales=rhs_scales,
-        use_scale_packing=use_scale_packing, spill_reload=spill_reload, lhs_is_swizzled=lhs_is_swizzled,
-        rhs_is_swizzled=rhs_is_swizzled, **newer)
+        rhs_matmul_tile_shape_logical=rhs_matmul_tile_shape_logical,
+        block_loop_order=block_loop_order,
+        tile_loop_order=tile_loop_order,
+        float8_dtype=float8_dtype,
+        output_dtype=nl.bfloat16 if output_dtype is None else output_dtype,
+        run_with_lnc2=run_with_lnc2,
+        lnc_2_shard_rhs=lnc_2_shard_rhs,
+        lhs_scales=lhs_scales,
+        rhs_scales=rhs_scales,
+        use_scale_packing=use_scale_packing,
+        spill_reload=spill_reload,
+        lhs_is_swizzled=lhs_is_swizzled,
+        rhs_is_swizzled=rhs_is_swizzled,
+        **newer,
+    )
 
 
 @nki.jit
-def matmul_mxfp8_backward(output_grad, weights, input_activation, input_grad_config=None, weight_grad_config=None,
-                          tile_loop_order="mnk", float8_dtype="float8_e5m2", output_dtype=None, run_with_lnc2=True,
-                          lnc_2_shard_rhs=True, use_scale_packing=False, spill_reload=False,
-                          output_grad_is_swizzled=False, weights_is_swizzled=False, input_is_swizzled=False):
+def matmul_mxfp8_backward(
+    output_grad,
+    weights,
+    input_activation,
+    input_grad_config=None,
+    weight_grad_config=None,
+    tile_loop_order="mnk",
+    float8_dtype="float8_e5m2",
+    output_dtype=None,
+    run_with_lnc2=True,
+    lnc_2_shard_rhs=True,
+    use_scale_packing=False,
+    spill_reload=False,
+    output_grad_is_swizzled=False,
+    weights_is_swizzled=False,
+    input_is_swizzled=False,
+):
     """``(input_grad [M, K], weight_grad [N, K])`` from the library's ``matmul_mxfp8_backward``."""
     m, n = output_grad.shape
     k = weights.shape[1]
     return _library_backward(
-        output_grad, weights, input_activation, input_grad_config=_config(input_grad_config, m, n, k),
-        weight_grad_config=_config(weight_grad_config, n, m, k), tile_loop_order=tile_loop_order,
-        float8_dtype=float8_dtype, output_dtype=nl.bfloat16 if output_dtype is None else output_dtype,
-        run_with_lnc2=run_with_lnc2, lnc_2_shard_rhs=lnc_2_shard_rhs, use_scale_packing=use_scale_packing,
-        spill_reload=spill_reload, output_grad_is_swizzled=output_grad_is_swizzled,
-        weights_is_swizzled=weights_is_swizzled, input_is_swizzled=input_is_swizzled)
+        output_grad,
+        weights,
+        input_activation,
+        input_grad_config=_config(input_grad_config, m, n, k),
+        weight_grad_config=_config(weight_grad_config, n, m, k),
+        tile_loop_order=tile_loop_order,
+        float8_dtype=float8_dtype,
+        output_dtype=nl.bfloat16 if output_dtype is None else output_dtype,
+        run_with_lnc2=run_with_lnc2,
+        lnc_2_shard_rhs=lnc_2_shard_rhs,
+        use_scale_packing=use_scale_packing,
+        spill_reload=spill_reload,
+        output_grad_is_swizzled=output_grad_is_swizzled,
+        weights_is_swizzled=weights_is_swizzled,
+        input_is_swizzled=input_is_swizzled,
+    )
 
 
 def _nl_dtype(dtype):
@@ -94,8 +149,11 @@ def _to_hbm(tile):
 def static_quantization(hidden_state, input_dequant_scale, quant_scale=None, dtype="float8_e4m3fn"):
     """``(quantized [P, F], input_dequant_scale [P, 1])`` from the library's ``static_quantization``."""
     quantized, passed_scale = _static_quantization(
-        _to_sbuf(hidden_state), _to_sbuf(input_dequant_scale),
-        quant_scale=None if quant_scale is None else _to_sbuf(quant_scale), dtype=_nl_dtype(dtype))
+        _to_sbuf(hidden_state),
+        _to_sbuf(input_dequant_scale),
+        quant_scale=None if quant_scale is None else _to_sbuf(quant_scale),
+        dtype=_nl_dtype(dtype),
+    )
     return _to_hbm(quantized), _to_hbm(passed_scale)
 
 
@@ -104,7 +162,8 @@ def row_quantization(hidden_state, dtype="float8_e4m3fn", output_dtype=None):
     """``(quantized, dequant_scale)`` from the library's ``row_quantization``: ``[P, F]`` and ``[P, 1]``, or
     ``[P0, BxS, F0]`` and ``[P0, BxS, 1]``."""
     quantized, dequant_scale = _row_quantization(
-        _to_sbuf(hidden_state), dtype=_nl_dtype(dtype), output_dtype=_nl_dtype(output_dtype))
+        _to_sbuf(hidden_state), dtype=_nl_dtype(dtype), output_dtype=_nl_dtype(output_dtype)
+    )
     return _to_hbm(quantized), _to_hbm(dequant_scale)
 
 

@@ -5,10 +5,19 @@ import numpy as np
 from tests.support.numerics import f64  # noqa: F401  (oracles and their tests use it)
 
 
-
-
-def allowed_mask(seq_q, n_prior, seq_k, *, prior_used=None, q_base=0, q_stride=1, causal=False, window=0,
-                 bound_min=None, bound_max=None):
+def allowed_mask(
+    seq_q,
+    n_prior,
+    seq_k,
+    *,
+    prior_used=None,
+    q_base=0,
+    q_stride=1,
+    causal=False,
+    window=0,
+    bound_min=None,
+    bound_max=None,
+):
     """[Sq, S_prior + Sk] booleans: key positions are prior j - prior_used (valid j < prior_used), then 0.."""
     q_pos = q_base + np.arange(seq_q) * q_stride
     used = n_prior if prior_used is None else prior_used
@@ -21,7 +30,8 @@ def allowed_mask(seq_q, n_prior, seq_k, *, prior_used=None, q_base=0, q_stride=1
         ok &= k_pos[None, :] > q_pos[:, None] - window
     if bound_min is not None:
         ok &= (np.asarray(bound_min).reshape(-1)[:, None] <= k_pos[None, :]) & (
-            k_pos[None, :] < np.asarray(bound_max).reshape(-1)[:, None])
+            k_pos[None, :] < np.asarray(bound_max).reshape(-1)[:, None]
+        )
     return ok
 
 
@@ -35,10 +45,9 @@ def softmax_rows(scores, ok, sink):
     e = np.exp(s - m_safe)
     total = e.sum(-1, keepdims=True)
     p = np.where(total > 0, e / np.where(total > 0, total, 1.0), 0.0)
-    lse = np.where(total[..., 0] > 0, m_safe[..., 0] + np.log(np.where(total[..., 0] > 0, total[..., 0], 1.0)),
-                   np.inf)
+    lse = np.where(total[..., 0] > 0, m_safe[..., 0] + np.log(np.where(total[..., 0] > 0, total[..., 0], 1.0)), np.inf)
     n_sink = 0 if sink is None else sink.shape[-1]
-    return p[..., :s.shape[-1] - n_sink], p[..., s.shape[-1] - n_sink:], lse
+    return p[..., : s.shape[-1] - n_sink], p[..., s.shape[-1] - n_sink :], lse
 
 
 def attention_rows(q, k, v, ok, scale, sink=None):
@@ -92,9 +101,23 @@ def _rotate(x, theta):
     return np.concatenate([z.real, z.imag], axis=-1)
 
 
-def attention_tkg_oracle(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None, rope_pos_ids=None,
-                         start_pos_ids=None, sink=None, *, tp_k_prior=False, use_pos_id=False, fuse_rope=False,
-                         curr_sprior=None):
+def attention_tkg_oracle(
+    q,
+    k_active,
+    v_active,
+    k_prior,
+    v_prior,
+    mask,
+    inv_freqs=None,
+    rope_pos_ids=None,
+    start_pos_ids=None,
+    sink=None,
+    *,
+    tp_k_prior=False,
+    use_pos_id=False,
+    fuse_rope=False,
+    curr_sprior=None,
+):
     """attention_tkg on a flat cache, one query at a time: (out [B, H, d, s_a], k_out [B, 1, d, s_a])."""
     q, ka, va, kp, vp = (f64(x) for x in (q, k_active, v_active, k_prior, v_prior))
     batch, heads, s_active, d = q.shape
@@ -106,7 +129,7 @@ def attention_tkg_oracle(q, k_active, v_active, k_prior, v_prior, mask, inv_freq
         ka = _rotate(ka, theta)
     keys = (kp[:batch, 0] if tp_k_prior else np.swapaxes(kp[:batch, 0], 1, 2))[:, :s_prior].copy()
     values = vp[:batch, 0, :s_prior].copy()
-    keys[:, s_prior - s_active:], values[:, s_prior - s_active:] = ka, va[:, 0]
+    keys[:, s_prior - s_active :], values[:, s_prior - s_active :] = ka, va[:, 0]
     out = np.zeros((batch, heads, d, s_active))
     for b in range(batch):
         for i in range(s_active):
@@ -118,7 +141,7 @@ def attention_tkg_oracle(q, k_active, v_active, k_prior, v_prior, mask, inv_freq
                 else:
                     start = float(start_pos_ids[b, i])
                     visible = ((slots >= start) & (slots < end)) if start <= end else ((slots >= start) | (slots < end))
-                visible[s_prior - s_active:] = np.arange(s_active) <= i
+                visible[s_prior - s_active :] = np.arange(s_active) <= i
             for h in range(heads):
                 row_visible = visible if use_pos_id else np.asarray(mask)[:, b, h, i] != 0
                 logits = list(keys[b][row_visible] @ q[b, h, i])
@@ -146,16 +169,27 @@ def decode_attention_oracle(q, k_new, v_new, k_cache, v_cache, cache_len, scale=
         for h in range(heads):
             kv = h // groups
             for i in range(s_new):
-                keys = np.concatenate([k_cache[b, kv, :n], k_new[b, :i + 1, kv]])
-                values = np.concatenate([v_cache[b, kv, :n], v_new[b, :i + 1, kv]])
+                keys = np.concatenate([k_cache[b, kv, :n], k_new[b, : i + 1, kv]])
+                values = np.concatenate([v_cache[b, kv, :n], v_new[b, : i + 1, kv]])
                 logits = scale * keys @ q[b, i, h]
                 p = np.exp(logits - logits.max())
                 out[b, i, h] = (p / p.sum()) @ values
     return out
 
 
-def segmented_cte_oracle(q, k_cache, v_cache, block_tables, prior_tokens, *, block_size, num_q_heads, scale=1.0,
-                         sliding_window=None, sink=None):
+def segmented_cte_oracle(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    prior_tokens,
+    *,
+    block_size,
+    num_q_heads,
+    scale=1.0,
+    sliding_window=None,
+    sink=None,
+):
     """attention_segmented_cte per query row: the sequence's first (prior + Sq) / block_size pages, positions t;
     query i at prior + i sees t <= prior + i (and t > prior + i - window)."""
     q, k_cache, v_cache = f64(q), f64(k_cache), f64(v_cache)
@@ -198,8 +232,7 @@ def block_rows(natural, reduced_block_len):
     return rows
 
 
-def block_attention_tkg_oracle(q, k_active, v_active, k_pool, v_pool, table, mask_rows, reduced_block_len,
-                               sink=None):
+def block_attention_tkg_oracle(q, k_active, v_active, k_pool, v_pool, table, mask_rows, reduced_block_len, sink=None):
     """attention_tkg on a block KV cache with a given mask in block order: row b's flat cache is its blocks
     table[b, :] concatenated; the mask rows are put back in slot order. Returns out [B, H, d, s_a]."""
     table = np.asarray(table).astype(np.int64)

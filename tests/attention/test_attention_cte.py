@@ -52,8 +52,9 @@ def test_forward_matches_oracle(name, dtype):
 @pytest.mark.parametrize("tp_q, tp_k, tp_out", [(False, True, True), (True, True, False), (False, False, True)])
 def test_transpose_flags(tp_q, tp_k, tp_out):
     q, k, v, _ = make()
-    out = attention_cte(kernel_layout(q, tp_q), kernel_layout(k, tp_k), v, scale=0.3, tp_q=tp_q, tp_k=tp_k,
-                        tp_out=tp_out)
+    out = attention_cte(
+        kernel_layout(q, tp_q), kernel_layout(k, tp_k), v, scale=0.3, tp_q=tp_q, tp_k=tp_k, tp_out=tp_out
+    )
     want = attention_rows(q, k, v, allowed_mask(16, 0, 16, causal=True), 0.3)[0]
     assert_close(out, kernel_layout(jnp.asarray(want), not tp_out), jnp.float32)
 
@@ -67,8 +68,14 @@ def test_sink_prefix_and_context_parallel():
     want = attention_rows(q, jnp.concatenate([kp, k], 1), jnp.concatenate([vp, v], 1), ok, 1.0, sink)[0]
     assert_close(out, want, jnp.float32)
     for strided, offset in ((False, 8), (True, 1)):
-        out = attention_cte(q[:, :4], kernel_layout(k, False), v, cp_offset=jnp.array([[offset]], I32),
-                            global_cp_deg=4, cp_strided_q_slicing=strided)
+        out = attention_cte(
+            q[:, :4],
+            kernel_layout(k, False),
+            v,
+            cp_offset=jnp.array([[offset]], I32),
+            global_cp_deg=4,
+            cp_strided_q_slicing=strided,
+        )
         ok = allowed_mask(4, 0, 16, q_base=offset, q_stride=4 if strided else 1, causal=True)
         assert_close(out, attention_rows(q[:, :4], k, v, ok, 1.0)[0], jnp.float32)
 
@@ -96,25 +103,41 @@ def test_cache_softmax_statistics():
     lse = m + np.log(np.exp(s - m[..., None]).sum(-1))
     np.testing.assert_allclose(-neg_max[:, :, 0], m, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(-(neg_max + jnp.log(recip))[:, :, 0], lse, rtol=1e-5, atol=1e-5)
-    (bf16_stats,) = attention_cte(q, kernel_layout(k, False), v, cache_softmax=True,
-                                  softmax_dtype=jnp.bfloat16)[1:2]
+    (bf16_stats,) = attention_cte(q, kernel_layout(k, False), v, cache_softmax=True, softmax_dtype=jnp.bfloat16)[1:2]
     assert bf16_stats.dtype == jnp.bfloat16
 
 
 @pytest.mark.parametrize("name", ["causal", "window", "rectangular"])
 def test_gradients_float64(name):
     make_kw, call_kw, _ = CASES[name]
-    q, k, v, _ = make(dtype=jnp.float64, b=2, b_kv=1, d=4, **{**make_kw, "sq": min(make_kw.get("sq", 6), 6),
-                                                                   "sk": min(make_kw.get("sk", 6), 9)})
+    q, k, v, _ = make(
+        dtype=jnp.float64,
+        b=2,
+        b_kv=1,
+        d=4,
+        **{**make_kw, "sq": min(make_kw.get("sq", 6), 6), "sk": min(make_kw.get("sk", 6), 9)},
+    )
     sink = random((2, 1), jnp.float64, 5)
-    check_grads(lambda a, b, c, s: attention_cte(a, b, c, sink=s, **call_kw), (q, kernel_layout(k, False), v, sink),
-                order=1, modes=["rev"])
+    check_grads(
+        lambda a, b, c, s: attention_cte(a, b, c, sink=s, **call_kw),
+        (q, kernel_layout(k, False), v, sink),
+        order=1,
+        modes=["rev"],
+    )
 
 
 def test_gradients_with_prefix_and_context_parallel_float64():
     q, k, v, (kp, vp) = make(dtype=jnp.float64, b=2, b_kv=1, sq=4, sk=6, d=4, s_prior=3)
-    fn = lambda a, b, c, d_, e: attention_cte(a, b, c, d_, e, jnp.array([2], I32),  # noqa: E731
-                                              cp_offset=jnp.array([[2]], I32), global_cp_deg=2)
+    fn = lambda a, b, c, d_, e: attention_cte(
+        a,
+        b,
+        c,
+        d_,
+        e,
+        jnp.array([2], I32),  # noqa: E731
+        cp_offset=jnp.array([[2]], I32),
+        global_cp_deg=2,
+    )
     check_grads(fn, (q, kernel_layout(k, False), v, kernel_layout(kp, False), vp), order=1, modes=["rev"])
 
 
@@ -126,8 +149,7 @@ def test_kernel_backward_matches_oracle_gradients(sink):
     dy = random(q.shape, jnp.float32, 4)
     _, vjp = jax.vjp(lambda a, b, c, t: attention_cte(a, b, c, sink=t, scale=0.3), q, kernel_layout(k, False), v, s)
     dq, dk, dv, dsink = vjp(dy)
-    want = attention_rows_grads(q, k, v, allowed_mask(128, 0, 128, causal=True), 0.3, dy,
-                                None if s is None else s)
+    want = attention_rows_grads(q, k, v, allowed_mask(128, 0, 128, causal=True), 0.3, dy, None if s is None else s)
     assert_close(dq, want[0], jnp.float32, reduction=128)
     assert_close(jnp.swapaxes(dk, 1, 2), want[1], jnp.float32, reduction=256)
     assert_close(dv, want[2], jnp.float32, reduction=256)

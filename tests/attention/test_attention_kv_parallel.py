@@ -36,8 +36,9 @@ def problem(dtype=jnp.float32, round_robin=False, cache_dtype=None):
     return q, k_cache, v_cache, tables, offsets, ranks
 
 
-def oracle(q, k_cache, v_cache, tables, offsets, ranks, *, round_robin=False, scale=1.0, window=0, k_scale=None,
-           v_scale=None):
+def oracle(
+    q, k_cache, v_cache, tables, offsets, ranks, *, round_robin=False, scale=1.0, window=0, k_scale=None, v_scale=None
+):
     """float64: every rank's heads attend the union of all ranks' local tokens, each masked by its owner's
     positions (contiguous: local token t at t, query i at offset + i; round-robin: global block b * G + rank)."""
     q, offsets, ranks = (np.asarray(x, np.float64) for x in (q, offsets, ranks))
@@ -67,13 +68,14 @@ def oracle(q, k_cache, v_cache, tables, offsets, ranks, *, round_robin=False, sc
 
 def run(fn, *args, specs=SPECS, out_spec=P("kvp")):
     mesh = mesh_1d("kvp")
-    body = jax.shard_map(fn, mesh=mesh, in_specs=specs[:len(args)], out_specs=out_spec)
+    body = jax.shard_map(fn, mesh=mesh, in_specs=specs[: len(args)], out_specs=out_spec)
     return jax.jit(body)(*shard(mesh, specs, *args))
 
 
 def call(q, k, v, t, o, r=None, ks=None, vs=None, **flags):
-    flags = dict(dict(replica_groups="kvp", group_size=G, block_size=BLOCK, seg_size=S, global_q_offset=Q_START),
-                 **flags)
+    flags = dict(
+        dict(replica_groups="kvp", group_size=G, block_size=BLOCK, seg_size=S, global_q_offset=Q_START), **flags
+    )
     return kv_parallel(q, k, v, t, o, r, None, ks, vs, **flags)
 
 
@@ -101,8 +103,7 @@ def test_fp8_packed_cache_with_scales(fp8):
     k_packed = jnp.swapaxes(k_cache.reshape(G * N_BLOCKS, 1, BLOCK // 2, 2, D), 3, 4)
     k_scale = jnp.asarray(np.linspace(0.5, 1.5, 128)[:, None], jnp.float32)
     v_scale = jnp.full((128, 1), 0.75, jnp.float32)
-    out = run(functools.partial(call, fp8_packed=True), q, k_packed, v_cache, tables, offsets, ranks, k_scale,
-              v_scale)
+    out = run(functools.partial(call, fp8_packed=True), q, k_packed, v_cache, tables, offsets, ranks, k_scale, v_scale)
     want = oracle(q, k_cache, v_cache, tables, offsets, ranks, k_scale=k_scale, v_scale=v_scale)
     assert_close(out, want, jnp.bfloat16, reduction=G * LOCAL)
 
@@ -116,17 +117,18 @@ def test_rows_seeing_no_key_are_zero():
 
 def test_vmap_and_gradients_inside_shard_map():
     q, k, v, t, o, r = problem(jnp.float64)
-    batched = run(lambda q_, *rest: jax.vmap(lambda x: call(x, *rest))(q_.reshape(2, 1, S, D)).reshape(QH, S, D),
-                  q, k, v, t, o, r)
+    batched = run(
+        lambda q_, *rest: jax.vmap(lambda x: call(x, *rest))(q_.reshape(2, 1, S, D)).reshape(QH, S, D), q, k, v, t, o, r
+    )
     assert_close(batched, oracle(q, k, v, t, o, r), jnp.float64, reduction=G * LOCAL)
     mesh = mesh_1d("kvp")
     placed = shard(mesh, SPECS, q, k, v, t, o, r)
 
     def loss(q_, k_, v_):
-        body = jax.shard_map(lambda a, b, c, *rest: call(a, b, c, *rest), mesh=mesh, in_specs=SPECS[:6],
-                             out_specs=P("kvp"))
-        return body(*(reshard(x, NamedSharding(mesh, spec)) for x, spec in zip((q_, k_, v_), SPECS)),
-                    *placed[3:])
+        body = jax.shard_map(
+            lambda a, b, c, *rest: call(a, b, c, *rest), mesh=mesh, in_specs=SPECS[:6], out_specs=P("kvp")
+        )
+        return body(*(reshard(x, NamedSharding(mesh, spec)) for x, spec in zip((q_, k_, v_), SPECS)), *placed[3:])
 
     check_grads(jax.jit(loss), placed[:3], order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
 
@@ -135,9 +137,8 @@ def test_neuron_lowering_is_one_collective_kernel_call_with_rank_lists():
     mesh = make_mesh((4, 2), ("kvp", "tp"))
     q, k, v, t, o, r = problem()
     specs = (P(("kvp", "tp")), P("kvp"), P("kvp"), P("kvp"), P("kvp"))
-    body = jax.shard_map(functools.partial(call, group_size=4), mesh=mesh, in_specs=specs,
-                         out_specs=P(("kvp", "tp")))
-    args = (q, k[:4 * N_BLOCKS], v[:4 * N_BLOCKS], t[:4], o[:4])
+    body = jax.shard_map(functools.partial(call, group_size=4), mesh=mesh, in_specs=specs, out_specs=P(("kvp", "tp")))
+    args = (q, k[: 4 * N_BLOCKS], v[: 4 * N_BLOCKS], t[:4], o[:4])
     with jax_nkilib.neuron.dry_run():
         text = neuron_text(body, *shard(mesh, specs, *args))
     (cfg,) = kernel_configs(text)
@@ -148,15 +149,18 @@ def test_neuron_lowering_is_one_collective_kernel_call_with_rank_lists():
     assert not {"stablehlo.all_gather", "stablehlo.all_to_all"} & set(operations(text))
 
 
-@pytest.mark.parametrize("flags, error, fragment", [
-    (dict(group_size=4), ValueError, "has 8 ranks"),
-    (dict(replica_groups="nope"), ValueError, "not bound here"),
-    (dict(replica_groups=3), TypeError, "mesh axis name"),
-    (dict(block_size=8), ValueError, "block axis"),
-    (dict(seg_size=6), ValueError, "multiple of block_size"),
-    (dict(kvp_group_size=G, rank=False), ValueError, "kvp_rank_id"),
-    (dict(apc_mode=True), ValueError, "valid_num_prior_tokens"),
-])
+@pytest.mark.parametrize(
+    "flags, error, fragment",
+    [
+        (dict(group_size=4), ValueError, "has 8 ranks"),
+        (dict(replica_groups="nope"), ValueError, "not bound here"),
+        (dict(replica_groups=3), TypeError, "mesh axis name"),
+        (dict(block_size=8), ValueError, "block axis"),
+        (dict(seg_size=6), ValueError, "multiple of block_size"),
+        (dict(kvp_group_size=G, rank=False), ValueError, "kvp_rank_id"),
+        (dict(apc_mode=True), ValueError, "valid_num_prior_tokens"),
+    ],
+)
 def test_bad_inputs(flags, error, fragment):
     q, k, v, t, o, r = problem()
     if not flags.pop("rank", True):

@@ -44,7 +44,9 @@ def mxfp8_oracle(q, k_active, v_active, k_prior, v_prior, mask, table=None):
         keys, values = keys_all[table[b]].reshape(-1, d), values_all[table[b]].reshape(-1, d)
         visible = np.zeros((rows, len(keys)), bool)
         visible[:, :s_prior] = mask[b, :, :s_prior]
-        chunks = [(keys[t:t + CHUNK], values[t:t + CHUNK], visible[:, t:t + CHUNK]) for t in range(0, len(keys), CHUNK)]
+        chunks = [
+            (keys[t : t + CHUNK], values[t : t + CHUNK], visible[:, t : t + CHUNK]) for t in range(0, len(keys), CHUNK)
+        ]
         active = np.zeros((CHUNK, d)), np.zeros((CHUNK, d)), np.zeros((rows, CHUNK), bool)
         active[0][:s_active] = oracle_round_trip(k_active[b], -1)
         active[1][:s_active] = oracle_round_trip(v_active[b], 0)
@@ -93,8 +95,9 @@ def test_matches_oracle(dtype, with_table):
     assert_matches(out, mxfp8_oracle(*args, table))
     if dtype == jnp.float32:  # inputs are read as bfloat16, the kernel's input dtype
         rounded = [a.astype(jnp.bfloat16) for a in args[:3]]
-        np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                      np.asarray(attention_mxfp8_tkg(*rounded, *args[3:], None, table), np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(out, np.float32), np.asarray(attention_mxfp8_tkg(*rounded, *args[3:], None, table), np.float32)
+        )
 
 
 def test_masks_empty_rows_and_no_prior():
@@ -108,8 +111,13 @@ def test_masks_empty_rows_and_no_prior():
     want = mxfp8_oracle(*args)
     assert_matches(out, want)
     assert np.all(np.isfinite(np.asarray(out, np.float32)))
-    values = np.concatenate([oracle_decode_cache(v_prior, "block_len").reshape(-1, D), np.zeros((CHUNK - 2, D)),
-                             oracle_round_trip(bf16(np.asarray(v_active[0], np.float32)), 0)])
+    values = np.concatenate(
+        [
+            oracle_decode_cache(v_prior, "block_len").reshape(-1, D),
+            np.zeros((CHUNK - 2, D)),
+            oracle_round_trip(bf16(np.asarray(v_active[0], np.float32)), 0),
+        ]
+    )
     np.testing.assert_allclose(np.asarray(out[0, 0, 0], np.float32), values.mean(axis=0), atol=2e-3)
     no_prior = (q, k_active, v_active, k_prior, v_prior, jnp.asarray(mask[..., 300:]))  # s_prior = 0
     assert_matches(attention_mxfp8_tkg(*no_prior), mxfp8_oracle(*no_prior))
@@ -132,9 +140,12 @@ def test_inside_shard_map():
     q, k_active, v_active, k_prior, v_prior, mask = problem(batch=8, heads=2, s_active=1, n_blocks=2, s_prior=250)
     table = jnp.asarray(np.random.default_rng(2).integers(0, 2, (8, 2)), jnp.int32)
     specs = (P("data"), P("data"), P("data"), P(), P(), P("data"), P("data"))
-    fn = jax.shard_map(lambda q_, ka, va, kp, vp, m, t: attention_mxfp8_tkg(q_, ka, va, kp, vp, m,
-                                                                             active_blocks_table=t),
-                       mesh=mesh, in_specs=specs, out_specs=P("data"))
+    fn = jax.shard_map(
+        lambda q_, ka, va, kp, vp, m, t: attention_mxfp8_tkg(q_, ka, va, kp, vp, m, active_blocks_table=t),
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=P("data"),
+    )
     out = jax.jit(fn)(*shard(mesh, specs, q, k_active, v_active, k_prior, v_prior, mask, table))
     assert_matches(out, mxfp8_oracle(q, k_active, v_active, k_prior, v_prior, mask, table))
 
@@ -148,8 +159,16 @@ def test_neuron_lowering():
         (cfg,) = kernel_configs(neuron_text(call, q, k_active, v_active, k_prior, v_prior, mask, identity, table))
         assert cfg["func_name"] == "attention_mxfp8_tkg" and cfg["output_names"] == ["out_hbm"]
         assert cfg["entry_point"] == "nkilib.experimental.attention_mxfp8.attention_mxfp8_tkg:attention_mxfp8_tkg"
-        assert cfg["input_names"] == ["q", "k_active", "v_active", "k_prior", "v_prior", "mask", "identity_hbm",
-                                      "active_blocks_table"]
+        assert cfg["input_names"] == [
+            "q",
+            "k_active",
+            "v_active",
+            "k_prior",
+            "v_prior",
+            "mask",
+            "identity_hbm",
+            "active_blocks_table",
+        ]
         with pytest.warns(NeuronFallbackWarning, match="the kernel needs active_blocks_table"):
             text = neuron_text(call, q, k_active, v_active, k_prior, v_prior, mask, identity)
         assert "AwsNeuronCustomNativeKernel" not in text
@@ -160,27 +179,42 @@ def test_neuron_lowering():
 
 def _bad(**changes):
     """Keyword arguments of a small valid call with ``changes`` (callables, so nothing is built at collection)."""
+
     def build():
         q, k_active, v_active, k_prior, v_prior, mask = problem(batch=1, heads=2, n_blocks=2, s_prior=100)
         args = dict(q=q, k_active=k_active, v_active=v_active, k_prior=k_prior, v_prior=v_prior, mask=mask)
         return dict(args, **{name: make() for name, make in changes.items()})
+
     return build
 
 
 BAD = [
-    (_bad(q=lambda: jnp.zeros((1, 2, 2, 64)), k_active=lambda: jnp.zeros((1, 2, 64)),
-          v_active=lambda: jnp.zeros((1, 2, 64))), ValueError, "must have d = 128, fixed by the MXFP8 cache block"),
+    (
+        _bad(
+            q=lambda: jnp.zeros((1, 2, 2, 64)),
+            k_active=lambda: jnp.zeros((1, 2, 64)),
+            v_active=lambda: jnp.zeros((1, 2, 64)),
+        ),
+        ValueError,
+        "must have d = 128, fixed by the MXFP8 cache block",
+    ),
     (_bad(k_prior=lambda: jnp.zeros((2, 32, 128), jnp.float32)), ValueError, "argument `k_prior`"),
-    (_bad(mask=lambda: jnp.ones((1, 2, 2, 1), jnp.uint8)), ValueError,
-     r"mask must be \[B, H, s_active, s_prior \+ s_active\]"),
+    (
+        _bad(mask=lambda: jnp.ones((1, 2, 2, 1), jnp.uint8)),
+        ValueError,
+        r"mask must be \[B, H, s_active, s_prior \+ s_active\]",
+    ),
     (_bad(mask=lambda: jnp.ones((1, 2, 2, 259), jnp.uint8)), ValueError, "0 <= s_prior <= 256"),
     (_bad(mask=lambda: jnp.ones((1, 3, 2, 102), jnp.uint8)), ValueError, "argument `mask`"),
     (_bad(mask=lambda: jnp.ones((1, 2, 2, 102), jnp.int32)), TypeError, "argument `mask` must have dtype"),
     (_bad(k_active=lambda: jnp.zeros((1, 2, 128), jnp.float32)), TypeError, "must share one dtype"),
     (_bad(active_blocks_table=lambda: jnp.zeros((1, 2), jnp.float32)), TypeError, "argument `active_blocks_table`"),
     (_bad(active_blocks_table=lambda: jnp.zeros((2, 2), jnp.int32)), ValueError, "argument `active_blocks_table`"),
-    (_bad(identity_hbm=lambda: jnp.eye(64, dtype=jnp.bfloat16)), ValueError,
-     r"identity_hbm must be a \[>=128, >=128\]"),
+    (
+        _bad(identity_hbm=lambda: jnp.eye(64, dtype=jnp.bfloat16)),
+        ValueError,
+        r"identity_hbm must be a \[>=128, >=128\]",
+    ),
 ]
 
 

@@ -15,8 +15,11 @@ from tests.support.sharding import mesh_1d, shard
 
 
 def qkv(batch=2, sq=16, sk=16, heads=4, kv_heads=2, d=8, dtype=jnp.float32):
-    return (random((batch, sq, heads, d), dtype, 0), random((batch, sk, kv_heads, d), dtype, 1),
-            random((batch, sk, kv_heads, d), dtype, 2))
+    return (
+        random((batch, sq, heads, d), dtype, 0),
+        random((batch, sk, kv_heads, d), dtype, 1),
+        random((batch, sk, kv_heads, d), dtype, 2),
+    )
 
 
 CONFIGS = {
@@ -65,8 +68,11 @@ def test_rows_without_keys_are_zero_not_nan():
 @pytest.mark.parametrize("name", ["causal_gqa", "window", "sinks", "mha_rect"])
 def test_gradients_float64(name):
     shape_kw, call_kw = CONFIGS[name]
-    q, k, v = qkv(batch=1, dtype=jnp.float64, **{**shape_kw, "sq": min(shape_kw.get("sq", 6), 6),
-                                                  "sk": min(shape_kw.get("sk", 6), 6)})
+    q, k, v = qkv(
+        batch=1,
+        dtype=jnp.float64,
+        **{**shape_kw, "sq": min(shape_kw.get("sq", 6), 6), "sk": min(shape_kw.get("sk", 6), 6)},
+    )
     sinks = call_kw.pop("sinks", None)
     args = (q, k, v) + (() if sinks is None else (sinks.astype(jnp.float64),))
     fn = lambda *a: jax_nkilib.attention(*a[:3], sinks=a[3] if len(a) > 3 else None, **call_kw)  # noqa: E731
@@ -76,8 +82,9 @@ def test_gradients_float64(name):
 def test_gradients_with_prefix_float64():
     q, k, v = qkv(batch=1, sq=4, sk=4, dtype=jnp.float64)
     kp, vp = random((1, 3, 2, 8), jnp.float64, 5), random((1, 3, 2, 8), jnp.float64, 6)
-    check_grads(lambda *a: jax_nkilib.attention(*a[:3], prefix=(a[3], a[4], 2)), (q, k, v, kp, vp), order=1,
-                modes=["rev"])
+    check_grads(
+        lambda *a: jax_nkilib.attention(*a[:3], prefix=(a[3], a[4], 2)), (q, k, v, kp, vp), order=1, modes=["rev"]
+    )
 
 
 def test_float32_gradients_against_oracle_gradients():
@@ -86,7 +93,8 @@ def test_float32_gradients_against_oracle_gradients():
     sinks = jnp.array([0.3, -0.2])
     dy = random(q.shape, jnp.float32, 9)
     grads = jax.grad(lambda *a: jnp.sum(jax_nkilib.attention(*a[:3], sinks=a[3]) * dy), argnums=(0, 1, 2, 3))(
-        q, k, v, sinks)
+        q, k, v, sinks
+    )
     base = [np.asarray(x, np.float64) for x in (q, k, v, sinks)]
     for i, grad in enumerate(grads):
         direction = np.random.default_rng(i).standard_normal(base[i].shape)
@@ -105,7 +113,8 @@ def test_vmap_nested_and_vmap_of_grad():
     out = jax.vmap(jax_nkilib.attention, in_axes=(0, None, None))(qs, k, v)
     assert_close(out[1], idiomatic_attention(-q, k, v), jnp.float32)
     nested = jax.vmap(jax.vmap(jax_nkilib.attention, in_axes=(0, 0, 0)), in_axes=(0, None, None))(
-        qs[:, :, None], k[:, None], v[:, None])
+        qs[:, :, None], k[:, None], v[:, None]
+    )
     assert_close(nested[:, :, 0], np.stack([idiomatic_attention(x, k, v) for x in (q, -q)]), jnp.float32)
     loss = lambda a, b: jnp.sum(jax_nkilib.attention(a, b, v) ** 2)  # noqa: E731
     grads = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None))(qs, k)
@@ -122,8 +131,9 @@ def test_batch_or_head_sharded_inside_shard_map(axis, spec):
     fn = jax.shard_map(jax_nkilib.attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     assert_close(jax.jit(fn)(*args), idiomatic_attention(q, k, v), jnp.float32)
     grad_fn = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2)))
-    for got, want in zip(grad_fn(*args), jax.grad(lambda *a: jnp.sum(jax_nkilib.attention(*a) ** 2),
-                                                 argnums=(0, 1, 2))(q, k, v)):
+    for got, want in zip(
+        grad_fn(*args), jax.grad(lambda *a: jnp.sum(jax_nkilib.attention(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
+    ):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     compiled = jax.jit(grad_fn).lower(*args).compile().as_text()
     assert "all-reduce" not in compiled and "all-gather" not in compiled
@@ -141,7 +151,13 @@ def test_long_sequence_forward_and_backward_fit_in_memory():
 
     root = pathlib.Path(__file__).resolve().parents[2]  # importable without installing the package
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "tests/benchmarks/bench_attention.py", "--long"], capture_output=True,
-                            text=True, check=True, cwd=root, env=env)
+    result = subprocess.run(
+        [sys.executable, "tests/benchmarks/bench_attention.py", "--long"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+        env=env,
+    )
     peak_gib = float(result.stdout.split("peak_rss_gib=")[1].split()[0])
     assert peak_gib < 3.0, result.stdout

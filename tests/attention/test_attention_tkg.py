@@ -38,8 +38,9 @@ def test_given_mask_matches_oracle(dtype, tp_k_prior):
     args = inputs(cache_batch=3, dtype=dtype, tp_k_prior=tp_k_prior)  # an extra cache buffer row
     mask = random_mask(12, 2, 4, 3)  # curr_sprior 12 of 16 slots
     sink = random((4, 1), jnp.float32, 6)
-    out = attention_tkg(*args, mask, sink=sink, tp_k_prior=tp_k_prior, bs=2, q_head=4, s_active=3, d_head=8,
-                               full_sprior=16)
+    out = attention_tkg(
+        *args, mask, sink=sink, tp_k_prior=tp_k_prior, bs=2, q_head=4, s_active=3, d_head=8, full_sprior=16
+    )
     want_out, want_k = attention_tkg_oracle(*args, mask, sink=sink, tp_k_prior=tp_k_prior)
     assert out.shape == (2, 4, 8, 3) and out.dtype == dtype
     assert_close(out, want_out, dtype, reduction=12)
@@ -58,10 +59,34 @@ def test_fused_rope_and_position_masks(window):
     elif window == "wrap":
         start = jnp.array([[14, 14, 15], [13, 3, 4]], jnp.int32)
     active_mask = jnp.ones((3, 2, 4, 3), jnp.uint8)  # ignored with use_pos_id, as in the kernel
-    out, k_out = attention_tkg(q, k_active, v_active, k_prior, v_prior, active_mask, inv_freqs, pos, start,
-                               use_pos_id=True, fuse_rope=True, curr_sprior=16)
-    want_out, want_k = attention_tkg_oracle(q, k_active, v_active, k_prior, v_prior, active_mask, inv_freqs, pos,
-                                            start, use_pos_id=True, fuse_rope=True, curr_sprior=16)
+    out, k_out = attention_tkg(
+        q,
+        k_active,
+        v_active,
+        k_prior,
+        v_prior,
+        active_mask,
+        inv_freqs,
+        pos,
+        start,
+        use_pos_id=True,
+        fuse_rope=True,
+        curr_sprior=16,
+    )
+    want_out, want_k = attention_tkg_oracle(
+        q,
+        k_active,
+        v_active,
+        k_prior,
+        v_prior,
+        active_mask,
+        inv_freqs,
+        pos,
+        start,
+        use_pos_id=True,
+        fuse_rope=True,
+        curr_sprior=16,
+    )
     assert_close(out, want_out, jnp.float32, reduction=16)
     assert_close(k_out, want_k, jnp.float32)
 
@@ -126,23 +151,69 @@ def test_block_kv_cache_equals_the_gathered_flat_cache():
     table = jnp.array([[3, 0, 7, 1], [9, 2, 5, 4]], jnp.uint32)
     pos = jnp.array([[5, 6, 7], [9, 10, 11]], jnp.int32)
     active = jnp.ones((3, 2, 4, 3), jnp.uint8)
-    out = attention_tkg(q, k_active, v_active, *pools, active, rope_pos_ids=pos, active_blocks_table=table,
-                           block_len=4, use_pos_id=True, tp_k_prior=True, curr_sprior=16, full_sprior=16)
+    out = attention_tkg(
+        q,
+        k_active,
+        v_active,
+        *pools,
+        active,
+        rope_pos_ids=pos,
+        active_blocks_table=table,
+        block_len=4,
+        use_pos_id=True,
+        tp_k_prior=True,
+        curr_sprior=16,
+        full_sprior=16,
+    )
     with pytest.raises(ValueError, match="`full_sprior`=20 does not match the operands, whose full_sprior is 16"):
-        attention_tkg(q, k_active, v_active, *pools, active, rope_pos_ids=pos, active_blocks_table=table,
-                      block_len=4, use_pos_id=True, tp_k_prior=True, curr_sprior=16, full_sprior=20)
+        attention_tkg(
+            q,
+            k_active,
+            v_active,
+            *pools,
+            active,
+            rope_pos_ids=pos,
+            active_blocks_table=table,
+            block_len=4,
+            use_pos_id=True,
+            tp_k_prior=True,
+            curr_sprior=16,
+            full_sprior=20,
+        )
     flat = [np.asarray(pool)[np.asarray(table)].reshape(2, 1, 16, 8) for pool in pools]
-    want, _ = attention_tkg_oracle(q, k_active, v_active, *flat, active, rope_pos_ids=pos, tp_k_prior=True,
-                                   use_pos_id=True, curr_sprior=16)
+    want, _ = attention_tkg_oracle(
+        q, k_active, v_active, *flat, active, rope_pos_ids=pos, tp_k_prior=True, use_pos_id=True, curr_sprior=16
+    )
     assert_close(out, want, jnp.float32, reduction=16)
-    batched = jax.vmap(lambda a, t: attention_tkg(a, k_active, v_active, *pools, active, rope_pos_ids=pos,
-                                                  active_blocks_table=t, block_len=4, use_pos_id=True,
-                                                  tp_k_prior=True, curr_sprior=16))(jnp.stack([q, -q]),
-                                                                                       jnp.stack([table, table]))
+    batched = jax.vmap(
+        lambda a, t: attention_tkg(
+            a,
+            k_active,
+            v_active,
+            *pools,
+            active,
+            rope_pos_ids=pos,
+            active_blocks_table=t,
+            block_len=4,
+            use_pos_id=True,
+            tp_k_prior=True,
+            curr_sprior=16,
+        )
+    )(jnp.stack([q, -q]), jnp.stack([table, table]))
     np.testing.assert_allclose(batched[0], out, rtol=1e-6)
     with pytest.raises(ValueError, match="the layout for tp_k_prior=False"):  # a block pool needs tp_k_prior=True
-        attention_tkg(q, k_active, v_active, *pools, active, rope_pos_ids=pos, active_blocks_table=table,
-                      block_len=4, use_pos_id=True, curr_sprior=16)
+        attention_tkg(
+            q,
+            k_active,
+            v_active,
+            *pools,
+            active,
+            rope_pos_ids=pos,
+            active_blocks_table=table,
+            block_len=4,
+            use_pos_id=True,
+            curr_sprior=16,
+        )
 
 
 def block_cache(batch=2, heads=4, s_active=3, d=8, block_len=16, n_blocks=16, dtype=jnp.float32, seed=10):
@@ -175,8 +246,17 @@ def test_given_mask_on_block_cache_matches_oracle(case, dtype):
     rows = jnp.asarray(block_rows(natural_random_mask(2, 4, 3, s_prior), reduced))
     sink = random((4, 1), jnp.float32, 6)
     with jax_nkilib.config(lnc=lnc):
-        out = jax.jit(lambda *a: attention_tkg(*a, sink=sink, active_blocks_table=table, block_len=block_len,
-                                               tp_k_prior=True, strided_mm1=False, full_sprior=s_prior))(*args, rows)
+        out = jax.jit(
+            lambda *a: attention_tkg(
+                *a,
+                sink=sink,
+                active_blocks_table=table,
+                block_len=block_len,
+                tp_k_prior=True,
+                strided_mm1=False,
+                full_sprior=s_prior,
+            )
+        )(*args, rows)
     want = block_attention_tkg_oracle(*args, table, rows, reduced, sink=sink)
     assert out.shape == (2, 4, 8, 3) and out.dtype == dtype
     assert_close(out, want, dtype, reduction=s_prior)
@@ -192,12 +272,12 @@ def test_gen_mask_tkg_hbm_block_mask_drives_attention_tkg(lnc):
     pos = jnp.array([[300, 301, 302], [17, 18, 19]], jnp.int32)
     causal = jnp.asarray(np.tril(np.ones((3, 3), np.uint8)).T[:, None, None, :].repeat(2, 1).repeat(4, 2))
     with jax_nkilib.config(lnc=lnc):
-        mask = gen_mask_tkg_hbm(pos.reshape(1, 6), None, causal, bs=2, q_head=4, s_active=3, s_prior=512,
-                                block_len=8)
+        mask = gen_mask_tkg_hbm(pos.reshape(1, 6), None, causal, bs=2, q_head=4, s_active=3, s_prior=512, block_len=8)
         out = attention_tkg(*args, mask, active_blocks_table=table, block_len=8, tp_k_prior=True, strided_mm1=False)
     flat = [np.asarray(pool)[np.asarray(table)].reshape(2, 1, 512, 8) for pool in args[3:5]]
-    want, _ = attention_tkg_oracle(*args[:3], *flat, causal, rope_pos_ids=pos, tp_k_prior=True, use_pos_id=True,
-                                   curr_sprior=512)
+    want, _ = attention_tkg_oracle(
+        *args[:3], *flat, causal, rope_pos_ids=pos, tp_k_prior=True, use_pos_id=True, curr_sprior=512
+    )
     assert_close(out, want, jnp.float32, reduction=512)
 
 
@@ -215,25 +295,34 @@ def test_given_block_mask_jit_vmap_shard_map_and_gradients():
             jaxpr = str(jax.make_jaxpr(jax.vmap(fn, in_axes=(0, None)))(qs, rows))
         assert ("while" in jaxpr or "scan" in jaxpr) == (lnc == 2)  # folded into B only where L cannot change
         assert_close(out[0], want, jnp.float32, reduction=256)
-        assert_close(out[1], block_attention_tkg_oracle(-args[0], *args[1:], table, rows, reduced), jnp.float32,
-                     reduction=256)
+        assert_close(
+            out[1], block_attention_tkg_oracle(-args[0], *args[1:], table, rows, reduced), jnp.float32, reduction=256
+        )
     grads = jax.grad(lambda q: (fn(q, rows) ** 2).sum())(args[0])
-    flat_rows = jnp.asarray(np.asarray(rows)[block_rows(np.arange(256)[None, None, None], 2)[:, 0, 0, 0]
-                                             .argsort()])  # slot order
+    flat_rows = jnp.asarray(
+        np.asarray(rows)[block_rows(np.arange(256)[None, None, None], 2)[:, 0, 0, 0].argsort()]
+    )  # slot order
     flat = [np.asarray(pool)[np.asarray(table)].reshape(2, 1, 256, 8) for pool in args[3:5]]
-    flat_grads = jax.grad(lambda q: (attention_tkg(q, *args[1:3], jnp.asarray(flat[0]), jnp.asarray(flat[1]),
-                                                   flat_rows, tp_k_prior=True) ** 2).sum())(args[0])
+    flat_grads = jax.grad(
+        lambda q: (
+            attention_tkg(q, *args[1:3], jnp.asarray(flat[0]), jnp.asarray(flat[1]), flat_rows, tp_k_prior=True) ** 2
+        ).sum()
+    )(args[0])
     np.testing.assert_allclose(grads, flat_grads, rtol=1e-5, atol=1e-6)
     mesh = mesh_1d()
     q8, ka8, va8, *pools8, table8 = block_cache(batch=8, block_len=16, n_blocks=16)
     rows8 = jnp.asarray(block_rows(natural_random_mask(8, 4, 3, 256), 2))
     specs = (P("data"),) * 3 + (P(), P(), P(None, "data"), P("data"))
-    sharded = jax.shard_map(lambda q, ka, va, kp, vp, m, t: attention_tkg(
-        q, ka, va, kp, vp, m, active_blocks_table=t, block_len=16, tp_k_prior=True, strided_mm1=False), mesh=mesh,
-        in_specs=specs, out_specs=P("data"))
+    sharded = jax.shard_map(
+        lambda q, ka, va, kp, vp, m, t: attention_tkg(
+            q, ka, va, kp, vp, m, active_blocks_table=t, block_len=16, tp_k_prior=True, strided_mm1=False
+        ),
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=P("data"),
+    )
     out = jax.jit(sharded)(*shard(mesh, specs, q8, ka8, va8, *pools8, rows8, table8))
-    assert_close(out, block_attention_tkg_oracle(q8, ka8, va8, *pools8, table8, rows8, 2), jnp.float32,
-                 reduction=256)
+    assert_close(out, block_attention_tkg_oracle(q8, ka8, va8, *pools8, table8, rows8, 2), jnp.float32, reduction=256)
 
 
 def test_given_block_mask_neuron_lowering_and_bad_inputs():

@@ -13,9 +13,13 @@ from tests.support.numerics import assert_close
 
 
 def problem(batch=2, s_new=2, heads=4, kv_heads=2, d=8, max_len=16, dtype=jnp.float32):
-    return (random((batch, s_new, heads, d), dtype, 0), random((batch, s_new, kv_heads, d), dtype, 1),
-            random((batch, s_new, kv_heads, d), dtype, 2), random((batch, kv_heads, max_len, d), dtype, 3),
-            random((batch, kv_heads, max_len, d), dtype, 4))
+    return (
+        random((batch, s_new, heads, d), dtype, 0),
+        random((batch, s_new, kv_heads, d), dtype, 1),
+        random((batch, s_new, kv_heads, d), dtype, 2),
+        random((batch, kv_heads, max_len, d), dtype, 3),
+        random((batch, kv_heads, max_len, d), dtype, 4),
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -28,9 +32,9 @@ def test_matches_oracle_and_updates_the_cache(dtype, shape):
     assert_close(out, decode_attention_oracle(q, k_new, v_new, k_cache, v_cache, lengths), dtype, reduction=16)
     s_new = q.shape[1]
     for b, n in enumerate([0, 9]):
-        np.testing.assert_array_equal(k2[b, :, n:n + s_new], np.swapaxes(np.asarray(k_new[b]), 0, 1))
+        np.testing.assert_array_equal(k2[b, :, n : n + s_new], np.swapaxes(np.asarray(k_new[b]), 0, 1))
         np.testing.assert_array_equal(v2[b, :, :n], v_cache[b, :, :n])
-        np.testing.assert_array_equal(v2[b, :, n + s_new:], v_cache[b, :, n + s_new:])
+        np.testing.assert_array_equal(v2[b, :, n + s_new :], v_cache[b, :, n + s_new :])
 
 
 def test_jit_generation_loop_and_vmap():
@@ -42,7 +46,8 @@ def test_jit_generation_loop_and_vmap():
         assert_close(out, decode_attention_oracle(q, k_new, v_new, k_cache, v_cache, lengths), jnp.float32)
         k_cache, v_cache, lengths = k_cache2, v_cache2, lengths + 1
     stacked = jax.vmap(jax_nkilib.decode_attention, in_axes=(0, None, None, None, None, None))(
-        jnp.stack([q, -q]), k_new, v_new, k_cache, v_cache, lengths)
+        jnp.stack([q, -q]), k_new, v_new, k_cache, v_cache, lengths
+    )
     assert_close(stacked[0][1], decode_attention_oracle(-q, k_new, v_new, k_cache, v_cache, lengths), jnp.float32)
 
 
@@ -55,19 +60,22 @@ def test_neuron_lowering_is_the_tkg_kernel():
     assert cfg["params"]["curr_sprior"] == 256 and cfg["params"]["tp_k_prior"] is True
 
 
-@pytest.mark.parametrize("change, error, fragment", [
-    (lambda a: (a[0][0],) + a[1:], ValueError, "`q` must have rank 4"),
-    (lambda a: a[:3] + (a[3][:, :1], a[4][:, :1]) + a[5:], ValueError, "k_cache/v_cache must be [batch, kv_heads"),
-    (lambda a: a[:3] + (a[3][:, :, :3], a[4][:, :, :3]) + a[5:], ValueError, "must leave room"),
-    (lambda a: a[:5] + (jnp.zeros(2),), TypeError, "`cache_len` must be an integer array"),
-    # issue 11: checked before jnp.asarray, the user's argument and axis named (not the kernel's)
-    (lambda a: (None,) + a[1:], TypeError, "jax_nkilib.decode_attention: `q` must be an array; got NoneType"),
-    (lambda a: a[:5] + ("3",), TypeError, "`cache_len` must be an array; got str"),
-    (lambda a: a[:1] + (a[1].astype(jnp.int32),) + a[2:], TypeError, "`k_new` must have a floating dtype"),
-    (lambda a: a[:3] + (a[3].astype(jnp.int8),) + a[4:], TypeError, "`k_cache` must have a floating dtype"),
-    (lambda a: tuple(x[:0] for x in a), ValueError, "`q` has batch = 0"),
-    (lambda a: (a[0][:, :, :0],) + a[1:], ValueError, "`q` has heads = 0"),
-])
+@pytest.mark.parametrize(
+    "change, error, fragment",
+    [
+        (lambda a: (a[0][0],) + a[1:], ValueError, "`q` must have rank 4"),
+        (lambda a: a[:3] + (a[3][:, :1], a[4][:, :1]) + a[5:], ValueError, "k_cache/v_cache must be [batch, kv_heads"),
+        (lambda a: a[:3] + (a[3][:, :, :3], a[4][:, :, :3]) + a[5:], ValueError, "must leave room"),
+        (lambda a: a[:5] + (jnp.zeros(2),), TypeError, "`cache_len` must be an integer array"),
+        # issue 11: checked before jnp.asarray, the user's argument and axis named (not the kernel's)
+        (lambda a: (None,) + a[1:], TypeError, "jax_nkilib.decode_attention: `q` must be an array; got NoneType"),
+        (lambda a: a[:5] + ("3",), TypeError, "`cache_len` must be an array; got str"),
+        (lambda a: a[:1] + (a[1].astype(jnp.int32),) + a[2:], TypeError, "`k_new` must have a floating dtype"),
+        (lambda a: a[:3] + (a[3].astype(jnp.int8),) + a[4:], TypeError, "`k_cache` must have a floating dtype"),
+        (lambda a: tuple(x[:0] for x in a), ValueError, "`q` has batch = 0"),
+        (lambda a: (a[0][:, :, :0],) + a[1:], ValueError, "`q` has heads = 0"),
+    ],
+)
 def test_bad_inputs(change, error, fragment):
     args = problem() + (jnp.array([1, 2], jnp.int32),)
     with pytest.raises(error) as info:
@@ -85,14 +93,19 @@ def test_bad_scale(scale, error):
 def test_paged_cache_matches_the_flat_cache():
     q, k_new, v_new, _, _ = problem(max_len=16)
     block_len, kv_heads = 4, 2
-    k_pool, v_pool = random((9, kv_heads, block_len, 8), jnp.float32, 7), random((9, kv_heads, block_len, 8),
-                                                                                   jnp.float32, 8)
+    k_pool, v_pool = (
+        random((9, kv_heads, block_len, 8), jnp.float32, 7),
+        random((9, kv_heads, block_len, 8), jnp.float32, 8),
+    )
     table = jnp.array([[3, 0, 7, 1], [8, 2, 5, 4]], jnp.int32)
     lengths = jnp.array([5, 10], jnp.int32)
     out, k_pool2, v_pool2 = jax.jit(lambda *a: jax_nkilib.decode_attention(*a, block_table=table))(
-        q, k_new, v_new, k_pool, v_pool, lengths)
-    flat = [np.transpose(np.asarray(pool)[np.asarray(table)], (0, 2, 1, 3, 4)).reshape(2, kv_heads, 16, 8)
-            for pool in (k_pool, v_pool)]
+        q, k_new, v_new, k_pool, v_pool, lengths
+    )
+    flat = [
+        np.transpose(np.asarray(pool)[np.asarray(table)], (0, 2, 1, 3, 4)).reshape(2, kv_heads, 16, 8)
+        for pool in (k_pool, v_pool)
+    ]
     assert_close(out, decode_attention_oracle(q, k_new, v_new, *flat, lengths), jnp.float32, reduction=16)
     for b, n in enumerate([5, 10]):
         for i in range(2):
@@ -105,6 +118,9 @@ def test_paged_cache_matches_the_flat_cache():
     with jax_nkilib.neuron.dry_run():
         pools = random((64, kv_heads, 32, 8)), random((64, kv_heads, 32, 8))
         big_table = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
-        (cfg,) = kernel_configs(neuron_text(lambda *a: jax_nkilib.decode_attention(*a, block_table=big_table), q,
-                                            k_new, v_new, *pools, lengths))
+        (cfg,) = kernel_configs(
+            neuron_text(
+                lambda *a: jax_nkilib.decode_attention(*a, block_table=big_table), q, k_new, v_new, *pools, lengths
+            )
+        )
     assert cfg["params"]["block_len"] == 32 and cfg["input_names"][-1] == "active_blocks_table"

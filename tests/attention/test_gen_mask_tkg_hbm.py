@@ -51,10 +51,12 @@ def test_matches_oracle(case):
     elif case == "wrap":
         start = jnp.array([[200, 3, 250, 6, 7, 8]], jnp.int32)
     elif case == "active":
-        active = jnp.asarray(np.tril(np.ones((S_ACTIVE, S_ACTIVE)))[:, None, None, :].repeat(BS, 1).repeat(HEADS, 2)
-                             .astype(np.uint8))
+        active = jnp.asarray(
+            np.tril(np.ones((S_ACTIVE, S_ACTIVE)))[:, None, None, :].repeat(BS, 1).repeat(HEADS, 2).astype(np.uint8)
+        )
     out = jax.jit(lambda *a: gen_mask_tkg_hbm(*a, bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR))(
-        POS, start, active)
+        POS, start, active
+    )
     assert out.shape == (S_PRIOR, BS, HEADS, S_ACTIVE) and out.dtype == jnp.float32
     np.testing.assert_array_equal(out, oracle(POS, start, active))
 
@@ -64,35 +66,47 @@ def test_vmap_and_replicated_shard_map():
     out = jax.vmap(lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR))(stacked)
     np.testing.assert_array_equal(out[1], oracle(POS + 1))
     mesh = mesh_1d()
-    fn = jax.shard_map(lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR),
-                       mesh=mesh, in_specs=P(), out_specs=P())
+    fn = jax.shard_map(
+        lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(),
+    )
     np.testing.assert_array_equal(jax.jit(fn)(shard(mesh, (P(),), POS)), oracle(POS))
     with jax_nkilib.config(lnc=2):  # block cache, s_prior split over 2 programs: L = gcd(4, 512 / 256) = 2
-        out = jax.vmap(lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=512,
-                                                  block_len=4))(stacked)
+        out = jax.vmap(lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=512, block_len=4))(
+            stacked
+        )
     np.testing.assert_array_equal(out[1], oracle(POS + 1, s_prior=512, block=2))
 
 
 def test_neuron_lowering():
     with jax_nkilib.neuron.dry_run():
-        (cfg,) = kernel_configs(neuron_text(lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE,
-                                                                       s_prior=S_PRIOR), POS))
+        (cfg,) = kernel_configs(
+            neuron_text(lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR), POS)
+        )
     assert cfg["func_name"] == "gen_mask_tkg_hbm" and cfg["params"]["s_prior"] == S_PRIOR
     with jax_nkilib.neuron.dry_run(), jax_nkilib.config(lnc=2):
-        (cfg,) = kernel_configs(neuron_text(lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE,
-                                                                       s_prior=512, block_len=4), POS))
+        (cfg,) = kernel_configs(
+            neuron_text(
+                lambda p: gen_mask_tkg_hbm(p, bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=512, block_len=4), POS
+            )
+        )
     assert cfg["params"]["block_len"] == 4 and cfg["grid"] == 2  # the kernel resizes block_len itself
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE), "missing required parameter `s_prior`"),
-    (dict(bs=3, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR), "[1, bs * s_active] = [1, 9]"),
-    (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=200), "multiple of 128"),
-    (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR, block_len=-4), "must be 0 (flat cache) or"),
-    (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR, block_len=48), "multiple of block_len=48"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE), "missing required parameter `s_prior`"),
+        (dict(bs=3, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR), "[1, bs * s_active] = [1, 9]"),
+        (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=200), "multiple of 128"),
+        (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR, block_len=-4), "must be 0 (flat cache) or"),
+        (dict(bs=BS, q_head=HEADS, s_active=S_ACTIVE, s_prior=S_PRIOR, block_len=48), "multiple of block_len=48"),
+    ],
+)
 def test_bad_inputs(kwargs, fragment):
-    with pytest.raises((TypeError if "required" in fragment else ValueError)) as info:
+    with pytest.raises(TypeError if "required" in fragment else ValueError) as info:
         gen_mask_tkg_hbm(POS, **kwargs)
     assert fragment in str(info.value)
     with jax_nkilib.config(lnc=2), pytest.raises(ValueError, match="and of 256 .128 per program"):
@@ -123,13 +137,16 @@ def test_block_cache_order_matches_oracle(case):
     pos = POS if shape["bs"] == BS else jnp.array([[7001]], jnp.int32)
     active = None
     if shape["bs"] == BS:  # a causal active block, placed at the last s_active slots before the shuffle
-        active = jnp.asarray(np.tril(np.ones((S_ACTIVE, S_ACTIVE)))[:, None, None, :].repeat(BS, 1)
-                             .repeat(HEADS, 2).astype(np.uint8))
+        active = jnp.asarray(
+            np.tril(np.ones((S_ACTIVE, S_ACTIVE)))[:, None, None, :].repeat(BS, 1).repeat(HEADS, 2).astype(np.uint8)
+        )
     with jax_nkilib.config(lnc=lnc):
-        out = jax.jit(lambda p, a: gen_mask_tkg_hbm(p, None, a, s_prior=s_prior, block_len=block_len, **shape,
-                                                    **flags))(pos, active)
+        out = jax.jit(
+            lambda p, a: gen_mask_tkg_hbm(p, None, a, s_prior=s_prior, block_len=block_len, **shape, **flags)
+        )(pos, active)
     want = oracle(pos, None, active, shape["bs"], shape["q_head"], shape["s_active"], s_prior, block=reduced)
     np.testing.assert_array_equal(out, want)
-    other = oracle(pos, None, active, shape["bs"], shape["q_head"], shape["s_active"], s_prior,
-                   block=1 if reduced > 1 else 2)
+    other = oracle(
+        pos, None, active, shape["bs"], shape["q_head"], shape["s_active"], s_prior, block=1 if reduced > 1 else 2
+    )
     assert not np.array_equal(want, other)  # the case tells block lengths apart

@@ -17,8 +17,11 @@ NAN = float("nan")
 
 
 def qkv(batch=1, sq=8, sk=8, heads=2, kv_heads=1, d=4, dtype=jnp.float32):
-    return (random((batch, sq, heads, d), dtype, 0), random((batch, sk, kv_heads, d), dtype, 1),
-            random((batch, sk, kv_heads, d), dtype, 2))
+    return (
+        random((batch, sq, heads, d), dtype, 0),
+        random((batch, sk, kv_heads, d), dtype, 1),
+        random((batch, sk, kv_heads, d), dtype, 2),
+    )
 
 
 def nan_rows(x):
@@ -40,8 +43,9 @@ def test_a_nan_query_row_gives_a_nan_output_row_like_jax_nn(seq):
     np.testing.assert_array_equal(nan_rows(jax.nn.dot_product_attention(q, k, v)), expected)
     finite = ~expected[..., None].repeat(4, -1)
     q_clean = q.at[0, 3, 1].set(0.0)
-    np.testing.assert_allclose(np.asarray(out)[finite], idiomatic_attention(q_clean, k, v, causal=False)[finite],
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(out)[finite], idiomatic_attention(q_clean, k, v, causal=False)[finite], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_a_nan_key_poisons_exactly_the_rows_that_see_it():
@@ -138,8 +142,9 @@ def test_decode_paged_stale_blocks_and_slots_never_influence_the_result():
     pool_k, pool_v = random((6, 1, 4, 8), seed=3), random((6, 1, 4, 8), seed=4)
     table = jnp.array([[2, 0, 5, 1], [3, 4, 1, 0]], jnp.int32)
     lengths = jnp.array([5, 2], jnp.int32)
-    flat = [np.transpose(np.asarray(p)[np.asarray(table)], (0, 2, 1, 3, 4)).reshape(2, 1, 16, 8)
-            for p in (pool_k, pool_v)]
+    flat = [
+        np.transpose(np.asarray(p)[np.asarray(table)], (0, 2, 1, 3, 4)).reshape(2, 1, 16, 8) for p in (pool_k, pool_v)
+    ]
     want = decode_attention_oracle(q, k_new, v_new, *flat, lengths)
     # block 5 holds sequence 0's positions 8..11 (past its length 5) and is nobody else's: fill it with NaN;
     # block 0 holds positions 4..7 of sequence 0 (4 is valid) and 12..15 of sequence 1 (stale): its slot 3 is NaN
@@ -157,6 +162,7 @@ def test_kernel_native_tkg_ignores_slots_no_query_sees():
     kw = dict(rope_pos_ids=positions, use_pos_id=True, tp_k_prior=True, curr_sprior=128)
     mask = jnp.ones((1, 2, 2, 1), jnp.uint8)
     out = attention_tkg(q, ka, va, jnp.where(stale, NAN, k_prior), jnp.where(stale, jnp.inf, v_prior), mask, **kw)
-    want, _ = attention_tkg_oracle(q, ka, va, k_prior, v_prior, mask, rope_pos_ids=positions, use_pos_id=True,
-                                   tp_k_prior=True, curr_sprior=128)
+    want, _ = attention_tkg_oracle(
+        q, ka, va, k_prior, v_prior, mask, rope_pos_ids=positions, use_pos_id=True, tp_k_prior=True, curr_sprior=128
+    )
     assert_close(out, want, jnp.float32, reduction=128)

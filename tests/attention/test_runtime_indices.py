@@ -16,8 +16,13 @@ from tests.support.numerics import assert_close
 
 def flat_problem():
     """batch 2, s_new 1, heads 2, kv_heads 1, d 8, capacity 16 (valid lengths 0..14)."""
-    return (random((2, 1, 2, 8)), random((2, 1, 1, 8), seed=1), random((2, 1, 1, 8), seed=2),
-            random((2, 1, 16, 8), seed=3), random((2, 1, 16, 8), seed=4))
+    return (
+        random((2, 1, 2, 8)),
+        random((2, 1, 1, 8), seed=1),
+        random((2, 1, 1, 8), seed=2),
+        random((2, 1, 16, 8), seed=3),
+        random((2, 1, 16, 8), seed=4),
+    )
 
 
 def checker(fn):
@@ -30,6 +35,7 @@ def checker(fn):
         with jax_nkilib.config(runtime_checks=True):
             err, outs = checked(*args)
         return err.get(), outs
+
     return run
 
 
@@ -43,8 +49,12 @@ def test_an_invalid_cache_len_writes_nothing_and_gives_nan_rows():
         assert np.isnan(np.asarray(out[0])).all()
         np.testing.assert_array_equal(k2[0], k_cache[0])  # nothing written for sequence 0 (not at 14, nowhere)
         np.testing.assert_array_equal(v2[0], v_cache[0])
-        assert_close(out[1], decode_attention_oracle(q, k_new, v_new, k_cache, v_cache, jnp.array([0, 6]))[1],
-                     jnp.float32, reduction=16)
+        assert_close(
+            out[1],
+            decode_attention_oracle(q, k_new, v_new, k_cache, v_cache, jnp.array([0, 6]))[1],
+            jnp.float32,
+            reduction=16,
+        )
         np.testing.assert_array_equal(k2[1, :, 6], k_new[1, 0])  # sequence 1 is written as usual
         message, _ = report(lengths)
         assert f"jax_nkilib.decode_attention: cache_len[0] = {bad_len} is outside [0, 14]" in message
@@ -84,8 +94,13 @@ def test_kernel_native_tkg_table_entry_past_the_pools_gives_nan_rows_and_a_repor
     q, ka, va = random((2, 2, 1, 8)), random((2, 1, 1, 8), seed=1), random((2, 1, 1, 8), seed=2)
     pools = random((4, 128, 8), seed=3), random((4, 128, 8), seed=4)
     table = jnp.array([[0, 1], [2, 7]], jnp.uint32)
-    kw = dict(rope_pos_ids=jnp.array([[3], [130]], jnp.int32), use_pos_id=True, tp_k_prior=True, curr_sprior=256,
-              block_len=128)
+    kw = dict(
+        rope_pos_ids=jnp.array([[3], [130]], jnp.int32),
+        use_pos_id=True,
+        tp_k_prior=True,
+        curr_sprior=256,
+        block_len=128,
+    )
     mask = jnp.ones((1, 2, 2, 1), jnp.uint8)
     report = checker(lambda t: attention_tkg(q, ka, va, *pools, mask, active_blocks_table=t, **kw))
     message, out = report(table)

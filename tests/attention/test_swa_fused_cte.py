@@ -26,8 +26,29 @@ def _rotate(x, cos, sin):
     return x * cos + np.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
 
 
-def swa_oracle(hidden, qkv_w, op_w, k_cache, v_cache, tables, cos, sin, sink, prior, qkv_b, op_b, k_scale=None,
-               v_scale=None, *, scale=1.0, sliding_window=128, block_size=BLOCK, num_q_heads, num_kv_heads, d_head):
+def swa_oracle(
+    hidden,
+    qkv_w,
+    op_w,
+    k_cache,
+    v_cache,
+    tables,
+    cos,
+    sin,
+    sink,
+    prior,
+    qkv_b,
+    op_b,
+    k_scale=None,
+    v_scale=None,
+    *,
+    scale=1.0,
+    sliding_window=128,
+    block_size=BLOCK,
+    num_q_heads,
+    num_kv_heads,
+    d_head,
+):
     """``(out float64, k_cache, v_cache)`` with the caches in their own dtype, token by token."""
     f64 = lambda x: np.asarray(x).astype(np.float64)  # noqa: E731
     hidden_dtype = np.dtype(hidden.dtype)
@@ -37,9 +58,9 @@ def swa_oracle(hidden, qkv_w, op_w, k_cache, v_cache, tables, cos, sin, sink, pr
     tables = np.asarray(tables)
     qkv = np.einsum("bsh,hi->bsi", f64(hidden), f64(qkv_w)) + f64(qkv_b)[0]
     cos, sin = f64(cos)[:, :, None, :], f64(sin)[:, :, None, :]
-    q = _rotate(qkv[..., :n_q * d].reshape(batch, seq, n_q, d), cos, sin) * scale
-    k = _rotate(qkv[..., n_q * d:(n_q + n_kv) * d].reshape(batch, seq, n_kv, d), cos, sin)
-    v = qkv[..., (n_q + n_kv) * d:].reshape(batch, seq, n_kv, d)
+    q = _rotate(qkv[..., : n_q * d].reshape(batch, seq, n_q, d), cos, sin) * scale
+    k = _rotate(qkv[..., n_q * d : (n_q + n_kv) * d].reshape(batch, seq, n_kv, d), cos, sin)
+    v = qkv[..., (n_q + n_kv) * d :].reshape(batch, seq, n_kv, d)
 
     k_new, v_new = np.array(k_cache), np.array(v_cache)
     packed = k_new.ndim == 5
@@ -84,22 +105,28 @@ def swa_oracle(hidden, qkv_w, op_w, k_cache, v_cache, tables, cos, sin, sink, pr
                 logits = np.append(scores, f64(sink)[b, h])
                 weights = np.exp(logits - logits.max())
                 weights = weights[:-1] / weights.sum()
-                out[b, s, h * d:(h + 1) * d] = weights @ values[visible, h // group]
+                out[b, s, h * d : (h + 1) * d] = weights @ values[visible, h // group]
     return out @ f64(op_w) + f64(op_b)[0], k_new, v_new
 
 
 # ------------------------------------------------------------------------------------------------------ inputs
 def problem(dtype=jnp.float32, batch=2, seq=8, hidden=16, n_q=4, n_kv=2, d=8, n_blocks=16, max_blocks=6, seed=0):
     width = (n_q + 2 * n_kv) * d
-    tables = np.random.default_rng(seed).permutation(n_blocks)[:batch * max_blocks].reshape(batch, max_blocks)
+    tables = np.random.default_rng(seed).permutation(n_blocks)[: batch * max_blocks].reshape(batch, max_blocks)
     cos, sin = angles((batch, seq, d), jnp.float32, seed + 9)
     return dict(
-        hidden=random((batch, seq, hidden), dtype, seed, 0.5), qkv_w=random((hidden, width), dtype, seed + 1, 0.3),
-        op_w=random((n_q * d, hidden), dtype, seed + 2, 0.3), tables=jnp.asarray(tables, jnp.int32),
-        k_cache=random((n_blocks, n_kv, BLOCK, d), dtype, seed + 3), v_cache=random((n_blocks, n_kv, BLOCK, d), dtype,
-                                                                                     seed + 4),
-        cos=cos, sin=sin, sink=random((batch, n_q), jnp.float32, seed + 5),
-        qkv_b=random((1, width), dtype, seed + 6, 0.2), op_b=random((1, hidden), dtype, seed + 7, 0.2))
+        hidden=random((batch, seq, hidden), dtype, seed, 0.5),
+        qkv_w=random((hidden, width), dtype, seed + 1, 0.3),
+        op_w=random((n_q * d, hidden), dtype, seed + 2, 0.3),
+        tables=jnp.asarray(tables, jnp.int32),
+        k_cache=random((n_blocks, n_kv, BLOCK, d), dtype, seed + 3),
+        v_cache=random((n_blocks, n_kv, BLOCK, d), dtype, seed + 4),
+        cos=cos,
+        sin=sin,
+        sink=random((batch, n_q), jnp.float32, seed + 5),
+        qkv_b=random((1, width), dtype, seed + 6, 0.2),
+        op_b=random((1, hidden), dtype, seed + 7, 0.2),
+    )
 
 
 ORDER = ("hidden", "qkv_w", "op_w", "k_cache", "v_cache", "tables", "cos", "sin", "sink")
@@ -116,8 +143,15 @@ def flags_of(pr, **extra):
 
 # ---------------------------------------------------------------------------------------------------- forward
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("config", [dict(), dict(prior=0, n_kv=1), dict(prior=3, sliding_window=5),
-                                    dict(prior=16, sliding_window=6, scale=0.35, n_kv=4)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(),
+        dict(prior=0, n_kv=1),
+        dict(prior=3, sliding_window=5),
+        dict(prior=16, sliding_window=6, scale=0.35, n_kv=4),
+    ],
+)
 def test_matches_oracle(dtype, config):
     pr = problem(dtype, n_kv=config.get("n_kv", 2))
     args = args_of(pr, config.get("prior", 9))
@@ -141,8 +175,10 @@ def _exact_problem(dtype):
     for name in ("hidden", "qkv_w", "qkv_b"):
         pr[name] = jnp.asarray(rng.integers(-2, 3, pr[name].shape), dtype)
     theta = rng.integers(0, 4, pr["cos"].shape) * (np.pi / 2)
-    pr["cos"], pr["sin"] = jnp.asarray(np.round(np.cos(theta)), jnp.float32), jnp.asarray(np.round(np.sin(theta)),
-                                                                                         jnp.float32)
+    pr["cos"], pr["sin"] = (
+        jnp.asarray(np.round(np.cos(theta)), jnp.float32),
+        jnp.asarray(np.round(np.sin(theta)), jnp.float32),
+    )
     return pr
 
 
@@ -185,7 +221,7 @@ def test_runtime_prior_under_jit_and_vmap():
     other = problem(seed=5)
     in_axes = (0, None, None, None, None, 0) + (None,) * 6
     stacked = [jnp.stack([pr[n], other[n]]) if n in ("hidden", "tables") else pr[n] for n in ORDER]
-    args = tuple(stacked) + args_of(pr, 9)[len(ORDER):]
+    args = tuple(stacked) + args_of(pr, 9)[len(ORDER) :]
     outs = jax.vmap(lambda *a: swa_fused_cte(*a, **flags_of(pr)), in_axes=in_axes)(*args)
     mixed = dict(pr, hidden=other["hidden"], tables=other["tables"])
     for got, want in zip(outs, swa_oracle(*args_of(mixed, 9), **flags_of(pr))):
@@ -199,11 +235,28 @@ def test_gradients_of_out():
     flags = flags_of(pr, sliding_window=5, scale=0.7)
 
     def out(hidden, qkv_w, op_w, k_cache, sink, qkv_b, op_b):
-        return swa_fused_cte(hidden, qkv_w, op_w, k_cache, pr["v_cache"], pr["tables"], pr["cos"], pr["sin"], sink,
-                             prior, qkv_b, op_b, **flags)[0]
+        return swa_fused_cte(
+            hidden,
+            qkv_w,
+            op_w,
+            k_cache,
+            pr["v_cache"],
+            pr["tables"],
+            pr["cos"],
+            pr["sin"],
+            sink,
+            prior,
+            qkv_b,
+            op_b,
+            **flags,
+        )[0]
 
-    check_grads(jax.jit(out), tuple(pr[n] for n in ("hidden", "qkv_w", "op_w", "k_cache", "sink", "qkv_b", "op_b")),
-                order=1, modes=["rev"])
+    check_grads(
+        jax.jit(out),
+        tuple(pr[n] for n in ("hidden", "qkv_w", "op_w", "k_cache", "sink", "qkv_b", "op_b")),
+        order=1,
+        modes=["rev"],
+    )
     # the updated caches are not differentiable outputs: zero cotangent by definition
     grad = jax.grad(lambda h: jnp.sum(swa_fused_cte(*args_of(dict(pr, hidden=h), 6), **flags)[1]))(pr["hidden"])
     assert not np.asarray(grad).any()
@@ -217,27 +270,37 @@ def test_shard_map_over_batch_with_per_device_cache_pools():
     pools = {n: random((64,) + pr[n].shape[1:], jnp.float32, i) for i, n in enumerate(("k_cache", "v_cache"))}
     args = args_of(dict(pr, **pools), 5)
     specs = (P("data"),) + (P(),) * 2 + (P("data"),) * 6 + (P(),) * 3
-    fn = jax.shard_map(lambda *a: swa_fused_cte(*a, **flags_of(pr)), mesh=mesh, in_specs=specs,
-                       out_specs=(P("data"),) * 3)
+    fn = jax.shard_map(
+        lambda *a: swa_fused_cte(*a, **flags_of(pr)), mesh=mesh, in_specs=specs, out_specs=(P("data"),) * 3
+    )
     out, k_new, v_new = (np.asarray(x) for x in jax.jit(fn)(*shard(mesh, specs, *args)))
     for dev in range(8):
-        local = [a[dev:dev + 1] if s == P("data") else a for a, s in zip(args, specs)]
-        local[3], local[4] = args[3][8 * dev:8 * dev + 8], args[4][8 * dev:8 * dev + 8]
+        local = [a[dev : dev + 1] if s == P("data") else a for a, s in zip(args, specs)]
+        local[3], local[4] = args[3][8 * dev : 8 * dev + 8], args[4][8 * dev : 8 * dev + 8]
         want, k_want, v_want = swa_oracle(*local, **flags_of(pr))
-        assert_close(out[dev:dev + 1], want, jnp.float32, reduction=16, ops=2)
-        assert_close(k_new[8 * dev:8 * dev + 8], k_want, jnp.float32)
-        assert_close(v_new[8 * dev:8 * dev + 8], v_want, jnp.float32)
+        assert_close(out[dev : dev + 1], want, jnp.float32, reduction=16, ops=2)
+        assert_close(k_new[8 * dev : 8 * dev + 8], k_want, jnp.float32)
+        assert_close(v_new[8 * dev : 8 * dev + 8], v_want, jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------------- Neuron
 def _kernel_sized(dtype=jnp.bfloat16, fp8=None, n_q=4):
     """Shapes that meet the kernel's limits: S = 128, d_head = 64, block_size = 32, H = 128."""
     n_kv, d, block = 2, 64, 32
-    args = [jnp.zeros((1, 128, 128), dtype), jnp.zeros((128, (n_q + 2 * n_kv) * d), dtype),
-            jnp.zeros((n_q * d, 128), dtype), jnp.zeros((16, n_kv, block, d), dtype),
-            jnp.zeros((16, n_kv, block, d), dtype), jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 128, d), jnp.float32),
-            jnp.zeros((1, 128, d), jnp.float32), jnp.zeros((1, n_q), jnp.float32), jnp.zeros((1, 1), jnp.int32),
-            jnp.zeros((1, (n_q + 2 * n_kv) * d), dtype), jnp.zeros((1, 128), dtype)]
+    args = [
+        jnp.zeros((1, 128, 128), dtype),
+        jnp.zeros((128, (n_q + 2 * n_kv) * d), dtype),
+        jnp.zeros((n_q * d, 128), dtype),
+        jnp.zeros((16, n_kv, block, d), dtype),
+        jnp.zeros((16, n_kv, block, d), dtype),
+        jnp.zeros((1, 8), jnp.int32),
+        jnp.zeros((1, 128, d), jnp.float32),
+        jnp.zeros((1, 128, d), jnp.float32),
+        jnp.zeros((1, n_q), jnp.float32),
+        jnp.zeros((1, 1), jnp.int32),
+        jnp.zeros((1, (n_q + 2 * n_kv) * d), dtype),
+        jnp.zeros((1, 128), dtype),
+    ]
     if fp8 is not None:
         args[3], args[4] = jnp.zeros((16, n_kv, block // 2, d, 2), fp8), jnp.zeros((16, n_kv, block, d), fp8)
         args += [jnp.ones((128, 1), jnp.float32), jnp.ones((128, 1), jnp.float32)]
@@ -257,11 +320,14 @@ def test_neuron_lowering_is_one_aliased_kernel_call(lnc, fp8):
     assert "output_operand_aliases" in text and text.count("AwsNeuronCustomNativeKernel") == 1
 
 
-@pytest.mark.parametrize("change, limit", [
-    (dict(sliding_window=64), "sliding_window=64 must be 128"),
-    (dict(lnc=2, n_q=2), "num_q_heads=2 / LNC=2 must be even"),
-    (dict(small=True), "S=8 must be a multiple of 128"),
-])
+@pytest.mark.parametrize(
+    "change, limit",
+    [
+        (dict(sliding_window=64), "sliding_window=64 must be 128"),
+        (dict(lnc=2, n_q=2), "num_q_heads=2 / LNC=2 must be even"),
+        (dict(small=True), "S=8 must be a multiple of 128"),
+    ],
+)
 def test_neuron_limits_fall_back_to_the_reference(change, limit):
     args, flags = _kernel_sized(n_q=change.get("n_q", 4))
     if change.get("small"):
@@ -277,28 +343,36 @@ def test_neuron_limits_fall_back_to_the_reference(change, limit):
 # ------------------------------------------------------------------------------------------------- bad inputs
 def _fp8_caches(pr):
     n_blocks, n_kv, _, d = pr["k_cache"].shape
-    return (jnp.zeros((n_blocks, n_kv, BLOCK // 2, d, 2), jnp.float8_e4m3fn),
-            jnp.zeros((n_blocks, n_kv, BLOCK, d), jnp.float8_e4m3fn))
+    return (
+        jnp.zeros((n_blocks, n_kv, BLOCK // 2, d, 2), jnp.float8_e4m3fn),
+        jnp.zeros((n_blocks, n_kv, BLOCK, d), jnp.float8_e4m3fn),
+    )
 
 
-@pytest.mark.parametrize("case, error, fragment", [
-    ("defaults", ValueError, "d_head=64 does not match the caches' last axis (8)"),
-    ("block_size", ValueError, "block_size=8 does not match v_cache's block axis (4)"),
-    ("num_q_heads", ValueError, "num_q_heads=2 does not match sink's second axis (4)"),
-    ("gqa", ValueError, "num_q_heads=3 must be a multiple of num_kv_heads=2"),
-    ("odd_d", ValueError, "d_head=5 must be even"),
-    ("columns", ValueError, "qkv_weight has 72 columns; it must have (num_q_heads + 2 * num_kv_heads) * d_head = 64"),
-    ("tables", ValueError, "active tokens need 2 of block_size=4"),
-    ("window", ValueError, "`sliding_window` must be positive"),
-    ("weights_dtype", TypeError, "`op_weight` must have the dtype of hidden_states"),
-    ("fp8_no_scale", ValueError, "`k_scale` is required for an FP8 k_cache"),
-    ("scale_no_fp8", ValueError, "`v_scale` is only accepted with an FP8 v_cache"),
-    ("unpacked_fp8", TypeError, "`k_cache` must be FP8 exactly when packed"),
-    ("prior_dtype", TypeError, "`prior_tokens` must have dtype in (int32)"),
-])
+@pytest.mark.parametrize(
+    "case, error, fragment",
+    [
+        ("defaults", ValueError, "d_head=64 does not match the caches' last axis (8)"),
+        ("block_size", ValueError, "block_size=8 does not match v_cache's block axis (4)"),
+        ("num_q_heads", ValueError, "num_q_heads=2 does not match sink's second axis (4)"),
+        ("gqa", ValueError, "num_q_heads=3 must be a multiple of num_kv_heads=2"),
+        ("odd_d", ValueError, "d_head=5 must be even"),
+        (
+            "columns",
+            ValueError,
+            "qkv_weight has 72 columns; it must have (num_q_heads + 2 * num_kv_heads) * d_head = 64",
+        ),
+        ("tables", ValueError, "active tokens need 2 of block_size=4"),
+        ("window", ValueError, "`sliding_window` must be positive"),
+        ("weights_dtype", TypeError, "`op_weight` must have the dtype of hidden_states"),
+        ("fp8_no_scale", ValueError, "`k_scale` is required for an FP8 k_cache"),
+        ("scale_no_fp8", ValueError, "`v_scale` is only accepted with an FP8 v_cache"),
+        ("unpacked_fp8", TypeError, "`k_cache` must be FP8 exactly when packed"),
+        ("prior_dtype", TypeError, "`prior_tokens` must have dtype in (int32)"),
+    ],
+)
 def test_bad_inputs(case, error, fragment):
-    pr = problem(n_q=3 if case == "gqa" else 4, d=5 if case == "odd_d" else 8,
-                 max_blocks=1 if case == "tables" else 6)
+    pr = problem(n_q=3 if case == "gqa" else 4, d=5 if case == "odd_d" else 8, max_blocks=1 if case == "tables" else 6)
     flags = {} if case == "defaults" else flags_of(pr)
     args, extra = list(args_of(pr, 4)), []
     if case in ("block_size", "num_q_heads"):

@@ -23,10 +23,14 @@ def measure(impl: str, seq: int, heads: int, head_dim: int) -> dict:
 
     import jax_nkilib
 
-    q, k, v, dy = (jax.random.normal(key, (1, seq, heads, head_dim), jnp.float32)
-                   for key in jax.random.split(jax.random.key(0), 4))
-    attend = jax_nkilib.attention if impl == "jax_nkilib" else (
-        lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=True))
+    q, k, v, dy = (
+        jax.random.normal(key, (1, seq, heads, head_dim), jnp.float32) for key in jax.random.split(jax.random.key(0), 4)
+    )
+    attend = (
+        jax_nkilib.attention
+        if impl == "jax_nkilib"
+        else (lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=True))
+    )
     step = jax.jit(jax.grad(lambda a, b, c, g: jnp.sum(attend(a, b, c) * g), argnums=(0, 1, 2)))
     start = time.perf_counter()
     compiled = step.lower(q, k, v, dy).compile()
@@ -39,8 +43,9 @@ def measure(impl: str, seq: int, heads: int, head_dim: int) -> dict:
 
 
 def in_child(impl: str, seq: int, heads: int, head_dim: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--one", impl, str(seq), str(heads), str(head_dim)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", impl, str(seq), str(heads), str(head_dim)], capture_output=True, text=True
+    )
     if out.returncode:
         return {"impl": impl, "seq": seq, "error": out.stderr.strip().splitlines()[-1][:120]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -58,8 +63,10 @@ def main():
         return
     if opts.long:
         result = in_child("jax_nkilib", 32768, 8, 128)
-        print(f"jax_nkilib.attention fwd+bwd seq=32768 heads=8 head_dim=128 f32 causal: run_s={result['run_s']:.1f} "
-              f"compile_s={result['compile_s']:.1f} peak_rss_gib={result['peak_rss_gib']:.2f}")
+        print(
+            f"jax_nkilib.attention fwd+bwd seq=32768 heads=8 head_dim=128 f32 causal: run_s={result['run_s']:.1f} "
+            f"compile_s={result['compile_s']:.1f} peak_rss_gib={result['peak_rss_gib']:.2f}"
+        )
         return
     from jax_nkilib._src.tools.arg_specs import arg_spec
 
@@ -69,11 +76,15 @@ def main():
     for seq in map(int, opts.seqs.split(",")):
         ours, theirs = in_child("jax_nkilib", seq, heads, head_dim), in_child("xla", seq, heads, head_dim)
         if "error" in theirs:
-            print(f"{seq:<6} jax_nkilib {ours['run_s']:.2f}s {ours['peak_rss_gib']:.2f} GiB; jax.nn failed: "
-                  f"{theirs['error']}")
+            print(
+                f"{seq:<6} jax_nkilib {ours['run_s']:.2f}s {ours['peak_rss_gib']:.2f} GiB; jax.nn failed: "
+                f"{theirs['error']}"
+            )
             continue
-        print(f"{seq:<6} {ours['run_s'] / theirs['run_s']:10.2f}  {ours['peak_rss_gib'] / theirs['peak_rss_gib']:12.2f}"
-              f"   (peaks {ours['peak_rss_gib']:.2f} / {theirs['peak_rss_gib']:.2f} GiB)")
+        print(
+            f"{seq:<6} {ours['run_s'] / theirs['run_s']:10.2f}  {ours['peak_rss_gib'] / theirs['peak_rss_gib']:12.2f}"
+            f"   (peaks {ours['peak_rss_gib']:.2f} / {theirs['peak_rss_gib']:.2f} GiB)"
+        )
 
 
 if __name__ == "__main__":

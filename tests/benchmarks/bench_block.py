@@ -60,11 +60,11 @@ def main():
     def train_step(fn):
         return jax.jit(jax.grad(lambda p, *a: jnp.sum(fn(p, *a) ** 2)))
 
-    ratio, t_ours, t_theirs = run_time_ratio(train_step(block.transformer_block), train_step(plain_block), args,
-                                             opts.repeats)
+    ratio, t_ours, t_theirs = run_time_ratio(
+        train_step(block.transformer_block), train_step(plain_block), args, opts.repeats
+    )
     print(f"fwd+bwd run time ratio      {ratio:.3f}  (medians {t_ours * 1e3:.1f} ms / {t_theirs * 1e3:.1f} ms)")
-    print(f"compile time ratio          "
-          f"{compile_time_ratio(block.transformer_block, plain_block, args, 3):.3f}")
+    print(f"compile time ratio          {compile_time_ratio(block.transformer_block, plain_block, args, 3):.3f}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_nkilib  # noqa: E402
-from jax_nkilib._src.sharding.sequence_layouts import from_ring_layout, to_ring_layout  # noqa: E402
 from jax_nkilib._src.ops.ring_attention import ring_attention  # noqa: E402
 from jax_nkilib._src.tools.arg_specs import arg_spec  # noqa: E402
 
@@ -45,6 +44,7 @@ def forward_and_grads(attend):
     def run(q, k, v, dy):
         out, vjp = jax.vjp(attend, q, k, v)
         return (out,) + vjp(dy)
+
     return run
 
 
@@ -69,10 +69,14 @@ def main():
     spec = P(None, "cp")
     ring_body = jax.shard_map(
         forward_and_grads(lambda a, b, c: ring_attention(a, b, c, axis_name="cp", causal=True, layout=opts.layout)),
-        mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4)
+        mesh=mesh,
+        in_specs=(spec,) * 4,
+        out_specs=(spec,) * 4,
+    )
     placement = NamedSharding(mesh, spec)
-    ring_args = tuple(jax.device_put(to_ring_layout(x, layout=opts.layout, axis_size=DEVICES), placement)
-                      for x in (q, k, v, dy))
+    ring_args = tuple(
+        jax.device_put(to_ring_layout(x, layout=opts.layout, axis_size=DEVICES), placement) for x in (q, k, v, dy)
+    )
     start = time.perf_counter()
     ring = jax.jit(ring_body).lower(*ring_args).compile()
     ring_compile = time.perf_counter() - start
@@ -80,8 +84,11 @@ def main():
     device = jax.devices()[0]
     single_args = tuple(jax.device_put(x, device) for x in (q, k, v, dy))
     start = time.perf_counter()
-    single = jax.jit(forward_and_grads(lambda a, b, c: jax_nkilib.attention(a, b, c, causal=True))).lower(
-        *single_args).compile()
+    single = (
+        jax.jit(forward_and_grads(lambda a, b, c: jax_nkilib.attention(a, b, c, causal=True)))
+        .lower(*single_args)
+        .compile()
+    )
     single_compile = time.perf_counter() - start
 
     ring_results, ring_s = timed(ring, *ring_args)
@@ -93,23 +100,42 @@ def main():
 
     ring_bytes, single_bytes = peak_bytes(ring), peak_bytes(single)
     report = {
-        "seq": opts.seq, "heads": opts.heads, "head_dim": opts.head_dim, "layout": opts.layout, "devices": DEVICES,
-        "ring_peak_bytes_per_device": ring_bytes, "single_peak_bytes": single_bytes,
+        "seq": opts.seq,
+        "heads": opts.heads,
+        "head_dim": opts.head_dim,
+        "layout": opts.layout,
+        "devices": DEVICES,
+        "ring_peak_bytes_per_device": ring_bytes,
+        "single_peak_bytes": single_bytes,
         "memory_ratio": ring_bytes / single_bytes,
-        "ring_memory": {k: getattr(ring.memory_analysis(), k) for k in
-                        ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")},
-        "single_memory": {k: getattr(single.memory_analysis(), k) for k in
-                          ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")},
-        "ring_run_s": ring_s, "single_run_s": single_s, "time_ratio": ring_s / single_s,
-        "ring_compile_s": ring_compile, "single_compile_s": single_compile,
-        "max_abs_error": errors, "cpu_cores": os.cpu_count(),
+        "ring_memory": {
+            k: getattr(ring.memory_analysis(), k)
+            for k in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
+        },
+        "single_memory": {
+            k: getattr(single.memory_analysis(), k)
+            for k in ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
+        },
+        "ring_run_s": ring_s,
+        "single_run_s": single_s,
+        "time_ratio": ring_s / single_s,
+        "ring_compile_s": ring_compile,
+        "single_compile_s": single_compile,
+        "max_abs_error": errors,
+        "cpu_cores": os.cpu_count(),
     }
-    print(f"seq={opts.seq} heads={opts.heads} head_dim={opts.head_dim} f32 causal fwd+bwd, {opts.layout} ring over "
-          f"{DEVICES} CPU devices vs single-device jax_nkilib.attention ({os.cpu_count()} CPU cores)")
-    print(f"  peak memory per device: ring {ring_bytes / 2**20:.1f} MiB, single {single_bytes / 2**20:.1f} MiB, "
-          f"ratio {ring_bytes / single_bytes:.3f}")
-    print(f"  run time: ring {ring_s:.2f} s, single {single_s:.2f} s, ratio {ring_s / single_s:.2f} "
-          f"(compile {ring_compile:.1f} s / {single_compile:.1f} s)")
+    print(
+        f"seq={opts.seq} heads={opts.heads} head_dim={opts.head_dim} f32 causal fwd+bwd, {opts.layout} ring over "
+        f"{DEVICES} CPU devices vs single-device jax_nkilib.attention ({os.cpu_count()} CPU cores)"
+    )
+    print(
+        f"  peak memory per device: ring {ring_bytes / 2**20:.1f} MiB, single {single_bytes / 2**20:.1f} MiB, "
+        f"ratio {ring_bytes / single_bytes:.3f}"
+    )
+    print(
+        f"  run time: ring {ring_s:.2f} s, single {single_s:.2f} s, ratio {ring_s / single_s:.2f} "
+        f"(compile {ring_compile:.1f} s / {single_compile:.1f} s)"
+    )
     print("  max abs error ring vs single: " + ", ".join(f"{name} {err:.2e}" for name, err in errors.items()))
     print(json.dumps(report))
 

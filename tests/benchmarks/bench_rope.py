@@ -39,10 +39,13 @@ def run_time_ratio(ours, theirs, args, repeats: int) -> tuple[float, float, floa
     ours_t, theirs_t = [], []
     for i in range(repeats):  # interleave, alternating who goes first, so drift hits both alike
         pair = [(ours, ours_t), (theirs, theirs_t)]
-        for fn, times in (pair if i % 2 == 0 else pair[::-1]):
+        for fn, times in pair if i % 2 == 0 else pair[::-1]:
             times.append(timed(fn, *args))
-    return statistics.median(ours_t) / statistics.median(theirs_t), statistics.median(ours_t), statistics.median(
-        theirs_t)
+    return (
+        statistics.median(ours_t) / statistics.median(theirs_t),
+        statistics.median(ours_t),
+        statistics.median(theirs_t),
+    )
 
 
 def compile_time_ratio(ours, theirs, args, repeats: int) -> float:
@@ -78,8 +81,11 @@ def main():
     print(f"shape {x.shape} {dtype}, {jax.devices()[0].platform}, {opts.repeats} repeats")
 
     ours, theirs = jax.jit(jax_nkilib.rope), jax.jit(jnp_rope)
-    np.testing.assert_allclose(np.asarray(ours(*args), np.float32), np.asarray(theirs(*args), np.float32),
-                               atol=2e-2 if dtype == jnp.bfloat16 else 1e-5)
+    np.testing.assert_allclose(
+        np.asarray(ours(*args), np.float32),
+        np.asarray(theirs(*args), np.float32),
+        atol=2e-2 if dtype == jnp.bfloat16 else 1e-5,
+    )
     ratio, t_ours, t_theirs = run_time_ratio(ours, theirs, args, opts.repeats)
     print(f"forward run time ratio      {ratio:.3f}  (medians {t_ours * 1e3:.2f} ms / {t_theirs * 1e3:.2f} ms)")
 

@@ -46,8 +46,9 @@ def jnp_rms_norm(x, weight):
 
 
 def jnp_output_projection(attn, w):
-    return jnp.einsum("bsk,kh->bsh", attn.reshape(*attn.shape[:2], -1), w.astype(attn.dtype),
-                      preferred_element_type=jnp.float32).astype(attn.dtype)
+    return jnp.einsum(
+        "bsk,kh->bsh", attn.reshape(*attn.shape[:2], -1), w.astype(attn.dtype), preferred_element_type=jnp.float32
+    ).astype(attn.dtype)
 
 
 def cases(small: bool):
@@ -66,8 +67,15 @@ def cases(small: bool):
     out.append((f"rms_norm {x.shape} float32", jax_nkilib.rms_norm, jnp_rms_norm, (x, weight), (0, 1)))
     attn = jnp.asarray(rng.standard_normal((batch, 512 // scale, heads, head_dim)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((heads * head_dim, 2048)) / 45, jnp.float32)
-    out.append((f"output_projection {attn.shape} x {w.shape} float32", jax_nkilib.output_projection,
-                jnp_output_projection, (attn, w), (0, 1)))
+    out.append(
+        (
+            f"output_projection {attn.shape} x {w.shape} float32",
+            jax_nkilib.output_projection,
+            jnp_output_projection,
+            (attn, w),
+            (0, 1),
+        )
+    )
     return out
 
 
@@ -75,6 +83,7 @@ def forward_backward(fn, argnums):
     def loss(*args):
         out = fn(*args)
         return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape))
+
     return jax.grad(loss, argnums=argnums)
 
 
@@ -92,7 +101,7 @@ def run_times(fns, args, repeats: int) -> list[list[float]]:
     times = [[] for _ in fns]
     for i in range(repeats):
         order = list(range(len(fns)))
-        order = order[i % len(fns):] + order[:i % len(fns)]
+        order = order[i % len(fns) :] + order[: i % len(fns)]
         for j in order:
             times[j].append(timed(fns[j], args))
     return times
@@ -114,8 +123,10 @@ def main():
             fns = [compiled(wrap(op), args), compiled(wrap(reference), args)]
             times = run_times(fns, args, opts.repeats)
             t, b = [statistics.median(x) for x in times], [min(x) for x in times]
-            print(f"{name:58} {mode:8} {t[0] * 1e3:8.2f} {t[1] * 1e3:8.2f} {t[0] / t[1]:7.2f} {b[0] / b[1]:13.2f}",
-                  flush=True)
+            print(
+                f"{name:58} {mode:8} {t[0] * 1e3:8.2f} {t[1] * 1e3:8.2f} {t[0] / t[1]:7.2f} {b[0] / b[1]:13.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

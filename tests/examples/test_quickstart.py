@@ -6,8 +6,8 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
-from jax import export
 import numpy as np
+from jax import export
 
 import jax_nkilib
 from tests.support.hlo import kernel_configs, operations
@@ -36,14 +36,23 @@ def test_block_forward_on_neuron_is_one_kernel_per_op_plus_layout_glue():
     params = qs.init_params(jax.random.key(0))
     x = jnp.zeros((qs.BATCH, qs.SEQ, qs.MODEL), jnp.float32)
     with jax_nkilib.neuron.dry_run():
-        text = jax.jit(qs.transformer_block).trace(params, x, *qs.rotary_tables(qs.SEQ, qs.HEAD_DIM)).lower(
-            lowering_platforms=("neuron",)).as_text()
+        text = (
+            jax.jit(qs.transformer_block)
+            .trace(params, x, *qs.rotary_tables(qs.SEQ, qs.HEAD_DIM))
+            .lower(lowering_platforms=("neuron",))
+            .as_text()
+        )
     assert [cfg["func_name"] for cfg in kernel_configs(text)] == KERNELS
     glue = collections.Counter(op for op in operations(text) if op != "stablehlo.custom_call")
     # the two residual adds; layout changes (transposes, reshapes), the q/k/v split and the RoPE table broadcasts
     assert glue["stablehlo.add"] == 2
-    assert set(glue) <= {"stablehlo.add", "stablehlo.transpose", "stablehlo.reshape", "stablehlo.slice",
-                         "stablehlo.broadcast_in_dim"}
+    assert set(glue) <= {
+        "stablehlo.add",
+        "stablehlo.transpose",
+        "stablehlo.reshape",
+        "stablehlo.slice",
+        "stablehlo.broadcast_in_dim",
+    }
 
 
 def test_block_exports_for_several_platforms():
@@ -58,8 +67,9 @@ def test_block_exports_for_several_platforms():
     assert exported.platforms == ("cpu", "cuda")
     np.testing.assert_array_equal(exported.call(*args), block(*args))
     with jax_nkilib.neuron.dry_run():
-        exported = export.export(block, platforms=["cpu", "neuron"],
-                                     disabled_checks=jax_nkilib.neuron.EXPORT_DISABLED_CHECKS)(*args)
+        exported = export.export(
+            block, platforms=["cpu", "neuron"], disabled_checks=jax_nkilib.neuron.EXPORT_DISABLED_CHECKS
+        )(*args)
     assert exported.platforms == ("cpu", "neuron")
     assert [cfg["func_name"] for cfg in kernel_configs(exported.mlir_module())] == KERNELS
     np.testing.assert_array_equal(exported.call(*args), block(*args))  # here, the CPU lowering of the export

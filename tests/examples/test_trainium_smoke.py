@@ -15,9 +15,14 @@ from tests.support import nki_standin
 from tests.support.hlo import kernel_configs
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "trainium_smoke.py"
-LIBRARY = ("nkilib.core.embeddings.rope:RoPE", "nkilib.core.rmsnorm.rmsnorm_quant:rmsnorm_quant_kernel",
-           "nkilib.core.attention.attention_cte:attention_cte", "nkilib.core.attention.attention_bwd:attention_bwd",
-           "nkilib.core.mlp.mlp:mlp", "nkilib.experimental.collectives.collectives:all_reduce_hbm_kernel")
+LIBRARY = (
+    "nkilib.core.embeddings.rope:RoPE",
+    "nkilib.core.rmsnorm.rmsnorm_quant:rmsnorm_quant_kernel",
+    "nkilib.core.attention.attention_cte:attention_cte",
+    "nkilib.core.attention.attention_bwd:attention_bwd",
+    "nkilib.core.mlp.mlp:mlp",
+    "nkilib.experimental.collectives.collectives:all_reduce_hbm_kernel",
+)
 
 
 def load():
@@ -52,14 +57,19 @@ def sdk(monkeypatch):
     standin = nki_standin.StandIn()
     library = {entry: nki_standin.library_function(entry) for entry in LIBRARY}
     library["nkilib.core.rmsnorm.rmsnorm_quant:RmsNormQuantKernelArgs"] = nki_standin.library_class(
-        "nkilib.core.rmsnorm.rmsnorm_quant:RmsNormQuantKernelArgs")
+        "nkilib.core.rmsnorm.rmsnorm_quant:RmsNormQuantKernelArgs"
+    )
     nki_standin.install(monkeypatch, standin, library)
     like = lambda value, **_: np.empty(value.shape, value.dtype)  # noqa: E731
     standin.rule("RoPE", lambda x_in, **_: like(x_in))
     standin.rule("rmsnorm_quant_kernel", rmsnorm_quant)
     standin.rule("attention_cte", attention_cte)
-    standin.rule("attention_bwd", lambda q_ref, k_ref, v_ref, sinks_ref=None, **_: (
-        like(q_ref), like(k_ref), like(v_ref)) + ((like(sinks_ref),) if sinks_ref is not None else ()))
+    standin.rule(
+        "attention_bwd",
+        lambda q_ref, k_ref, v_ref, sinks_ref=None, **_: (
+            (like(q_ref), like(k_ref), like(v_ref)) + ((like(sinks_ref),) if sinks_ref is not None else ())
+        ),
+    )
     standin.rule("mlp", lambda hidden_tensor, **_: [like(hidden_tensor)])
     standin.rule("all_reduce_hbm_kernel", lambda input, **_: like(input))
     return standin
@@ -77,8 +87,13 @@ def test_every_case_lowers_to_nki_kernels(sdk, lnc):
         assert len(configs) == len(calls) == len(sdk.compilations), case.name
         assert all(cfg["kernel_format"] == "bir" and cfg["grid"] == lnc for cfg in configs), case.name
         kernels.append([cfg["func_name"] for cfg in configs])
-    assert kernels == [["RoPE"], ["rmsnorm_quant_kernel"], ["attention_cte", "attention_bwd"], ["mlp"],
-                       ["all_reduce_hbm_kernel"]]
+    assert kernels == [
+        ["RoPE"],
+        ["rmsnorm_quant_kernel"],
+        ["attention_cte", "attention_bwd"],
+        ["mlp"],
+        ["all_reduce_hbm_kernel"],
+    ]
 
 
 def test_without_a_neuron_device_it_says_so(capsys):

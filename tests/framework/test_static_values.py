@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_nkilib._src.framework.validation import (check_positive_finite, static_bool, static_bounds, static_float)
+from jax_nkilib._src.framework.validation import check_positive_finite, static_bool, static_bounds, static_float
 
 OP = "jax_nkilib.op"
 
@@ -15,10 +15,15 @@ def test_static_float():
     assert static_float(OP, "eps", 1) == 1.0 and static_float(OP, "eps", np.float32(0.5)) == 0.5
     assert static_float(OP, "eps", jnp.asarray([2.0])) == 2.0  # a concrete one-element array
     assert static_float(OP, "eps", 0.0, minimum=0.0) == 0.0
-    for value, error, fragment in [(float("nan"), ValueError, "got nan"), (np.inf, ValueError, "got inf"),
-                                   (-1.0, ValueError, ">= 0"), (True, TypeError, "got True"),
-                                   ("1", TypeError, "got '1'"), (None, TypeError, "got None"),
-                                   (jnp.ones(2), TypeError, "(2,)")]:
+    for value, error, fragment in [
+        (float("nan"), ValueError, "got nan"),
+        (np.inf, ValueError, "got inf"),
+        (-1.0, ValueError, ">= 0"),
+        (True, TypeError, "got True"),
+        ("1", TypeError, "got '1'"),
+        (None, TypeError, "got None"),
+        (jnp.ones(2), TypeError, "(2,)"),
+    ]:
         with pytest.raises(error, match=r"jax_nkilib.op: `eps` must be a finite Python float") as info:
             static_float(OP, "eps", value, minimum=0.0)
         assert fragment in str(info.value)
@@ -35,9 +40,13 @@ def test_static_bool_and_bounds():
     assert static_bounds(OP, "clamp", (None, 3)) == (None, 3.0)
     assert static_bounds(OP, "clamp", (-np.inf, np.float32(2.0))) == (-np.inf, 2.0)
     assert static_bounds(OP, "clamp", (1.0, 1.0)) == (1.0, 1.0)
-    for value, error, fragment in [((2.0, 1.0), ValueError, "lower > upper"), ((np.nan, 1.0), ValueError, "NaN"),
-                                   ([0.0, 1.0], TypeError, "tuple"), ((0.0,), TypeError, "tuple"),
-                                   ((0.0, "1"), TypeError, "upper bound is '1'")]:
+    for value, error, fragment in [
+        ((2.0, 1.0), ValueError, "lower > upper"),
+        ((np.nan, 1.0), ValueError, "NaN"),
+        ([0.0, 1.0], TypeError, "tuple"),
+        ((0.0,), TypeError, "tuple"),
+        ((0.0, "1"), TypeError, "upper bound is '1'"),
+    ]:
         with pytest.raises(error, match="jax_nkilib.op: `clamp`") as info:
             static_bounds(OP, "clamp", value)
         assert fragment in str(info.value)

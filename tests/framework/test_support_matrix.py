@@ -36,13 +36,15 @@ def test_readme_table_is_generated_from_the_matrix():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert readme.count("| kernel | row |") == 1, "the support table must appear exactly once"
     assert readme_section(readme) == markdown_table(), (
-        "README support table is stale: run `python -m jax_nkilib._src.tools.readme README.md`")
+        "README support table is stale: run `python -m jax_nkilib._src.tools.readme README.md`"
+    )
 
 
 def test_device_adapters_parse_and_match_their_specs():
     """jax_nkilib_kernels/ adapters import nki (absent here): check them statically against the specs they serve."""
-    adapters = [k.spec for k in registry.bound_kernels().values()
-                if k.spec.entry_point.startswith("jax_nkilib_kernels.")]
+    adapters = [
+        k.spec for k in registry.bound_kernels().values() if k.spec.entry_point.startswith("jax_nkilib_kernels.")
+    ]
     assert {"rope_hf", "attention_tkg", "gen_mask_tkg", "rmsnorm_tkg", "matmul_mxfp8"} <= {s.name for s in adapters}
     for spec in adapters:
         module, function = spec.entry_point.split(":")
@@ -52,8 +54,9 @@ def test_device_adapters_parse_and_match_their_specs():
         assert any(ast.unparse(d) == "nki.jit" for d in node.decorator_list)
         names = [a.arg for a in node.args.args]
         assert names == [o.name for o in spec.operands] + [p.name for p in spec.params]
-        defaults = dict(zip(names[len(names) - len(node.args.defaults):],
-                            (ast.literal_eval(d) for d in node.args.defaults)))
+        defaults = dict(
+            zip(names[len(names) - len(node.args.defaults) :], (ast.literal_eval(d) for d in node.args.defaults))
+        )
         for operand in spec.operands:
             assert (operand.name in defaults and defaults[operand.name] is None) == operand.optional
         for param in spec.params:  # an LNC-following flag is always passed resolved: any bool default will do

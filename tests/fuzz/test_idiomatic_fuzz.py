@@ -8,7 +8,6 @@ disagrees, fails. Examples are derandomized so CI is reproducible; each property
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,8 +16,13 @@ from hypothesis import strategies as st
 
 import jax_nkilib
 
-FUZZ = settings(max_examples=15, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(
+    max_examples=15,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 DTYPES = st.sampled_from([jnp.float32, jnp.bfloat16])
 BAD_FLOATS = [float("nan"), float("inf"), -1.0, "0.1", True, None]
 
@@ -93,7 +97,7 @@ def test_layer_norm_is_accurate_at_any_offset(case):
     got = jax_nkilib.layer_norm(*args, eps=eps)
     with np.errstate(all="ignore"):
         centred = x - x.mean(-1, keepdims=True)
-        want = centred / np.sqrt(np.mean(centred ** 2, -1, keepdims=True) + eps) * (1.0 if weight is None else weight)
+        want = centred / np.sqrt(np.mean(centred**2, -1, keepdims=True) + eps) * (1.0 if weight is None else weight)
     if eps == 0.0:
         want = np.where(np.isfinite(want), want, np.nan)  # a constant row divides 0 by 0
     scale = np.nanmax(np.abs(np.where(np.isfinite(want), want, 0)), initial=1.0)
@@ -227,10 +231,11 @@ def test_decode_attention_invalid_lengths_write_nothing_and_give_nan(case):
         vals = np.concatenate([np.asarray(v_cache[b, :, :length]).transpose(1, 0, 2), np.asarray(v_new[b])])
         for i in range(s_new):  # token i sees the cache and the new tokens up to itself
             seen = length + i + 1
-            want = attention_oracle(np.asarray(q[b, i])[None, None], keys[None, :seen], vals[None, :seen],
-                                    False, 1 / math.sqrt(d), None)[0, 0]
+            want = attention_oracle(
+                np.asarray(q[b, i])[None, None], keys[None, :seen], vals[None, :seen], False, 1 / math.sqrt(d), None
+            )[0, 0]
             np.testing.assert_allclose(row[i], want, rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(np.asarray(k_out[b, :, length:length + s_new]).transpose(1, 0, 2), k_new[b])
+        np.testing.assert_array_equal(np.asarray(k_out[b, :, length : length + s_new]).transpose(1, 0, 2), k_new[b])
 
 
 # ------------------------------------------------------------------------------------------------ quantizers
@@ -252,21 +257,22 @@ def test_quantize_fp8_leaves_non_finite_values_out_of_their_neighbours(case):
     valid_value = scale is None or (math.isfinite(scale) and scale > 0)
     if not (valid_mode and valid_scale and valid_value):
         with clear_error("quantize_fp8"):
-            jax_nkilib.quantize_fp8(jnp.asarray(x, jnp.float32), mode=mode,
-                                    scale=None if scale is None else jnp.float32(scale))
+            jax_nkilib.quantize_fp8(
+                jnp.asarray(x, jnp.float32), mode=mode, scale=None if scale is None else jnp.float32(scale)
+            )
         return
-    q, s = jax_nkilib.quantize_fp8(jnp.asarray(x, jnp.float32), mode=mode,
-                                   scale=None if scale is None else jnp.float32(scale))
+    q, s = jax_nkilib.quantize_fp8(
+        jnp.asarray(x, jnp.float32), mode=mode, scale=None if scale is None else jnp.float32(scale)
+    )
     back = np.asarray(jax_nkilib.dequantize_fp8(q, s), np.float64)
     finite = np.isfinite(x)
     if mode == "row":  # the row's finite values set its scale: each comes back within FP8's half-ulp (2^-4)
         amax = np.max(np.abs(np.where(finite, x, 0)), -1, keepdims=True)
-        np.testing.assert_allclose(back[finite], x[finite], rtol=2 ** -3,
-                                   atol=float(np.max(amax)) * 2 ** -9 + 1e-12)
+        np.testing.assert_allclose(back[finite], x[finite], rtol=2**-3, atol=float(np.max(amax)) * 2**-9 + 1e-12)
     else:
         limit = 240 * scale
         clipped = np.clip(x, -limit, limit)
-        np.testing.assert_allclose(back[finite], clipped[finite], rtol=2 ** -3, atol=scale * 2 ** -9)
+        np.testing.assert_allclose(back[finite], clipped[finite], rtol=2**-3, atol=scale * 2**-9)
     assert np.isnan(back[np.isnan(x)]).all()
     assert np.all(np.abs(back[np.isinf(x)]) > 0) and np.all(np.sign(back[np.isinf(x)]) == np.sign(x[np.isinf(x)]))
 
@@ -288,8 +294,9 @@ def test_quantize_mx_keeps_a_nan_from_its_block_mates(x):
     amax = np.max(np.abs(np.where(finite, blocks, 0)), -1, keepdims=True)
     got = back.reshape(blocks.shape)
     # each finite value within E4M3's relative step (2^-3) or a block's smallest step (amax * 2^-9)
-    np.testing.assert_allclose(got[finite], blocks[finite], rtol=2 ** -3,
-                               atol=float(np.max(amax, initial=0.0)) * 2 ** -8 + 1e-30)
+    np.testing.assert_allclose(
+        got[finite], blocks[finite], rtol=2**-3, atol=float(np.max(amax, initial=0.0)) * 2**-8 + 1e-30
+    )
     assert np.isnan(got[np.isnan(blocks)]).all()
 
 
@@ -310,11 +317,23 @@ def test_mlp_parameters(case):
     x = jnp.asarray(rng.standard_normal((1, 4, 128)), jnp.float32)
     w_gate, w_up = (jnp.asarray(rng.standard_normal((128, 256)) * 0.05, jnp.float32) for _ in range(2))
     w_down = jnp.asarray(rng.standard_normal((256, 128)) * 0.05, jnp.float32)
-    call = lambda: jax_nkilib.mlp(x, w_gate, w_up, w_down, activation=activation, norm="rms",  # noqa: E731
-                                  norm_weight=jnp.ones(128), eps=eps, gate_clamp=clamp)
+    call = lambda: jax_nkilib.mlp(
+        x,
+        w_gate,
+        w_up,
+        w_down,
+        activation=activation,
+        norm="rms",  # noqa: E731
+        norm_weight=jnp.ones(128),
+        eps=eps,
+        gate_clamp=clamp,
+    )
     valid_eps = isinstance(eps, float) and math.isfinite(eps) and eps >= 0
-    valid_clamp = clamp is None or (isinstance(clamp, tuple) and not any(
-        isinstance(b, float) and math.isnan(b) for b in clamp) and (None in clamp or clamp[0] <= clamp[1]))
+    valid_clamp = clamp is None or (
+        isinstance(clamp, tuple)
+        and not any(isinstance(b, float) and math.isnan(b) for b in clamp)
+        and (None in clamp or clamp[0] <= clamp[1])
+    )
     try:
         out = call()
     except (TypeError, ValueError) as err:
@@ -340,8 +359,9 @@ def test_qkv_projection_split_weights_must_match_the_heads(case):
     heads, kv, d, cut = case
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((1, 4, 64)), jnp.float32)
-    parts = [jnp.asarray(rng.standard_normal((64, n)) * 0.1, jnp.float32)
-             for n in (heads * d + cut, kv * d, kv * d - cut)]
+    parts = [
+        jnp.asarray(rng.standard_normal((64, n)) * 0.1, jnp.float32) for n in (heads * d + cut, kv * d, kv * d - cut)
+    ]
     if cut:  # (any head counts are fine for the projection itself; grouping is attention's concern)
         with clear_error("qkv_projection"):
             jax_nkilib.qkv_projection(x, tuple(parts), num_q_heads=heads, num_kv_heads=kv)

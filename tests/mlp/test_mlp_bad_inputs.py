@@ -14,8 +14,9 @@ W = jnp.zeros((16, 8), jnp.bfloat16)
 WD = jnp.zeros((8, 16), jnp.bfloat16)
 F8, F8D = W.astype(jnp.float8_e4m3), WD.astype(jnp.float8_e4m3)
 F32 = jnp.float32
-ROW = dict(gate_w_scale=jnp.ones((128, 8), F32), up_w_scale=jnp.ones((128, 8), F32),
-           down_w_scale=jnp.ones((128, 16), F32))
+ROW = dict(
+    gate_w_scale=jnp.ones((128, 8), F32), up_w_scale=jnp.ones((128, 8), F32), down_w_scale=jnp.ones((128, 16), F32)
+)
 ONE = jnp.ones((128, 1), F32)
 
 
@@ -35,34 +36,58 @@ CASES = [
     (kernel(X.astype(jnp.int32), W, W, WD), TypeError, ["`hidden_tensor`", "dtype", "int32"]),
     (kernel(X.astype(jnp.float8_e4m3), W, W, WD), TypeError, ["`hidden_tensor`", "dtype"]),
     (kernel(X, W, W, WD, normalization_type="RMS_NORM"), ValueError, ["RMS_NORM", "normalization_weights_tensor"]),
-    (kernel(X, W, W, WD, jnp.ones((1, 16)), None, None, None, jnp.ones((1, 16)), normalization_type="RMS_NORM"),
-     ValueError, ["normalization_bias_tensor", "LAYER_NORM"]),
+    (
+        kernel(X, W, W, WD, jnp.ones((1, 16)), None, None, None, jnp.ones((1, 16)), normalization_type="RMS_NORM"),
+        ValueError,
+        ["normalization_bias_tensor", "LAYER_NORM"],
+    ),
     (kernel(X, W, W, WD, store_fused_add_result=True), ValueError, ["store_fused_add_result", "fused_add_tensor"]),
     (kernel(X, W, W, WD, activation_fn="Tanh"), TypeError, ["`activation_fn`", "ActFnType", "SiLU"]),
     (kernel(X, W, W, WD, quantization_type="MX"), ValueError, ["`gate_proj_weights_tensor`", "[128, H/512, I]"]),
-    (kernel(X, W, W, WD, quantization_type="STATIC_MX"), TypeError, ["STATIC_MX", "float8_e4m3",
-                                                                     "gate_proj_weights_tensor"]),
+    (
+        kernel(X, W, W, WD, quantization_type="STATIC_MX"),
+        TypeError,
+        ["STATIC_MX", "float8_e4m3", "gate_proj_weights_tensor"],
+    ),
     (kernel(X, W, W, WD, quantization_type="ROW_MX"), ValueError, ["ROW_MX", "not bound"]),
     (kernel(X, W, W, WD, store_output_in_sbuf=True), ValueError, ["store_output_in_sbuf", "not applicable"]),
     (kernel(X, W, W, WD, output_dtype=jnp.int32), TypeError, ["output_dtype"]),
     (kernel(X, F8, F8, F8D), TypeError, ["FP8 weights", "ROW, STATIC or"]),
     (kernel(X, W, W, WD, quantization_type="ROW", **ROW), TypeError, ["float8_e4m3", "gate_proj_weights_tensor"]),
-    (kernel(X, F8, F8, F8D, quantization_type="ROW"), ValueError, ["needs gate_w_scale, up_w_scale, down_w_scale",
-                                                                   "[128, I]"]),
-    (kernel(X, F8, F8, F8D, quantization_type="ROW", **dict(ROW, down_w_scale=jnp.ones((128, 8), F32))), ValueError,
-     ["`down_w_scale`", "[128, H]", "quantization_type=QuantizationType.ROW"]),
-    (kernel(X, F8, F8, F8D, quantization_type="STATIC", gate_w_scale=ONE, up_w_scale=ONE, down_w_scale=ONE),
-     ValueError, ["needs gate_up_in_scale, down_in_scale"]),
+    (
+        kernel(X, F8, F8, F8D, quantization_type="ROW"),
+        ValueError,
+        ["needs gate_w_scale, up_w_scale, down_w_scale", "[128, I]"],
+    ),
+    (
+        kernel(X, F8, F8, F8D, quantization_type="ROW", **dict(ROW, down_w_scale=jnp.ones((128, 8), F32))),
+        ValueError,
+        ["`down_w_scale`", "[128, H]", "quantization_type=QuantizationType.ROW"],
+    ),
+    (
+        kernel(X, F8, F8, F8D, quantization_type="STATIC", gate_w_scale=ONE, up_w_scale=ONE, down_w_scale=ONE),
+        ValueError,
+        ["needs gate_up_in_scale, down_in_scale"],
+    ),
     (kernel(X, F8, F8, F8D, quantization_type="STATIC", **ROW), ValueError, ["`gate_w_scale`", "[128, 1]"]),
-    (kernel(X, F8, F8, F8D, quantization_type="ROW", gate_up_in_scale=ONE, **ROW), ValueError,
-     ["gate_up_in_scale", "STATIC input scales"]),
+    (
+        kernel(X, F8, F8, F8D, quantization_type="ROW", gate_up_in_scale=ONE, **ROW),
+        ValueError,
+        ["gate_up_in_scale", "STATIC input scales"],
+    ),
     (kernel(X, W, W, WD, gate_w_scale=ONE), ValueError, ["gate_w_scale", "only used with"]),
     (kernel(X, W.astype(jnp.float8_e5m2), W, WD), TypeError, ["`gate_proj_weights_tensor`", "dtype"]),
     (kernel(X, W, W, WD, ROW["up_w_scale"].astype(jnp.bfloat16)), ValueError, ["`normalization_weights_tensor`"]),
-    (kernel(X, W, W, WD, use_tkg_down_proj_optimized_layout=True), ValueError,
-     ["use_tkg_down_proj_optimized_layout", "use_tkg_down_proj_column_tiling=False"]),
-    (kernel(X, W, W, WD, use_tkg_down_proj_optimized_layout=True, use_tkg_down_proj_column_tiling=False),
-     ValueError, ["H % (128 * LNC)"]),
+    (
+        kernel(X, W, W, WD, use_tkg_down_proj_optimized_layout=True),
+        ValueError,
+        ["use_tkg_down_proj_optimized_layout", "use_tkg_down_proj_column_tiling=False"],
+    ),
+    (
+        kernel(X, W, W, WD, use_tkg_down_proj_optimized_layout=True, use_tkg_down_proj_column_tiling=False),
+        ValueError,
+        ["H % (128 * LNC)"],
+    ),
     (kernel(X, W, W, WD, gate_clamp_upper_limit="1"), TypeError, ["`gate_clamp_upper_limit`", "float"]),
     (kernel(X, W, W, WD, eps=None), TypeError, ["`eps`"]),
     (kernel(X, W, W), TypeError, ["missing required tensor argument `down_proj_weights_tensor`"]),
@@ -99,10 +124,16 @@ CASES = [
     (op(X.reshape((1,) * 10 + X.shape), W, W, WD), ValueError, ["jax_nkilib.mlp", "`x` has 12 leading axes"]),
     (op(X[..., :0], W[:0], W[:0], WD[:, :0]), ValueError, ["jax_nkilib.mlp", "`x`", "hidden >= 1"]),
     (op(X, W[:, :0], W[:, :0], WD[:0]), ValueError, ["`w_up`", "inter >= 1"]),
-    (lambda: jax.jit(lambda x, e: jax_nkilib.mlp(x, W, W, WD, norm="rms", eps=e))(X, 1e-6), TypeError,
-     ["jax_nkilib.mlp", "`eps`", "static", "not a traced value"]),
-    (lambda: jax.jit(lambda x, c: jax_nkilib.mlp(x, W, W, WD, gate_clamp=(None, c)))(X, 1.0), TypeError,
-     ["jax_nkilib.mlp", "`gate_clamp[upper]`", "static"]),
+    (
+        lambda: jax.jit(lambda x, e: jax_nkilib.mlp(x, W, W, WD, norm="rms", eps=e))(X, 1e-6),
+        TypeError,
+        ["jax_nkilib.mlp", "`eps`", "static", "not a traced value"],
+    ),
+    (
+        lambda: jax.jit(lambda x, c: jax_nkilib.mlp(x, W, W, WD, gate_clamp=(None, c)))(X, 1.0),
+        TypeError,
+        ["jax_nkilib.mlp", "`gate_clamp[upper]`", "static"],
+    ),
 ]
 
 
@@ -117,8 +148,9 @@ def test_bad_input(case):
 
 def test_clamps_and_eps_accept_numpy_values_and_open_sides():
     x, w, wd = X.astype(jnp.float32), W.astype(jnp.float32) + 0.1, WD.astype(jnp.float32) + 0.1
-    out = jax_nkilib.mlp(x, w, w, wd, norm="rms", eps=np.float32(1e-5), gate_clamp=(-np.inf, np.float64(7.0)),
-                         up_clamp=(None, None))
+    out = jax_nkilib.mlp(
+        x, w, w, wd, norm="rms", eps=np.float32(1e-5), gate_clamp=(-np.inf, np.float64(7.0)), up_clamp=(None, None)
+    )
     assert out.shape == x.shape and bool(jnp.all(jnp.isfinite(out)))
 
 

@@ -21,7 +21,7 @@ _erf = np.vectorize(math.erf)
 ACTS = {
     "SiLU": lambda v: v / (1 + np.exp(-v)),
     "GELU": lambda v: 0.5 * v * (1 + _erf(v / np.sqrt(2))),
-    "GELU_Tanh_Approx": lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3))),
+    "GELU_Tanh_Approx": lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v**3))),
     "Swish": lambda v: v / (1 + np.exp(-1.702 * v)),
     "ReLU": lambda v: np.maximum(v, 0),
 }
@@ -46,10 +46,31 @@ def _quantize(v, kind, fmt, in_scale, clip, compute):
     return _round(np.clip(_round(v / d, compute), -240, 240), fmt), d
 
 
-def mlp_oracle(hidden, gate_w, up_w, down_w, *, norm="none", gamma=None, beta=None, gate_b=None, up_b=None,
-               down_b=None, fused_add=None, store=False, act="SiLU", gate_clamp=(None, None),
-               up_clamp=(None, None), skip_gate=False, quant=None, scales=None, clip=0.0, eps=1e-6,
-               force_cte=False, output_dtype=None):
+def mlp_oracle(
+    hidden,
+    gate_w,
+    up_w,
+    down_w,
+    *,
+    norm="none",
+    gamma=None,
+    beta=None,
+    gate_b=None,
+    up_b=None,
+    down_b=None,
+    fused_add=None,
+    store=False,
+    act="SiLU",
+    gate_clamp=(None, None),
+    up_clamp=(None, None),
+    skip_gate=False,
+    quant=None,
+    scales=None,
+    clip=0.0,
+    eps=1e-6,
+    force_cte=False,
+    output_dtype=None,
+):
     """The kernel's semantics in float64 with its rounding points: ``(out, add_out)`` (clamps are (upper, lower))."""
     io = np.dtype(hidden.dtype)
     out_dtype = np.dtype(output_dtype or io)
@@ -105,8 +126,12 @@ def mlp_oracle(hidden, gate_w, up_w, down_w, *, norm="none", gamma=None, beta=No
 
 
 def problem(b=2, s=3, h=48, i=40, dtype=jnp.float32, seed=0):
-    return (random((b, s, h), dtype, seed), random((h, i), dtype, seed + 1, 0.2), random((h, i), dtype, seed + 2, 0.2),
-            random((i, h), dtype, seed + 3, 0.2))
+    return (
+        random((b, s, h), dtype, seed),
+        random((h, i), dtype, seed + 1, 0.2),
+        random((h, i), dtype, seed + 2, 0.2),
+        random((i, h), dtype, seed + 3, 0.2),
+    )
 
 
 def norm_args(norm, h, dtype):
@@ -116,10 +141,20 @@ def norm_args(norm, h, dtype):
     return gamma, beta, kind
 
 
-CONFIGS = [dict(), dict(norm="rms"), dict(norm="rms_skip"), dict(norm="layer"), dict(bias=True),
-           dict(fused_add=True, store=True, norm="rms"), dict(fused_add=True), dict(skip_gate=True, bias=True),
-           dict(clamps=True), dict(force_cte=True, norm="layer", bias=True, fused_add=True, store=True),
-           dict(tokens=(2, 50), norm="rms"), dict(odd=True, norm="rms", bias=True)]
+CONFIGS = [
+    dict(),
+    dict(norm="rms"),
+    dict(norm="rms_skip"),
+    dict(norm="layer"),
+    dict(bias=True),
+    dict(fused_add=True, store=True, norm="rms"),
+    dict(fused_add=True),
+    dict(skip_gate=True, bias=True),
+    dict(clamps=True),
+    dict(force_cte=True, norm="layer", bias=True, fused_add=True, store=True),
+    dict(tokens=(2, 50), norm="rms"),
+    dict(odd=True, norm="rms", bias=True),
+]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -130,20 +165,56 @@ def test_matches_oracle(dtype, config):
     h, i = (40, 24) if cfg.get("odd") else (48, 40)
     x, wg, wu, wd = problem(b, s, h, i, dtype)
     gamma, beta, kind = norm_args(cfg.get("norm", "none"), h, dtype)
-    biases = (random((1, i), dtype, 4, 0.3), random((1, i), dtype, 5, 0.3), random((1, h), dtype, 6, 0.3)) \
-        if cfg.get("bias") else (None, None, None)
+    biases = (
+        (random((1, i), dtype, 4, 0.3), random((1, i), dtype, 5, 0.3), random((1, h), dtype, 6, 0.3))
+        if cfg.get("bias")
+        else (None, None, None)
+    )
     fa = random((b, s, h), dtype, 9) if cfg.get("fused_add") else None
-    clamps = dict(gate_clamp_upper_limit=0.5, gate_clamp_lower_limit=-0.75, up_clamp_upper_limit=0.4,
-                  up_clamp_lower_limit=-0.3) if cfg.get("clamps") else {}
+    clamps = (
+        dict(
+            gate_clamp_upper_limit=0.5,
+            gate_clamp_lower_limit=-0.75,
+            up_clamp_upper_limit=0.4,
+            up_clamp_lower_limit=-0.3,
+        )
+        if cfg.get("clamps")
+        else {}
+    )
     store = cfg.get("store", False)
-    outs = mlp(x, wg, wu, wd, gamma, *biases, beta, fa, normalization_type=kind, store_fused_add_result=store,
-               skip_gate_proj=cfg.get("skip_gate", False), force_cte_mode=cfg.get("force_cte", False), **clamps)
+    outs = mlp(
+        x,
+        wg,
+        wu,
+        wd,
+        gamma,
+        *biases,
+        beta,
+        fa,
+        normalization_type=kind,
+        store_fused_add_result=store,
+        skip_gate_proj=cfg.get("skip_gate", False),
+        force_cte_mode=cfg.get("force_cte", False),
+        **clamps,
+    )
     want, want_add = mlp_oracle(
-        x, wg, wu, wd, norm=cfg.get("norm", "none"), gamma=gamma, beta=beta, gate_b=biases[0], up_b=biases[1],
-        down_b=biases[2], fused_add=fa, store=store, skip_gate=cfg.get("skip_gate", False),
+        x,
+        wg,
+        wu,
+        wd,
+        norm=cfg.get("norm", "none"),
+        gamma=gamma,
+        beta=beta,
+        gate_b=biases[0],
+        up_b=biases[1],
+        down_b=biases[2],
+        fused_add=fa,
+        store=store,
+        skip_gate=cfg.get("skip_gate", False),
         force_cte=cfg.get("force_cte", False),
         gate_clamp=(clamps.get("gate_clamp_upper_limit"), clamps.get("gate_clamp_lower_limit")),
-        up_clamp=(clamps.get("up_clamp_upper_limit"), clamps.get("up_clamp_lower_limit")))
+        up_clamp=(clamps.get("up_clamp_upper_limit"), clamps.get("up_clamp_lower_limit")),
+    )
     out = outs[0] if store else outs
     tkg = b * s <= 96 and not cfg.get("force_cte", False)
     assert out.dtype == dtype and out.shape == (b, s, h)
@@ -188,7 +259,7 @@ def _fp8_problem(quant, i=40, h=48):
         w = np.asarray(w)
         per_col = np.abs(w).max(0) / 200 if quant == "row" else np.full(cols, np.abs(w).max() / 200)
         shape = (128, cols) if quant == "row" else (128, 1)
-        scales[name] = jnp.asarray(np.broadcast_to(per_col[:shape[1]], shape), jnp.float32)
+        scales[name] = jnp.asarray(np.broadcast_to(per_col[: shape[1]], shape), jnp.float32)
         weights.append(jnp.asarray((w / per_col).astype(E4M3)))
     if quant == "static":
         scales["gate_up_in_scale"] = jnp.full((128, 1), 0.025, jnp.float32)  # |normalized input| <= 4.6
@@ -203,10 +274,21 @@ def test_fp8_weights_match_emulating_oracle(quant, force_cte):
     kind = QuantizationType.ROW if quant == "row" else QuantizationType.STATIC
     gamma, beta, _ = norm_args("rms", 48, jnp.bfloat16)
     clip = 6.0 if quant == "row" else 0.0
-    out = mlp(x, wg, wu, wd, gamma, quantization_type=kind, normalization_type="RMS_NORM",
-              force_cte_mode=force_cte, quant_clipping_bound=clip, **scales)
-    want, _ = mlp_oracle(x, wg, wu, wd, norm="rms", gamma=gamma, quant=quant, scales=scales, force_cte=force_cte,
-                         clip=clip)
+    out = mlp(
+        x,
+        wg,
+        wu,
+        wd,
+        gamma,
+        quantization_type=kind,
+        normalization_type="RMS_NORM",
+        force_cte_mode=force_cte,
+        quant_clipping_bound=clip,
+        **scales,
+    )
+    want, _ = mlp_oracle(
+        x, wg, wu, wd, norm="rms", gamma=gamma, quant=quant, scales=scales, force_cte=force_cte, clip=clip
+    )
     assert out.dtype == jnp.bfloat16
     assert_close(out, want, jnp.bfloat16, ops=2)
 
@@ -227,8 +309,9 @@ def test_optimized_down_layout_follows_lnc():
     for lnc in (1, 2):
         swizzled = wd.reshape(32, lnc, 128, 512 // 128 // lnc).transpose(0, 1, 3, 2).reshape(32, 512)
         with jax_nkilib.config(lnc=lnc):
-            out = mlp(x, wg, wu, swizzled, use_tkg_down_proj_optimized_layout=True,
-                      use_tkg_down_proj_column_tiling=False)
+            out = mlp(
+                x, wg, wu, swizzled, use_tkg_down_proj_optimized_layout=True, use_tkg_down_proj_column_tiling=False
+            )
         assert_close(out, plain, jnp.float32, reduction=512)
 
 
@@ -241,19 +324,27 @@ def test_jit_and_vmap():
     batched = jax.vmap(lambda a: mlp(a, wg, wu, wd), in_axes=0)(xs)  # TKG: per element (lax.map)
     for k in range(3):
         assert_close(batched[k], mlp_oracle(xs[k], wg, wu, wd)[0], jnp.float32, reduction=48)
-    cte = jax.vmap(lambda a, f: mlp(a, wg, wu, wd, fused_add_tensor=f, force_cte_mode=True,
-                                    store_fused_add_result=True))(xs, -xs)  # CTE: folded into B
+    cte = jax.vmap(
+        lambda a, f: mlp(a, wg, wu, wd, fused_add_tensor=f, force_cte_mode=True, store_fused_add_result=True)
+    )(xs, -xs)  # CTE: folded into B
     assert_close(cte[1], np.zeros(xs.shape), jnp.float32)
-    assert_close(cte[0][2], mlp_oracle(xs[2], wg, wu, wd, fused_add=-xs[2], force_cte=True)[0], jnp.bfloat16,
-                 reduction=48)
+    assert_close(
+        cte[0][2], mlp_oracle(xs[2], wg, wu, wd, fused_add=-xs[2], force_cte=True)[0], jnp.bfloat16, reduction=48
+    )
     nested = jax.vmap(jax.vmap(lambda a, w: mlp(a, wg, w, wd), in_axes=(0, None)), in_axes=(None, 0))(
-        xs, jnp.stack([wu, 2 * wu]))
+        xs, jnp.stack([wu, 2 * wu])
+    )
     assert_close(nested[1, 2], mlp_oracle(xs[2], wg, 2 * wu, wd)[0], jnp.float32, reduction=48)
 
 
-CHECK_GRADS = [dict(), dict(norm="layer", bias=True), dict(norm="rms", fused_add=True, store=True),
-               dict(act="GELU", clamps=True), dict(act="GELU_Tanh_Approx", skip_gate=True, bias=True),
-               dict(act="Swish", force_cte=True, norm="rms_skip")]
+CHECK_GRADS = [
+    dict(),
+    dict(norm="layer", bias=True),
+    dict(norm="rms", fused_add=True, store=True),
+    dict(act="GELU", clamps=True),
+    dict(act="GELU_Tanh_Approx", skip_gate=True, bias=True),
+    dict(act="Swish", force_cte=True, norm="rms_skip"),
+]
 
 
 @pytest.mark.parametrize("config", range(len(CHECK_GRADS)))
@@ -262,10 +353,16 @@ def test_gradients_float64(config):
     x, wg, wu, wd = problem(b=1, s=2, h=8, i=6, dtype=jnp.float64)
     gamma, beta, kind = norm_args(cfg.get("norm", "none"), 8, jnp.float64)
     bias = cfg.get("bias", False)
-    extra = [random((1, 6), jnp.float64, 4), random((1, 6), jnp.float64, 5), random((1, 8), jnp.float64, 6)] \
-        if bias else []
-    clamps = dict(gate_clamp_upper_limit=1.3, gate_clamp_lower_limit=-1.1, up_clamp_upper_limit=0.9,
-                  up_clamp_lower_limit=-1.2) if cfg.get("clamps") else {}
+    extra = (
+        [random((1, 6), jnp.float64, 4), random((1, 6), jnp.float64, 5), random((1, 8), jnp.float64, 6)] if bias else []
+    )
+    clamps = (
+        dict(
+            gate_clamp_upper_limit=1.3, gate_clamp_lower_limit=-1.1, up_clamp_upper_limit=0.9, up_clamp_lower_limit=-1.2
+        )
+        if cfg.get("clamps")
+        else {}
+    )
     fa = random((1, 2, 8), jnp.float64, 9) if cfg.get("fused_add") else None
     store = cfg.get("store", False)
     norm_params = [p for p in (gamma, beta) if p is not None]
@@ -276,9 +373,22 @@ def test_gradients_float64(config):
         bt = rest.pop(0) if beta is not None else None
         bs = [rest.pop(0) for _ in range(3)] if bias else [None] * 3
         f = rest.pop(0) if fa is not None else None
-        outs = mlp(x_, wg_, wu_, wd_, g, *bs, bt, f, normalization_type=kind, store_fused_add_result=store,
-                   activation_fn=cfg.get("act", "SiLU"), skip_gate_proj=cfg.get("skip_gate", False),
-                   force_cte_mode=cfg.get("force_cte", False), **clamps)
+        outs = mlp(
+            x_,
+            wg_,
+            wu_,
+            wd_,
+            g,
+            *bs,
+            bt,
+            f,
+            normalization_type=kind,
+            store_fused_add_result=store,
+            activation_fn=cfg.get("act", "SiLU"),
+            skip_gate_proj=cfg.get("skip_gate", False),
+            force_cte_mode=cfg.get("force_cte", False),
+            **clamps,
+        )
         return (outs[0] * outs[1]) if store else outs
 
     args = (x, wg, wu, wd, *norm_params, *extra) + ((fa,) if fa is not None else ())
@@ -291,8 +401,9 @@ def test_vmap_of_grad_and_fp8_scale_gradient():
     single = jax.grad(lambda a: jnp.sum(mlp(a, wg, wu, wd) ** 2))(2 * x)
     assert_close(grads[1], single, jnp.float64)
     xq, (wgq, wuq, wdq), scales = _fp8_problem("row")
-    loss = lambda a, s: jnp.sum(mlp(a, wgq, wuq, wdq, quantization_type="ROW", **dict(scales, up_w_scale=s))  # noqa
-                                .astype(jnp.float32))
+    loss = lambda a, s: jnp.sum(
+        mlp(a, wgq, wuq, wdq, quantization_type="ROW", **dict(scales, up_w_scale=s)).astype(jnp.float32)  # noqa
+    )
     dx, ds = jax.grad(loss, argnums=(0, 1))(xq, scales["up_w_scale"])
     assert dx.dtype == jnp.bfloat16 and bool(jnp.any(ds[0] != 0)) and not bool(jnp.any(ds[1:] != 0))
 
@@ -302,8 +413,7 @@ def test_shard_map_batch_and_tensor_parallel():
     x, wg, wu, wd = problem(b=8, s=2, h=48, i=64, dtype=jnp.float32)
     specs = (P("d"), P(), P(), P())
     sharded = jax.jit(jax.shard_map(lambda *a: mlp(*a), mesh=mesh, in_specs=specs, out_specs=P("d")))
-    assert_close(sharded(*shard(mesh, specs, x, wg, wu, wd)), mlp_oracle(x, wg, wu, wd)[0], jnp.float32,
-                 reduction=64)
+    assert_close(sharded(*shard(mesh, specs, x, wg, wu, wd)), mlp_oracle(x, wg, wu, wd)[0], jnp.float32, reduction=64)
 
     def tensor_parallel(x_, wg_, wu_, wd_, gamma_):  # I sharded: each device's partial down projection, then psum
         return jax.lax.psum(mlp(x_, wg_, wu_, wd_, gamma_, normalization_type="RMS_NORM"), "d")
@@ -311,32 +421,46 @@ def test_shard_map_batch_and_tensor_parallel():
     gamma = random((1, 48), jnp.float32, 3) + 1
     specs = (P(), P(None, "d"), P(None, "d"), P("d", None), P())
     tp = jax.jit(jax.shard_map(tensor_parallel, mesh=mesh, in_specs=specs, out_specs=P()))
-    assert_close(tp(*shard(mesh, specs, x, wg, wu, wd, gamma)), mlp_oracle(x, wg, wu, wd, norm="rms", gamma=gamma)[0],
-                 jnp.float32, reduction=64)
+    assert_close(
+        tp(*shard(mesh, specs, x, wg, wu, wd, gamma)),
+        mlp_oracle(x, wg, wu, wd, norm="rms", gamma=gamma)[0],
+        jnp.float32,
+        reduction=64,
+    )
 
 
 def test_neuron_lowering_is_one_custom_call():
     from tests.support.hlo import compute_operations, kernel_configs, neuron_text
+
     x, wg, wu, wd = problem(b=2, s=4, h=256, i=128, dtype=jnp.bfloat16)
     fa = random((2, 4, 256), jnp.bfloat16, 5)
     with jax_nkilib.neuron.dry_run():
-        text = neuron_text(lambda *a: mlp(*a, fused_add_tensor=fa, store_fused_add_result=True,
-                                          activation_fn="GELU"), x, wg, wu, wd)
+        text = neuron_text(
+            lambda *a: mlp(*a, fused_add_tensor=fa, store_fused_add_result=True, activation_fn="GELU"), x, wg, wu, wd
+        )
     (cfg,) = kernel_configs(text)
     assert compute_operations(text) == []
     assert cfg["func_name"] == "mlp" and cfg["entry_point"] == "nkilib.core.mlp.mlp:mlp"
     assert cfg["output_names"] == ["out", "add_out"] and cfg["params"]["activation_fn"] == "GELU"
     assert cfg["params"]["output_dtype"] == "bfloat16" and cfg["mac_count"] == 3 * 8 * 256 * 128
-    assert cfg["input_names"][:4] == ["hidden_tensor", "gate_proj_weights_tensor", "up_proj_weights_tensor",
-                                      "down_proj_weights_tensor"]
+    assert cfg["input_names"][:4] == [
+        "hidden_tensor",
+        "gate_proj_weights_tensor",
+        "up_proj_weights_tensor",
+        "down_proj_weights_tensor",
+    ]
 
 
-@pytest.mark.parametrize("flags, fragment", [
-    (dict(force_cte_mode=True, gate_clamp_upper_limit=1.0), "clamps run only on the TKG path"),
-    (dict(activation_fn="ReLU"), "ReLU needs NKI Library 2.32"),
-])
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (dict(force_cte_mode=True, gate_clamp_upper_limit=1.0), "clamps run only on the TKG path"),
+        (dict(activation_fn="ReLU"), "ReLU needs NKI Library 2.32"),
+    ],
+)
 def test_neuron_limits_fall_back(flags, fragment):
     from tests.support.hlo import neuron_text
+
     x, wg, wu, wd = problem(b=1, s=2, h=128, i=128, dtype=jnp.bfloat16)
     with jax_nkilib.neuron.dry_run(), jax_nkilib.config(on_unsupported="error"):
         with pytest.raises(Exception, match=fragment):

@@ -46,9 +46,11 @@ def mx_weights(h, i, fmt, seed=0):
     rng = np.random.default_rng(seed)
     p_i, n_i = min(128, i // 4), -(-i // 512)
     out = {}
-    for name, shape, scale_shape in (("gate", (128, h // 512, i), (16, h // 512, i)),
-                                     ("up", (128, h // 512, i), (16, h // 512, i)),
-                                     ("down", (p_i, n_i, h), (p_i // 8, n_i, h))):
+    for name, shape, scale_shape in (
+        ("gate", (128, h // 512, i), (16, h // 512, i)),
+        ("up", (128, h // 512, i), (16, h // 512, i)),
+        ("down", (p_i, n_i, h), (p_i // 8, n_i, h)),
+    ):
         codes = _codes(rng, shape + (4,), fmt)
         scales = rng.integers(118, 124, scale_shape).astype(np.uint8)
         out[name] = (jnp.asarray(_pack(codes, fmt)), jnp.asarray(scales), codes)
@@ -130,8 +132,21 @@ def _round(value, dtype):
     return np.asarray(value, np.float64).astype(np.dtype(dtype)).astype(np.float64)
 
 
-def mx_oracle(hidden, weights, fmt, *, norm="none", gamma=None, act="SiLU", skip_gate=False, gate_b=None,
-              up_b=None, down_b=None, quantize=True, eps=1e-6):
+def mx_oracle(
+    hidden,
+    weights,
+    fmt,
+    *,
+    norm="none",
+    gamma=None,
+    act="SiLU",
+    skip_gate=False,
+    gate_b=None,
+    up_b=None,
+    down_b=None,
+    quantize=True,
+    eps=1e-6,
+):
     io = np.dtype(hidden.dtype)
     b, s, h = hidden.shape
     i_size = weights["up"][0].shape[-1]
@@ -140,8 +155,10 @@ def mx_oracle(hidden, weights, fmt, *, norm="none", gamma=None, act="SiLU", skip
         x = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
         x = _round(x * (np.asarray(gamma, np.float64).reshape(-1) if norm == "rms" else 1), io)
     a = quantize_hidden(x) if quantize else x
-    w = {name: decode_gate_up(np.asarray(weights[name][2]), np.asarray(weights[name][1]), fmt, h, i_size)
-         for name in ("gate", "up")}
+    w = {
+        name: decode_gate_up(np.asarray(weights[name][2]), np.asarray(weights[name][1]), fmt, h, i_size)
+        for name in ("gate", "up")
+    }
     up = a @ w["up"] + (0 if up_b is None else bias_vector(up_b, i_size))
     if skip_gate:
         inter = ACTS[act](up)
@@ -157,14 +174,32 @@ def mx_oracle(hidden, weights, fmt, *, norm="none", gamma=None, act="SiLU", skip
 
 def call(x, weights, fmt, gamma=None, gate_b=None, up_b=None, down_b=None, **params):
     (wg, sg, _), (wu, su, _), (wd, sd, _) = weights["gate"], weights["up"], weights["down"]
-    return mlp(x, wg, wu, wd, gamma, gate_b, up_b, down_b, gate_w_scale=sg, up_w_scale=su, down_w_scale=sd,
-               quantization_type="MX", mx_weight_dtype=FMT_NAME[fmt], **params)
+    return mlp(
+        x,
+        wg,
+        wu,
+        wd,
+        gamma,
+        gate_b,
+        up_b,
+        down_b,
+        gate_w_scale=sg,
+        up_w_scale=su,
+        down_w_scale=sd,
+        quantization_type="MX",
+        mx_weight_dtype=FMT_NAME[fmt],
+        **params,
+    )
 
 
 # ------------------------------------------------------------------------------------------------------- forward
-CONFIGS = [dict(fmt="e4m3"), dict(fmt="e5m2", norm="rms"), dict(fmt="fp4", i=640, bias=True),
-           dict(fmt="fp4", norm="rms_skip", skip_gate=True, act="GELU"), dict(fmt="e4m3", h=1024, i=96, bias=True,
-                                                                              tokens=(1, 5))]
+CONFIGS = [
+    dict(fmt="e4m3"),
+    dict(fmt="e5m2", norm="rms"),
+    dict(fmt="fp4", i=640, bias=True),
+    dict(fmt="fp4", norm="rms_skip", skip_gate=True, act="GELU"),
+    dict(fmt="e4m3", h=1024, i=96, bias=True, tokens=(1, 5)),
+]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -177,15 +212,35 @@ def test_matches_oracle(dtype, config):
     x = random((b, s, h), dtype, config)
     norm = cfg.get("norm", "none")
     gamma = random((1, h), dtype, 7, 0.5) + 1 if norm == "rms" else None
-    biases = dict(gate_b=mx_gate_up_bias(i, 3), up_b=mx_gate_up_bias(i, 4), down_b=random((1, h), dtype, 5)) \
-        if cfg.get("bias") else {}
+    biases = (
+        dict(gate_b=mx_gate_up_bias(i, 3), up_b=mx_gate_up_bias(i, 4), down_b=random((1, h), dtype, 5))
+        if cfg.get("bias")
+        else {}
+    )
     kind = {"none": "NO_NORM", "rms": "RMS_NORM", "rms_skip": "RMS_NORM_SKIP_GAMMA"}[norm]
-    out = jax.jit(lambda x_: call(x_, weights, fmt, gamma, normalization_type=kind,
-                                  skip_gate_proj=cfg.get("skip_gate", False),
-                                  activation_fn=cfg.get("act", "SiLU"), **biases))(x)
+    out = jax.jit(
+        lambda x_: call(
+            x_,
+            weights,
+            fmt,
+            gamma,
+            normalization_type=kind,
+            skip_gate_proj=cfg.get("skip_gate", False),
+            activation_fn=cfg.get("act", "SiLU"),
+            **biases,
+        )
+    )(x)
     assert out.shape == (b, s, h) and out.dtype == dtype
-    expected = mx_oracle(x, weights, fmt, norm=norm, gamma=gamma, act=cfg.get("act", "SiLU"),
-                         skip_gate=cfg.get("skip_gate", False), **biases)
+    expected = mx_oracle(
+        x,
+        weights,
+        fmt,
+        norm=norm,
+        gamma=gamma,
+        act=cfg.get("act", "SiLU"),
+        skip_gate=cfg.get("skip_gate", False),
+        **biases,
+    )
     # the MX round trips see the same values in both (a float32-vs-float64 accumulation difference could flip one
     # 3-bit rounding; with these seeds none does: float32 agrees to ~1e-7, bfloat16 exactly)
     assert_close(out, expected, dtype, reduction=h)
@@ -209,11 +264,14 @@ def test_vmap_nested_and_partial():
     for k in range(3):
         assert_close(batched[k], mx_oracle(xs[k], weights, "e4m3"), jnp.float32, reduction=512)
     gammas = random((2, 1, 512), jnp.float32, 3) + 1
-    nested = jax.vmap(jax.vmap(lambda a, g: call(a, weights, "e4m3", g, normalization_type="RMS_NORM"),
-                               in_axes=(0, None)), in_axes=(None, 0))(xs, gammas)
+    nested = jax.vmap(
+        jax.vmap(lambda a, g: call(a, weights, "e4m3", g, normalization_type="RMS_NORM"), in_axes=(0, None)),
+        in_axes=(None, 0),
+    )(xs, gammas)
     assert nested.shape == (2, 3, 1, 2, 512)
-    assert_close(nested[1, 2], mx_oracle(xs[2], weights, "e4m3", norm="rms", gamma=gammas[1]), jnp.float32,
-                 reduction=512)
+    assert_close(
+        nested[1, 2], mx_oracle(xs[2], weights, "e4m3", norm="rms", gamma=gammas[1]), jnp.float32, reduction=512
+    )
 
 
 def test_gradients_straight_through_float64():
@@ -226,13 +284,21 @@ def test_gradients_straight_through_float64():
     bias, up_b = random((1, 512), jnp.float64, 6), mx_gate_up_bias(64, 3).astype(jnp.float64)
     ct = random((1, 2, 512), jnp.float64, 7)
     args = (x, gamma, bias, up_b)
-    fn = lambda x_, g_, b_, u_: call(x_, weights, "e4m3", g_, up_b=u_, down_b=b_,  # noqa: E731
-                                     normalization_type="RMS_NORM")
+    fn = lambda x_, g_, b_, u_: call(
+        x_,
+        weights,
+        "e4m3",
+        g_,
+        up_b=u_,
+        down_b=b_,  # noqa: E731
+        normalization_type="RMS_NORM",
+    )
     grads = jax.grad(lambda *a: jnp.sum(fn(*a) * ct), argnums=(0, 1, 2, 3))(*args)
 
     def smooth(x_, g_, b_, u_):
-        return np.sum(mx_oracle(x_, weights, "e4m3", norm="rms", gamma=g_, down_b=b_, up_b=u_, quantize=False)
-                      * np.asarray(ct))
+        return np.sum(
+            mx_oracle(x_, weights, "e4m3", norm="rms", gamma=g_, down_b=b_, up_b=u_, quantize=False) * np.asarray(ct)
+        )
 
     rng, step = np.random.default_rng(0), 1e-5
     for k, (arg, grad) in enumerate(zip(args, grads)):
@@ -243,8 +309,15 @@ def test_gradients_straight_through_float64():
         analytic = float(np.sum(np.asarray(grad) * direction))
         assert abs(numeric - analytic) <= 1e-6 * (1 + abs(analytic)), (k, numeric, analytic)
     (wg, sg, _), (wu, su, _), (wd, sd, _) = weights["gate"], weights["up"], weights["down"]
-    vjp = jax.vjp(lambda *w: mlp(x, *w[:3], gate_w_scale=w[3], up_w_scale=w[4], down_w_scale=w[5],
-                                 quantization_type="MX"), wg, wu, wd, sg, su, sd)[1]
+    vjp = jax.vjp(
+        lambda *w: mlp(x, *w[:3], gate_w_scale=w[3], up_w_scale=w[4], down_w_scale=w[5], quantization_type="MX"),
+        wg,
+        wu,
+        wd,
+        sg,
+        su,
+        sd,
+    )[1]
     assert all(g.dtype == jax.dtypes.float0 for g in vjp(ct))
 
 
@@ -267,6 +340,7 @@ def test_shard_map():
 # ----------------------------------------------------------------------------------------------------- Neuron
 def test_neuron_lowering_is_one_custom_call():
     from tests.support.hlo import compute_operations, kernel_configs, neuron_text
+
     weights = mx_weights(1024, 640, "fp4")
     x = random((2, 4, 1024), jnp.bfloat16, 1)
     with jax_nkilib.neuron.dry_run(), jax_nkilib.config(on_unsupported="error"):
@@ -282,6 +356,7 @@ def test_neuron_lowering_is_one_custom_call():
 
 def test_neuron_float32_hidden_falls_back():
     from tests.support.hlo import neuron_text
+
     weights = mx_weights(512, 64, "e4m3")
     with jax_nkilib.neuron.dry_run(), jax_nkilib.config(on_unsupported="error"):
         with pytest.raises(Exception, match="bfloat16 or float16"):
@@ -297,8 +372,9 @@ def _mx(x=X, gate=None, up=None, down=None, scales=None, **params):
     (wg, sg, _), (wu, su, _), (wd, sd, _) = W["gate"], W["up"], W["down"]
     scales = dict(dict(gate_w_scale=sg, up_w_scale=su, down_w_scale=sd), **(scales or {}))
     params = dict(dict(quantization_type="MX"), **params)
-    return lambda: mlp(x, wg if gate is None else gate, wu if up is None else up, wd if down is None else down,
-                       **scales, **params)
+    return lambda: mlp(
+        x, wg if gate is None else gate, wu if up is None else up, wd if down is None else down, **scales, **params
+    )
 
 
 BAD = [
@@ -307,27 +383,54 @@ BAD = [
     (_mx(scales=dict(up_w_scale=W["up"][1].astype(jnp.float32))), TypeError, ["uint8 scales", "up_w_scale"]),
     (_mx(scales=dict(up_w_scale=None)), ValueError, ["up_w_scale", "[16, H/512, I]"]),
     (_mx(gate=W["gate"][0][:, :, :32]), ValueError, ["`up_proj_weights_tensor`", "I=32"]),
-    (_mx(down=jnp.zeros((128, 1, 512), jnp.uint32), scales=dict(down_w_scale=jnp.zeros((16, 1, 512), jnp.uint8))),
-     ValueError, ["down_proj_weights_tensor", "[16, 1, 512]"]),
+    (
+        _mx(down=jnp.zeros((128, 1, 512), jnp.uint32), scales=dict(down_w_scale=jnp.zeros((16, 1, 512), jnp.uint8))),
+        ValueError,
+        ["down_proj_weights_tensor", "[16, 1, 512]"],
+    ),
     (_mx(x=random((1, 2, 256), jnp.bfloat16)), ValueError, ["`gate_proj_weights_tensor`", "[128, H/512, I]"]),
     (_mx(mx_weight_dtype="float4_e2m1fn"), TypeError, ["uint16", "gate_proj_weights_tensor"]),
     (_mx(mx_weight_dtype="float8_e4m3"), TypeError, ["mx_weight_dtype"]),
-    (_mx(normalization_weights_tensor=jnp.ones((1, 512), jnp.bfloat16), normalization_type="LAYER_NORM"),
-     ValueError, ["MX", "LAYER_NORM"]),
+    (
+        _mx(normalization_weights_tensor=jnp.ones((1, 512), jnp.bfloat16), normalization_type="LAYER_NORM"),
+        ValueError,
+        ["MX", "LAYER_NORM"],
+    ),
     (_mx(fused_add_tensor=X), ValueError, ["MX", "fused_add_tensor"]),
     (_mx(force_cte_mode=True), ValueError, ["MX", "TKG"]),
     (_mx(x=random((4, 25, 512), jnp.bfloat16)), ValueError, ["MX", "B*S=100"]),
     (_mx(gate_up_in_scale=jnp.ones((128, 1), jnp.float32)), ValueError, ["gate_up_in_scale", "MX"]),
-    (_mx(use_tkg_down_proj_optimized_layout=True, use_tkg_down_proj_column_tiling=False), ValueError,
-     ["MX", "use_tkg_down_proj_optimized_layout"]),
-    (_mx(gate=jnp.zeros((128, 1, 528), jnp.uint32), up=jnp.zeros((128, 1, 528), jnp.uint32),
-         down=jnp.zeros((128, 2, 512), jnp.uint32),
-         scales=dict(gate_w_scale=jnp.zeros((16, 1, 528), jnp.uint8), up_w_scale=jnp.zeros((16, 1, 528), jnp.uint8),
-                     down_w_scale=jnp.zeros((16, 2, 512), jnp.uint8))), ValueError, ["I % 32 == 0", "I=528"]),
+    (
+        _mx(use_tkg_down_proj_optimized_layout=True, use_tkg_down_proj_column_tiling=False),
+        ValueError,
+        ["MX", "use_tkg_down_proj_optimized_layout"],
+    ),
+    (
+        _mx(
+            gate=jnp.zeros((128, 1, 528), jnp.uint32),
+            up=jnp.zeros((128, 1, 528), jnp.uint32),
+            down=jnp.zeros((128, 2, 512), jnp.uint32),
+            scales=dict(
+                gate_w_scale=jnp.zeros((16, 1, 528), jnp.uint8),
+                up_w_scale=jnp.zeros((16, 1, 528), jnp.uint8),
+                down_w_scale=jnp.zeros((16, 2, 512), jnp.uint8),
+            ),
+        ),
+        ValueError,
+        ["I % 32 == 0", "I=528"],
+    ),
     (_mx(gate_proj_bias_tensor=jnp.ones((1, 64), jnp.float32)), ValueError, ["`gate_proj_bias_tensor`", "[PI, NI, 4]"]),
-    (_mx(gate=jnp.zeros((512, 64), jnp.uint32), up=jnp.zeros((512, 64), jnp.uint32),
-         down=jnp.zeros((64, 512), jnp.uint32), scales=dict(gate_w_scale=None, up_w_scale=None, down_w_scale=None),
-         quantization_type="NONE"), TypeError, ["MX x4 word", "quantization_type=MX"]),
+    (
+        _mx(
+            gate=jnp.zeros((512, 64), jnp.uint32),
+            up=jnp.zeros((512, 64), jnp.uint32),
+            down=jnp.zeros((64, 512), jnp.uint32),
+            scales=dict(gate_w_scale=None, up_w_scale=None, down_w_scale=None),
+            quantization_type="NONE",
+        ),
+        TypeError,
+        ["MX x4 word", "quantization_type=MX"],
+    ),
 ]
 
 
@@ -343,6 +446,7 @@ def test_bad_input(case):
 def test_fp4_word_helpers():
     """mx.pack_fp4_x4 / unpack_fp4_x4 against the test's own nibble packing and ml_dtypes' e2m1 decoding."""
     from jax_nkilib._src.quant import mx
+
     codes = np.random.default_rng(3).integers(0, 16, (6, 5, 4)).astype(np.uint8)
     values = _element_values(codes, "fp4")
     np.testing.assert_array_equal(np.asarray(mx.pack_fp4_x4(values)), _pack(codes, "fp4"))

@@ -58,14 +58,28 @@ def problem(b=2, s=3, fmt=ml_dtypes.float8_e4m3, seed=0):
         scales[f"{name}_w_scale"] = jnp.full((128, 1), d, jnp.float32)
     scales["gate_up_in_scale"] = jnp.full((128, 1), 0.02, jnp.float32)  # |hidden| <= 4.8
     scales["down_in_scale"] = jnp.full((128, 1), 0.04, jnp.float32)  # |intermediate| <= 9.6
-    swizzled = (jnp.asarray(swizzle(dense["gate"], gate_up_position)),
-                jnp.asarray(swizzle(dense["up"], gate_up_position)),
-                jnp.asarray(swizzle(dense["down"], down_position)))
+    swizzled = (
+        jnp.asarray(swizzle(dense["gate"], gate_up_position)),
+        jnp.asarray(swizzle(dense["up"], gate_up_position)),
+        jnp.asarray(swizzle(dense["down"], down_position)),
+    )
     return x, dense, swizzled, scales
 
 
-def oracle(x, dense, scales, *, gamma=None, gate_b=None, up_b=None, down_b=None, fused_add=None, act="SiLU",
-           skip_gate=False, eps=1e-6):
+def oracle(
+    x,
+    dense,
+    scales,
+    *,
+    gamma=None,
+    gate_b=None,
+    up_b=None,
+    down_b=None,
+    fused_add=None,
+    act="SiLU",
+    skip_gate=False,
+    eps=1e-6,
+):
     """STATIC on the dense weights, CTE rounding points, raw projections rounded to bfloat16 (the PSUM dtype)."""
     io = np.dtype(x.dtype)
     compute = BF16 if io == np.float32 else io
@@ -86,8 +100,13 @@ def oracle(x, dense, scales, *, gamma=None, gate_b=None, up_b=None, down_b=None,
     return _round(proj(h, h_scale, dense["down"], scales["down_w_scale"], down_b), compute).astype(io), add_out
 
 
-CONFIGS = [dict(), dict(norm=True, bias=True), dict(skip_gate=True, fused_add=True, act="GELU"),
-           dict(tokens=(1, 100)), dict(fmt="e4m3fn", norm=True)]
+CONFIGS = [
+    dict(),
+    dict(norm=True, bias=True),
+    dict(skip_gate=True, fused_add=True, act="GELU"),
+    dict(tokens=(1, 100)),
+    dict(fmt="e4m3fn", norm=True),
+]
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -99,14 +118,41 @@ def test_matches_oracle(dtype, config):
     x, dense, (wg, wu, wd), scales = problem(b, s, fmt)
     x = x.astype(dtype)
     gamma = random((1, H), dtype, 7, 0.3) + 1 if cfg.get("norm") else None
-    biases = (random((1, INTER), dtype, 4, 0.3), random((1, INTER), dtype, 5, 0.3), random((1, H), dtype, 6, 0.3)) \
-        if cfg.get("bias") else (None, None, None)
+    biases = (
+        (random((1, INTER), dtype, 4, 0.3), random((1, INTER), dtype, 5, 0.3), random((1, H), dtype, 6, 0.3))
+        if cfg.get("bias")
+        else (None, None, None)
+    )
     fa = random((b, s, H), dtype, 9) if cfg.get("fused_add") else None
-    outs = mlp(x, wg, wu, wd, gamma, *biases, None, fa, quantization_type="STATIC_MX", force_cte_mode=b * s <= 96,
-               normalization_type="RMS_NORM" if gamma is not None else "NO_NORM", store_fused_add_result=fa is not None,
-               activation_fn=cfg.get("act", "SiLU"), skip_gate_proj=cfg.get("skip_gate", False), **scales)
-    want, want_add = oracle(x, dense, scales, gamma=gamma, gate_b=biases[0], up_b=biases[1], down_b=biases[2],
-                            fused_add=fa, act=cfg.get("act", "SiLU"), skip_gate=cfg.get("skip_gate", False))
+    outs = mlp(
+        x,
+        wg,
+        wu,
+        wd,
+        gamma,
+        *biases,
+        None,
+        fa,
+        quantization_type="STATIC_MX",
+        force_cte_mode=b * s <= 96,
+        normalization_type="RMS_NORM" if gamma is not None else "NO_NORM",
+        store_fused_add_result=fa is not None,
+        activation_fn=cfg.get("act", "SiLU"),
+        skip_gate_proj=cfg.get("skip_gate", False),
+        **scales,
+    )
+    want, want_add = oracle(
+        x,
+        dense,
+        scales,
+        gamma=gamma,
+        gate_b=biases[0],
+        up_b=biases[1],
+        down_b=biases[2],
+        fused_add=fa,
+        act=cfg.get("act", "SiLU"),
+        skip_gate=cfg.get("skip_gate", False),
+    )
     out = outs[0] if fa is not None else outs
     assert out.dtype == dtype and out.shape == (b, s, H)
     assert_close(out, want, jnp.bfloat16, ops=3)
@@ -134,19 +180,33 @@ def test_jit_vmap_and_straight_through_gradients():
     batched = jax.vmap(fn)(xs)
     assert_close(batched[1], oracle(-x, dense, scales)[0], jnp.bfloat16, ops=3)
     in_scales = jnp.stack([scales["down_in_scale"], 2 * scales["down_in_scale"]])
-    partial = jax.vmap(lambda s_: mlp(x, wg, wu, wd, quantization_type="STATIC_MX", force_cte_mode=True,
-                                      **dict(scales, down_in_scale=s_)))(in_scales)
+    partial = jax.vmap(
+        lambda s_: mlp(
+            x, wg, wu, wd, quantization_type="STATIC_MX", force_cte_mode=True, **dict(scales, down_in_scale=s_)
+        )
+    )(in_scales)
     assert_close(partial[1], oracle(x, dense, dict(scales, down_in_scale=in_scales[1]))[0], jnp.bfloat16, ops=3)
     nested = jax.vmap(jax.vmap(fn))(jnp.stack([xs, 2 * xs]))
     assert_close(nested[1, 1], oracle(-2 * x, dense, scales)[0], jnp.bfloat16, ops=3)
 
     # Straight through: the gradient is that of the unquantized MLP on the dequantized dense weights
     x64 = x.astype(jnp.float64)
-    deq = [jnp.asarray(dense[n].astype(np.float64)) * float(scales[f"{n}_w_scale"][0, 0])
-           for n in ("gate", "up", "down")]
+    deq = [
+        jnp.asarray(dense[n].astype(np.float64)) * float(scales[f"{n}_w_scale"][0, 0]) for n in ("gate", "up", "down")
+    ]
     ct = random(x.shape, jnp.float64, 11)
-    loss = lambda a, sc: jnp.sum(mlp(a, wg, wu, wd, quantization_type="STATIC_MX", force_cte_mode=True,  # noqa
-                                     **dict(scales, up_w_scale=sc)) * ct)
+    loss = lambda a, sc: jnp.sum(
+        mlp(
+            a,
+            wg,
+            wu,
+            wd,
+            quantization_type="STATIC_MX",
+            force_cte_mode=True,  # noqa
+            **dict(scales, up_w_scale=sc),
+        )
+        * ct
+    )
     plain = jax.grad(lambda a: jnp.sum(mlp(a, *deq, force_cte_mode=True) * ct))
     dx, dscale = jax.grad(loss, argnums=(0, 1))(x64, scales["up_w_scale"])
     assert_close(dx, plain(x64), jnp.float64, reduction=H)
@@ -171,6 +231,7 @@ def test_shard_map_over_tokens():
 
 def test_neuron_lowering_is_one_custom_call():
     from tests.support.hlo import compute_operations, kernel_configs, neuron_text
+
     x, _, weights, scales = problem(b=1, s=128)
     with jax_nkilib.neuron.dry_run():
         text = neuron_text(lambda *a: mlp(*a, quantization_type="STATIC_MX", **scales), x, *weights)
@@ -182,25 +243,45 @@ def test_neuron_lowering_is_one_custom_call():
 
 def _bad(**overrides):
     x, _, (wg, wu, wd), scales = problem()
-    args = dict(dict(hidden_tensor=x, gate_proj_weights_tensor=wg, up_proj_weights_tensor=wu,
-                     down_proj_weights_tensor=wd, quantization_type="STATIC_MX", force_cte_mode=True, **scales),
-                **overrides)
+    args = dict(
+        dict(
+            hidden_tensor=x,
+            gate_proj_weights_tensor=wg,
+            up_proj_weights_tensor=wu,
+            down_proj_weights_tensor=wd,
+            quantization_type="STATIC_MX",
+            force_cte_mode=True,
+            **scales,
+        ),
+        **overrides,
+    )
     return lambda: mlp(**{k: v for k, v in args.items() if v is not None})
 
 
-@pytest.mark.parametrize("make, error, fragments", [
-    (lambda: _bad(force_cte_mode=False), ValueError, ["STATIC_MX", "only on the CTE path", "B*S=6"]),
-    (lambda: _bad(gate_up_in_scale=None), ValueError, ["needs gate_up_in_scale", "[128, 1]"]),
-    (lambda: _bad(up_w_scale=jnp.ones((128, INTER), jnp.float32)), ValueError, ["`up_w_scale`", "[128, 1]"]),
-    (lambda: _bad(down_proj_weights_tensor=jnp.zeros((INTER, H), jnp.bfloat16)), TypeError,
-     ["STATIC_MX", "float8_e4m3", "down_proj_weights_tensor"]),
-    (lambda: _bad(hidden_tensor=jnp.zeros((2, 3, 256), jnp.bfloat16),
-                  gate_proj_weights_tensor=jnp.zeros((256, 512), jnp.float8_e4m3),
-                  up_proj_weights_tensor=jnp.zeros((256, 512), jnp.float8_e4m3),
-                  down_proj_weights_tensor=jnp.zeros((512, 256), jnp.float8_e4m3)), ValueError,
-     ["STATIC_MX", "H % 512 == 0", "[128, H/512, I/512, 4, 128, 2, 2]", "H=256"]),
-    (lambda: _bad(quantization_type="ROW_MX"), ValueError, ["ROW_MX", "not bound", "2.29"]),
-])
+@pytest.mark.parametrize(
+    "make, error, fragments",
+    [
+        (lambda: _bad(force_cte_mode=False), ValueError, ["STATIC_MX", "only on the CTE path", "B*S=6"]),
+        (lambda: _bad(gate_up_in_scale=None), ValueError, ["needs gate_up_in_scale", "[128, 1]"]),
+        (lambda: _bad(up_w_scale=jnp.ones((128, INTER), jnp.float32)), ValueError, ["`up_w_scale`", "[128, 1]"]),
+        (
+            lambda: _bad(down_proj_weights_tensor=jnp.zeros((INTER, H), jnp.bfloat16)),
+            TypeError,
+            ["STATIC_MX", "float8_e4m3", "down_proj_weights_tensor"],
+        ),
+        (
+            lambda: _bad(
+                hidden_tensor=jnp.zeros((2, 3, 256), jnp.bfloat16),
+                gate_proj_weights_tensor=jnp.zeros((256, 512), jnp.float8_e4m3),
+                up_proj_weights_tensor=jnp.zeros((256, 512), jnp.float8_e4m3),
+                down_proj_weights_tensor=jnp.zeros((512, 256), jnp.float8_e4m3),
+            ),
+            ValueError,
+            ["STATIC_MX", "H % 512 == 0", "[128, H/512, I/512, 4, 128, 2, 2]", "H=256"],
+        ),
+        (lambda: _bad(quantization_type="ROW_MX"), ValueError, ["ROW_MX", "not bound", "2.29"]),
+    ],
+)
 def test_bad_inputs(make, error, fragments):
     with pytest.raises(error) as info:
         make()()

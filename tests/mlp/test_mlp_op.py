@@ -39,9 +39,17 @@ def test_bfloat16_is_no_worse_than_plain():
     assert_no_worse_than_plain(jax_nkilib.mlp(x, wg, wu, wd), plain, exact)
 
 
-@pytest.mark.parametrize("activation, kernel_act", [("silu", "SiLU"), ("swish", "SiLU"), ("gelu", "GELU"),
-                                                    ("gelu_tanh", "GELU_Tanh_Approx"), ("gelu_sigmoid", "Swish"),
-                                                    ("relu", "ReLU")])
+@pytest.mark.parametrize(
+    "activation, kernel_act",
+    [
+        ("silu", "SiLU"),
+        ("swish", "SiLU"),
+        ("gelu", "GELU"),
+        ("gelu_tanh", "GELU_Tanh_Approx"),
+        ("gelu_sigmoid", "Swish"),
+        ("relu", "ReLU"),
+    ],
+)
 def test_activations(activation, kernel_act):
     x = random((7, HID), jnp.float32)  # [tokens, hidden]
     wg, wu, wd = weights()
@@ -56,11 +64,38 @@ def test_norms_residual_biases_clamps_and_plain_mlp():
     gamma, beta = random((HID,), jnp.float32, 5) + 1, random((HID,), jnp.float32, 6, 0.1)
     bg, bu = random((INTER,), jnp.float32, 7, 0.2), random((INTER,), jnp.float32, 8, 0.2)
     bd = random((HID,), jnp.float32, 10)
-    out, summed = jax_nkilib.mlp(x, wg, wu, wd, norm="layer", norm_weight=gamma, norm_bias=beta, residual=res,
-                                 return_residual=True, gate_bias=bg, up_bias=bu, down_bias=bd,
-                                 gate_clamp=(-0.5, 0.7), up_clamp=(None, 0.4))
-    want, want_sum = mlp_oracle(x, wg, wu, wd, norm="layer", gamma=gamma, beta=beta, gate_b=bg, up_b=bu, down_b=bd,
-                                fused_add=res, store=True, gate_clamp=(0.7, -0.5), up_clamp=(0.4, None))
+    out, summed = jax_nkilib.mlp(
+        x,
+        wg,
+        wu,
+        wd,
+        norm="layer",
+        norm_weight=gamma,
+        norm_bias=beta,
+        residual=res,
+        return_residual=True,
+        gate_bias=bg,
+        up_bias=bu,
+        down_bias=bd,
+        gate_clamp=(-0.5, 0.7),
+        up_clamp=(None, 0.4),
+    )
+    want, want_sum = mlp_oracle(
+        x,
+        wg,
+        wu,
+        wd,
+        norm="layer",
+        gamma=gamma,
+        beta=beta,
+        gate_b=bg,
+        up_b=bu,
+        down_b=bd,
+        fused_add=res,
+        store=True,
+        gate_clamp=(0.7, -0.5),
+        up_clamp=(0.4, None),
+    )
     assert_close(out, want, jnp.float32, reduction=HID)
     assert_close(summed, np.asarray(x, np.float64) + np.asarray(res, np.float64), jnp.float32)
     rms = jax_nkilib.mlp(x, wg, wu, wd, norm="rms", residual=res)  # no weight: unscaled RMS norm
@@ -82,8 +117,18 @@ def test_gradients_float64():
     gamma, bd = random((8,), jnp.float64, 4) + 1, random((8,), jnp.float64, 5)
 
     def loss(x_, res_, wg_, wu_, wd_, gamma_, bd_):
-        out, summed = jax_nkilib.mlp(x_, wg_, wu_, wd_, norm="rms", norm_weight=gamma_, residual=res_,
-                                     return_residual=True, down_bias=bd_, activation="gelu_tanh")
+        out, summed = jax_nkilib.mlp(
+            x_,
+            wg_,
+            wu_,
+            wd_,
+            norm="rms",
+            norm_weight=gamma_,
+            residual=res_,
+            return_residual=True,
+            down_bias=bd_,
+            activation="gelu_tanh",
+        )
         return out * jnp.tanh(summed)
 
     check_grads(loss, (x, res, wg, wu, wd, gamma, bd), order=1, modes=["rev"])
@@ -95,18 +140,21 @@ def test_shard_map_over_the_batch():
     x = random((8, 4, HID), jnp.bfloat16)
     wg, wu, wd = weights(jnp.bfloat16)
     specs = (P("data"), P(), P(), P())
-    fn = jax.jit(jax.shard_map(lambda *a: jax_nkilib.mlp(*a, norm="rms"), mesh=mesh, in_specs=specs,
-                               out_specs=P("data")))
-    assert_close(fn(*shard(mesh, specs, x, wg, wu, wd)), mlp_oracle(x, wg, wu, wd, norm="rms_skip")[0],
-                 jnp.bfloat16, ops=2)
+    fn = jax.jit(
+        jax.shard_map(lambda *a: jax_nkilib.mlp(*a, norm="rms"), mesh=mesh, in_specs=specs, out_specs=P("data"))
+    )
+    assert_close(
+        fn(*shard(mesh, specs, x, wg, wu, wd)), mlp_oracle(x, wg, wu, wd, norm="rms_skip")[0], jnp.bfloat16, ops=2
+    )
 
 
 def test_neuron_lowering_is_the_kernel_and_reshapes():
     x = random((2, 3, 4, 256), jnp.bfloat16)
     wg, wu, wd = (random(shape, jnp.bfloat16, s) for s, shape in enumerate([(256, 128), (256, 128), (128, 256)]))
     with jax_nkilib.neuron.dry_run():
-        text = neuron_text(lambda *a: jax_nkilib.mlp(*a, norm="rms", residual=a[0], return_residual=True), x, wg,
-                           wu, wd)
+        text = neuron_text(
+            lambda *a: jax_nkilib.mlp(*a, norm="rms", residual=a[0], return_residual=True), x, wg, wu, wd
+        )
     (cfg,) = kernel_configs(text)
     assert operations(text).count("stablehlo.custom_call") == 1
     assert set(compute_operations(text)) <= {"stablehlo.reshape"}

@@ -66,8 +66,11 @@ def jnp_oracle(x, wg, wu, wd):
 
 
 def quantized(mode, dtype=jnp.float8_e4m3, in_scales=(0.02, 0.02, 0.01), seed=1, hid=HID, inter=INTER):
-    ws = (random((hid, inter), jnp.float32, seed, 0.25), random((hid, inter), jnp.float32, seed + 1, 0.25),
-          random((inter, hid), jnp.float32, seed + 2, 0.25))
+    ws = (
+        random((hid, inter), jnp.float32, seed, 0.25),
+        random((hid, inter), jnp.float32, seed + 1, 0.25),
+        random((inter, hid), jnp.float32, seed + 2, 0.25),
+    )
     if mode == "row":
         return ws, tuple(quantize_weight_fp8(w, "row", dtype) for w in ws)
     return ws, tuple(quantize_weight_fp8(w, "static", dtype, input_scale=s) for w, s in zip(ws, in_scales))
@@ -86,7 +89,7 @@ def test_quantize_weight_fp8_matches_numpy(mode, dtype):
     np.testing.assert_allclose(np.asarray(q.scale), scale, rtol=1e-6)
     assert (q.input_scale is None) == (mode == "row")
     # 3 mantissa bits: half an ulp is 2^-4 relative; subnormal steps (2^-9) absolute, times the scale
-    bound = 2.0 ** -4 * np.abs(np.asarray(w, np.float64)) + scale.astype(np.float64) * 2.0 ** -9
+    bound = 2.0**-4 * np.abs(np.asarray(w, np.float64)) + scale.astype(np.float64) * 2.0**-9
     assert np.all(np.abs(dequantized(q) - np.asarray(w, np.float64)) <= bound)
     np.testing.assert_allclose(q.dequantize(jnp.float64), dequantized(q), rtol=1e-15)
 
@@ -116,13 +119,13 @@ def test_skip_gate_and_biases():
     _, (_, qu, qd) = quantized("row")
     bu, bd = random((INTER,), jnp.float32, 7, 0.2), random((HID,), jnp.float32, 8, 0.2)
     out = jax_nkilib.mlp(x, None, qu, qd, activation="relu", up_bias=bu, down_bias=bd)
-    want = np.maximum(np.asarray(x, np.float64) @ dequantized(qu) + np.asarray(bu, np.float64), 0) \
-        @ dequantized(qd) + np.asarray(bd, np.float64)
+    want = np.maximum(np.asarray(x, np.float64) @ dequantized(qu) + np.asarray(bu, np.float64), 0) @ dequantized(
+        qd
+    ) + np.asarray(bd, np.float64)
     assert_close(out, want, jnp.float32, reduction=HID)
 
 
-@pytest.mark.parametrize("mode, tokens", [("row", (2, 3)), ("static", (2, 3)), ("row", (2, 50)),
-                                          ("static", (2, 50))])
+@pytest.mark.parametrize("mode, tokens", [("row", (2, 3)), ("static", (2, 3)), ("row", (2, 50)), ("static", (2, 50))])
 def test_gradient_in_x_is_the_dequantized_mlp_gradient(mode, tokens):
     """float64: the weights get no cotangent; x gets the gradient of the MLP on the dequantized weights (CTE: the
     activation quantization passes straight through)."""
@@ -163,8 +166,9 @@ def test_shard_map_over_the_batch():
     assert_close(fn(shard(mesh, (P("data"),), x), *qs), oracle(x, qs), jnp.bfloat16, reduction=HID, ops=6)
 
 
-@pytest.mark.parametrize("mode, seq, kind", [("row", 3, "ROW"), ("static", 3, "STATIC"), ("row", 128, "ROW"),
-                                             ("static", 128, "STATIC")])
+@pytest.mark.parametrize(
+    "mode, seq, kind", [("row", 3, "ROW"), ("static", 3, "STATIC"), ("row", 128, "ROW"), ("static", 128, "STATIC")]
+)
 def test_neuron_lowering_is_one_kernel_with_the_quantization_type(mode, seq, kind):
     x = random((1, seq, 256), jnp.bfloat16, 0)
     _, qs = quantized(mode, hid=256, inter=128)
@@ -206,13 +210,16 @@ def _different_gate_up_input_scales():
     return qs
 
 
-@pytest.mark.parametrize("weights, kwargs, error, fragment", [
-    (_bad_scale, {}, ValueError, "`w_down`.scale must be float32 [32] for mode='row'"),
-    (_raw_fp8, {}, TypeError, "`w_down` is a raw FP8 array; pass FP8 weights with their scales"),
-    (_mixed_modes, {}, ValueError, "w_down: static"),
-    (_float_and_quantized, {}, ValueError, "quantized weights must be all of w_up, w_down, w_gate"),
-    (_different_gate_up_input_scales, {}, ValueError, "must share one input_scale"),
-])
+@pytest.mark.parametrize(
+    "weights, kwargs, error, fragment",
+    [
+        (_bad_scale, {}, ValueError, "`w_down`.scale must be float32 [32] for mode='row'"),
+        (_raw_fp8, {}, TypeError, "`w_down` is a raw FP8 array; pass FP8 weights with their scales"),
+        (_mixed_modes, {}, ValueError, "w_down: static"),
+        (_float_and_quantized, {}, ValueError, "quantized weights must be all of w_up, w_down, w_gate"),
+        (_different_gate_up_input_scales, {}, ValueError, "must share one input_scale"),
+    ],
+)
 def test_bad_weights(weights, kwargs, error, fragment):
     x = random((2, 3, HID), jnp.float32, 0)
     with pytest.raises(error) as info:

@@ -19,14 +19,18 @@ from tests.support.sharding import mesh_1d, shard
 
 BF16 = ml_dtypes.bfloat16
 NAMES = ("gate_pre", "gate_act", "up", "intermediate")
-NO_CLAMPS = dict.fromkeys(("linear_clamp_upper_limit", "linear_clamp_lower_limit", "non_linear_clamp_upper_limit",
-                           "non_linear_clamp_lower_limit"))
+NO_CLAMPS = dict.fromkeys(
+    (
+        "linear_clamp_upper_limit",
+        "linear_clamp_lower_limit",
+        "non_linear_clamp_upper_limit",
+        "non_linear_clamp_lower_limit",
+    )
+)
 
 
 def bf(x):
     return np.asarray(x, np.float64).astype(BF16).astype(np.float64)
-
-
 
 
 def clip(x, upper, lower):
@@ -50,8 +54,9 @@ def oracle_backward(dy, x, gate_up, down, checkpoints=None, clamps=NO_CLAMPS):
     given = {name: None if c is None else bf(f64(c)) for name, c in zip(NAMES, checkpoints or (None,) * 4)}
     if given["gate_pre"] is None or given["up"] is None:
         projections = oracle_round_trip(x) @ oracle_round_trip(gate_up).T
-        gate = bf(clip(projections[:, :i], clamps["non_linear_clamp_upper_limit"],
-                       clamps["non_linear_clamp_lower_limit"]))
+        gate = bf(
+            clip(projections[:, :i], clamps["non_linear_clamp_upper_limit"], clamps["non_linear_clamp_lower_limit"])
+        )
         up = bf(clip(projections[:, i:], clamps["linear_clamp_upper_limit"], clamps["linear_clamp_lower_limit"]))
         given["gate_pre"] = gate if given["gate_pre"] is None else given["gate_pre"]
         given["up"] = up if given["up"] is None else given["up"]
@@ -96,8 +101,12 @@ def test_matches_oracle_with_checkpoints_or_recompute(saved):
 @pytest.mark.parametrize("recompute", [False, True])
 def test_clamp_limits(recompute):
     dy, x, gate_up, down, checkpoints = backward_problem(seed=1)
-    clamps = dict(linear_clamp_upper_limit=0.5, linear_clamp_lower_limit=-0.75, non_linear_clamp_upper_limit=1.0,
-                  non_linear_clamp_lower_limit=None)
+    clamps = dict(
+        linear_clamp_upper_limit=0.5,
+        linear_clamp_lower_limit=-0.75,
+        non_linear_clamp_upper_limit=1.0,
+        non_linear_clamp_lower_limit=None,
+    )
     given = {} if recompute else dict(zip(NAMES, checkpoints))
     grads = mlp_backward_mxfp8_nki(dy, x, down, gate_up, **given, **clamps)
     want = oracle_backward(dy, x, gate_up, down, tuple(given.get(name) for name in NAMES), clamps)
@@ -118,8 +127,13 @@ def test_pre_quantized_copies_give_the_raw_results():
     raw = mlp_backward_mxfp8_nki(dy, x, down, gate_up, *([None] * 9), *checkpoints)
     for packed in (False, True):
         copies = {}
-        for name, value in (("gate_up_weight_T", gate_up.T), ("down_weight_T", down.T), ("output_grad_T", dy.T),
-                            ("hidden_states_T", x.T), ("gate_up_weights", gate_up)):
+        for name, value in (
+            ("gate_up_weight_T", gate_up.T),
+            ("down_weight_T", down.T),
+            ("output_grad_T", dy.T),
+            ("hidden_states_T", x.T),
+            ("gate_up_weights", gate_up),
+        ):
             words, scales = oracle_quantize_operand(np.asarray(value, np.float32), packed)
             copies[name], copies[f"{name}_scales"] = jnp.asarray(words), jnp.asarray(scales)
         got = mlp_backward_mxfp8_nki(dy, x, **copies, **dict(zip(NAMES, checkpoints)))
@@ -144,18 +158,21 @@ def test_forward_vjp_is_the_backward_kernel_and_approximates_the_gradient():
         assert error < 0.1, f"MXFP8 gradient is {error:.3f} away from the exact one"
     # a pre-swizzled operand gets its gradient swizzled; a pre-quantized one gets none (the others still do)
     swizzled = jnp.asarray(oracle_swizzle(np.asarray(x, np.float32).T), jnp.bfloat16)
-    swizzled_grads = jax.vjp(lambda a, b, c: mlp_forward_mxfp8_nki(a, b, c, hidden_is_swizzled=True), swizzled,
-                             gate_up, down)[1](dy)
-    np.testing.assert_array_equal(np.asarray(swizzled_grads[0], np.float32),
-                                  oracle_swizzle(np.asarray(grads[0], np.float32).T))
+    swizzled_grads = jax.vjp(
+        lambda a, b, c: mlp_forward_mxfp8_nki(a, b, c, hidden_is_swizzled=True), swizzled, gate_up, down
+    )[1](dy)
+    np.testing.assert_array_equal(
+        np.asarray(swizzled_grads[0], np.float32), oracle_swizzle(np.asarray(grads[0], np.float32).T)
+    )
     for got, want in zip(swizzled_grads[1:], grads[1:]):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     words, scales = (jnp.asarray(a) for a in oracle_quantize_operand(np.asarray(down, np.float32)))
     fn = lambda a, b: mlp_forward_mxfp8_nki(a, b, words, down_scales=scales)  # noqa: E731
     dx, dw = jax.vjp(fn, x, gate_up)[1](dy)
     assert dx.shape == x.shape and dw.shape == gate_up.shape and np.all(np.isfinite(np.asarray(dx, np.float32)))
-    with_checkpoint = jax.grad(lambda a: jnp.sum(mlp_forward_mxfp8_nki(a, gate_up, down, save_up=True)[1]
-                                                 .astype(jnp.float32)))(x)
+    with_checkpoint = jax.grad(
+        lambda a: jnp.sum(mlp_forward_mxfp8_nki(a, gate_up, down, save_up=True)[1].astype(jnp.float32))
+    )(x)
     assert not np.any(np.asarray(with_checkpoint, np.float32))
 
 
@@ -165,15 +182,17 @@ def test_vmap_of_grad_and_shard_map():
     g = dy.astype(jnp.float32)
     loss = lambda a, b, c, t: jnp.sum(mlp_forward_mxfp8_nki(a, b, c).astype(jnp.float32) * t)  # noqa: E731
     grad = jax.grad(loss, argnums=(0, 1, 2))
-    per_shard = jax.jit(jax.vmap(grad, in_axes=(0, None, None, 0)))(x.reshape(8, 8, 128), gate_up, down,
-                                                                     g.reshape(8, 8, 128))
+    per_shard = jax.jit(jax.vmap(grad, in_axes=(0, None, None, 0)))(
+        x.reshape(8, 8, 128), gate_up, down, g.reshape(8, 8, 128)
+    )
     for got, want in zip(per_shard, grad(x[24:32], gate_up, down, g[24:32])):
         np.testing.assert_array_equal(np.asarray(got[3], np.float32), np.asarray(want, np.float32))
     mesh = mesh_1d()
     specs = (P("data"), P(), P(), P("data"))
     # the replicated weights' gradients are summed over the devices (the transpose of their broadcast)
     sharded = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=specs, out_specs=(P("data"), P(), P())))(
-        *shard(mesh, specs, x, gate_up, down, g))
+        *shard(mesh, specs, x, gate_up, down, g)
+    )
     dx = np.asarray(per_shard[0], np.float32).reshape(64, 128)
     np.testing.assert_array_equal(np.asarray(sharded[0], np.float32), dx)
     for index in (1, 2):
@@ -205,23 +224,40 @@ def _bad(**changes):
         x, gate_up, down = problem(s=32, h=64, i=32)
         args = dict(output_grad=x, hidden_states=x, down_proj_weight=down, gate_up_weights=gate_up)
         return dict(args, **{k: v() for k, v in changes.items()})
+
     return build
 
 
 BAD = [
     (_bad(gate_up_weights=lambda: None), TypeError, "missing required tensor argument `gate_up_weights`"),
     (_bad(down_proj_weight=lambda: None), ValueError, "give `down_proj_weight`"),
-    (_bad(down_weight_T=lambda: jnp.zeros((16, 32), jnp.uint32)), ValueError,
-     "`down_weight_T` .* and `down_weight_T_scales` go together"),
-    (_bad(gate_up_weights=lambda: jnp.zeros((16, 64), jnp.uint32),
-          gate_up_weights_scales=lambda: jnp.zeros((16, 64), jnp.uint8)), ValueError,
-     "pre-quantized `gate_up_weights` cannot be transposed"),
-    (_bad(gate_pre=lambda: jnp.zeros((32, 16), jnp.bfloat16)), ValueError,
-     r"argument `gate_pre` must have layout \[S, I\] with I=32"),
+    (
+        _bad(down_weight_T=lambda: jnp.zeros((16, 32), jnp.uint32)),
+        ValueError,
+        "`down_weight_T` .* and `down_weight_T_scales` go together",
+    ),
+    (
+        _bad(
+            gate_up_weights=lambda: jnp.zeros((16, 64), jnp.uint32),
+            gate_up_weights_scales=lambda: jnp.zeros((16, 64), jnp.uint8),
+        ),
+        ValueError,
+        "pre-quantized `gate_up_weights` cannot be transposed",
+    ),
+    (
+        _bad(gate_pre=lambda: jnp.zeros((32, 16), jnp.bfloat16)),
+        ValueError,
+        r"argument `gate_pre` must have layout \[S, I\] with I=32",
+    ),
     (_bad(output_grad=lambda: jnp.zeros((16, 64), jnp.bfloat16)), ValueError, r"`hidden_states` must have layout"),
-    (_bad(output_grad_T=lambda: jnp.zeros((16, 64), jnp.uint32),
-          output_grad_T_scales=lambda: jnp.zeros((16, 64), jnp.uint8)),
-     ValueError, r"`output_grad_T` must have layout \[S/4, H\] uint32 .* with S=32"),
+    (
+        _bad(
+            output_grad_T=lambda: jnp.zeros((16, 64), jnp.uint32),
+            output_grad_T_scales=lambda: jnp.zeros((16, 64), jnp.uint8),
+        ),
+        ValueError,
+        r"`output_grad_T` must have layout \[S/4, H\] uint32 .* with S=32",
+    ),
     (_bad(output_grad=lambda: jnp.zeros((32, 64), jnp.int32)), TypeError, "argument `output_grad`"),
 ]
 

@@ -43,9 +43,11 @@ def oracle_forward(x, gate_up, down, dtype=ml_dtypes.bfloat16):
 def problem(s=24, h=640, i=160, dtype=jnp.bfloat16, seed=0):
     """``(hidden [S, H], gate_up_weights [2I, H], down_weights [H, I])`` with unit-scale activations."""
     rng = np.random.default_rng(seed)
-    return (jnp.asarray(rng.standard_normal((s, h)), dtype),
-            jnp.asarray(rng.standard_normal((2 * i, h)) / np.sqrt(h), dtype),
-            jnp.asarray(rng.standard_normal((h, i)) / np.sqrt(i), dtype))
+    return (
+        jnp.asarray(rng.standard_normal((s, h)), dtype),
+        jnp.asarray(rng.standard_normal((2 * i, h)) / np.sqrt(h), dtype),
+        jnp.asarray(rng.standard_normal((h, i)) / np.sqrt(i), dtype),
+    )
 
 
 def assert_matches(actual, expected, dtype, exact=0.98):
@@ -66,8 +68,9 @@ def test_matches_oracle_with_checkpoints(dtype):
     for out, want in zip(outs, oracle_forward(*args, dtype=np.dtype(dtype))):
         assert_matches(out, want, dtype)
     # the default call returns only the output; a subset of flags returns those checkpoints in the kernel's order
-    np.testing.assert_array_equal(np.asarray(mlp_forward_mxfp8_nki(*args, dtype=dtype), np.float32),
-                                  np.asarray(outs[0], np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(mlp_forward_mxfp8_nki(*args, dtype=dtype), np.float32), np.asarray(outs[0], np.float32)
+    )
     some = mlp_forward_mxfp8_nki(*args, save_up=True, save_gate_pre=True, dtype=dtype)
     for got, want in zip(some, (outs[0], outs[1], outs[3])):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
@@ -88,13 +91,15 @@ def test_pre_swizzled_and_pre_quantized_operands_give_the_raw_results():
     for got, want in zip(mlp_forward_mxfp8_nki(*swizzled, save_hidden=True, **flags), raw):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     for packed in (False, True):
-        (xw, xs), (gw, gs), (dw, ds) = (oracle_quantize_operand(np.asarray(a, np.float32), packed)
-                                        for a in (x, gate_up, down))
+        (xw, xs), (gw, gs), (dw, ds) = (
+            oracle_quantize_operand(np.asarray(a, np.float32), packed) for a in (x, gate_up, down)
+        )
         got = mlp_forward_mxfp8_nki(xw, gw, dw, hidden_scales=xs, gate_up_scales=gs, down_scales=ds, save_hidden=True)
         for g, w in zip(got, raw):
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
-    mixed = mlp_forward_mxfp8_nki(x, swizzled[1], jnp.asarray(dw), down_scales=jnp.asarray(ds),
-                                  gate_up_is_swizzled=True)
+    mixed = mlp_forward_mxfp8_nki(
+        x, swizzled[1], jnp.asarray(dw), down_scales=jnp.asarray(ds), gate_up_is_swizzled=True
+    )
     np.testing.assert_array_equal(np.asarray(mixed, np.float32), np.asarray(raw[0], np.float32))
 
 
@@ -124,8 +129,16 @@ def test_neuron_lowering_forward_and_vjp_are_the_two_kernels():
         assert forward["entry_point"] == "jax_nkilib_kernels.mxfp8:mlp_forward_mxfp8_nki"
         assert forward["output_names"] == ["output", "gate_pre", "gate_act", "up", "intermediate"]
         assert backward["func_name"] == "mlp_backward_mxfp8_nki"
-        assert backward["input_names"] == ["output_grad", "hidden_states", "down_proj_weight", "gate_up_weights",
-                                           "gate_pre", "gate_act", "up", "intermediate"]
+        assert backward["input_names"] == [
+            "output_grad",
+            "hidden_states",
+            "down_proj_weight",
+            "gate_up_weights",
+            "gate_pre",
+            "gate_act",
+            "up",
+            "intermediate",
+        ]
         (plain,) = kernel_configs(neuron_text(mlp_forward_mxfp8_nki, x, gate_up, down))
         assert plain["output_names"] == ["output"] and plain["params"]["dtype"] == "bfloat16"
     with jax_nkilib.neuron.dry_run():  # LNC=1
@@ -148,6 +161,7 @@ def _bad(**changes):
     def build():
         x, gate_up, down = problem(s=4, h=64, i=32)
         return dict(dict(hidden=x, gate_up_weights=gate_up, down_weights=down), **{k: v() for k, v in changes.items()})
+
     return build
 
 
@@ -155,16 +169,32 @@ BAD = [
     (_bad(hidden=lambda: jnp.zeros((1, 4, 64))), ValueError, "argument `hidden` must have layout"),
     (_bad(gate_up_weights=lambda: jnp.zeros((63, 64))), ValueError, r"`gate_up_weights` must have layout \[2\*I, H\]"),
     (_bad(hidden=lambda: jnp.zeros((4, 96))), ValueError, r"`gate_up_weights` must have layout \[2\*I, H\] with H=96"),
-    (_bad(hidden=lambda: jnp.zeros((12, 16), jnp.bfloat16), gate_up_weights=lambda: jnp.zeros((64, 48)),
-          down_weights=lambda: jnp.zeros((48, 32)), hidden_is_swizzled=lambda: True), ValueError,
-     "contraction H=48 of the swizzled `hidden`.* multiple of 32"),
+    (
+        _bad(
+            hidden=lambda: jnp.zeros((12, 16), jnp.bfloat16),
+            gate_up_weights=lambda: jnp.zeros((64, 48)),
+            down_weights=lambda: jnp.zeros((48, 32)),
+            hidden_is_swizzled=lambda: True,
+        ),
+        ValueError,
+        "contraction H=48 of the swizzled `hidden`.* multiple of 32",
+    ),
     (_bad(hidden=lambda: jnp.zeros((4, 64), jnp.int32)), TypeError, "argument `hidden`"),
-    (_bad(hidden=lambda: jnp.zeros((16, 4), jnp.uint32), hidden_scales=lambda: jnp.zeros((16, 4), jnp.float32)),
-     TypeError, "argument `hidden_scales` must have dtype"),
-    (_bad(hidden=lambda: jnp.zeros((16, 4), jnp.float32), hidden_scales=lambda: jnp.zeros((16, 4), jnp.uint8)),
-     TypeError, r"argument `hidden` \(pre-quantized, layout \[H/4, S\] uint32"),
-    (_bad(hidden=lambda: jnp.zeros((16, 4), jnp.uint32), hidden_scales=lambda: jnp.zeros((8, 4), jnp.uint8)),
-     ValueError, r"`hidden_scales` must be \[H/4, S\] or packed"),
+    (
+        _bad(hidden=lambda: jnp.zeros((16, 4), jnp.uint32), hidden_scales=lambda: jnp.zeros((16, 4), jnp.float32)),
+        TypeError,
+        "argument `hidden_scales` must have dtype",
+    ),
+    (
+        _bad(hidden=lambda: jnp.zeros((16, 4), jnp.float32), hidden_scales=lambda: jnp.zeros((16, 4), jnp.uint8)),
+        TypeError,
+        r"argument `hidden` \(pre-quantized, layout \[H/4, S\] uint32",
+    ),
+    (
+        _bad(hidden=lambda: jnp.zeros((16, 4), jnp.uint32), hidden_scales=lambda: jnp.zeros((8, 4), jnp.uint8)),
+        ValueError,
+        r"`hidden_scales` must be \[H/4, S\] or packed",
+    ),
 ]
 
 
@@ -185,7 +215,8 @@ def test_bad_flags():
         mlp_forward_mxfp8_nki(x, gate_up, down, gate_up_tiles_m=0)
     words, scales = oracle_quantize_operand(np.asarray(x, np.float32))
     with pytest.raises(ValueError, match="give either `hidden_scales`.*not both"):
-        mlp_forward_mxfp8_nki(jnp.asarray(words), gate_up, down, hidden_scales=jnp.asarray(scales),
-                              hidden_is_swizzled=True)
+        mlp_forward_mxfp8_nki(
+            jnp.asarray(words), gate_up, down, hidden_scales=jnp.asarray(scales), hidden_is_swizzled=True
+        )
     with pytest.raises(ValueError, match=r"`hidden` must have layout \[H/4, 4\*S\] \(wrapX swizzled\)"):
         mlp_forward_mxfp8_nki(jnp.zeros((16, 6), jnp.bfloat16), gate_up, down, hidden_is_swizzled=True)

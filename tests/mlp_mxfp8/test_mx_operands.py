@@ -31,14 +31,14 @@ def oracle_swizzle(kf, tile=512):
             parts.append(oracle_swizzle(kf[:start], tile))
         for size in (256, 128):
             if rest >= size:
-                parts.append(oracle_swizzle(kf[start:start + size], size))
+                parts.append(oracle_swizzle(kf[start : start + size], size))
                 start, rest = start + size, rest - size
         return np.concatenate(parts, axis=0)
     out = np.zeros((k // 4, 4 * f), kf.dtype)
     for t in range(-(-k // tile)):
         sub = min(tile, k - t * tile) // 4
         for j in range(4):  # rows p = 0..sub-1 of lane j
-            out[t * (tile // 4):t * (tile // 4) + sub, j::4] = kf[t * tile + j * sub:t * tile + (j + 1) * sub]
+            out[t * (tile // 4) : t * (tile // 4) + sub, j::4] = kf[t * tile + j * sub : t * tile + (j + 1) * sub]
     return out
 
 

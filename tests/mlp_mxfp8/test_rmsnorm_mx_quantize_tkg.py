@@ -18,8 +18,6 @@ from tests.support.numerics import f64
 from tests.support.sharding import mesh_1d, shard
 
 
-
-
 def oracle(inp, gamma, residual=None, eps=1e-6, hidden_actual=None):
     """float64 ``(output [128, T, H/128], output_residual [T, H] or None)``: x = input (+ residual, rounded to the
     residual's dtype); y = in(in(x * gamma) / sqrt(sum x^2 / hidden_actual + eps)); output[p, t, c] = y[t, 128c + p]."""
@@ -31,7 +29,7 @@ def oracle(inp, gamma, residual=None, eps=1e-6, hidden_actual=None):
     y = rnd(rnd(x * f64(gamma), inp) / np.sqrt((x * x).sum(axis=1, keepdims=True) / (hidden_actual or h) + eps), inp)
     out = np.zeros((128, b * s, h // 128))
     for c in range(h // 128):
-        out[:, :, c] = y[:, 128 * c:128 * c + 128].T
+        out[:, :, c] = y[:, 128 * c : 128 * c + 128].T
     return out, (None if residual is None else x)
 
 
@@ -46,10 +44,10 @@ def oracle_quantize(output):
     for j in range(n):
         for token in range(t):
             for g in range(16):
-                block = output[8 * g:8 * g + 8, token, [q * n + j for q in range(4)]]  # [8 partitions, 4 bytes]
+                block = output[8 * g : 8 * g + 8, token, [q * n + j for q in range(4)]]  # [8 partitions, 4 bytes]
                 elements, scale = oracle_quantize_groups(block.reshape(32))
                 codes = elements.view(np.uint8).reshape(8, 4).astype(np.uint32)
-                words[8 * g:8 * g + 8, j, token] = sum(codes[:, q] << np.uint32(8 * q) for q in range(4))
+                words[8 * g : 8 * g + 8, j, token] = sum(codes[:, q] << np.uint32(8 * q) for q in range(4))
                 scales[32 * (g // 4) + g % 4, j, token] = scale
     return words, scales
 
@@ -95,10 +93,12 @@ def test_vmap_of_gamma_and_gamma_gradient_inside_shard_map():
     np.testing.assert_array_equal(np.asarray(gammas[1]), np.asarray(fn(inp, 2 * gamma, None)[1]))
     mesh = mesh_1d()
     loss = lambda a, g: jnp.sum(rmsnorm_mx_quantize_tkg(a, g)[0].astype(jnp.float32))  # noqa: E731
-    grad_gamma = jax.jit(jax.shard_map(jax.grad(loss, argnums=1), mesh=mesh, in_specs=(P("data"), P()),
-                                       out_specs=P()))(*shard(mesh, (P("data"), P()), inp, gamma))
-    np.testing.assert_allclose(np.asarray(grad_gamma, np.float32), np.asarray(jax.grad(loss, 1)(inp, gamma),
-                                                                              np.float32), rtol=2e-2, atol=1e-2)
+    grad_gamma = jax.jit(jax.shard_map(jax.grad(loss, argnums=1), mesh=mesh, in_specs=(P("data"), P()), out_specs=P()))(
+        *shard(mesh, (P("data"), P()), inp, gamma)
+    )
+    np.testing.assert_allclose(
+        np.asarray(grad_gamma, np.float32), np.asarray(jax.grad(loss, 1)(inp, gamma), np.float32), rtol=2e-2, atol=1e-2
+    )
 
 
 def test_neuron_lowering():
@@ -124,14 +124,17 @@ def test_neuron_lowering():
             neuron_text(call, inp, gamma, res)
 
 
-@pytest.mark.parametrize("args, kwargs, error, fragment", [
-    ((jnp.zeros((1, 4, 768)), jnp.zeros((1, 768))), {}, ValueError, "H=768 must be a multiple of 512"),
-    ((jnp.zeros((1, 4, 512)), jnp.zeros((1, 512))), dict(hidden_dim_tp=False), ValueError, "hidden_dim_tp=False"),
-    ((jnp.zeros((1, 4, 512)), jnp.zeros((512,))), {}, ValueError, r"argument `gamma` must have layout \[1, H\]"),
-    ((jnp.zeros((1, 4, 512)), jnp.zeros((1, 512)), jnp.zeros((1, 2, 512))), {}, ValueError, "argument `residual`"),
-    ((jnp.zeros((1, 4, 512)), jnp.zeros((1, 512))), dict(hidden_actual=0), ValueError, r"hidden_actual must be in"),
-    ((jnp.zeros((1, 4, 512), jnp.int32), jnp.zeros((1, 512))), {}, TypeError, "argument `input` must have dtype"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, error, fragment",
+    [
+        ((jnp.zeros((1, 4, 768)), jnp.zeros((1, 768))), {}, ValueError, "H=768 must be a multiple of 512"),
+        ((jnp.zeros((1, 4, 512)), jnp.zeros((1, 512))), dict(hidden_dim_tp=False), ValueError, "hidden_dim_tp=False"),
+        ((jnp.zeros((1, 4, 512)), jnp.zeros((512,))), {}, ValueError, r"argument `gamma` must have layout \[1, H\]"),
+        ((jnp.zeros((1, 4, 512)), jnp.zeros((1, 512)), jnp.zeros((1, 2, 512))), {}, ValueError, "argument `residual`"),
+        ((jnp.zeros((1, 4, 512)), jnp.zeros((1, 512))), dict(hidden_actual=0), ValueError, r"hidden_actual must be in"),
+        ((jnp.zeros((1, 4, 512), jnp.int32), jnp.zeros((1, 512))), {}, TypeError, "argument `input` must have dtype"),
+    ],
+)
 def test_bad_inputs(args, kwargs, error, fragment):
     with pytest.raises(error, match=fragment):
         rmsnorm_mx_quantize_tkg(*args, **kwargs)

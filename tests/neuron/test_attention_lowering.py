@@ -43,8 +43,12 @@ def test_forward_and_vjp_are_exactly_two_kernel_calls():
     cfgs = kernel_configs(text)
     assert [cfg["func_name"] for cfg in cfgs] == ["attention_cte", "attention_bwd"]
     assert cfgs[0]["params"]["cache_softmax"] is True and cfgs[0]["output_names"] == ["o", "neg_max", "recip"]
-    assert cfgs[1]["params"] == {"use_causal_mask": True, "mixed_precision": True, "softmax_scale": 0.125,
-                                 "sliding_window": None}
+    assert cfgs[1]["params"] == {
+        "use_causal_mask": True,
+        "mixed_precision": True,
+        "softmax_scale": 0.125,
+        "sliding_window": None,
+    }
     assert cfgs[1]["input_specs"][0] == [[1, 4, 64, S], "float32"] and cfgs[1]["input_specs"][5][0] == [1, 4, 128, 2]
     assert no_square_tensor(text, S)
 

@@ -22,8 +22,11 @@ from jax_nkilib._src.neuron.kernel_arguments import forwarded_params
 
 TABLE = json.loads((Path(__file__).parent / "library_signatures.json").read_text())
 KERNELS = Path(__file__).parents[2] / "jax_nkilib_kernels"
-LIBRARY_SPECS = sorted((kernel.spec for kernel in bound_kernels().values() if kernel.spec.entry_point.startswith(
-    "nkilib.")), key=lambda spec: spec.name)
+LIBRARY_SPECS = sorted(
+    (kernel.spec for kernel in bound_kernels().values() if kernel.spec.entry_point.startswith("nkilib.")),
+    key=lambda spec: spec.name,
+)
+
 
 def signature(entry_point: str) -> list[dict]:
     assert entry_point in TABLE["functions"], f"record the signature of {entry_point} in library_signatures.json"
@@ -70,8 +73,9 @@ def test_spec_gives_every_required_argument(spec):
         else:
             assert p["name"] in params, f"{spec.name} never passes `{p['name']}`, which the kernel requires"
             param = params[p["name"]]
-            assert param.required or param.default is not None, \
+            assert param.required or param.default is not None, (
                 f"{spec.name}: `{p['name']}` is required by the kernel: declare Param(..., required=True)"
+            )
 
 
 @pytest.mark.parametrize("spec", LIBRARY_SPECS, ids=lambda spec: spec.name)
@@ -93,8 +97,9 @@ def test_defaults_are_the_kernels(spec):
         record = library[param.name]
         if record["required"]:
             continue
-        assert same_default(param, record["default"]), \
+        assert same_default(param, record["default"]), (
             f"{spec.name}: `{param.name}` defaults to {param.default!r}, the kernel to {record['default']}"
+        )
 
 
 def test_every_library_kernel_is_covered():
@@ -124,8 +129,11 @@ def adapter_calls():
                     loaded[node.targets[0].id] = f"nkilib.{module}:{name}"
         aliases = {}
         for node in ast.walk(tree):  # local aliases of a loaded name: f = body(_library_x)
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and isinstance(node.targets[0],
-                                                                                             ast.Name):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and isinstance(node.targets[0], ast.Name)
+            ):
                 inner = node.value.args[0] if node.value.args else None
                 if getattr(node.value.func, "id", None) == "body" and getattr(inner, "id", None) in loaded:
                     aliases[node.targets[0].id] = loaded[inner.id]
@@ -156,15 +164,17 @@ def test_adapter_calls_match_the_library(call):
     _, _, entry, node = call
     params = recorded(entry)
     names = [p["name"] for p in params]
-    positional = [p["name"] for p in params if p["kind"] in ("positional_or_keyword", "positional_only",
-                                                                "dataclass_field")]
+    positional = [
+        p["name"] for p in params if p["kind"] in ("positional_or_keyword", "positional_only", "dataclass_field")
+    ]
     has_var_keyword = any(p["kind"] == "var_keyword" for p in params)
-    assert len(node.args) <= len(positional) or any(p["kind"] == "var_positional" for p in params), \
+    assert len(node.args) <= len(positional) or any(p["kind"] == "var_positional" for p in params), (
         f"{entry} takes {len(positional)} positional arguments; the adapter passes {len(node.args)}"
+    )
     keywords = [k.arg for k in node.keywords if k.arg is not None]
     unknown = [k for k in keywords if k not in names]
     assert has_var_keyword or not unknown, f"{entry} takes no argument {unknown}"
-    given = set(positional[:len(node.args)]) | set(keywords)
+    given = set(positional[: len(node.args)]) | set(keywords)
     splats = any(k.arg is None for k in node.keywords) or any(isinstance(a, ast.Starred) for a in node.args)
     missing = [p["name"] for p in params if p["required"] and p["name"] not in given]
     assert splats or not missing, f"{entry} requires {missing}, which the adapter does not pass"
@@ -172,9 +182,12 @@ def test_adapter_calls_match_the_library(call):
 
 def test_adapter_calls_are_found():
     entries = {entry for _, _, entry, _ in CALLS}
-    for expected in ("nkilib.core.utils.allocator:SbufManager", "nkilib.core.attention.attention_tkg:attention_tkg",
-                     "nkilib.core.rmsnorm.rmsnorm_quant:rmsnorm_quant_kernel",
-                     "nkilib.experimental.collectives.batch_shard:attn_q_batch_shard"):
+    for expected in (
+        "nkilib.core.utils.allocator:SbufManager",
+        "nkilib.core.attention.attention_tkg:attention_tkg",
+        "nkilib.core.rmsnorm.rmsnorm_quant:rmsnorm_quant_kernel",
+        "nkilib.experimental.collectives.batch_shard:attn_q_batch_shard",
+    ):
         assert expected in entries
 
 
@@ -184,11 +197,19 @@ def test_recorded_signatures_bind_like_python():
         params = record.get("parameters") or record.get("fields")
         names = [p["name"] for p in params]
         assert len(names) == len(set(names)), entry
-        kinds = {"positional_or_keyword": inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                 "keyword_only": inspect.Parameter.KEYWORD_ONLY, "dataclass_field": inspect.Parameter.KEYWORD_ONLY,
-                 "positional_only": inspect.Parameter.POSITIONAL_ONLY,
-                 "var_positional": inspect.Parameter.VAR_POSITIONAL,
-                 "var_keyword": inspect.Parameter.VAR_KEYWORD}
-        inspect.Signature([inspect.Parameter(p["name"], kinds[p["kind"]],
-                                             default=inspect.Parameter.empty if p["required"] else None)
-                           for p in params])
+        kinds = {
+            "positional_or_keyword": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            "keyword_only": inspect.Parameter.KEYWORD_ONLY,
+            "dataclass_field": inspect.Parameter.KEYWORD_ONLY,
+            "positional_only": inspect.Parameter.POSITIONAL_ONLY,
+            "var_positional": inspect.Parameter.VAR_POSITIONAL,
+            "var_keyword": inspect.Parameter.VAR_KEYWORD,
+        }
+        inspect.Signature(
+            [
+                inspect.Parameter(
+                    p["name"], kinds[p["kind"]], default=inspect.Parameter.empty if p["required"] else None
+                )
+                for p in params
+            ]
+        )

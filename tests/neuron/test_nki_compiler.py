@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning, NeuronOutputMismatchError, NeuronUnsupportedError, NkiApiError
-from jax_nkilib.nki import ActFnType, QuantizationType, RoPE, all_reduce_hbm_kernel, attention_cte, mlp, qkv
+from jax_nkilib.nki import ActFnType, RoPE, all_reduce_hbm_kernel, attention_cte, mlp, qkv
 from tests.support import nki_standin
 from tests.support.data import angles, random
 from tests.support.hlo import kernel_configs, neuron_text, operations
@@ -107,8 +107,13 @@ def test_mlp_is_a_tuple_shaped_call_in_signature_order(sdk):
     (compilation,) = sdk.compilations
     inputs = compilation["inputs"]
     tensors = [name for name, value in inputs.items() if isinstance(value, np.ndarray)]
-    assert tensors == ["hidden_tensor", "gate_proj_weights_tensor", "up_proj_weights_tensor",
-                       "down_proj_weights_tensor", "fused_add_tensor"]
+    assert tensors == [
+        "hidden_tensor",
+        "gate_proj_weights_tensor",
+        "up_proj_weights_tensor",
+        "down_proj_weights_tensor",
+        "fused_add_tensor",
+    ]
     assert "mx_weight_dtype" not in inputs  # jax_nkilib's own parameter never reaches the kernel
     library_act = nki_standin.ENUMS["ActFnType"]
     assert inputs["activation_fn"] is library_act.GELU  # the library's own member, not jax_nkilib's copy
@@ -123,24 +128,45 @@ def test_mlp_two_outputs_keep_their_order(sdk):
 
 def test_operands_follow_the_kernels_signature_not_the_specs(sdk):
     """qkv with the KV-cache write: the kernel takes k_cache, v_cache, k_scale, v_scale after bias...sin_cache."""
-    sdk.rule("qkv", lambda input, k_cache, v_cache, d_head=None, num_q_heads=None, **_: [
-        np.empty((input.shape[0], input.shape[1], num_q_heads * d_head), input.dtype), k_cache, v_cache])
+    sdk.rule(
+        "qkv",
+        lambda input, k_cache, v_cache, d_head=None, num_q_heads=None, **_: [
+            np.empty((input.shape[0], input.shape[1], num_q_heads * d_head), input.dtype),
+            k_cache,
+            v_cache,
+        ],
+    )
     x, w = random((1, 128, 128)), random((128, 6 * 16), seed=1)
     k_cache, v_cache = random((1, 256, 16), seed=2), random((1, 256, 16), seed=3)
     scale = jnp.ones((128, 1), jnp.float32)
     gamma = random((1, 128), seed=4)
-    fn = lambda *a: qkv(a[0], a[1], gamma_norm_weights=a[2], k_cache=a[3], v_cache=a[4], k_scale=a[5],  # noqa: E731
-                        v_scale=a[6], fused_norm_type="RMS_NORM", num_q_heads=4, num_kv_heads=1, d_head=16)
+    fn = lambda *a: qkv(
+        a[0],
+        a[1],
+        gamma_norm_weights=a[2],
+        k_cache=a[3],
+        v_cache=a[4],
+        k_scale=a[5],  # noqa: E731
+        v_scale=a[6],
+        fused_norm_type="RMS_NORM",
+        num_q_heads=4,
+        num_kv_heads=1,
+        d_head=16,
+    )
     text = neuron_text(fn, x, w, gamma, k_cache, v_cache, scale, scale)
     (compilation,) = sdk.compilations
     tensors = [name for name, value in compilation["inputs"].items() if isinstance(value, np.ndarray)]
     assert tensors == ["input", "fused_qkv_weights", "gamma_norm_weights", "k_cache", "v_cache", "k_scale", "v_scale"]
     call = next(line for line in text.splitlines() if "AwsNeuronCustomNativeKernel" in line)
-    assert "(tensor<1x128x128xf32>, tensor<128x96xf32>, tensor<1x128xf32>, tensor<1x256x16xf32>, " \
-           "tensor<1x256x16xf32>, tensor<128x1xf32>, tensor<128x1xf32>)" in call
+    assert (
+        "(tensor<1x128x128xf32>, tensor<128x96xf32>, tensor<1x128xf32>, tensor<1x256x16xf32>, "
+        "tensor<1x256x16xf32>, tensor<128x1xf32>, tensor<128x1xf32>)" in call
+    )
     # the returned caches alias their inputs (positions 3 and 4 in the kernel's order): in place
-    assert "output_tuple_indices = [1], operand_index = 3" in text and "output_tuple_indices = [2], operand_index = 4" \
-        in text
+    assert (
+        "output_tuple_indices = [1], operand_index = 3" in text
+        and "output_tuple_indices = [2], operand_index = 4" in text
+    )
 
 
 def test_packed_words_reach_the_kernel_as_nki_x4_tensors(sdk):
@@ -149,8 +175,21 @@ def test_packed_words_reach_the_kernel_as_nki_x4_tensors(sdk):
     x = random((1, 128, 512))
     words = jnp.zeros((128, 96), jnp.uint32)
     scales = jnp.full((16, 96), 127, jnp.uint8)
-    text = neuron_text(lambda a, b, c: qkv(a, b, qkv_w_scale=c, quantization_type="MX", weight_layout="MX_CONTIGUOUS",
-                                           num_q_heads=4, num_kv_heads=1, d_head=16), x, words, scales)
+    text = neuron_text(
+        lambda a, b, c: qkv(
+            a,
+            b,
+            qkv_w_scale=c,
+            quantization_type="MX",
+            weight_layout="MX_CONTIGUOUS",
+            num_q_heads=4,
+            num_kv_heads=1,
+            d_head=16,
+        ),
+        x,
+        words,
+        scales,
+    )
     assert decoded(text)["func_name"] == "qkv"
     weights = sdk.compilations[0]["inputs"]["fused_qkv_weights"]
     assert isinstance(weights, nki_standin.NkiTensor) and weights.dtype == "float8_e4m3fn_x4"
@@ -161,8 +200,11 @@ def test_packed_outputs_match_their_word_dtype(sdk):
     """NKI reports x4 outputs by their packed dtype name; jax_nkilib holds them as the unsigned word of that size."""
     from jax_nkilib._src.neuron.compiled import jax_dtype_name, mismatched_outputs
 
-    assert [jax_dtype_name(n) for n in ("float8_e4m3fn_x4", "float8_e5m2_x4", "float4_e2m1fn_x4")] == \
-        ["uint32", "uint32", "uint16"]
+    assert [jax_dtype_name(n) for n in ("float8_e4m3fn_x4", "float8_e5m2_x4", "float4_e2m1fn_x4")] == [
+        "uint32",
+        "uint32",
+        "uint16",
+    ]
     aval = jax.core.ShapedArray((4, 8), jnp.uint32)
     assert mismatched_outputs([((4, 8), "float8_e4m3fn_x4")], [aval]) == []
     assert mismatched_outputs([((4, 8), "float4_e2m1fn_x4")], [aval]) != []
@@ -172,8 +214,9 @@ def test_packed_outputs_match_their_word_dtype(sdk):
 
 def test_replica_groups_and_collectives(sdk):
     mesh = mesh_1d("x", 4)
-    fn = jax.shard_map(lambda v: all_reduce_hbm_kernel(v, replica_group="x"), mesh=mesh, in_specs=P("x"),
-                       out_specs=P("x"))
+    fn = jax.shard_map(
+        lambda v: all_reduce_hbm_kernel(v, replica_group="x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+    )
     text = neuron_text(fn, shard(mesh, (P("x"),), random((8, 16))))
     assert decoded(text)["has_collectives"] is True and 'has_collectives = "1"' in text
     group = sdk.compilations[0]["inputs"]["replica_group"]
@@ -197,6 +240,7 @@ def test_output_mismatch_is_an_error(sdk):
 
 def test_a_changed_signature_is_named(sdk, monkeypatch):
     """A library whose RoPE lost a parameter jax_nkilib passes: the error names the parameter and the versions."""
+
     def old_rope(x_in, cos, sin, lnc_shard=False):
         raise AssertionError
 
@@ -213,8 +257,11 @@ def test_missing_framework_api_is_named(sdk, monkeypatch):
 
 def test_a_kernel_the_installed_library_lacks_falls_back(sdk, monkeypatch):
     monkeypatch.delattr(sys.modules["nkilib.core.embeddings.rope"], "RoPE")
-    with pytest.warns(NeuronFallbackWarning, match=r"installed NKI Library has no nkilib.core.embeddings.rope:RoPE.*"
-                                                   r"installed: nki 0.4.0"):
+    with pytest.warns(
+        NeuronFallbackWarning,
+        match=r"installed NKI Library has no nkilib.core.embeddings.rope:RoPE.*"
+        r"installed: nki 0.4.0",
+    ):
         text = neuron_text(RoPE, X, COS, SIN)
     assert kernel_configs(text) == [] and sdk.compilations == []
     with jax_nkilib.config(on_unsupported="error"), pytest.raises(NeuronUnsupportedError, match="has no"):
@@ -255,8 +302,11 @@ def test_an_adapter_whose_library_function_is_missing_falls_back(sdk):
 
     q, k = random((2, 4, 128, 64)), random((2, 2, 128, 64), seed=1)
     cos, sin = angles((128, 64))
-    with pytest.warns(NeuronFallbackWarning, match=r"lacks nkilib.core.embeddings.rope_hf.rope_hf, which "
-                                                   r"jax_nkilib_kernels.rope:rope_hf calls"):
+    with pytest.warns(
+        NeuronFallbackWarning,
+        match=r"lacks nkilib.core.embeddings.rope_hf.rope_hf, which "
+        r"jax_nkilib_kernels.rope:rope_hf calls",
+    ):
         text = neuron_text(lambda *a: rope_hf(*a), q, k, cos, sin)
     assert kernel_configs(text) == []
 
@@ -267,10 +317,14 @@ def test_optional_library_names_do_not_disable_an_adapter(sdk, monkeypatch):
     from jax_nkilib_kernels._library import MissingLibraryFunction, missing_dependencies
 
     assert isinstance(norm.DtypeMode, MissingLibraryFunction) or norm.DtypeMode is nki_standin.ENUMS["DtypeMode"]
-    monkeypatch.setattr(norm, "DtypeMode", MissingLibraryFunction("nkilib.core.utils.common_types.DtypeMode", "absent",
-                                                                  optional=True))
-    monkeypatch.setattr(norm, "RmsNormQuantKernelArgs", nki_standin.library_class(
-        "nkilib.core.rmsnorm.rmsnorm_quant:RmsNormQuantKernelArgs"))
+    monkeypatch.setattr(
+        norm, "DtypeMode", MissingLibraryFunction("nkilib.core.utils.common_types.DtypeMode", "absent", optional=True)
+    )
+    monkeypatch.setattr(
+        norm,
+        "RmsNormQuantKernelArgs",
+        nki_standin.library_class("nkilib.core.rmsnorm.rmsnorm_quant:RmsNormQuantKernelArgs"),
+    )
     monkeypatch.setattr(norm, "_rmsnorm_quant_body", lambda *a, **k: None)
     assert missing_dependencies(norm.rmsnorm_quant_kernel) == []
     monkeypatch.setattr(norm, "NormType", MissingLibraryFunction("nkilib.core.utils.common_types.NormType", "absent"))

@@ -19,36 +19,51 @@ from tests.support.hlo import kernel_configs
 
 X = random((64, 2, 4, 16))
 COS, SIN = angles((32, 2, 16))
-REPORT = ("import json, jax_nkilib; from jax_nkilib._src.framework import config; "
-          "print(json.dumps([config.current_target(), jax_nkilib.current_lnc()]))")
+REPORT = (
+    "import json, jax_nkilib; from jax_nkilib._src.framework import config; "
+    "print(json.dumps([config.current_target(), jax_nkilib.current_lnc()]))"
+)
 
 
 def fresh(environment: dict) -> subprocess.CompletedProcess:
     """``REPORT`` in a new interpreter whose Neuron variables are exactly ``environment``."""
     env = {k: v for k, v in os.environ.items() if k not in (platform.PLATFORM_TARGET_ENV_VAR, platform.LNC_ENV_VAR)}
     env.update(environment, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-c", REPORT], env=env, capture_output=True, text=True, timeout=120,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    return subprocess.run(
+        [sys.executable, "-c", REPORT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
 
 
-@pytest.mark.parametrize("environment, expected", [
-    ({}, ["trn2", 2]),  # unset: Trainium2, whose runtime default is LNC 2
-    ({"NEURON_PLATFORM_TARGET_OVERRIDE": "trn1"}, ["trn1", 1]),
-    ({"NEURON_PLATFORM_TARGET_OVERRIDE": "inf2"}, ["inf2", 1]),
-    ({"NEURON_PLATFORM_TARGET_OVERRIDE": "TRN3"}, ["trn3", 2]),
-    ({"NEURON_LOGICAL_NC_CONFIG": "1"}, ["trn2", 1]),
-    ({"NEURON_PLATFORM_TARGET_OVERRIDE": "trn1", "NEURON_LOGICAL_NC_CONFIG": "2"}, ["trn1", 2]),
-], ids=["unset", "trn1", "inf2", "trn3", "lnc1", "trn1-lnc2"])
+@pytest.mark.parametrize(
+    "environment, expected",
+    [
+        ({}, ["trn2", 2]),  # unset: Trainium2, whose runtime default is LNC 2
+        ({"NEURON_PLATFORM_TARGET_OVERRIDE": "trn1"}, ["trn1", 1]),
+        ({"NEURON_PLATFORM_TARGET_OVERRIDE": "inf2"}, ["inf2", 1]),
+        ({"NEURON_PLATFORM_TARGET_OVERRIDE": "TRN3"}, ["trn3", 2]),
+        ({"NEURON_LOGICAL_NC_CONFIG": "1"}, ["trn2", 1]),
+        ({"NEURON_PLATFORM_TARGET_OVERRIDE": "trn1", "NEURON_LOGICAL_NC_CONFIG": "2"}, ["trn1", 2]),
+    ],
+    ids=["unset", "trn1", "inf2", "trn3", "lnc1", "trn1-lnc2"],
+)
 def test_import_reads_the_platform_and_its_lnc_default(environment, expected):
     result = fresh(environment)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == expected
 
 
-@pytest.mark.parametrize("environment, message", [
-    ({"NEURON_LOGICAL_NC_CONFIG": "4"}, "NEURON_LOGICAL_NC_CONFIG must be 1 or 2, got 4"),
-    ({"NEURON_PLATFORM_TARGET_OVERRIDE": "tpu"}, "NEURON_PLATFORM_TARGET_OVERRIDE must be one of"),
-])
+@pytest.mark.parametrize(
+    "environment, message",
+    [
+        ({"NEURON_LOGICAL_NC_CONFIG": "4"}, "NEURON_LOGICAL_NC_CONFIG must be 1 or 2, got 4"),
+        ({"NEURON_PLATFORM_TARGET_OVERRIDE": "tpu"}, "NEURON_PLATFORM_TARGET_OVERRIDE must be one of"),
+    ],
+)
 def test_bad_environment_is_named_at_import(environment, message):
     result = fresh(environment)
     assert result.returncode != 0 and message in result.stderr
@@ -56,8 +71,13 @@ def test_bad_environment_is_named_at_import(environment, message):
 
 def test_instance_type_names_the_platform(tmp_path):
     product = tmp_path / "product_name"
-    for instance, target in [("trn2.48xlarge", "trn2"), ("trn1n.32xlarge", "trn1"), ("inf2.xlarge", "inf2"),
-                             ("trn3pre.48xlarge", "trn3pre"), ("m5.large", None)]:
+    for instance, target in [
+        ("trn2.48xlarge", "trn2"),
+        ("trn1n.32xlarge", "trn1"),
+        ("inf2.xlarge", "inf2"),
+        ("trn3pre.48xlarge", "trn3pre"),
+        ("m5.large", None),
+    ]:
         product.write_text(instance + "\n")
         assert platform.instance_target(str(product)) == target
         assert platform.target_from_environment({}, str(product)) == (target or "trn2")

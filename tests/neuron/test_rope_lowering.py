@@ -46,8 +46,9 @@ def test_jit_cache_respects_lnc():
     grids = []
     for lnc in (1, 2, 1):
         with jax_nkilib.config(lnc=lnc):
-            grids.append(kernel_configs(fn.trace(X, COS, SIN).lower(lowering_platforms=("neuron",)).as_text())[0]
-                         ["grid"])
+            grids.append(
+                kernel_configs(fn.trace(X, COS, SIN).lower(lowering_platforms=("neuron",)).as_text())[0]["grid"]
+            )
     assert grids == [1, 2, 1]
 
 
@@ -148,8 +149,12 @@ def test_realistic_rope_is_split_to_fit_sbuf(dtype, pieces):
     cfgs = kernel_configs(text)
     assert len(cfgs) == pieces
     assert all(cfg["input_specs"][0][0] == [128, 4, 32 // pieces, 2048] for cfg in cfgs)
-    assert set(compute_operations(text)) <= {"stablehlo.transpose", "stablehlo.broadcast_in_dim", "stablehlo.slice",
-                                             "stablehlo.concatenate"}
+    assert set(compute_operations(text)) <= {
+        "stablehlo.transpose",
+        "stablehlo.broadcast_in_dim",
+        "stablehlo.slice",
+        "stablehlo.concatenate",
+    }
     (report,) = jax_nkilib.explain(jax_nkilib.rope, x, cos, cos)
     assert report.runs_kernel and f"split into {pieces} calls along n_heads" in report.neuron
 

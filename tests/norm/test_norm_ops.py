@@ -71,6 +71,7 @@ def test_layer_norm_is_accurate_on_rows_with_a_large_mean(dtype, hidden):
         def two_pass(a):
             c = a - a.mean(-1, keepdims=True)
             return c * jax.lax.rsqrt((c * c).mean(-1, keepdims=True) + 1e-6)
+
         grad = jax.jit(jax.grad(lambda a: jnp.sum(jax_nkilib.layer_norm(a) * cot)))(x)
         want = jax.jit(jax.grad(lambda a: jnp.sum(two_pass(a) * cot)))(x.astype(jnp.float64))
         assert_close(grad, want, dtype, reduction=hidden, ops=16)
@@ -92,8 +93,9 @@ def test_gradients_float64(shape, lnc, order):
     with jax_nkilib.config(lnc=lnc):
         check_grads(jax.jit(jax_nkilib.rms_norm), (x, w), order=order, modes=["rev"])
         check_grads(jax.jit(jax_nkilib.rms_norm), (x,), order=1, modes=["rev"])
-        check_grads(jax.jit(lambda a, c, d: jax_nkilib.layer_norm(a, c, d, eps=1e-5)), (x, w, b), order=order,
-                    modes=["rev"])
+        check_grads(
+            jax.jit(lambda a, c, d: jax_nkilib.layer_norm(a, c, d, eps=1e-5)), (x, w, b), order=order, modes=["rev"]
+        )
 
 
 def test_gradient_matches_oracle_gradient():
@@ -116,8 +118,10 @@ def test_neuron_lowering_is_one_kernel_and_layout_glue():
     with jax_nkilib.neuron.dry_run():
         # layer_norm adds its per-row shift: one row mean (a reduce and a divide) and a subtraction
         shift = {"stablehlo.reduce", "stablehlo.divide", "stablehlo.broadcast_in_dim", "stablehlo.subtract"}
-        for op, name, glue in ((jax_nkilib.rms_norm, "rmsnorm_tkg", set()),
-                               (jax_nkilib.layer_norm, "layernorm_tkg", shift)):
+        for op, name, glue in (
+            (jax_nkilib.rms_norm, "rmsnorm_tkg", set()),
+            (jax_nkilib.layer_norm, "layernorm_tkg", shift),
+        ):
             text = neuron_text(op, x, w)
             (cfg,) = kernel_configs(text)
             assert cfg["func_name"] == name and cfg["input_specs"][0] == [[6, 1, 256], "float32"]
@@ -136,26 +140,35 @@ def test_neuron_lowering_is_one_kernel_and_layout_glue():
             assert cfg["grid"] == 2
 
 
-@pytest.mark.parametrize("call, error, fragment", [
-    (lambda x: jax_nkilib.rms_norm(x, jnp.ones(7)), ValueError, "[H]"),
-    (lambda x: jax_nkilib.layer_norm(x, None, jnp.ones((1, 256))), ValueError, "`bias`"),
-    (lambda x: jax_nkilib.rms_norm(x.astype(jnp.int32)), TypeError, "floating"),
-    (lambda x: jax_nkilib.rms_norm([1.0, 2.0]), TypeError, "array"),
-    (lambda x: jax_nkilib.layer_norm(x[0, 0, 0]), ValueError, "[..., H]"),
-    (lambda x: jax_nkilib.rms_norm(x, jnp.ones(256, jnp.int32)), TypeError, "`weight`"),
-    # issue 11: eps is a static finite float >= 0; FP8 inputs and too many leading axes in the op's own terms
-    (lambda x: jax_nkilib.rms_norm(x, eps=-1e-6), ValueError, ("rms_norm", "`eps`", ">= 0", "-1e-06")),
-    (lambda x: jax_nkilib.layer_norm(x, eps=float("nan")), ValueError, ("layer_norm", "`eps`", "finite", "nan")),
-    (lambda x: jax_nkilib.layer_norm(x, eps=np.inf), ValueError, ("layer_norm", "`eps`", "inf")),
-    (lambda x: jax_nkilib.rms_norm(x, eps="1e-6"), TypeError, ("rms_norm", "`eps`", "Python float")),
-    (lambda x: jax.jit(lambda a, e: jax_nkilib.rms_norm(a, eps=e))(x, 1e-6), TypeError,
-     ("rms_norm", "`eps`", "static", "not a traced value", "static_argnames")),
-    (lambda x: jax.jit(lambda a, e: jax_nkilib.layer_norm(a, eps=e))(x, 1e-6), TypeError,
-     ("layer_norm", "`eps`", "static")),
-    (lambda x: jax_nkilib.layer_norm(x.astype(jnp.float8_e4m3)), TypeError, ("layer_norm", "`x`", "float8_e4m3")),
-    (lambda x: jax_nkilib.rms_norm(x, jnp.ones(256, jnp.float8_e5m2)), TypeError, ("rms_norm", "`weight`")),
-    (lambda x: jax_nkilib.rms_norm(x.reshape((1,) * 9 + x.shape)), ValueError, ("rms_norm", "`x`", "11 leading")),
-])
+@pytest.mark.parametrize(
+    "call, error, fragment",
+    [
+        (lambda x: jax_nkilib.rms_norm(x, jnp.ones(7)), ValueError, "[H]"),
+        (lambda x: jax_nkilib.layer_norm(x, None, jnp.ones((1, 256))), ValueError, "`bias`"),
+        (lambda x: jax_nkilib.rms_norm(x.astype(jnp.int32)), TypeError, "floating"),
+        (lambda x: jax_nkilib.rms_norm([1.0, 2.0]), TypeError, "array"),
+        (lambda x: jax_nkilib.layer_norm(x[0, 0, 0]), ValueError, "[..., H]"),
+        (lambda x: jax_nkilib.rms_norm(x, jnp.ones(256, jnp.int32)), TypeError, "`weight`"),
+        # issue 11: eps is a static finite float >= 0; FP8 inputs and too many leading axes in the op's own terms
+        (lambda x: jax_nkilib.rms_norm(x, eps=-1e-6), ValueError, ("rms_norm", "`eps`", ">= 0", "-1e-06")),
+        (lambda x: jax_nkilib.layer_norm(x, eps=float("nan")), ValueError, ("layer_norm", "`eps`", "finite", "nan")),
+        (lambda x: jax_nkilib.layer_norm(x, eps=np.inf), ValueError, ("layer_norm", "`eps`", "inf")),
+        (lambda x: jax_nkilib.rms_norm(x, eps="1e-6"), TypeError, ("rms_norm", "`eps`", "Python float")),
+        (
+            lambda x: jax.jit(lambda a, e: jax_nkilib.rms_norm(a, eps=e))(x, 1e-6),
+            TypeError,
+            ("rms_norm", "`eps`", "static", "not a traced value", "static_argnames"),
+        ),
+        (
+            lambda x: jax.jit(lambda a, e: jax_nkilib.layer_norm(a, eps=e))(x, 1e-6),
+            TypeError,
+            ("layer_norm", "`eps`", "static"),
+        ),
+        (lambda x: jax_nkilib.layer_norm(x.astype(jnp.float8_e4m3)), TypeError, ("layer_norm", "`x`", "float8_e4m3")),
+        (lambda x: jax_nkilib.rms_norm(x, jnp.ones(256, jnp.float8_e5m2)), TypeError, ("rms_norm", "`weight`")),
+        (lambda x: jax_nkilib.rms_norm(x.reshape((1,) * 9 + x.shape)), ValueError, ("rms_norm", "`x`", "11 leading")),
+    ],
+)
 def test_bad_inputs(call, error, fragment):
     with pytest.raises(error) as info:
         call(random((2, 3, 256)))
@@ -166,5 +179,6 @@ def test_bad_inputs(call, error, fragment):
 def test_eps_accepts_numpy_and_zero():
     x = random((2, 256), seed=12)
     assert_close(jax_nkilib.rms_norm(x, eps=np.float32(0.0)), rms_oracle(x, eps=0.0), jnp.float32, reduction=256)
-    assert_close(jax_nkilib.layer_norm(x, eps=jnp.float32(1e-3)), layer_oracle(x, eps=1e-3), jnp.float32,
-                 reduction=256, ops=8)
+    assert_close(
+        jax_nkilib.layer_norm(x, eps=jnp.float32(1e-3)), layer_oracle(x, eps=1e-3), jnp.float32, reduction=256, ops=8
+    )

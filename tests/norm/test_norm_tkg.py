@@ -38,9 +38,18 @@ def kernel_order(y, lnc=1, hidden_dim_tp=False):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("lnc, flags", [(1, {}), (2, {}), (1, dict(hidden_dim_tp=True)),
-                                        (2, dict(hidden_dim_tp=True)), (2, dict(single_core_forced=True)),
-                                        (2, dict(shard_on_h=True)), (1, dict(eps=0.1, hidden_actual=300))])
+@pytest.mark.parametrize(
+    "lnc, flags",
+    [
+        (1, {}),
+        (2, {}),
+        (1, dict(hidden_dim_tp=True)),
+        (2, dict(hidden_dim_tp=True)),
+        (2, dict(single_core_forced=True)),
+        (2, dict(shard_on_h=True)),
+        (1, dict(eps=0.1, hidden_actual=300)),
+    ],
+)
 def test_rmsnorm_tkg_matches_oracle(dtype, lnc, flags):
     x, gamma = random((2, 3, 512), dtype, 0), random((1, 512), dtype, 1)
     if "hidden_actual" in flags:
@@ -49,8 +58,11 @@ def test_rmsnorm_tkg_matches_oracle(dtype, lnc, flags):
         out = rmsnorm_tkg(x, gamma, **flags)
     assert out.shape == (128, 6, 4) and out.dtype == dtype
     layout_lnc = 1 if flags.get("single_core_forced") else lnc
-    want = kernel_order(rms_oracle(x, gamma, flags.get("eps", 1e-6), flags.get("hidden_actual")), layout_lnc,
-                        flags.get("hidden_dim_tp", False))
+    want = kernel_order(
+        rms_oracle(x, gamma, flags.get("eps", 1e-6), flags.get("hidden_actual")),
+        layout_lnc,
+        flags.get("hidden_dim_tp", False),
+    )
     assert_close(out, want, dtype, reduction=512)
 
 
@@ -58,8 +70,11 @@ def test_rmsnorm_tkg_matches_oracle(dtype, lnc, flags):
 @pytest.mark.parametrize("lnc", [1, 2])
 @pytest.mark.parametrize("with_beta", [True, False])
 def test_layernorm_tkg_matches_oracle(dtype, lnc, with_beta):
-    x, gamma, beta = random((3, 1, 256), dtype, 2, scale=2.0) + 0.5, random((1, 256), dtype, 3), \
-        random((1, 256), dtype, 4)
+    x, gamma, beta = (
+        random((3, 1, 256), dtype, 2, scale=2.0) + 0.5,
+        random((1, 256), dtype, 3),
+        random((1, 256), dtype, 4),
+    )
     with jax_nkilib.config(lnc=lnc):
         out = layernorm_tkg(x, gamma, beta if with_beta else None, eps=1e-5)
     assert out.shape == (128, 3, 2) and out.dtype == dtype
@@ -105,17 +120,20 @@ def test_neuron_lowering_one_call_and_split_past_sbuf():
         assert len(configs) == 8 and configs[0]["input_specs"][0][0] == [256, 1, 4096]
 
 
-@pytest.mark.parametrize("call, error, fragment", [
-    (lambda x, g: rmsnorm_tkg(x[..., :200], g[:, :200]), ValueError, "H % 128 == 0"),
-    (lambda x, g: layernorm_tkg(x[..., :200], g[:, :200]), ValueError, "H % 128 == 0"),
-    (lambda x, g: rmsnorm_tkg(x, g[0]), ValueError, "`gamma`"),
-    (lambda x, g: rmsnorm_tkg(x, g, hidden_actual=300), ValueError, "hidden_actual"),
-    (lambda x, g: rmsnorm_tkg(x, g, shard_on_h=True, hidden_dim_tp=True), ValueError, "shard_on_h"),
-    (lambda x, g: layernorm_tkg(x, g, g[:, :128]), ValueError, "`beta`"),
-    (lambda x, g: rmsnorm_tkg(x.astype(jnp.int32), g), TypeError, "`input`"),
-    (lambda x, g: rmsnorm_tkg(x[0], g), ValueError, "[B, S, H]"),
-    (lambda x, g: rmsnorm_tkg(x, g, eps="small"), TypeError, "`eps`"),
-])
+@pytest.mark.parametrize(
+    "call, error, fragment",
+    [
+        (lambda x, g: rmsnorm_tkg(x[..., :200], g[:, :200]), ValueError, "H % 128 == 0"),
+        (lambda x, g: layernorm_tkg(x[..., :200], g[:, :200]), ValueError, "H % 128 == 0"),
+        (lambda x, g: rmsnorm_tkg(x, g[0]), ValueError, "`gamma`"),
+        (lambda x, g: rmsnorm_tkg(x, g, hidden_actual=300), ValueError, "hidden_actual"),
+        (lambda x, g: rmsnorm_tkg(x, g, shard_on_h=True, hidden_dim_tp=True), ValueError, "shard_on_h"),
+        (lambda x, g: layernorm_tkg(x, g, g[:, :128]), ValueError, "`beta`"),
+        (lambda x, g: rmsnorm_tkg(x.astype(jnp.int32), g), TypeError, "`input`"),
+        (lambda x, g: rmsnorm_tkg(x[0], g), ValueError, "[B, S, H]"),
+        (lambda x, g: rmsnorm_tkg(x, g, eps="small"), TypeError, "`eps`"),
+    ],
+)
 def test_bad_inputs(call, error, fragment):
     with pytest.raises(error) as info:
         call(random((2, 3, 256)), random((1, 256)))

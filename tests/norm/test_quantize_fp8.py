@@ -109,6 +109,7 @@ def test_vmap_over_the_static_scale():
 @pytest.mark.parametrize("mode", ["row", "static"])
 def test_kernel_path_equals_the_jax_path(dtype, mode):
     from jax_nkilib._src.ops.norm import _quantize_in_jax
+
     x = random((3, 5, 48), jnp.bfloat16, 4, scale=4.0)
     scale = None if mode == "row" else jnp.float32(0.01)
     q, s = jax_nkilib.quantize_fp8(x, mode=mode, scale=scale, dtype=dtype)
@@ -129,7 +130,8 @@ def test_ocp_jit_vmap_and_shard_map():
     mesh = mesh_1d()
     x8 = random((8, 5, 48), jnp.float32, 6)
     q8, s8 = jax.jit(jax.shard_map(quantize, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(
-        shard(mesh, (P("data"),), x8))
+        shard(mesh, (P("data"),), x8)
+    )
     want_q, want_s = quantize(x8)
     np.testing.assert_array_equal(np.asarray(q8).view(np.uint8), np.asarray(want_q).view(np.uint8))
     np.testing.assert_array_equal(s8, want_s)
@@ -144,18 +146,30 @@ def test_neuron_lowering():
         assert cfg["params"]["norm_type"] == "NO_NORM" and cfg["params"]["quantization_type"] == "ROW"
         # glue: the slices of the packed output, and the non-finite patch (elementwise: is_finite, select, a clip and
         # an FP8 convert for the saturated values)
-        patch = {"stablehlo.is_finite", "stablehlo.select", "stablehlo.minimum", "stablehlo.maximum",
-                 "stablehlo.convert", "stablehlo.broadcast_in_dim"}
+        patch = {
+            "stablehlo.is_finite",
+            "stablehlo.select",
+            "stablehlo.minimum",
+            "stablehlo.maximum",
+            "stablehlo.convert",
+            "stablehlo.broadcast_in_dim",
+        }
         packed = {"stablehlo.reshape", "stablehlo.slice", "stablehlo.bitcast_convert"}
         assert set(compute_operations(text)) <= packed | patch
         assert "stablehlo.reduce" not in compute_operations(text)
         (cfg,) = kernel_configs(neuron_text(lambda a: jax_nkilib.quantize_fp8(a, mode="static", scale=0.1), x))
-        assert cfg["params"]["quantization_type"] == "STATIC" and cfg["input_names"] == ["hidden",
-                                                                                         "input_dequant_scale"]
+        assert cfg["params"]["quantization_type"] == "STATIC" and cfg["input_names"] == [
+            "hidden",
+            "input_dequant_scale",
+        ]
         assert cfg["params"]["dtype_mode"] == "NON_OCP"
         for mode in ("row", "static"):  # the OCP format is the kernel with dtype_mode=OCP
-            text = neuron_text(lambda a: jax_nkilib.quantize_fp8(a, mode=mode, scale=None if mode == "row" else 0.1,
-                                                                 dtype=jnp.float8_e4m3fn), x)
+            text = neuron_text(
+                lambda a: jax_nkilib.quantize_fp8(
+                    a, mode=mode, scale=None if mode == "row" else 0.1, dtype=jnp.float8_e4m3fn
+                ),
+                x,
+            )
             (cfg,) = kernel_configs(text)
             assert cfg["params"]["dtype_mode"] == "OCP" and "quant_dtype" not in cfg["params"]
             assert ("tensor<1x6x68xf8E4M3FN>" if mode == "row" else "tensor<1x6x64xf8E4M3FN>") in text
@@ -164,30 +178,51 @@ def test_neuron_lowering():
         assert len(kernel_configs(neuron_text(jax_nkilib.quantize_fp8, long))) == 2
 
 
-@pytest.mark.parametrize("call, error, fragment", [
-    (lambda x: jax_nkilib.quantize_fp8(x, mode="tensor"), ValueError, "mode"),
-    (lambda x: jax_nkilib.quantize_fp8(x, mode="static"), ValueError, "needs `scale`"),
-    (lambda x: jax_nkilib.quantize_fp8(x, scale=1.0), ValueError, "mode='static'"),
-    (lambda x: jax_nkilib.quantize_fp8(x, mode="static", scale=jnp.ones(3)), ValueError, "one value"),
-    (lambda x: jax_nkilib.quantize_fp8(x, dtype=jnp.int8), TypeError, "dtype"),
-    (lambda x: jax_nkilib.quantize_fp8(x.astype(jnp.int32)), TypeError, "floating"),
-    (lambda x: jax_nkilib.quantize_fp8(x[0, 0, 0]), ValueError, "[..., H]"),
-    (lambda x: jax_nkilib.dequantize_fp8(x, 1.0), TypeError, "FP8"),
-    (lambda x: jax_nkilib.dequantize_fp8(x.astype(jnp.float8_e4m3), jnp.ones((3, 3))), ValueError, "broadcast"),
-    # issue 11: values checked at trace time, in the op's own terms
-    (lambda x: jax_nkilib.quantize_fp8(x, mode="static", scale=0.0), ValueError, ("quantize_fp8", "`scale`", "> 0")),
-    (lambda x: jax_nkilib.quantize_fp8(x, mode="static", scale=jnp.float32(np.inf)), ValueError, ("`scale`", "finite")),
-    (lambda x: jax_nkilib.quantize_fp8(x, mode="static", scale=np.nan), ValueError, ("`scale`", "nan")),
-    (lambda x: jax_nkilib.quantize_fp8(x, mode="static", scale=-0.5), ValueError, ("`scale`", "-0.5")),
-    (lambda x: jax_nkilib.quantize_fp8(x, mode="static", scale="1"), TypeError, ("quantize_fp8", "`scale`", "str")),
-    (lambda x: jax_nkilib.quantize_fp8(x.astype(jnp.float8_e4m3)), TypeError, ("quantize_fp8", "`x`", "float8_e4m3")),
-    (lambda x: jax_nkilib.quantize_fp8(x.reshape((1,) * 10 + x.shape)), ValueError, ("quantize_fp8", "12 leading")),
-    (lambda x: jax_nkilib.dequantize_fp8(x.astype(jnp.float8_e4m3), None), TypeError,
-     ("dequantize_fp8", "`scale`", "NoneType")),
-    (lambda x: jax_nkilib.dequantize_fp8(x.astype(jnp.float8_e4m3), "x"), TypeError, ("dequantize_fp8", "`scale`")),
-    (lambda x: jax_nkilib.dequantize_fp8(x.astype(jnp.float8_e4m3), 1.0, dtype=jnp.int32), TypeError,
-     ("dequantize_fp8", "`dtype`", "float")),
-])
+@pytest.mark.parametrize(
+    "call, error, fragment",
+    [
+        (lambda x: jax_nkilib.quantize_fp8(x, mode="tensor"), ValueError, "mode"),
+        (lambda x: jax_nkilib.quantize_fp8(x, mode="static"), ValueError, "needs `scale`"),
+        (lambda x: jax_nkilib.quantize_fp8(x, scale=1.0), ValueError, "mode='static'"),
+        (lambda x: jax_nkilib.quantize_fp8(x, mode="static", scale=jnp.ones(3)), ValueError, "one value"),
+        (lambda x: jax_nkilib.quantize_fp8(x, dtype=jnp.int8), TypeError, "dtype"),
+        (lambda x: jax_nkilib.quantize_fp8(x.astype(jnp.int32)), TypeError, "floating"),
+        (lambda x: jax_nkilib.quantize_fp8(x[0, 0, 0]), ValueError, "[..., H]"),
+        (lambda x: jax_nkilib.dequantize_fp8(x, 1.0), TypeError, "FP8"),
+        (lambda x: jax_nkilib.dequantize_fp8(x.astype(jnp.float8_e4m3), jnp.ones((3, 3))), ValueError, "broadcast"),
+        # issue 11: values checked at trace time, in the op's own terms
+        (
+            lambda x: jax_nkilib.quantize_fp8(x, mode="static", scale=0.0),
+            ValueError,
+            ("quantize_fp8", "`scale`", "> 0"),
+        ),
+        (
+            lambda x: jax_nkilib.quantize_fp8(x, mode="static", scale=jnp.float32(np.inf)),
+            ValueError,
+            ("`scale`", "finite"),
+        ),
+        (lambda x: jax_nkilib.quantize_fp8(x, mode="static", scale=np.nan), ValueError, ("`scale`", "nan")),
+        (lambda x: jax_nkilib.quantize_fp8(x, mode="static", scale=-0.5), ValueError, ("`scale`", "-0.5")),
+        (lambda x: jax_nkilib.quantize_fp8(x, mode="static", scale="1"), TypeError, ("quantize_fp8", "`scale`", "str")),
+        (
+            lambda x: jax_nkilib.quantize_fp8(x.astype(jnp.float8_e4m3)),
+            TypeError,
+            ("quantize_fp8", "`x`", "float8_e4m3"),
+        ),
+        (lambda x: jax_nkilib.quantize_fp8(x.reshape((1,) * 10 + x.shape)), ValueError, ("quantize_fp8", "12 leading")),
+        (
+            lambda x: jax_nkilib.dequantize_fp8(x.astype(jnp.float8_e4m3), None),
+            TypeError,
+            ("dequantize_fp8", "`scale`", "NoneType"),
+        ),
+        (lambda x: jax_nkilib.dequantize_fp8(x.astype(jnp.float8_e4m3), "x"), TypeError, ("dequantize_fp8", "`scale`")),
+        (
+            lambda x: jax_nkilib.dequantize_fp8(x.astype(jnp.float8_e4m3), 1.0, dtype=jnp.int32),
+            TypeError,
+            ("dequantize_fp8", "`dtype`", "float"),
+        ),
+    ],
+)
 def test_bad_inputs(call, error, fragment):
     with pytest.raises(error) as info:
         call(random((2, 3, 8)))

@@ -24,8 +24,19 @@ def bf16(v):
     return np.asarray(v, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
-def oracle(hidden, ln_w=None, in_scale=None, pre_gamma=None, residual=None, *, lower_bound=0.0, norm=True,
-           row=True, eps=1e-6, mode="NON_OCP"):
+def oracle(
+    hidden,
+    ln_w=None,
+    in_scale=None,
+    pre_gamma=None,
+    residual=None,
+    *,
+    lower_bound=0.0,
+    norm=True,
+    row=True,
+    eps=1e-6,
+    mode="NON_OCP",
+):
     """The kernel's steps with bfloat16 tiles, in float64 except the ROW scale steps (float32, as the kernel):
     (fp8 values [.., H], float32 scale [..] or None, residual_out or None). ``mode`` is the resolved dtype_mode."""
     fp8, top = MODES[mode]
@@ -88,8 +99,18 @@ def problem(shape=(2, 5, 40), dtype=jnp.float32, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("config", [dict(), dict(norm=False), dict(lower_bound=0.5), dict(lower_bound=1e-7),
-                                    dict(eps=1e-2), dict(shape=(1, 3, 37)), dict(gamma_2d=True)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(),
+        dict(norm=False),
+        dict(lower_bound=0.5),
+        dict(lower_bound=1e-7),
+        dict(eps=1e-2),
+        dict(shape=(1, 3, 37)),
+        dict(gamma_2d=True),
+    ],
+)
 def test_row_quantization_matches_oracle(dtype, config):
     hidden, ln_w = problem(config.get("shape", (2, 5, 40)), dtype)
     h = hidden.shape[-1]
@@ -111,8 +132,9 @@ def test_row_quantization_matches_oracle(dtype, config):
 def test_static_quantization_matches_oracle(dtype, norm):
     hidden, ln_w = problem(dtype=dtype)
     in_scale = jnp.full((128, 1), 0.011, jnp.float32)
-    out = rmsnorm_quant_kernel(hidden, ln_w, in_scale, quantization_type="STATIC",
-                               norm_type="RMS_NORM" if norm else "NO_NORM")
+    out = rmsnorm_quant_kernel(
+        hidden, ln_w, in_scale, quantization_type="STATIC", norm_type="RMS_NORM" if norm else "NO_NORM"
+    )
     assert out.shape == hidden.shape and out.dtype == jnp.float8_e4m3
     want, _, _ = oracle(np.asarray(hidden), ln_w, in_scale, norm=norm, row=False)
     assert_fp8_close(out.astype(jnp.float32), want)
@@ -126,8 +148,9 @@ def test_dtype_mode_row_matches_oracle(dtype, mode, config):
     hidden, ln_w = problem(config.get("shape", (2, 5, 40)), dtype, seed=3)
     h, norm = hidden.shape[-1], config.get("norm", True)
     kw = dict(lower_bound=config.get("lower_bound", 0.0))
-    out = rmsnorm_quant_kernel(hidden, ln_w if norm else None, norm_type="RMS_NORM" if norm else "NO_NORM",
-                               dtype_mode=mode, **kw)
+    out = rmsnorm_quant_kernel(
+        hidden, ln_w if norm else None, norm_type="RMS_NORM" if norm else "NO_NORM", dtype_mode=mode, **kw
+    )
     assert out.shape == hidden.shape[:-1] + (h + 4,) and out.dtype == MODES[mode][0]
     values, scale = unpack(out, h)
     want_q, want_s, _ = oracle(np.asarray(hidden), ln_w, norm=norm, mode=mode, **kw)
@@ -141,8 +164,7 @@ def test_dtype_mode_row_matches_oracle(dtype, mode, config):
 def test_dtype_mode_static_saturates_at_the_mode_maximum(dtype, mode):
     hidden, ln_w = problem(dtype=dtype, seed=4)
     in_scale = jnp.full((128, 1), 0.002, jnp.float32)  # normalized values past 1 saturate both formats
-    out, res = rmsnorm_quant_kernel(hidden, ln_w, in_scale, ln_w, hidden, quantization_type="STATIC",
-                                    dtype_mode=mode)
+    out, res = rmsnorm_quant_kernel(hidden, ln_w, in_scale, ln_w, hidden, quantization_type="STATIC", dtype_mode=mode)
     assert out.shape == hidden.shape and out.dtype == MODES[mode][0] and res.dtype == dtype
     want, _, _ = oracle(np.asarray(hidden), ln_w, in_scale, ln_w, hidden, row=False, mode=mode)
     assert_fp8_close(out.astype(jnp.float32), want)
@@ -159,14 +181,20 @@ def test_ocp_scale_bytes_and_saturation():
     np.testing.assert_array_equal(raw[0], np.asarray(expected.reshape(3, 1).view(np.uint8)))
     values = np.asarray(out[0, :, :4].astype(jnp.float32))
     assert values[0, 1] == -448.0 and values[2, 2] == -448.0 and np.all(values[1] == 0)
-    static = rmsnorm_quant_kernel(jnp.array([[[1e6, -1e6, np.inf, 3.0]]], jnp.float32), None,
-                                  jnp.full((128, 1), 0.5, jnp.float32), norm_type="NO_NORM",
-                                  quantization_type="STATIC", dtype_mode="OCP")
+    static = rmsnorm_quant_kernel(
+        jnp.array([[[1e6, -1e6, np.inf, 3.0]]], jnp.float32),
+        None,
+        jnp.full((128, 1), 0.5, jnp.float32),
+        norm_type="NO_NORM",
+        quantization_type="STATIC",
+        dtype_mode="OCP",
+    )
     np.testing.assert_array_equal(np.asarray(static.astype(jnp.float32)), [[[448.0, -448.0, 448.0, 6.0]]])
 
 
-@pytest.mark.parametrize("target, mode", [(None, "NON_OCP"), ("trn2", "NON_OCP"), ("trn3", "OCP"),
-                                          ("trn3pre", "OCP"), ("trn1", "NON_OCP")])
+@pytest.mark.parametrize(
+    "target, mode", [(None, "NON_OCP"), ("trn2", "NON_OCP"), ("trn3", "OCP"), ("trn3pre", "OCP"), ("trn1", "NON_OCP")]
+)
 def test_auto_follows_the_platform_target_at_trace_time(target, mode):
     hidden, ln_w = problem(seed=5)
     with jax_nkilib.config(target=target):  # None: the suite's default target, trn2
@@ -195,8 +223,9 @@ def test_nan_and_inf_rows():
     assert np.isnan(scale[0, 0]) and np.all(np.isnan(values[0, 0]))
     assert np.isinf(scale[0, 1]) and np.isnan(values[0, 1, 1]) and np.all(values[0, 1, [0, 2]] == 0)
     assert scale[0, 2] == np.float32(4.0) * np.float32(1 / 240) and values[0, 2, 2] == 240
-    static = rmsnorm_quant_kernel(hidden, None, jnp.full((128, 1), 0.5, jnp.float32), norm_type="NO_NORM",
-                                  quantization_type="STATIC")
+    static = rmsnorm_quant_kernel(
+        hidden, None, jnp.full((128, 1), 0.5, jnp.float32), norm_type="NO_NORM", quantization_type="STATIC"
+    )
     static = np.asarray(static.astype(jnp.float32))
     assert np.isnan(static[0, 0, 1]) and static[0, 1, 1] == 240 and static[0, 2, 2] == 8
 
@@ -220,13 +249,16 @@ def test_pre_norm_and_residual(dtype):
 def test_jit_vmap_gradients_and_shard_map():
     hidden, ln_w = problem(dtype=jnp.float32)
     fn = jax.jit(lambda x: rmsnorm_quant_kernel(x, ln_w, lower_bound=2.0))
-    np.testing.assert_array_equal(np.asarray(fn(hidden)).view(np.uint8),
-                                  np.asarray(rmsnorm_quant_kernel(hidden, ln_w, lower_bound=2.0)).view(np.uint8))
+    np.testing.assert_array_equal(
+        np.asarray(fn(hidden)).view(np.uint8),
+        np.asarray(rmsnorm_quant_kernel(hidden, ln_w, lower_bound=2.0)).view(np.uint8),
+    )
     xs = jnp.stack([hidden, -2 * hidden, hidden[:, ::-1]])
     batched = jax.vmap(lambda x: rmsnorm_quant_kernel(x, ln_w), in_axes=0)(xs)
     for i in range(3):
-        np.testing.assert_array_equal(np.asarray(batched[i]).view(np.uint8),
-                                      np.asarray(rmsnorm_quant_kernel(xs[i], ln_w)).view(np.uint8))
+        np.testing.assert_array_equal(
+            np.asarray(batched[i]).view(np.uint8), np.asarray(rmsnorm_quant_kernel(xs[i], ln_w)).view(np.uint8)
+        )
     nested = jax.vmap(jax.vmap(rmsnorm_quant_kernel, in_axes=(0, None)), in_axes=(0, None))(xs[:, :, None], ln_w)
     assert nested.shape == (3, 2, 1, 5, 44)
     ws = jnp.stack([ln_w, 2 * ln_w])  # batched gamma: no fold plan, lax.map, which stacks the FP8 outputs:
@@ -240,16 +272,22 @@ def test_jit_vmap_gradients_and_shard_map():
     check_grads(lambda x, r, g: rmsnorm_quant_kernel(x, g, None, g, r)[1], (x64, r64, p64), order=1, modes=["rev"])
     grad = jax.grad(lambda x: jnp.sum(rmsnorm_quant_kernel(x, ln_w).astype(jnp.float32)))(hidden)
     np.testing.assert_array_equal(grad, 0.0)
-    vgrad = jax.vmap(jax.grad(lambda x, r: jnp.sum(rmsnorm_quant_kernel(x, None, None, None, r,
-                                                                        norm_type="NO_NORM")[1] ** 2)),
-                     in_axes=(0, None))(xs, hidden)
+    vgrad = jax.vmap(
+        jax.grad(lambda x, r: jnp.sum(rmsnorm_quant_kernel(x, None, None, None, r, norm_type="NO_NORM")[1] ** 2)),
+        in_axes=(0, None),
+    )(xs, hidden)
     np.testing.assert_allclose(vgrad[1], 2 * (np.asarray(bf16(xs[1]) + bf16(hidden))), rtol=1e-2)
     mesh = mesh_1d()
     h8 = random((2, 16, 40), jnp.float32, 9)
-    sharded = jax.jit(jax.shard_map(lambda x: rmsnorm_quant_kernel(x, ln_w), mesh=mesh, in_specs=P(None, "data"),
-                                    out_specs=P(None, "data")))
-    np.testing.assert_array_equal(np.asarray(sharded(shard(mesh, (P(None, "data"),), h8))).view(np.uint8),
-                                  np.asarray(rmsnorm_quant_kernel(h8, ln_w)).view(np.uint8))
+    sharded = jax.jit(
+        jax.shard_map(
+            lambda x: rmsnorm_quant_kernel(x, ln_w), mesh=mesh, in_specs=P(None, "data"), out_specs=P(None, "data")
+        )
+    )
+    np.testing.assert_array_equal(
+        np.asarray(sharded(shard(mesh, (P(None, "data"),), h8))).view(np.uint8),
+        np.asarray(rmsnorm_quant_kernel(h8, ln_w)).view(np.uint8),
+    )
 
 
 def test_ocp_jit_vmap_and_shard_map():
@@ -264,15 +302,24 @@ def test_ocp_jit_vmap_and_shard_map():
     nested = jax.vmap(jax.vmap(ocp, in_axes=(0, None)), in_axes=(0, None))(xs[:, :, None], ln_w)
     np.testing.assert_array_equal(np.asarray(nested[0, :, 0]).view(np.uint8), want)
     in_scale = jnp.full((128, 1), 0.02, jnp.float32)
-    static = lambda x: rmsnorm_quant_kernel(x, None, in_scale, None, x, norm_type="NO_NORM",  # noqa: E731
-                                            quantization_type="STATIC", dtype_mode="OCP")
+    static = lambda x: rmsnorm_quant_kernel(
+        x,
+        None,
+        in_scale,
+        None,
+        x,
+        norm_type="NO_NORM",  # noqa: E731
+        quantization_type="STATIC",
+        dtype_mode="OCP",
+    )
     vgrad = jax.vmap(jax.grad(lambda x: jnp.sum(static(x)[1].astype(jnp.float32))))(xs.astype(jnp.float32))
     np.testing.assert_array_equal(vgrad, 2.0)
     mesh = mesh_1d()
     h8 = random((2, 16, 40), jnp.float32, 9)
     sharded = jax.jit(jax.shard_map(ocp, mesh=mesh, in_specs=P(None, "data"), out_specs=P(None, "data")))
-    np.testing.assert_array_equal(np.asarray(sharded(shard(mesh, (P(None, "data"),), h8))).view(np.uint8),
-                                  np.asarray(ocp(h8)).view(np.uint8))
+    np.testing.assert_array_equal(
+        np.asarray(sharded(shard(mesh, (P(None, "data"),), h8))).view(np.uint8), np.asarray(ocp(h8)).view(np.uint8)
+    )
 
 
 def test_neuron_lowering_one_call_and_split_past_the_batch_limit():
@@ -291,8 +338,9 @@ def test_neuron_lowering_one_call_and_split_past_the_batch_limit():
         assert cfg["params"]["dtype_mode"] == "NON_OCP" and "quant_dtype" not in cfg["params"]
 
 
-@pytest.mark.parametrize("mode, target, element", [("OCP", "trn2", "f8E4M3FN"), ("AUTO", "trn3", "f8E4M3FN"),
-                                                   ("AUTO", "trn2", "f8E4M3")])
+@pytest.mark.parametrize(
+    "mode, target, element", [("OCP", "trn2", "f8E4M3FN"), ("AUTO", "trn3", "f8E4M3FN"), ("AUTO", "trn2", "f8E4M3")]
+)
 def test_neuron_lowering_dtype_mode(mode, target, element):
     hidden, ln_w = problem()
     with jax_nkilib.neuron.dry_run(), jax_nkilib.config(target=target):
@@ -303,23 +351,33 @@ def test_neuron_lowering_dtype_mode(mode, target, element):
         assert f"tensor<2x5x44x{element}>" in text
 
 
-@pytest.mark.parametrize("call, error, fragment", [
-    (lambda h, w: rmsnorm_quant_kernel(h, None), ValueError, "needs `ln_w`"),
-    (lambda h, w: rmsnorm_quant_kernel(h, w, quantization_type="STATIC"), ValueError, "needs `input_dequant_scale`"),
-    (lambda h, w: rmsnorm_quant_kernel(h, w, None, w), ValueError, "`pre_norm_gamma` needs `residual`"),
-    (lambda h, w: rmsnorm_quant_kernel(h, w, dtype_mode="E5M2"), TypeError, "DtypeMode"),
-    (lambda h, w: rmsnorm_quant_kernel(h, w, dtype_mode=jnp.float8_e4m3fn), TypeError, "`dtype_mode`"),
-    (lambda h, w: rmsnorm_quant_kernel(h, w, norm_type="LAYER_NORM"), ValueError, "RMS_NORM or NO_NORM"),
-    (lambda h, w: rmsnorm_quant_kernel(h, w, quantization_type="MX"), ValueError, "ROW or STATIC"),
-    (lambda h, w: rmsnorm_quant_kernel(h, w, lower_bound=-1.0), ValueError, "must be >= 0"),
-    (lambda h, w: rmsnorm_quant_kernel(h, w, norm_type="RMS"), TypeError, "NormType"),
-    (lambda h, w: rmsnorm_quant_kernel(h, w[:7]), ValueError, "`ln_w`"),
-    (lambda h, w: rmsnorm_quant_kernel(h, w, jnp.ones((128, 1)), quantization_type="STATIC"), TypeError,
-     "`input_dequant_scale`"),
-    (lambda h, w: rmsnorm_quant_kernel(h.astype(jnp.int32), None, norm_type="NO_NORM"), TypeError, "`hidden`"),
-    (lambda h, w: rmsnorm_quant_kernel(h[0], None, norm_type="NO_NORM"), ValueError, "[B, S, H]"),
-    (lambda h, w: rmsnorm_quant_kernel(h, w, None, None, h[:1]), ValueError, "`residual`"),
-])
+@pytest.mark.parametrize(
+    "call, error, fragment",
+    [
+        (lambda h, w: rmsnorm_quant_kernel(h, None), ValueError, "needs `ln_w`"),
+        (
+            lambda h, w: rmsnorm_quant_kernel(h, w, quantization_type="STATIC"),
+            ValueError,
+            "needs `input_dequant_scale`",
+        ),
+        (lambda h, w: rmsnorm_quant_kernel(h, w, None, w), ValueError, "`pre_norm_gamma` needs `residual`"),
+        (lambda h, w: rmsnorm_quant_kernel(h, w, dtype_mode="E5M2"), TypeError, "DtypeMode"),
+        (lambda h, w: rmsnorm_quant_kernel(h, w, dtype_mode=jnp.float8_e4m3fn), TypeError, "`dtype_mode`"),
+        (lambda h, w: rmsnorm_quant_kernel(h, w, norm_type="LAYER_NORM"), ValueError, "RMS_NORM or NO_NORM"),
+        (lambda h, w: rmsnorm_quant_kernel(h, w, quantization_type="MX"), ValueError, "ROW or STATIC"),
+        (lambda h, w: rmsnorm_quant_kernel(h, w, lower_bound=-1.0), ValueError, "must be >= 0"),
+        (lambda h, w: rmsnorm_quant_kernel(h, w, norm_type="RMS"), TypeError, "NormType"),
+        (lambda h, w: rmsnorm_quant_kernel(h, w[:7]), ValueError, "`ln_w`"),
+        (
+            lambda h, w: rmsnorm_quant_kernel(h, w, jnp.ones((128, 1)), quantization_type="STATIC"),
+            TypeError,
+            "`input_dequant_scale`",
+        ),
+        (lambda h, w: rmsnorm_quant_kernel(h.astype(jnp.int32), None, norm_type="NO_NORM"), TypeError, "`hidden`"),
+        (lambda h, w: rmsnorm_quant_kernel(h[0], None, norm_type="NO_NORM"), ValueError, "[B, S, H]"),
+        (lambda h, w: rmsnorm_quant_kernel(h, w, None, None, h[:1]), ValueError, "`residual`"),
+    ],
+)
 def test_bad_inputs(call, error, fragment):
     hidden, ln_w = problem()
     with pytest.raises(error) as info:

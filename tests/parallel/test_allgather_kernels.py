@@ -12,8 +12,6 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_nkilib
-from jax_nkilib._src.framework import compat
-from jax_nkilib._src.framework.spec import CallInfo
 from jax_nkilib._src.collectives.allgather import (
     ALLGATHER_COMPUTE_MATMUL_SPEC,
     FINE_GRAINED_ALLGATHER_SPEC,
@@ -23,6 +21,8 @@ from jax_nkilib._src.collectives.allgather import (
     communication_path,
     fine_grained_allgather,
 )
+from jax_nkilib._src.framework import compat
+from jax_nkilib._src.framework.spec import CallInfo
 from jax_nkilib.neuron import NeuronFallbackWarning, NeuronUnsupportedError
 from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text, operations
@@ -31,12 +31,6 @@ from tests.support.sharding import make_mesh, mesh_1d, place, reshard
 from tests.support.sharding import run_sharded as run
 
 TP, M, K, N = 8, 3, 5, 2  # odd per-rank sizes
-
-
-
-
-
-
 
 
 def fg(lhs, **kw):
@@ -93,15 +87,17 @@ def test_on_a_4x2_mesh_over_each_axis():
     # ranks (dp=d, tp=t) hold lhs rows 2d + t: group t gathers rows t, 2 + t, 4 + t, 6 + t
     for t in range(2):
         rows = f64(lhs)[t::2]
-        assert_close(np.asarray(out)[4 * t:4 * t + 4].reshape(4, 4 * N), rows @ f64(rhs), jnp.float32, reduction=K)
-    out = run(lambda x: fg(x, tp_degree=2, num_groups=4, replica_groups="tp"), mesh, (P(("dp", "tp")),),
-              P(("dp", "tp")), lhs)
+        assert_close(np.asarray(out)[4 * t : 4 * t + 4].reshape(4, 4 * N), rows @ f64(rhs), jnp.float32, reduction=K)
+    out = run(
+        lambda x: fg(x, tp_degree=2, num_groups=4, replica_groups="tp"), mesh, (P(("dp", "tp")),), P(("dp", "tp")), lhs
+    )
     pairs = f64(lhs).reshape(4, 2, 1, K)  # group d gathers rows 2d, 2d + 1
     np.testing.assert_array_equal(f64(out).reshape(4, 2, 2, 1, K), np.repeat(pairs[:, None], 2, axis=1))
     inp = random((3, 4 * 2), jnp.float32, 6)
     out = run(lambda x: sb2sb(x, replica_groups="dp", tp_degree=4), mesh, (P(None, "dp"),), P(("dp", "tp")), inp)
-    np.testing.assert_array_equal(f64(out).reshape(8, 3, 4, 2), np.broadcast_to(f64(inp).reshape(3, 4, 2),
-                                                                                    (8, 3, 4, 2)))
+    np.testing.assert_array_equal(
+        f64(out).reshape(8, 3, 4, 2), np.broadcast_to(f64(inp).reshape(3, 4, 2), (8, 3, 4, 2))
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- vmap
@@ -109,22 +105,27 @@ def test_vmap_folds_or_maps_inside_shard_map():
     mesh = mesh_1d("tp")
     lhs = random((3, TP * M, K), jnp.float32, 7)
     out = run(jax.vmap(fg), mesh, (P(None, "tp"),), P(None, "tp"), lhs)  # fold into K
-    np.testing.assert_array_equal(f64(out).reshape(3, TP, TP, M, K),
-                                  np.broadcast_to(f64(lhs).reshape(3, 1, TP, M, K), (3, TP, TP, M, K)))
+    np.testing.assert_array_equal(
+        f64(out).reshape(3, TP, TP, M, K), np.broadcast_to(f64(lhs).reshape(3, 1, TP, M, K), (3, TP, TP, M, K))
+    )
     rhs = random((2, K, TP * N), jnp.float32, 8)
     single = random((TP * M, K), jnp.float32, 9)
-    out = run(jax.vmap(fgcc, in_axes=(None, 0)), mesh, (P("tp"), P(None, None, "tp")), P(None, None, None, "tp"),
-              single, rhs)  # rhs-only batch folds into N
-    assert_close(out, np.einsum("mk,bkn->bmn", f64(single), f64(rhs)).reshape(2, TP, M, TP * N), jnp.float32,
-                 reduction=K)
+    out = run(
+        jax.vmap(fgcc, in_axes=(None, 0)), mesh, (P("tp"), P(None, None, "tp")), P(None, None, None, "tp"), single, rhs
+    )  # rhs-only batch folds into N
+    assert_close(
+        out, np.einsum("mk,bkn->bmn", f64(single), f64(rhs)).reshape(2, TP, M, TP * N), jnp.float32, reduction=K
+    )
     lhs2 = random((2, TP * M, K), jnp.float32, 10)
     out = run(jax.vmap(fgcc), mesh, (P(None, "tp"), P(None, None, "tp")), P(None, None, None, "tp"), lhs2, rhs)
-    assert_close(out, np.einsum("bmk,bkn->bmn", f64(lhs2), f64(rhs)).reshape(2, TP, M, TP * N), jnp.float32,
-                 reduction=K)  # lhs batch: lax.map
+    assert_close(
+        out, np.einsum("bmk,bkn->bmn", f64(lhs2), f64(rhs)).reshape(2, TP, M, TP * N), jnp.float32, reduction=K
+    )  # lhs batch: lax.map
     inp = random((2, 3, 4, TP), jnp.float32, 11)  # nested vmap of sb2sb (folds into H twice)
     out = run(jax.vmap(jax.vmap(sb2sb)), mesh, (P(None, None, None, "tp"),), P(None, None, "tp"), inp)
-    np.testing.assert_array_equal(f64(out).reshape(2, 3, TP, 4, TP, 1),
-                                  np.broadcast_to(f64(inp).reshape(2, 3, 1, 4, TP, 1), (2, 3, TP, 4, TP, 1)))
+    np.testing.assert_array_equal(
+        f64(out).reshape(2, 3, TP, 4, TP, 1), np.broadcast_to(f64(inp).reshape(2, 3, 1, 4, TP, 1), (2, 3, TP, 4, TP, 1))
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- gradients
@@ -138,20 +139,30 @@ def test_gradients(name):
     mesh = mesh_1d("tp")
     fn, args, specs, out_spec = {
         "fg": (fg, (random((TP * 2, 3), jnp.float64),), (P("tp"),), P("tp")),
-        "fgcc": (fgcc, (random((TP, 3), jnp.float64), random((3, TP * 2), jnp.float64, 1)),
-                 (P("tp"), P(None, "tp")), P(None, None, "tp")),
+        "fgcc": (
+            fgcc,
+            (random((TP, 3), jnp.float64), random((3, TP * 2), jnp.float64, 1)),
+            (P("tp"), P(None, "tp")),
+            P(None, None, "tp"),
+        ),
         "sb2sb": (sb2sb, (random((2, TP * 2), jnp.float64),), (P(None, "tp"),), P("tp")),
-        "sb2sb_tiled": (functools.partial(sb2sb, tiled=True), (random((2, TP), jnp.float64),), (P(None, "tp"),),
-                        P("tp")),
+        "sb2sb_tiled": (
+            functools.partial(sb2sb, tiled=True),
+            (random((2, TP), jnp.float64),),
+            (P(None, "tp"),),
+            P("tp"),
+        ),
     }[name]
-    check_grads(jax.jit(_differentiable(fn, mesh, specs, out_spec)), place(mesh, specs, *args), order=1,
-                modes=["rev"])
+    check_grads(jax.jit(_differentiable(fn, mesh, specs, out_spec)), place(mesh, specs, *args), order=1, modes=["rev"])
 
 
 def test_fgcc_gradient_oracle_and_vmap_of_grad():
     mesh = mesh_1d("tp")
-    lhs, rhs, c = random((TP * M, K), jnp.float64, 12), random((K, TP * N), jnp.float64, 13), \
-        random((TP, M, TP * N), jnp.float64, 14)
+    lhs, rhs, c = (
+        random((TP * M, K), jnp.float64, 12),
+        random((K, TP * N), jnp.float64, 13),
+        random((TP, M, TP * N), jnp.float64, 14),
+    )
 
     def grads(x, w, ct):
         return jax.vjp(fgcc, x, w)[1](ct)
@@ -188,8 +199,7 @@ def _one_collective_call(text, name):
     assert cfg["entry_point"] == f"jax_nkilib_kernels.allgather:{name}"
     assert 'has_collectives = "1"' in text
     assert operations(text).count("stablehlo.custom_call") == 1
-    assert not {"stablehlo.all_gather", "stablehlo.collective_permute", "stablehlo.dot_general"} & set(
-        operations(text))
+    assert not {"stablehlo.all_gather", "stablehlo.collective_permute", "stablehlo.dot_general"} & set(operations(text))
     return cfg
 
 
@@ -197,28 +207,39 @@ def test_neuron_lowering_on_8_devices():
     mesh = mesh_1d("tp")
     lhs, rhs = random((TP * 4, 128)), random((128, TP * 8), seed=1)
     cfg = _one_collective_call(_neuron(fg, mesh, (P("tp"),), P("tp"), lhs), "fine_grained_allgather")
-    assert cfg["params"] == {"tp_degree": 8, "num_groups": 1, "force_hbm_cc": False,
-                             "replica_groups": [list(range(8))]}
+    assert cfg["params"] == {"tp_degree": 8, "num_groups": 1, "force_hbm_cc": False, "replica_groups": [list(range(8))]}
     assert cfg["input_specs"] == [[[4, 128], "float32"]]
-    cfg = _one_collective_call(_neuron(fgcc, mesh, (P("tp"), P(None, "tp")), P(None, None, "tp"), lhs, rhs),
-                               "allgather_compute_matmul")
+    cfg = _one_collective_call(
+        _neuron(fgcc, mesh, (P("tp"), P(None, "tp")), P(None, None, "tp"), lhs, rhs), "allgather_compute_matmul"
+    )
     assert cfg["mac_count"] == 8 * 4 * 128 * 8 and cfg["params"]["replica_groups"] == [list(range(8))]
     for tiled, name in ((False, "allgather_sb2sb"), (True, "allgather_sb2sb_tiled")):
-        cfg = _one_collective_call(_neuron(functools.partial(sb2sb, tiled=tiled), mesh, (P(None, "tp"),), P("tp"),
-                                           random((16, TP * 4))), name)
+        cfg = _one_collective_call(
+            _neuron(functools.partial(sb2sb, tiled=tiled), mesh, (P(None, "tp"),), P("tp"), random((16, TP * 4))), name
+        )
         assert cfg["params"] == {"replica_groups": [list(range(8))], "tp_degree": 8}
 
 
 def test_neuron_lowering_on_a_4x2_mesh_passes_rank_lists():
     mesh = make_mesh((4, 2), ("dp", "tp"))
     cfg = _one_collective_call(
-        _neuron(lambda x: sb2sb(x, replica_groups="dp", tp_degree=4), mesh, (P(None, "dp"),), P(("dp", "tp")),
-                random((16, 4 * 4))), "allgather_sb2sb")
+        _neuron(
+            lambda x: sb2sb(x, replica_groups="dp", tp_degree=4),
+            mesh,
+            (P(None, "dp"),),
+            P(("dp", "tp")),
+            random((16, 4 * 4)),
+        ),
+        "allgather_sb2sb",
+    )
     assert cfg["params"]["replica_groups"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     mesh = make_mesh((2, 4), ("dp", "tp"))  # the ring kernels need the minor-most axis (consecutive ranks)
     cfg = _one_collective_call(
-        _neuron(lambda x: fg(x, tp_degree=4, num_groups=2), mesh, (P(("dp", "tp")),), P(("dp", "tp")),
-                random((8 * 4, 128))), "fine_grained_allgather")
+        _neuron(
+            lambda x: fg(x, tp_degree=4, num_groups=2), mesh, (P(("dp", "tp")),), P(("dp", "tp")), random((8 * 4, 128))
+        ),
+        "fine_grained_allgather",
+    )
     assert cfg["params"]["replica_groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and cfg["params"]["num_groups"] == 2
 
 
@@ -257,40 +278,51 @@ def test_communication_path_and_neuron_limits():
     assert limits(_call(FINE_GRAINED_ALLGATHER_SPEC, lhs=(256, 1024))) == []
     assert any("LNC x channels = 4" in s for s in limits(_call(FINE_GRAINED_ALLGATHER_SPEC, lnc=2, lhs=(6, 128))))
     assert any("K=200" in s for s in limits(_call(FINE_GRAINED_ALLGATHER_SPEC, lhs=(8, 200))))
-    assert any("N=600" in s for s in ALLGATHER_COMPUTE_MATMUL_SPEC.neuron_limits(
-        _call(ALLGATHER_COMPUTE_MATMUL_SPEC, lhs=(8, 128), rhs=(128, 600))))
+    assert any(
+        "N=600" in s
+        for s in ALLGATHER_COMPUTE_MATMUL_SPEC.neuron_limits(
+            _call(ALLGATHER_COMPUTE_MATMUL_SPEC, lhs=(8, 128), rhs=(128, 600))
+        )
+    )
 
 
 def test_unsupported_tp_degree_and_dtype_fall_back():
     mesh = make_mesh((4, 2), ("dp", "tp"))  # tp has 2 ranks: the kernel supports 4..128
     with pytest.warns(NeuronFallbackWarning, match=r"tp_degree=2 must be one of"):
-        _neuron(lambda x: fg(x, tp_degree=2, num_groups=4), mesh, (P(("dp", "tp")),), P(("dp", "tp")),
-                random((8 * 4, 128)))
+        _neuron(
+            lambda x: fg(x, tp_degree=2, num_groups=4), mesh, (P(("dp", "tp")),), P(("dp", "tp")), random((8 * 4, 128))
+        )
     lhs, rhs = random((TP * 4, 128)), random((128, TP * 8), jnp.bfloat16)
     with pytest.warns(NeuronFallbackWarning, match="must equal lhs dtype"):
         _neuron(fgcc, mesh_1d("tp"), (P("tp"), P(None, "tp")), P(None, None, "tp"), lhs, rhs)
 
 
 # ---------------------------------------------------------------------------------------------------- bad inputs
-@pytest.mark.parametrize("kernel, flags, error, fragment", [
-    ("fg", dict(tp_degree=4), ValueError, "has 8 ranks"),
-    ("fg", dict(num_groups=2), ValueError, "forms 1 groups"),
-    ("fg", dict(replica_groups=None), ValueError, "`replica_groups` is required"),
-    ("fg", dict(replica_groups="nope"), ValueError, "not bound here"),
-    ("fg", dict(replica_groups=3), TypeError, "mesh axis name"),
-    ("fg", dict(num_groups=None), ValueError, "`num_groups` is required"),
-    ("fg", dict(tp_degree=8.0), TypeError, "Python int"),
-    ("fgcc", dict(rhs=(K + 1, N)), ValueError, "argument `rhs`"),
-    ("fgcc", dict(lhs=(M, K, 1)), ValueError, "argument `lhs`"),
-    ("fgcc", dict(dtype=jnp.int32), TypeError, "dtype"),
-    ("sb2sb", dict(tp_degree=None), ValueError, "`tp_degree` is required"),
-    ("sb2sb", dict(tp_degree=2), ValueError, "has 8 ranks"),
-])
+@pytest.mark.parametrize(
+    "kernel, flags, error, fragment",
+    [
+        ("fg", dict(tp_degree=4), ValueError, "has 8 ranks"),
+        ("fg", dict(num_groups=2), ValueError, "forms 1 groups"),
+        ("fg", dict(replica_groups=None), ValueError, "`replica_groups` is required"),
+        ("fg", dict(replica_groups="nope"), ValueError, "not bound here"),
+        ("fg", dict(replica_groups=3), TypeError, "mesh axis name"),
+        ("fg", dict(num_groups=None), ValueError, "`num_groups` is required"),
+        ("fg", dict(tp_degree=8.0), TypeError, "Python int"),
+        ("fgcc", dict(rhs=(K + 1, N)), ValueError, "argument `rhs`"),
+        ("fgcc", dict(lhs=(M, K, 1)), ValueError, "argument `lhs`"),
+        ("fgcc", dict(dtype=jnp.int32), TypeError, "dtype"),
+        ("sb2sb", dict(tp_degree=None), ValueError, "`tp_degree` is required"),
+        ("sb2sb", dict(tp_degree=2), ValueError, "has 8 ranks"),
+    ],
+)
 def test_bad_inputs(kernel, flags, error, fragment):
     lhs = jnp.ones(flags.pop("lhs", (M, K)), flags.pop("dtype", jnp.float32))
     rhs = jnp.ones(flags.pop("rhs", (K, N)), jnp.float32)
-    call = {"fg": lambda x, w: fg(x, **flags), "fgcc": lambda x, w: fgcc(x, w, **flags),
-            "sb2sb": lambda x, w: sb2sb(x, **flags)}[kernel]
+    call = {
+        "fg": lambda x, w: fg(x, **flags),
+        "fgcc": lambda x, w: fgcc(x, w, **flags),
+        "sb2sb": lambda x, w: sb2sb(x, **flags),
+    }[kernel]
     body = jax.shard_map(call, mesh=mesh_1d("tp"), in_specs=(P(), P()), out_specs=P(), check_vma=False)
     with pytest.raises(error) as info:
         jax.jit(body)(lhs, rhs)
@@ -305,8 +337,9 @@ def test_outside_shard_map_names_the_missing_axis():
 def test_lnc2_grid_and_row_split_limit():
     mesh = mesh_1d("tp")
     with jax_nkilib.config(lnc=2):
-        cfg = _one_collective_call(_neuron(fg, mesh, (P("tp"),), P("tp"), random((TP * 4, 128))),
-                                   "fine_grained_allgather")
+        cfg = _one_collective_call(
+            _neuron(fg, mesh, (P("tp"),), P("tp"), random((TP * 4, 128))), "fine_grained_allgather"
+        )
         assert cfg["grid"] == 2
         with pytest.warns(NeuronFallbackWarning, match="LNC x channels = 4"):  # 2 rows per rank over 2 x 2 lanes
             _neuron(fg, mesh, (P("tp"),), P("tp"), random((TP * 2, 128)))

@@ -22,7 +22,7 @@ from tests.support.data import angles, random
 from tests.support.hlo import compiled_collectives as collectives
 from tests.support.hlo import kernel_configs
 from tests.support.numerics import assert_close
-from tests.support.sharding import make_mesh, use_mesh
+from tests.support.sharding import use_mesh
 
 B, S, H, N, K, D, F = 2, 16, 128, 8, 4, 16, 256
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -46,10 +46,14 @@ def _cases():
     cos, sin = angles((S, D // 2))
     q, k, v = random((B, S, N, D), seed=2), random((B, S, K, D), seed=3), random((B, S, K, D), seed=4)
     gain = random((H,), seed=5)
-    w_q, w_k, w_v = random((H, N * D), seed=6, scale=0.1), random((H, K * D), seed=7, scale=0.1), \
-        random((H, K * D), seed=8, scale=0.1)
-    w_o, w_gate, w_up, w_down = (random(shape, seed=9 + i, scale=0.1)
-                                 for i, shape in enumerate([(N * D, H), (H, F), (H, F), (F, H)]))
+    w_q, w_k, w_v = (
+        random((H, N * D), seed=6, scale=0.1),
+        random((H, K * D), seed=7, scale=0.1),
+        random((H, K * D), seed=8, scale=0.1),
+    )
+    w_o, w_gate, w_up, w_down = (
+        random(shape, seed=9 + i, scale=0.1) for i, shape in enumerate([(N * D, H), (H, F), (H, F), (F, H)])
+    )
     caches = random((B, K, 64, D), seed=13), random((B, K, 64, D), seed=14)
     q1, k1, v1 = random((B, 1, N, D), seed=15), random((B, 1, K, D), seed=16), random((B, 1, K, D), seed=17)
     cache_len = jnp.array([5, 9], jnp.int32)
@@ -57,28 +61,59 @@ def _cases():
     data_mx, scales_mx = jax_nkilib.quantize_mx(x3)
     # op -> (function, arguments, their specs, expected collectives)
     return {
-        "jax_nkilib.rope": (lambda x, c, s: jax_nkilib.rope(x, c, s), (x4, cos, sin),
-                            (P("data", "model"), P(), P()), {}),
+        "jax_nkilib.rope": (
+            lambda x, c, s: jax_nkilib.rope(x, c, s),
+            (x4, cos, sin),
+            (P("data", "model"), P(), P()),
+            {},
+        ),
         "jax_nkilib.rms_norm": (jax_nkilib.rms_norm, (x3, gain), (P("data", "model"), P()), {}),
         "jax_nkilib.layer_norm": (jax_nkilib.layer_norm, (x3, gain, gain), (P("data", "model"), P(), P()), {}),
         "jax_nkilib.quantize_fp8": (_quantized(jax_nkilib.quantize_fp8), (x3,), (P("data", "model"),), {}),
-        "jax_nkilib.dequantize_fp8": (jax_nkilib.dequantize_fp8, (q8, s8), (P("data", "model"), P("data", "model")),
-                                      {}),
+        "jax_nkilib.dequantize_fp8": (
+            jax_nkilib.dequantize_fp8,
+            (q8, s8),
+            (P("data", "model"), P("data", "model")),
+            {},
+        ),
         "jax_nkilib.quantize_mx": (_quantized(jax_nkilib.quantize_mx), (x3,), (P("data", None, "model"),), {}),
-        "jax_nkilib.dequantize_mx": (jax_nkilib.dequantize_mx, (data_mx, scales_mx),
-                                     (P("data", None, "model"), P("data", None, "model")), {}),
-        "jax_nkilib.mxfp8_matmul": (jax_nkilib.mxfp8_matmul, (x3, w_gate), (P("data", None, "model"), P("model")),
-                                    {"all-reduce": 1}),
+        "jax_nkilib.dequantize_mx": (
+            jax_nkilib.dequantize_mx,
+            (data_mx, scales_mx),
+            (P("data", None, "model"), P("data", None, "model")),
+            {},
+        ),
+        "jax_nkilib.mxfp8_matmul": (
+            jax_nkilib.mxfp8_matmul,
+            (x3, w_gate),
+            (P("data", None, "model"), P("model")),
+            {"all-reduce": 1},
+        ),
         "jax_nkilib.attention": (jax_nkilib.attention, (q, k, v), (P("data", None, "model"),) * 3, {}),
         "jax_nkilib.decode_attention": (
-            jax_nkilib.decode_attention, (q1, k1, v1, *caches, cache_len),
-            (P("data", None, "model"), P("data", None, "model"), P(), P("data", "model"), P(), P()), {}),
-        "jax_nkilib.qkv_projection": (_qkv, (x3, w_q, w_k, w_v),
-                                      (P("data"), P(None, "model"), P(None, "model"), P(None, "model")), {}),
-        "jax_nkilib.output_projection": (jax_nkilib.output_projection, (x4, w_o, gain),
-                                         (P("data", None, "model"), P("model"), P()), {"all-reduce": 1}),
-        "jax_nkilib.mlp": (lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d, norm="rms"), (x3, w_gate, w_up, w_down),
-                           (P("data"), P(None, "model"), P(None, "model"), P("model")), {"all-reduce": 1}),
+            jax_nkilib.decode_attention,
+            (q1, k1, v1, *caches, cache_len),
+            (P("data", None, "model"), P("data", None, "model"), P(), P("data", "model"), P(), P()),
+            {},
+        ),
+        "jax_nkilib.qkv_projection": (
+            _qkv,
+            (x3, w_q, w_k, w_v),
+            (P("data"), P(None, "model"), P(None, "model"), P(None, "model")),
+            {},
+        ),
+        "jax_nkilib.output_projection": (
+            jax_nkilib.output_projection,
+            (x4, w_o, gain),
+            (P("data", None, "model"), P("model"), P()),
+            {"all-reduce": 1},
+        ),
+        "jax_nkilib.mlp": (
+            lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d, norm="rms"),
+            (x3, w_gate, w_up, w_down),
+            (P("data"), P(None, "model"), P(None, "model"), P("model")),
+            {"all-reduce": 1},
+        ),
     }
 
 
@@ -133,10 +168,14 @@ def test_a_sharded_sequence_selects_ring_attention(mesh):
 def test_megatron_block_has_exactly_two_all_reduces(mesh):
     """qkv (column-parallel) -> attention (heads) -> output projection (row-parallel) -> MLP (Megatron)."""
     x = random((B, S, H), seed=0)
-    w_q, w_k, w_v = random((H, N * D), seed=6, scale=0.1), random((H, K * D), seed=7, scale=0.1), \
-        random((H, K * D), seed=8, scale=0.1)
-    w_o, w_gate, w_up, w_down = (random(shape, seed=9 + i, scale=0.1)
-                                 for i, shape in enumerate([(N * D, H), (H, F), (H, F), (F, H)]))
+    w_q, w_k, w_v = (
+        random((H, N * D), seed=6, scale=0.1),
+        random((H, K * D), seed=7, scale=0.1),
+        random((H, K * D), seed=8, scale=0.1),
+    )
+    w_o, w_gate, w_up, w_down = (
+        random(shape, seed=9 + i, scale=0.1) for i, shape in enumerate([(N * D, H), (H, F), (H, F), (F, H)])
+    )
 
     def block(x, w_q, w_k, w_v, w_o, w_gate, w_up, w_down):
         q, k, v = _qkv(x, w_q, w_k, w_v)
@@ -144,8 +183,16 @@ def test_megatron_block_has_exactly_two_all_reduces(mesh):
         return h + jax_nkilib.mlp(h, w_gate, w_up, w_down, norm="rms")
 
     args = (x, w_q, w_k, w_v, w_o, w_gate, w_up, w_down)
-    specs = (P("data"), P(None, "model"), P(None, "model"), P(None, "model"), P("model"), P(None, "model"),
-             P(None, "model"), P("model"))
+    specs = (
+        P("data"),
+        P(None, "model"),
+        P(None, "model"),
+        P(None, "model"),
+        P("model"),
+        P(None, "model"),
+        P(None, "model"),
+        P("model"),
+    )
     with use_mesh(mesh):
         placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
         out = jax.jit(block)(*placed)
@@ -187,8 +234,11 @@ def test_vmap_of_a_sharded_op(mesh):
     x = random((4, 8, S, H), seed=0)
     want = jax_nkilib.rms_norm(x)
     with use_mesh(mesh):
-        for spec, tokens in ((P(None, "data", "model"), 4 * 8 // 8 * S), (P("data", "model"), 4 * 8 // 4 * S),
-                             (P("data"), 4 * 8 * S)):
+        for spec, tokens in (
+            (P(None, "data", "model"), 4 * 8 // 8 * S),
+            (P("data", "model"), 4 * 8 // 4 * S),
+            (P("data"), 4 * 8 * S),
+        ):
             placed = jax.device_put(x, NamedSharding(mesh, spec))
             mapped = jax.vmap(jax_nkilib.rms_norm)
             if spec[0] is not None and not shard_map_batches_explicit_axes():  # JAX 0.7: unsupported, an error
@@ -215,8 +265,9 @@ def test_vmap_over_the_axis_of_a_1d_mesh():
         assert_close(fn(placed), project(x), jnp.float32, reduction=H)
 
 
-@pytest.mark.parametrize("op", ["jax_nkilib.output_projection", "jax_nkilib.qkv_projection", "jax_nkilib.mlp",
-                                "jax_nkilib.rope"])
+@pytest.mark.parametrize(
+    "op", ["jax_nkilib.output_projection", "jax_nkilib.qkv_projection", "jax_nkilib.mlp", "jax_nkilib.rope"]
+)
 def test_eager_calls_with_data_parallel_activations_and_replicated_weights(op):
     """The most common layout, called without jit on a 2-D mesh (this failed shard_map's divisibility check: the
     op's body planned a second shard_map over every mesh axis)."""
@@ -234,8 +285,8 @@ def test_eager_calls_with_data_parallel_activations_and_replicated_weights(op):
 def _readme_snippets() -> list[str]:
     """The Python blocks of the README's "Sharding" section that build a mesh."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("\n## Sharding\n"):]
-    section = section[:section.index("\n## ", 1)]
+    section = text[text.index("\n## Sharding\n") :]
+    section = section[: section.index("\n## ", 1)]
     return [block for block in re.findall(r"```python\n(.*?)```", section, re.S) if "make_mesh" in block]
 
 
@@ -245,12 +296,17 @@ def test_the_readme_sharding_snippets_run_as_written():
     mesh cannot be empty" and called Auto the default axis type), given inputs."""
     megatron, recipe = _readme_snippets()
     x = random((8, S, H), seed=0)
-    weights = {"w_q": random((H, 32 * 8), seed=1, scale=0.1), "w_k": random((H, 8 * 8), seed=2, scale=0.1),
-               "w_v": random((H, 8 * 8), seed=3, scale=0.1), "w_o": random((32 * 8, H), seed=4, scale=0.1)}
+    weights = {
+        "w_q": random((H, 32 * 8), seed=1, scale=0.1),
+        "w_k": random((H, 8 * 8), seed=2, scale=0.1),
+        "w_v": random((H, 8 * 8), seed=3, scale=0.1),
+        "w_o": random((32 * 8, H), seed=4, scale=0.1),
+    }
     scope = {"jax": jax, "jax_nkilib": jax_nkilib, "x": x, **weights}
     exec(megatron, scope)
-    q, k, v = jax_nkilib.qkv_projection(x, (weights["w_q"], weights["w_k"], weights["w_v"]), num_q_heads=32,
-                                        num_kv_heads=8)
+    q, k, v = jax_nkilib.qkv_projection(
+        x, (weights["w_q"], weights["w_k"], weights["w_v"]), num_q_heads=32, num_kv_heads=8
+    )
     want = jax_nkilib.output_projection(jax_nkilib.attention(q, k, v), weights["w_o"])
     assert_close(scope["y"], want, jnp.float32, reduction=H * 32)
     assert scope["y"].sharding.spec == P("data", None, None)
@@ -276,28 +332,76 @@ def test_an_auto_mesh_computes_globally_and_explicit_axes_gives_the_plan():
     assert kernel_configs(text)[0]["input_specs"][0][0] == [S, 1, H]  # one device's S tokens, not all 8 * S
 
 
-@pytest.mark.parametrize("op, fn, args, specs, message", [
-    ("rope head_dim", lambda x, c, s: jax_nkilib.rope(x, c, s), "x4 cos sin", (P(None, None, None, "model"), P(), P()),
-     "axis 3 (head_dim) over mesh axis 'model'"),
-    ("rms_norm hidden", jax_nkilib.rms_norm, "x3", (P(None, None, "model"),), "axis 2 (hidden)"),
-    ("attention window", lambda q, k, v: jax_nkilib.attention(q, k, v, sliding_window=4), "q k v",
-     (P(None, "model"),) * 3, "no sliding_window"),
-    ("attention heads vs batch", jax_nkilib.attention, "q k v", (P("data"), P(None, None, "data"), P()),
-     "mesh axis 'data' splits both batch and heads"),
-    ("attention mismatched", jax_nkilib.attention, "q k v", (P(None, None, "data"), P(None, None, "model"), P()),
-     "heads is split over mesh axis 'data' in `q` but over 'model' in `k`"),
-    ("qkv fused columns", lambda x, w: jax_nkilib.qkv_projection(x, w, num_q_heads=N, num_kv_heads=K), "x3 wqkv",
-     (P(), P(None, "model")), "pass w as (w_q, w_k, w_v)"),
-    ("mlp hidden", lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d), "x3 wg wu wd",
-     (P(None, None, "model"), P(), P(), P()), "axis 2 (hidden)"),
-    ("quantize_mx partial blocks", lambda x: jax_nkilib.quantize_mx(x, axis=1), "x64", (P(None, "model"),),
-     "multiple of 32"),
-])
+@pytest.mark.parametrize(
+    "op, fn, args, specs, message",
+    [
+        (
+            "rope head_dim",
+            lambda x, c, s: jax_nkilib.rope(x, c, s),
+            "x4 cos sin",
+            (P(None, None, None, "model"), P(), P()),
+            "axis 3 (head_dim) over mesh axis 'model'",
+        ),
+        ("rms_norm hidden", jax_nkilib.rms_norm, "x3", (P(None, None, "model"),), "axis 2 (hidden)"),
+        (
+            "attention window",
+            lambda q, k, v: jax_nkilib.attention(q, k, v, sliding_window=4),
+            "q k v",
+            (P(None, "model"),) * 3,
+            "no sliding_window",
+        ),
+        (
+            "attention heads vs batch",
+            jax_nkilib.attention,
+            "q k v",
+            (P("data"), P(None, None, "data"), P()),
+            "mesh axis 'data' splits both batch and heads",
+        ),
+        (
+            "attention mismatched",
+            jax_nkilib.attention,
+            "q k v",
+            (P(None, None, "data"), P(None, None, "model"), P()),
+            "heads is split over mesh axis 'data' in `q` but over 'model' in `k`",
+        ),
+        (
+            "qkv fused columns",
+            lambda x, w: jax_nkilib.qkv_projection(x, w, num_q_heads=N, num_kv_heads=K),
+            "x3 wqkv",
+            (P(), P(None, "model")),
+            "pass w as (w_q, w_k, w_v)",
+        ),
+        (
+            "mlp hidden",
+            lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d),
+            "x3 wg wu wd",
+            (P(None, None, "model"), P(), P(), P()),
+            "axis 2 (hidden)",
+        ),
+        (
+            "quantize_mx partial blocks",
+            lambda x: jax_nkilib.quantize_mx(x, axis=1),
+            "x64",
+            (P(None, "model"),),
+            "multiple of 32",
+        ),
+    ],
+)
 def test_unsupported_shardings_raise_naming_the_axis(mesh, op, fn, args, specs, message):
-    arrays = {"x3": random((B, S, H)), "x64": random((B, 64, H)), "x4": random((B, S, N, D)),
-              "cos": angles((S, D // 2))[0], "sin": angles((S, D // 2))[1], "q": random((B, S, N, D)),
-              "k": random((B, S, K, D)), "v": random((B, S, K, D)), "wqkv": random((H, (N + 2 * K) * D)),
-              "wg": random((H, F)), "wu": random((H, F)), "wd": random((F, H))}
+    arrays = {
+        "x3": random((B, S, H)),
+        "x64": random((B, 64, H)),
+        "x4": random((B, S, N, D)),
+        "cos": angles((S, D // 2))[0],
+        "sin": angles((S, D // 2))[1],
+        "q": random((B, S, N, D)),
+        "k": random((B, S, K, D)),
+        "v": random((B, S, K, D)),
+        "wqkv": random((H, (N + 2 * K) * D)),
+        "wg": random((H, F)),
+        "wu": random((H, F)),
+        "wd": random((F, H)),
+    }
     with use_mesh(mesh):
         placed = [jax.device_put(arrays[name], NamedSharding(mesh, s)) for name, s in zip(args.split(), specs)]
         with pytest.raises(ValueError, match=re.escape(message)):

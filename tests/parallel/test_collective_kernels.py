@@ -90,15 +90,18 @@ def no_other_computation(text):
 
 
 def per_rank(stacked):
-    return np.asarray(jnp.asarray(stacked, jnp.float64) if stacked.dtype != jnp.bfloat16
-                      else jnp.asarray(stacked, jnp.float32), np.float64).reshape(RANKS, -1, *stacked.shape[1:])
+    return np.asarray(
+        jnp.asarray(stacked, jnp.float64) if stacked.dtype != jnp.bfloat16 else jnp.asarray(stacked, jnp.float32),
+        np.float64,
+    ).reshape(RANKS, -1, *stacked.shape[1:])
 
 
 def group_call(kind, mesh_id):
     shape, names, group = MESHES[mesh_id]
     size = int(np.prod([shape[names.index(n)] for n in group]))
-    return functools.partial(KERNELS[kind], g=group if len(group) > 1 else group[0], n=size), \
-        rank_lists(shape, names, group)
+    return functools.partial(KERNELS[kind], g=group if len(group) > 1 else group[0], n=size), rank_lists(
+        shape, names, group
+    )
 
 
 # ----------------------------------------------------------------------------------------------------- forward
@@ -110,8 +113,9 @@ def test_matches_oracle(kind, dtype, mesh_id):
     fn, groups = group_call(kind, mesh_id)
     out = run(fn, mesh_id, x)
     assert out.dtype == dtype
-    want = simulate(kind, np.asarray(x).reshape(RANKS, H, W) if dtype != jnp.bfloat16
-                    else x.reshape(RANKS, H, W), groups)
+    want = simulate(
+        kind, np.asarray(x).reshape(RANKS, H, W) if dtype != jnp.bfloat16 else x.reshape(RANKS, H, W), groups
+    )
     assert per_rank(out).shape == want.shape
     assert_close(per_rank(out), want, dtype, reduction=len(groups[0]))
 
@@ -123,24 +127,31 @@ def test_kernel_docstring_examples_two_ranks():
 
     def body(kernel, x, **flags):
         spec = P(("dp", "pair"))
-        fn = jax.jit(jax.shard_map(lambda v: kernel(v, replica_group="pair", **flags), mesh=mesh, in_specs=spec,
-                                   out_specs=spec))
+        fn = jax.jit(
+            jax.shard_map(lambda v: kernel(v, replica_group="pair", **flags), mesh=mesh, in_specs=spec, out_specs=spec)
+        )
         return np.asarray(fn(jax.device_put(jnp.asarray(x, jnp.float32), NamedSharding(mesh, spec))))
 
     np.testing.assert_array_equal(body(all_reduce_hbm_kernel, pairs)[:4], [[8, 10, 12], [14, 16, 18]] * 2)
     np.testing.assert_array_equal(body(all_gather_hbm_kernel, pairs, num_ranks=2)[:8], pairs[:4].tolist() * 2)
-    np.testing.assert_array_equal(body(all_to_all_hbm_kernel, pairs)[:4],
-                                  [[1, 2, 3], [7, 8, 9], [4, 5, 6], [10, 11, 12]])
+    np.testing.assert_array_equal(
+        body(all_to_all_hbm_kernel, pairs)[:4], [[1, 2, 3], [7, 8, 9], [4, 5, 6], [10, 11, 12]]
+    )
     ramps = np.repeat(np.tile(np.arange(1, 5)[:, None], (8, 1)), 3, axis=1)  # every rank: rows 1, 2, 3, 4
-    np.testing.assert_array_equal(body(reduce_scatter_hbm_kernel, ramps, num_ranks=2)[:4],
-                                  np.repeat([[2], [4], [6], [8]], 3, axis=1))
+    np.testing.assert_array_equal(
+        body(reduce_scatter_hbm_kernel, ramps, num_ranks=2)[:4], np.repeat([[2], [4], [6], [8]], 3, axis=1)
+    )
 
 
 def test_any_rank_input_and_eager_shard_map():
     x = random((RANKS * 4, 2, 3, 2), seed=2)
     out = run(lambda v: all_reduce_hbm_kernel(v, replica_group="x"), "8", x, jit=False)
-    assert_close(per_rank(out), simulate("all_reduce", np.asarray(x).reshape(RANKS, 4, 2, 3, 2), [list(range(8))]),
-                 jnp.float32, reduction=RANKS)
+    assert_close(
+        per_rank(out),
+        simulate("all_reduce", np.asarray(x).reshape(RANKS, 4, 2, 3, 2), [list(range(8))]),
+        jnp.float32,
+        reduction=RANKS,
+    )
     out = run(lambda v: all_to_all_hbm_kernel(v, replica_group="x"), "8", random((RANKS * 8,), seed=3))
     want = simulate("all_to_all", np.asarray(random((RANKS * 8,), seed=3)).reshape(RANKS, 8), [list(range(8))])
     np.testing.assert_array_equal(per_rank(out), want)
@@ -164,8 +175,7 @@ def test_vmap_and_nested_vmap_inside_shard_map(kind):
     fn, groups = group_call(kind, "4x2")
     out = run(jax.vmap(jax.vmap(fn, in_axes=1, out_axes=1), in_axes=1, out_axes=1), "4x2", x)
     blocks = np.asarray(x).reshape(RANKS, H, 2, 3, W)
-    want = np.stack([np.stack([simulate(kind, blocks[:, :, i, j], groups) for j in range(3)], 2)
-                     for i in range(2)], 2)
+    want = np.stack([np.stack([simulate(kind, blocks[:, :, i, j], groups) for j in range(3)], 2) for i in range(2)], 2)
     assert_close(per_rank(out), want, jnp.float32, reduction=4)
 
 
@@ -182,8 +192,13 @@ def test_vmap_of_a_vector_all_to_all_runs_under_lax_map():
 def test_vmap_partial_in_axes_of_the_rank_table():
     tables = random((2, RANKS, 5, W), seed=7)
     lookup = jnp.asarray(np.arange(RANKS)[::-1][None, :].copy(), jnp.int32)
-    out = run(lambda t, lk: jax.vmap(dma_copy_rank_id_kernel, in_axes=(0, None), out_axes=1)(t, lk), "8",
-              tables, lookup, specs=(P(), P()))
+    out = run(
+        lambda t, lk: jax.vmap(dma_copy_rank_id_kernel, in_axes=(0, None), out_axes=1)(t, lk),
+        "8",
+        tables,
+        lookup,
+        specs=(P(), P()),
+    )
     want = np.asarray(tables)[:, ::-1].transpose(1, 0, 2, 3)  # rank r: [2, 5, W] from row 7 - r
     np.testing.assert_array_equal(per_rank(out).reshape(RANKS, 5, 2, W), want.transpose(0, 2, 1, 3))
 
@@ -213,16 +228,23 @@ def test_rank_kernel_gradients_float64_replicated_table():
     lookup = jnp.asarray(np.array([[3, 3, 0, 1, 7, 2, 5, 4]]), jnp.int32)  # two ranks read row 3
     shape, names, _ = MESHES["4x2"]
     mesh = make_mesh(shape, names)
-    body = jax.jit(jax.shard_map(lambda t, lk: dma_copy_rank_id_kernel(t, lk).sum() * jnp.ones((1,)), mesh=mesh,
-                                 in_specs=(P(), P()), out_specs=P(names)))
+    body = jax.jit(
+        jax.shard_map(
+            lambda t, lk: dma_copy_rank_id_kernel(t, lk).sum() * jnp.ones((1,)),
+            mesh=mesh,
+            in_specs=(P(), P()),
+            out_specs=P(names),
+        )
+    )
     placed = [jax.device_put(a, NamedSharding(mesh, P())) for a in (table, lookup)]
     grad = jax.jit(jax.grad(lambda t, lk: body(t, lk).sum()))(*placed)
     np.testing.assert_array_equal(grad[:, 0, 0], np.bincount(np.asarray(lookup[0]), minlength=RANKS))
 
 
-@pytest.mark.parametrize("kernel, flags, rows, dual", [(all_reduce_hbm_kernel, {}, H, "all_reduce"),
-                                                       (all_gather_hbm_kernel, dict(num_ranks=4), 4 * H,
-                                                        "reduce_scatter")])
+@pytest.mark.parametrize(
+    "kernel, flags, rows, dual",
+    [(all_reduce_hbm_kernel, {}, H, "all_reduce"), (all_gather_hbm_kernel, dict(num_ranks=4), 4 * H, "reduce_scatter")],
+)
 def test_vjp_is_the_dual_collective_under_vmap_of_grad(kernel, flags, rows, dual):
     """Over every rank, grad of sum(w * kernel(x)) is the dual collective of w: all_reduce's is all_reduce,
     all_gather's is reduce_scatter; two weight sets at once with vmap of grad."""
@@ -241,10 +263,15 @@ def test_vjp_is_the_dual_collective_under_vmap_of_grad(kernel, flags, rows, dual
 
 
 # ---------------------------------------------------------------------------------------------- Neuron lowering
-@pytest.mark.parametrize("kind, entry", [("all_reduce", "all_reduce_hbm_kernel"),
-                                         ("all_gather", "all_gather_hbm_kernel"),
-                                         ("reduce_scatter", "reduce_scatter_hbm_kernel"),
-                                         ("all_to_all", "all_to_all_hbm_kernel")])
+@pytest.mark.parametrize(
+    "kind, entry",
+    [
+        ("all_reduce", "all_reduce_hbm_kernel"),
+        ("all_gather", "all_gather_hbm_kernel"),
+        ("reduce_scatter", "reduce_scatter_hbm_kernel"),
+        ("all_to_all", "all_to_all_hbm_kernel"),
+    ],
+)
 def test_neuron_lowering_is_one_collective_kernel_call_with_rank_lists(kind, entry):
     mesh = make_mesh((4, 2), ("a", "b"))
     fn, groups = group_call(kind, "4x2")
@@ -268,8 +295,12 @@ def test_rank_lists_number_devices_as_xlas_own_collectives_do():
     devices = np.array(jax.devices()[:RANKS])[::-1].reshape(4, 2)
     mesh = jax.sharding.Mesh(devices, ("a", "b"))
     assert [d.id for d in mesh.devices.flat] != list(range(RANKS))  # the permutation is real
-    body = jax.shard_map(lambda v: all_reduce_hbm_kernel(v, replica_group="a") + jax.lax.psum(v, "a"), mesh=mesh,
-                         in_specs=P(("a", "b")), out_specs=P(("a", "b")))
+    body = jax.shard_map(
+        lambda v: all_reduce_hbm_kernel(v, replica_group="a") + jax.lax.psum(v, "a"),
+        mesh=mesh,
+        in_specs=P(("a", "b")),
+        out_specs=P(("a", "b")),
+    )
     with jax_nkilib.neuron.dry_run():
         text = neuron_text(body, jax.device_put(random((RANKS * H, W)), NamedSharding(mesh, P(("a", "b")))))
     (cfg,) = kernel_configs(text)
@@ -280,8 +311,9 @@ def test_rank_lists_number_devices_as_xlas_own_collectives_do():
 
 def test_neuron_lowering_of_a_training_step_uses_the_dual_kernels():
     mesh = make_mesh((8,), ("x",))
-    body = jax.shard_map(lambda v: all_gather_hbm_kernel(v, replica_group="x", num_ranks=8), mesh=mesh,
-                         in_specs=P("x"), out_specs=P("x"))
+    body = jax.shard_map(
+        lambda v: all_gather_hbm_kernel(v, replica_group="x", num_ranks=8), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+    )
     x = jax.device_put(random((RANKS * H, W)), NamedSharding(mesh, P("x")))
     with jax_nkilib.neuron.dry_run():
         text = neuron_text(jax.grad(lambda v: (body(v) ** 2).sum()), x)
@@ -294,32 +326,47 @@ def test_neuron_lowering_of_the_rank_kernels_points_at_the_library():
     mesh = make_mesh((4, 2), ("a", "b"))
     table = random((RANKS, 5, W))
     lookup = jnp.arange(RANKS, dtype=jnp.int32)[None]
-    body = jax.shard_map(lambda t, lk: (rank_id_kernel(t), dma_copy_rank_id_kernel(t, lk)), mesh=mesh,
-                         in_specs=(P(), P()), out_specs=(P(("a", "b")), P(("a", "b"))))
+    body = jax.shard_map(
+        lambda t, lk: (rank_id_kernel(t), dma_copy_rank_id_kernel(t, lk)),
+        mesh=mesh,
+        in_specs=(P(), P()),
+        out_specs=(P(("a", "b")), P(("a", "b"))),
+    )
     with jax_nkilib.neuron.dry_run():
         text = neuron_text(body, *shard(mesh, (P(), P()), table, lookup))
     cfgs = kernel_configs(text)
     assert [c["entry_point"] for c in cfgs] == [
         "nkilib.experimental.collectives.collectives:rank_id_kernel",
-        "nkilib.experimental.collectives.collectives:dma_copy_rank_id_kernel"]
+        "nkilib.experimental.collectives.collectives:dma_copy_rank_id_kernel",
+    ]
     assert all(c["has_collectives"] for c in cfgs) and no_other_computation(text)
 
 
 # -------------------------------------------------------------------------------------------------- bad inputs
-@pytest.mark.parametrize("call, error, fragment", [
-    (lambda x: all_gather_hbm_kernel(x, replica_group="a", num_ranks=8), ValueError, "has 4 ranks"),
-    (lambda x: reduce_scatter_hbm_kernel(x, replica_group="a"), TypeError, "missing required parameter `num_ranks`"),
-    (lambda x: reduce_scatter_hbm_kernel(x[:6], replica_group="a", num_ranks=4), ValueError, "equal blocks"),
-    (lambda x: all_to_all_hbm_kernel(x[:6], replica_group="a"), ValueError, "one block per rank"),
-    (lambda x: all_reduce_hbm_kernel(x, replica_group="nope"), ValueError, "not bound here"),
-    (lambda x: all_reduce_hbm_kernel(x, replica_group=3), TypeError, "mesh axis name"),
-    (lambda x: all_reduce_hbm_kernel(x), TypeError, "missing required parameter `replica_group`"),
-    (lambda x: all_gather_hbm_kernel(x[None], replica_group="a", num_ranks=4), ValueError, "[H, W]"),
-    (lambda x: all_reduce_hbm_kernel(x.astype(jnp.int32), replica_group="a"), TypeError, "dtype"),
-    (lambda x: rank_id_kernel(x), ValueError, "[R, H, W]"),
-    (lambda x: dma_copy_rank_id_kernel(x.reshape(8, 1, W), jnp.zeros((1, 4), jnp.int32)), ValueError,
-     "entry for each of the 8 ranks"),
-])
+@pytest.mark.parametrize(
+    "call, error, fragment",
+    [
+        (lambda x: all_gather_hbm_kernel(x, replica_group="a", num_ranks=8), ValueError, "has 4 ranks"),
+        (
+            lambda x: reduce_scatter_hbm_kernel(x, replica_group="a"),
+            TypeError,
+            "missing required parameter `num_ranks`",
+        ),
+        (lambda x: reduce_scatter_hbm_kernel(x[:6], replica_group="a", num_ranks=4), ValueError, "equal blocks"),
+        (lambda x: all_to_all_hbm_kernel(x[:6], replica_group="a"), ValueError, "one block per rank"),
+        (lambda x: all_reduce_hbm_kernel(x, replica_group="nope"), ValueError, "not bound here"),
+        (lambda x: all_reduce_hbm_kernel(x, replica_group=3), TypeError, "mesh axis name"),
+        (lambda x: all_reduce_hbm_kernel(x), TypeError, "missing required parameter `replica_group`"),
+        (lambda x: all_gather_hbm_kernel(x[None], replica_group="a", num_ranks=4), ValueError, "[H, W]"),
+        (lambda x: all_reduce_hbm_kernel(x.astype(jnp.int32), replica_group="a"), TypeError, "dtype"),
+        (lambda x: rank_id_kernel(x), ValueError, "[R, H, W]"),
+        (
+            lambda x: dma_copy_rank_id_kernel(x.reshape(8, 1, W), jnp.zeros((1, 4), jnp.int32)),
+            ValueError,
+            "entry for each of the 8 ranks",
+        ),
+    ],
+)
 def test_bad_inputs(call, error, fragment):
     with pytest.raises(error) as info:
         run(call, "4x2", random((RANKS * H, W)))

@@ -20,12 +20,6 @@ from tests.support.sharding import run_sharded as run
 B, S, K, N = 2, 24, 12, 16  # S and N divide over 8 ranks; S_local = 3
 
 
-
-
-
-
-
-
 def collective_counts(fn, mesh, in_specs, out_specs, *args) -> dict:
     body = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
     found = compiled_collectives(body.lower(*place(mesh, in_specs, *args)).compile().as_text())
@@ -39,8 +33,14 @@ GATHER = dict(in_specs=(P(None, "r"), P(None, "r")), out_specs=P(None, None, "r"
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
 def test_all_gather_matmul_matches_oracle(dtype):
     x, w = random((B, S, K), dtype, 0), random((K, N), dtype, 1)
-    out = run(functools.partial(all_gather_matmul, axis_name="r", gather_axis=1), mesh_1d("r"), GATHER["in_specs"],
-              GATHER["out_specs"], x, w)
+    out = run(
+        functools.partial(all_gather_matmul, axis_name="r", gather_axis=1),
+        mesh_1d("r"),
+        GATHER["in_specs"],
+        GATHER["out_specs"],
+        x,
+        w,
+    )
     want = f64(x) @ f64(w)
     assert out.dtype == dtype and out.shape == (B, S, N)
     assert_close(out, want, dtype, reduction=K)
@@ -53,14 +53,16 @@ def test_all_gather_matmul_first_axis_replicated_weight():
     out = run(functools.partial(all_gather_matmul, axis_name="r"), mesh_1d("r"), (P("r"), P()), P("r"), x, w)
     assert out.shape == (8 * S, N)  # every rank returns the full [S, N]
     for rank in range(8):
-        assert_close(np.asarray(out)[rank * S:(rank + 1) * S], f64(x) @ f64(w), jnp.float32, reduction=K)
+        assert_close(np.asarray(out)[rank * S : (rank + 1) * S], f64(x) @ f64(w), jnp.float32, reduction=K)
 
 
 @pytest.mark.slow  # op-by-op dispatch of the rings
 def test_eager_matches_jit():
     mesh = mesh_1d("r")
-    cases = ((all_gather_matmul, (P("r"), P()), random((S, K), seed=2), random((K, N), seed=3)),
-             (matmul_reduce_scatter, (P(None, "r"), P("r")), random((S, K8), seed=4), random((K8, N), seed=5)))
+    cases = (
+        (all_gather_matmul, (P("r"), P()), random((S, K), seed=2), random((K, N), seed=3)),
+        (matmul_reduce_scatter, (P(None, "r"), P("r")), random((S, K8), seed=4), random((K8, N), seed=5)),
+    )
     for fn, specs, x, w in cases:
         body = jax.shard_map(functools.partial(fn, axis_name="r"), mesh=mesh, in_specs=specs, out_specs=P("r"))
         args = place(mesh, specs, x, w)
@@ -71,16 +73,23 @@ def test_all_gather_matmul_ring_over_one_axis_of_a_2x4_mesh():
     mesh = make_mesh((2, 4), ("a", "b"))
     x, w = random((B, S, K), jnp.float32, 4), random((K, N), jnp.float32, 5)
     # batch over a, tokens over b (the ring), weight columns replicated
-    out = run(functools.partial(all_gather_matmul, axis_name="b", gather_axis=1), mesh, (P("a", "b"), P()),
-              P("a", "b"), x, w)
+    out = run(
+        functools.partial(all_gather_matmul, axis_name="b", gather_axis=1), mesh, (P("a", "b"), P()), P("a", "b"), x, w
+    )
     # each rank of b returns the full sequence: the output stacks 4 copies along the token axis
     want = f64(x) @ f64(w)
     for rank in range(4):
-        assert_close(np.asarray(out)[:, rank * S:(rank + 1) * S], want, jnp.float32, reduction=K)
+        assert_close(np.asarray(out)[:, rank * S : (rank + 1) * S], want, jnp.float32, reduction=K)
     # and over the other axis, with the weight's columns sharded over b
     # (the ring's result is typed as varying over a: the two copies stack along the batch axis)
-    out = run(functools.partial(all_gather_matmul, axis_name="a", gather_axis=1), mesh, (P(None, "a"), P(None, "b")),
-              P("a", None, "b"), x, w)
+    out = run(
+        functools.partial(all_gather_matmul, axis_name="a", gather_axis=1),
+        mesh,
+        (P(None, "a"), P(None, "b")),
+        P("a", None, "b"),
+        x,
+        w,
+    )
     assert_close(out, np.concatenate([want, want]), jnp.float32, reduction=K)
 
 
@@ -90,8 +99,9 @@ def test_all_gather_matmul_compiles_to_n_minus_1_collective_permutes():
     counts = collective_counts(fn, mesh_1d("r"), GATHER["in_specs"], GATHER["out_specs"], x, w)
     assert counts == {"collective-permute": 7, "all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
     mesh = make_mesh((2, 4), ("a", "b"))
-    counts = collective_counts(functools.partial(all_gather_matmul, axis_name="b", gather_axis=1), mesh,
-                               (P("a", "b"), P()), P("a", "b"), x, w)
+    counts = collective_counts(
+        functools.partial(all_gather_matmul, axis_name="b", gather_axis=1), mesh, (P("a", "b"), P()), P("a", "b"), x, w
+    )
     assert counts["collective-permute"] == 3 and counts["all-gather"] == 0
 
 
@@ -103,8 +113,14 @@ K8 = 32  # contraction split over 8 ranks
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
 def test_matmul_reduce_scatter_matches_oracle(dtype):
     x, w = random((B, S, K8), dtype, 6), random((K8, N), dtype, 7)
-    out = run(functools.partial(matmul_reduce_scatter, axis_name="r", scatter_axis=1), mesh_1d("r"),
-              SCATTER["in_specs"], SCATTER["out_specs"], x, w)
+    out = run(
+        functools.partial(matmul_reduce_scatter, axis_name="r", scatter_axis=1),
+        mesh_1d("r"),
+        SCATTER["in_specs"],
+        SCATTER["out_specs"],
+        x,
+        w,
+    )
     want = f64(x) @ f64(w)
     assert out.dtype == dtype and out.shape == (B, S, N)
     assert_close(out, want, dtype, reduction=K8)
@@ -116,8 +132,14 @@ def test_matmul_reduce_scatter_on_a_2x4_mesh_and_negative_axis():
     mesh = make_mesh((2, 4), ("a", "b"))
     x, w = random((B, S, K8), jnp.float32, 8), random((K8, N), jnp.float32, 9)
     # contraction over b (the ring), batch over a; the scattered token axis given as -2
-    out = run(functools.partial(matmul_reduce_scatter, axis_name="b", scatter_axis=-2), mesh,
-              (P("a", None, "b"), P("b")), P("a", "b"), x, w)
+    out = run(
+        functools.partial(matmul_reduce_scatter, axis_name="b", scatter_axis=-2),
+        mesh,
+        (P("a", None, "b"), P("b")),
+        P("a", "b"),
+        x,
+        w,
+    )
     assert_close(out, f64(x) @ f64(w), jnp.float32, reduction=K8)
 
 
@@ -149,8 +171,7 @@ def test_matmul_reduce_scatter_gradients(weight_spec):
     k = 16 if weight_spec == P("r") else 2
     x_spec = P(None, "r") if weight_spec == P("r") else P()
     x, w = random((S, k), jnp.float64, 12), random((k, 4), jnp.float64, 13)
-    fn = _differentiable(functools.partial(matmul_reduce_scatter, axis_name="r"), mesh, (x_spec, weight_spec),
-                         P("r"))
+    fn = _differentiable(functools.partial(matmul_reduce_scatter, axis_name="r"), mesh, (x_spec, weight_spec), P("r"))
     check_grads(jax.jit(fn), place(mesh, (x_spec, weight_spec), x, w), order=1, modes=["rev"])
 
 
@@ -212,18 +233,21 @@ def test_vmap_of_grad_per_example():
 
 # ------------------------------------------------------------------------------------------------------ bad inputs
 @pytest.mark.parametrize("fn", [all_gather_matmul, matmul_reduce_scatter])
-@pytest.mark.parametrize("case, error, fragment", [
-    (dict(axis_name="nope"), ValueError, "inside jax.shard_map"),
-    (dict(axis_name=3), TypeError, "mesh axis name"),
-    (dict(w_shape=(K8, N, 1)), ValueError, "[K, N]"),
-    (dict(w_shape=(K8 + 1, N)), ValueError, "contraction dimensions differ"),
-    (dict(x_shape=(K8,)), ValueError, "rank >= 2"),
-    (dict(axis=1), ValueError, "not its last"),
-    (dict(axis=-1), ValueError, "not its last"),
-    (dict(axis=5), ValueError, "out of range"),
-    (dict(axis=0.0), TypeError, "must be an int"),
-    (dict(dtype=jnp.int32), TypeError, "floating dtype"),
-])
+@pytest.mark.parametrize(
+    "case, error, fragment",
+    [
+        (dict(axis_name="nope"), ValueError, "inside jax.shard_map"),
+        (dict(axis_name=3), TypeError, "mesh axis name"),
+        (dict(w_shape=(K8, N, 1)), ValueError, "[K, N]"),
+        (dict(w_shape=(K8 + 1, N)), ValueError, "contraction dimensions differ"),
+        (dict(x_shape=(K8,)), ValueError, "rank >= 2"),
+        (dict(axis=1), ValueError, "not its last"),
+        (dict(axis=-1), ValueError, "not its last"),
+        (dict(axis=5), ValueError, "out of range"),
+        (dict(axis=0.0), TypeError, "must be an int"),
+        (dict(dtype=jnp.int32), TypeError, "floating dtype"),
+    ],
+)
 def test_bad_inputs(fn, case, error, fragment):
     mesh = mesh_1d("r")
     x = jnp.ones(case.get("x_shape", (S, K8)), case.get("dtype", jnp.float32))
@@ -238,8 +262,13 @@ def test_bad_inputs(fn, case, error, fragment):
 
 def test_scatter_axis_must_divide_over_the_ring_and_calls_need_shard_map():
     mesh = mesh_1d("r")
-    body = jax.shard_map(functools.partial(matmul_reduce_scatter, axis_name="r"), mesh=mesh, in_specs=(P(), P()),
-                         out_specs=P(), check_vma=False)
+    body = jax.shard_map(
+        functools.partial(matmul_reduce_scatter, axis_name="r"),
+        mesh=mesh,
+        in_specs=(P(), P()),
+        out_specs=P(),
+        check_vma=False,
+    )
     with pytest.raises(ValueError, match="does not divide over the 8 ranks"):
         jax.jit(body)(jnp.ones((12, 4)), jnp.ones((4, 2)))
     with pytest.raises(ValueError, match="inside jax.shard_map"):
@@ -255,18 +284,31 @@ def test_on_neuron_all_gather_matmul_is_the_fgcc_kernel():
 
     x, w = random((8 * 16, 64), jnp.bfloat16, 0), random((64, 8 * 32), jnp.bfloat16, 1)
     mesh = mesh_1d("r")
-    body = jax.shard_map(functools.partial(all_gather_matmul, axis_name="r"), mesh=mesh,
-                         in_specs=(P("r"), P(None, "r")), out_specs=P(None, "r"))
+    body = jax.shard_map(
+        functools.partial(all_gather_matmul, axis_name="r"),
+        mesh=mesh,
+        in_specs=(P("r"), P(None, "r")),
+        out_specs=P(None, "r"),
+    )
     with jax_nkilib.neuron.dry_run():
-        text = jax.jit(body).trace(*place(mesh, (P("r"), P(None, "r")), x, w)).lower(
-            lowering_platforms=("neuron",)).as_text()
+        text = (
+            jax.jit(body)
+            .trace(*place(mesh, (P("r"), P(None, "r")), x, w))
+            .lower(lowering_platforms=("neuron",))
+            .as_text()
+        )
     (config,) = kernel_configs(text)
     assert config["func_name"] == "allgather_compute_matmul" and config["params"]["tp_degree"] == 8
     assert "stablehlo.collective_permute" not in operations(text)
     mesh2 = make_mesh((4, 2), ("a", "b"))
-    body2 = jax.shard_map(functools.partial(all_gather_matmul, axis_name="a"), mesh=mesh2,
-                          in_specs=(P("a"), P()), out_specs=P("a"))  # typed as varying over a
+    body2 = jax.shard_map(
+        functools.partial(all_gather_matmul, axis_name="a"), mesh=mesh2, in_specs=(P("a"), P()), out_specs=P("a")
+    )  # typed as varying over a
     with jax_nkilib.neuron.dry_run(), pytest.warns(NeuronFallbackWarning, match="consecutive ranks"):
-        text = jax.jit(body2).trace(*place(mesh2, (P("a"), P()), x[:64], w)).lower(
-            lowering_platforms=("neuron",)).as_text()
+        text = (
+            jax.jit(body2)
+            .trace(*place(mesh2, (P("a"), P()), x[:64], w))
+            .lower(lowering_platforms=("neuron",))
+            .as_text()
+        )
     assert kernel_configs(text) == [] and "stablehlo.collective_permute" in operations(text)

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_nkilib
-from jax_nkilib._src.sharding.sequence_layouts import LAYOUTS, from_ring_layout, to_ring_layout, token_positions
 from jax_nkilib._src.ops.ring_attention import _plan, _Ring, ring_attention
+from jax_nkilib._src.sharding.sequence_layouts import LAYOUTS, from_ring_layout, to_ring_layout, token_positions
 from tests.support.data import random
 from tests.support.hlo import compiled_collectives
 from tests.support.numerics import assert_close
@@ -54,8 +54,11 @@ def oracle(q, k, v, dy=None, *, causal, scale=None):
 
 # ------------------------------------------------------------------------------------------------ harness
 def qkv(batch=2, seq=64, heads=4, kv_heads=2, d=16, dtype=jnp.float32, lead=()):
-    return (random(lead + (batch, seq, heads, d), dtype, 0), random(lead + (batch, seq, kv_heads, d), dtype, 1),
-            random(lead + (batch, seq, kv_heads, d), dtype, 2))
+    return (
+        random(lead + (batch, seq, heads, d), dtype, 0),
+        random(lead + (batch, seq, kv_heads, d), dtype, 1),
+        random(lead + (batch, seq, kv_heads, d), dtype, 2),
+    )
 
 
 def global_ring(mesh, axis, layout, seq_spec=None, batch_spec=None, **kw):
@@ -64,20 +67,24 @@ def global_ring(mesh, axis, layout, seq_spec=None, batch_spec=None, **kw):
     seq_spec = axis if seq_spec is None else seq_spec
     spec = P(batch_spec, seq_spec)
     size = int(np.prod([mesh.shape[name] for name in ((axis,) if isinstance(axis, str) else axis)]))
-    body = jax.shard_map(functools.partial(ring_attention, axis_name=axis, layout=layout, **kw), mesh=mesh,
-                         in_specs=(spec, spec, spec), out_specs=spec)
+    body = jax.shard_map(
+        functools.partial(ring_attention, axis_name=axis, layout=layout, **kw),
+        mesh=mesh,
+        in_specs=(spec, spec, spec),
+        out_specs=spec,
+    )
 
     def run(q, k, v):
-        placed = (reshard(to_ring_layout(x, layout=layout, axis_size=size), NamedSharding(mesh, spec))
-                  for x in (q, k, v))
+        placed = (
+            reshard(to_ring_layout(x, layout=layout, axis_size=size), NamedSharding(mesh, spec)) for x in (q, k, v)
+        )
         return from_ring_layout(body(*placed), layout=layout, axis_size=size)
 
     return run
 
 
 def loss_grads(fn, q, k, v, dy):
-    return jax.jit(jax.grad(lambda a, b, c: jnp.sum(fn(a, b, c).astype(jnp.float32) * dy), argnums=(0, 1, 2)))(
-        q, k, v)
+    return jax.jit(jax.grad(lambda a, b, c: jnp.sum(fn(a, b, c).astype(jnp.float32) * dy), argnums=(0, 1, 2)))(q, k, v)
 
 
 # ------------------------------------------------------------------------------------------------ numerics
@@ -103,8 +110,9 @@ def _slow_unless(*fast):
 _GRAD_CASE = _slow_unless(("zigzag", True), ("striped", True), ("contiguous", False))
 
 
-@pytest.mark.parametrize("layout,causal", [_GRAD_CASE(layout, causal) for layout in LAYOUTS
-                                           for causal in (True, False)])
+@pytest.mark.parametrize(
+    "layout,causal", [_GRAD_CASE(layout, causal) for layout in LAYOUTS for causal in (True, False)]
+)
 def test_gradients_match_oracle_and_single_device(layout, causal):
     q, k, v = qkv()
     dy = random(q.shape, jnp.float32, 3)
@@ -118,8 +126,10 @@ def test_gradients_match_oracle_and_single_device(layout, causal):
         assert_close(got, np.asarray(other, np.float64), jnp.float32, reduction=q.shape[1], ops=8)
 
 
-@pytest.mark.parametrize("layout", ["zigzag", pytest.param("striped", marks=pytest.mark.slow),
-                                    pytest.param("contiguous", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "layout",
+    ["zigzag", pytest.param("striped", marks=pytest.mark.slow), pytest.param("contiguous", marks=pytest.mark.slow)],
+)
 def test_bf16_gradients(layout):
     q, k, v = qkv(dtype=jnp.bfloat16)
     dy = random(q.shape, jnp.float32, 3)
@@ -130,8 +140,10 @@ def test_bf16_gradients(layout):
         assert_close(got, expected, jnp.bfloat16, reduction=q.shape[1], ops=8)
 
 
-@pytest.mark.parametrize("layout,seq,kv_heads", [pytest.param("contiguous", 56, 1, marks=pytest.mark.slow),
-                                                  ("striped", 40, 4), ("zigzag", 48, 1)])
+@pytest.mark.parametrize(
+    "layout,seq,kv_heads",
+    [pytest.param("contiguous", 56, 1, marks=pytest.mark.slow), ("striped", 40, 4), ("zigzag", 48, 1)],
+)
 def test_odd_local_lengths_mqa_mha_and_scale(layout, seq, kv_heads):
     q, k, v = qkv(batch=1, seq=seq, heads=4, kv_heads=kv_heads, d=8)
     dy = random(q.shape, jnp.float32, 3)
@@ -143,15 +155,27 @@ def test_odd_local_lengths_mqa_mha_and_scale(layout, seq, kv_heads):
         assert_close(got, expected, jnp.float32, reduction=seq, ops=8)
 
 
-@pytest.mark.parametrize("layout,causal", [_slow_unless(("zigzag", True), ("contiguous", False))(layout, causal)
-                                           for layout in LAYOUTS for causal in (True, False)])
+@pytest.mark.parametrize(
+    "layout,causal",
+    [
+        _slow_unless(("zigzag", True), ("contiguous", False))(layout, causal)
+        for layout in LAYOUTS
+        for causal in (True, False)
+    ],
+)
 def test_check_grads_float64(layout, causal):
     """On inputs already in the ring layout (the layout permutation is a plain gather, not under test here)."""
     mesh, spec = mesh_1d("cp"), P(None, "cp")
-    q, k, v = (to_ring_layout(x, layout=layout, axis_size=N)
-               for x in qkv(batch=1, seq=16, heads=2, kv_heads=1, d=4, dtype=jnp.float64))
-    body = jax.shard_map(functools.partial(ring_attention, axis_name="cp", layout=layout, causal=causal), mesh=mesh,
-                         in_specs=(spec,) * 3, out_specs=spec)
+    q, k, v = (
+        to_ring_layout(x, layout=layout, axis_size=N)
+        for x in qkv(batch=1, seq=16, heads=2, kv_heads=1, d=4, dtype=jnp.float64)
+    )
+    body = jax.shard_map(
+        functools.partial(ring_attention, axis_name="cp", layout=layout, causal=causal),
+        mesh=mesh,
+        in_specs=(spec,) * 3,
+        out_specs=spec,
+    )
     ring = jax.jit(lambda *xs: body(*(reshard(x, NamedSharding(mesh, spec)) for x in xs)))
     check_grads(ring, (q, k, v), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
 
@@ -165,8 +189,12 @@ def test_vmap_over_a_leading_axis_and_vmap_of_grad():
     spec = P(None, None, "cp")
     attend = functools.partial(ring_attention, axis_name="cp", layout="striped")
     batched = jax.shard_map(jax.vmap(attend), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-    grads = jax.shard_map(jax.vmap(jax.grad(lambda a, b, c: jnp.sum(attend(a, b, c) ** 2), argnums=(0, 1, 2))),
-                          mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3)
+    grads = jax.shard_map(
+        jax.vmap(jax.grad(lambda a, b, c: jnp.sum(attend(a, b, c) ** 2), argnums=(0, 1, 2))),
+        mesh=mesh,
+        in_specs=(spec,) * 3,
+        out_specs=(spec,) * 3,
+    )
     ring_q, ring_k, ring_v = (to_ring_layout(x, layout="striped", axis_size=N, seq_axis=2) for x in (q, k, v))
     placed = shard(mesh, (spec,) * 3, ring_q, ring_k, ring_v)
     out = from_ring_layout(jax.jit(batched)(*placed), layout="striped", axis_size=N, seq_axis=2)
@@ -183,9 +211,12 @@ def test_vmap_with_shared_keys_and_nested_vmap():
     q, _, _ = qkv(batch=1, seq=32, lead=(2, 2))
     _, k, v = qkv(batch=1, seq=32)
     attend = functools.partial(ring_attention, axis_name="cp", layout=layout)
-    shared = jax.shard_map(jax.vmap(jax.vmap(attend, in_axes=(0, None, None)), in_axes=(0, None, None)), mesh=mesh,
-                           in_specs=(P(None, None, None, "cp"), P(None, "cp"), P(None, "cp")),
-                           out_specs=P(None, None, None, "cp"))
+    shared = jax.shard_map(
+        jax.vmap(jax.vmap(attend, in_axes=(0, None, None)), in_axes=(0, None, None)),
+        mesh=mesh,
+        in_specs=(P(None, None, None, "cp"), P(None, "cp"), P(None, "cp")),
+        out_specs=P(None, None, None, "cp"),
+    )
     ring_q = to_ring_layout(q, layout=layout, axis_size=N, seq_axis=3)
     ring_k, ring_v = (to_ring_layout(x, layout=layout, axis_size=N) for x in (k, v))
     placed = shard(mesh, (P(None, None, None, "cp"), P(None, "cp"), P(None, "cp")), ring_q, ring_k, ring_v)
@@ -199,8 +230,9 @@ def test_vmap_with_shared_keys_and_nested_vmap():
 def test_residuals_are_named_for_remat_policies():
     mesh, spec = mesh_1d("cp"), P(None, "cp")
     args = shard(mesh, (spec,) * 3, *qkv(batch=1, seq=16, heads=2, kv_heads=1, d=8))
-    attend = jax.shard_map(functools.partial(ring_attention, axis_name="cp"), mesh=mesh, in_specs=(spec,) * 3,
-                           out_specs=spec)
+    attend = jax.shard_map(
+        functools.partial(ring_attention, axis_name="cp"), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec
+    )
     loss = lambda *xs: jnp.sum(jnp.sin(attend(*xs)))  # noqa: E731
     text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args))
     assert all(f"ring_attention.{name}" in text for name in ("q", "k", "v", "out", "lse"))
@@ -262,6 +294,7 @@ def collectives(fn, *args) -> dict[str, int]:
 def executed_permutes(fn, *args) -> int:
     """``ppermute``s one call executes: counted in the jaxpr, loop bodies times their trip count (the ring's steps
     are a rolled loop, so the compiled HLO holds each permute once)."""
+
     def count(jaxpr) -> int:
         total = 0
         for eqn in jaxpr.eqns:
@@ -277,6 +310,7 @@ def executed_permutes(fn, *args) -> int:
             else:
                 total += sum(subs)
         return total
+
     return count(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
@@ -300,8 +334,9 @@ def sharded_body(mesh, axis, spec, fn):
 def test_forward_uses_exactly_two_permutes_per_ring_step(layout, causal):
     mesh, spec = mesh_1d("cp"), P(None, "cp")
     args = shard(mesh, (spec,) * 3, *qkv())
-    body = sharded_body(mesh, "cp", spec, functools.partial(ring_attention, axis_name="cp", layout=layout,
-                                                             causal=causal))
+    body = sharded_body(
+        mesh, "cp", spec, functools.partial(ring_attention, axis_name="cp", layout=layout, causal=causal)
+    )
     assert set(collectives(body, *args)) == {"collective-permute"}
     assert executed_permutes(body, *args) == 2 * (N - 1)
 
@@ -310,8 +345,12 @@ def test_backward_permutes_k_v_and_their_gradient_accumulators():
     mesh, spec = mesh_1d("cp"), P(None, "cp")
     args = shard(mesh, (spec,) * 3, *qkv())
     attend = functools.partial(ring_attention, axis_name="cp", layout="zigzag")
-    grads = jax.shard_map(jax.grad(lambda a, b, c: jnp.sum(attend(a, b, c)), argnums=(0, 1, 2)), mesh=mesh,
-                          in_specs=(spec,) * 3, out_specs=(spec,) * 3)
+    grads = jax.shard_map(
+        jax.grad(lambda a, b, c: jnp.sum(attend(a, b, c)), argnums=(0, 1, 2)),
+        mesh=mesh,
+        in_specs=(spec,) * 3,
+        out_specs=(spec,) * 3,
+    )
     # forward: K, V (n - 1 each); backward (the ring turned the other way): K, V (n - 1 each), and dK, dV (n each:
     # they leave home with the step-0 gradients and travel the whole ring)
     assert set(collectives(grads, *args)) == {"collective-permute"}
@@ -354,7 +393,7 @@ def test_each_step_computes_exactly_the_visible_pairs(layout):
                 i = np.arange(piece.q_start, piece.q_stop)[:, None] - piece.q_start
                 j = np.arange(piece.k_start, piece.k_stop)[None, :] - piece.k_start
                 rows = (j <= i + piece.q_base) if piece.causal else np.ones(i.shape[:1] + j.shape[1:], bool)
-                got[piece.q_start:piece.q_stop, piece.k_start:piece.k_stop] = rows
+                got[piece.q_start : piece.q_stop, piece.k_start : piece.k_stop] = rows
                 assert rows.any()
             np.testing.assert_array_equal(got, visible, err_msg=f"{layout} rank {r} step {t}")
             work.add(visible.sum() if piece is not None else 0)
@@ -370,7 +409,7 @@ def test_to_ring_layout_gives_each_shard_its_token_positions(layout):
     ring = to_ring_layout(x, layout=layout, axis_size=n)
     for r in range(n):
         expected = np.asarray(token_positions(layout, n, r, seq // n))
-        np.testing.assert_array_equal(np.asarray(ring[0, r * 6:(r + 1) * 6, 0]), expected)
+        np.testing.assert_array_equal(np.asarray(ring[0, r * 6 : (r + 1) * 6, 0]), expected)
     np.testing.assert_array_equal(from_ring_layout(ring, layout=layout, axis_size=n), x)
     positions = np.concatenate([np.asarray(token_positions(layout, n, r, seq // n)) for r in range(n)])
     assert sorted(positions) == list(range(seq))
@@ -392,17 +431,20 @@ def test_layouts_keep_an_explicit_sharding():
     np.testing.assert_array_equal(from_ring_layout(y, layout="zigzag", axis_size=N), x)
 
 
-@pytest.mark.parametrize("call,error,fragment", [
-    (lambda: token_positions("diagonal", 2, 0, 4), ValueError, "layout"),
-    (lambda: token_positions("zigzag", 2, 0, 3), ValueError, "even"),
-    (lambda: token_positions("striped", 0, 0, 4), ValueError, "axis_size"),
-    (lambda: token_positions("striped", 2, 2, 4), ValueError, "rank"),
-    (lambda: token_positions("striped", 2, 0, 0), ValueError, "local_len"),
-    (lambda: to_ring_layout(jnp.ones((1, 10)), layout="striped", axis_size=4), ValueError, "multiple of axis_size"),
-    (lambda: to_ring_layout(jnp.ones((1, 12)), layout="zigzag", axis_size=4), ValueError, "even"),
-    (lambda: from_ring_layout(jnp.ones((1, 8)), layout="zigzag", axis_size=2, seq_axis=2), ValueError, "seq_axis"),
-    (lambda: to_ring_layout([1, 2], layout="zigzag", axis_size=2), TypeError, "`x`"),
-])
+@pytest.mark.parametrize(
+    "call,error,fragment",
+    [
+        (lambda: token_positions("diagonal", 2, 0, 4), ValueError, "layout"),
+        (lambda: token_positions("zigzag", 2, 0, 3), ValueError, "even"),
+        (lambda: token_positions("striped", 0, 0, 4), ValueError, "axis_size"),
+        (lambda: token_positions("striped", 2, 2, 4), ValueError, "rank"),
+        (lambda: token_positions("striped", 2, 0, 0), ValueError, "local_len"),
+        (lambda: to_ring_layout(jnp.ones((1, 10)), layout="striped", axis_size=4), ValueError, "multiple of axis_size"),
+        (lambda: to_ring_layout(jnp.ones((1, 12)), layout="zigzag", axis_size=4), ValueError, "even"),
+        (lambda: from_ring_layout(jnp.ones((1, 8)), layout="zigzag", axis_size=2, seq_axis=2), ValueError, "seq_axis"),
+        (lambda: to_ring_layout([1, 2], layout="zigzag", axis_size=2), TypeError, "`x`"),
+    ],
+)
 def test_layout_bad_arguments(call, error, fragment):
     with pytest.raises(error, match=re.escape(fragment)):
         call()
@@ -411,26 +453,28 @@ def test_layout_bad_arguments(call, error, fragment):
 # ------------------------------------------------------------------------------------------------ bad inputs
 def _in_shard_map(q, k, v, **kw):
     mesh, spec = mesh_1d("cp"), P(None, "cp")
-    body = jax.shard_map(lambda a, b, c: ring_attention(a, b, c, **kw), mesh=mesh, in_specs=(spec,) * 3,
-                         out_specs=spec)
+    body = jax.shard_map(lambda a, b, c: ring_attention(a, b, c, **kw), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     return jax.jit(body).trace(*shard(mesh, (spec,) * 3, q, k, v))
 
 
-@pytest.mark.parametrize("change,kw,error,fragment", [
-    ({}, dict(axis_name="sp"), ValueError, "'sp' is not bound"),
-    ({}, dict(axis_name=3), TypeError, "axis_name"),
-    ({}, dict(axis_name="cp", layout="ring"), ValueError, "layout"),
-    ({"seq": 24}, dict(axis_name="cp", layout="zigzag"), ValueError, "even number of tokens per shard"),
-    ({"heads": 3}, dict(axis_name="cp"), ValueError, "multiple of kv heads"),
-    ({"v": (2, 64, 2, 8)}, dict(axis_name="cp"), ValueError, "same shape"),
-    ({"k": (2, 32, 2, 16), "v": (2, 32, 2, 16)}, dict(axis_name="cp"), ValueError, "agree on batch, seq"),
-    ({"q": (2, 64, 4)}, dict(axis_name="cp"), ValueError, "[batch, seq, heads, head_dim]"),
-    ({"dtype_k": jnp.bfloat16}, dict(axis_name="cp"), TypeError, "one floating dtype"),
-    ({}, dict(axis_name="cp", causal=1), TypeError, "causal"),
-    ({}, dict(axis_name="cp", scale="1"), TypeError, "scale"),
-    ({}, dict(axis_name="cp", scale=float("nan")), ValueError, "`scale` must be a finite Python float"),
-    ({"k": (2, 64, 0, 16), "v": (2, 64, 0, 16)}, dict(axis_name="cp"), ValueError, "`k` has kv_heads = 0"),
-])
+@pytest.mark.parametrize(
+    "change,kw,error,fragment",
+    [
+        ({}, dict(axis_name="sp"), ValueError, "'sp' is not bound"),
+        ({}, dict(axis_name=3), TypeError, "axis_name"),
+        ({}, dict(axis_name="cp", layout="ring"), ValueError, "layout"),
+        ({"seq": 24}, dict(axis_name="cp", layout="zigzag"), ValueError, "even number of tokens per shard"),
+        ({"heads": 3}, dict(axis_name="cp"), ValueError, "multiple of kv heads"),
+        ({"v": (2, 64, 2, 8)}, dict(axis_name="cp"), ValueError, "same shape"),
+        ({"k": (2, 32, 2, 16), "v": (2, 32, 2, 16)}, dict(axis_name="cp"), ValueError, "agree on batch, seq"),
+        ({"q": (2, 64, 4)}, dict(axis_name="cp"), ValueError, "[batch, seq, heads, head_dim]"),
+        ({"dtype_k": jnp.bfloat16}, dict(axis_name="cp"), TypeError, "one floating dtype"),
+        ({}, dict(axis_name="cp", causal=1), TypeError, "causal"),
+        ({}, dict(axis_name="cp", scale="1"), TypeError, "scale"),
+        ({}, dict(axis_name="cp", scale=float("nan")), ValueError, "`scale` must be a finite Python float"),
+        ({"k": (2, 64, 0, 16), "v": (2, 64, 0, 16)}, dict(axis_name="cp"), ValueError, "`k` has kv_heads = 0"),
+    ],
+)
 def test_bad_inputs_raise_at_trace_time(change, kw, error, fragment):
     q, k, v = qkv(seq=change.get("seq", 64), heads=change.get("heads", 4))
     q = jnp.ones(change["q"]) if "q" in change else q

@@ -27,8 +27,13 @@ from tests.support.sharding import make_mesh, mesh_1d, reshard, shard
 NW, B, H, D = 8, 1, 2, 16
 SEQ_LAST = P(None, None, None, "cp")  # [b, h, d, S] sharded along S
 SEQ_MID = P(None, None, "cp", None)  # [b, h, S, d] sharded along S
-COLLECTIVES = {"stablehlo.all_gather", "stablehlo.all_to_all", "stablehlo.reduce_scatter",
-               "stablehlo.collective_permute", "stablehlo.all_reduce"}
+COLLECTIVES = {
+    "stablehlo.all_gather",
+    "stablehlo.all_to_all",
+    "stablehlo.reduce_scatter",
+    "stablehlo.collective_permute",
+    "stablehlo.all_reduce",
+}
 
 
 # ----------------------------------------------------------------------------------------------------- oracle
@@ -61,8 +66,11 @@ def attention_oracle(q, k, v, ok, scale):
     e = np.where(ok, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
     total = e.sum(-1, keepdims=True)
     p = e / np.where(total > 0, total, 1.0)
-    lse = np.where(total[..., 0] > 0, np.where(np.isfinite(m[..., 0]), m[..., 0], 0.0)
-                   + np.log(np.where(total[..., 0] > 0, total[..., 0], 1.0)), 0.0)
+    lse = np.where(
+        total[..., 0] > 0,
+        np.where(np.isfinite(m[..., 0]), m[..., 0], 0.0) + np.log(np.where(total[..., 0] > 0, total[..., 0], 1.0)),
+        0.0,
+    )
     return p @ v, lse, p
 
 
@@ -75,8 +83,7 @@ def attention_grads_oracle(q, k, v, dy, ok, scale):
 
 
 def f64(x):
-    return np.asarray(jnp.asarray(x, jnp.float32), np.float64) if x.dtype == jnp.bfloat16 else np.asarray(x,
-                                                                                                          np.float64)
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64) if x.dtype == jnp.bfloat16 else np.asarray(x, np.float64)
 
 
 def rows(x):
@@ -104,22 +111,35 @@ def run(fn, *args, in_specs, out_specs, mesh=None):
     return jax.jit(body)(*(placed if len(args) > 1 else (placed,)))
 
 
-def forward(q, k, v, bound_min=None, bound_max=None, *, mesh=None, axes="cp", nw=NW, out_specs=SEQ_MID,
-            kv_specs=(SEQ_LAST, SEQ_LAST, SEQ_MID), **flags):
+def forward(
+    q,
+    k,
+    v,
+    bound_min=None,
+    bound_max=None,
+    *,
+    mesh=None,
+    axes="cp",
+    nw=NW,
+    out_specs=SEQ_MID,
+    kv_specs=(SEQ_LAST, SEQ_LAST, SEQ_MID),
+    **flags,
+):
     """ring_attention_spmd_fwd on global [b, h, T, d] q, k, v given in the kernel layouts of ``flags``."""
     q_in = q if flags.get("tp_q") else seq_last(q)
     k_in = k if flags.get("tp_k") else seq_last(k)
-    specs = (SEQ_MID if flags.get("tp_q") else kv_specs[0], SEQ_MID if flags.get("tp_k") else kv_specs[1],
-             kv_specs[2])
+    specs = (SEQ_MID if flags.get("tp_q") else kv_specs[0], SEQ_MID if flags.get("tp_k") else kv_specs[1], kv_specs[2])
     call = functools.partial(ring_attention_spmd_fwd, replica_groups=axes, num_workers=nw, **flags)
     if bound_min is None:
         return run(call, q_in, k_in, v, in_specs=specs, out_specs=out_specs, mesh=mesh)
-    return run(call, q_in, k_in, v, bound_min, bound_max, in_specs=specs + (P(), P()), out_specs=out_specs,
-               mesh=mesh)
+    return run(call, q_in, k_in, v, bound_min, bound_max, in_specs=specs + (P(), P()), out_specs=out_specs, mesh=mesh)
 
 
-MODES = {"full": dict(), "causal": dict(use_causal_mask=True),
-         "striped": dict(use_causal_mask=True, striped_input=True)}
+MODES = {
+    "full": dict(),
+    "causal": dict(use_causal_mask=True),
+    "striped": dict(use_causal_mask=True, striped_input=True),
+}
 
 
 def oracle_for(q, k, v, nw=NW, scale=None, bound_min=None, bound_max=None, **flags):
@@ -152,8 +172,9 @@ def test_transposed_layouts_scale_and_default_scale():
 def test_training_returns_lse_in_tiles(lse_dtype):
     q, k, v = problem(128, jnp.bfloat16, nw=4)
     mesh = make_mesh((4, 2), ("cp", "tp"))
-    out, lse = forward(q, k, v, mesh=mesh, nw=4, training=True, lse_dtype=lse_dtype, out_specs=(SEQ_MID, SEQ_LAST),
-                       **MODES["striped"])
+    out, lse = forward(
+        q, k, v, mesh=mesh, nw=4, training=True, lse_dtype=lse_dtype, out_specs=(SEQ_MID, SEQ_LAST), **MODES["striped"]
+    )
     want_o, want_lse, _ = oracle_for(q, k, v, nw=4, **MODES["striped"])
     assert lse.shape == (B, H, 128, 4) and lse.dtype == lse_dtype
     # rank r's lse [.., 128, 1] holds query t * 128 + r of its own 128 tokens
@@ -186,9 +207,16 @@ def test_sequence_packing_bounds():
     # vmap over q only: the unbatched bounds follow the folded batch rows
     call = functools.partial(ring_attention_spmd_fwd, replica_groups="cp", num_workers=NW, **MODES["striped"])
     body = lambda q_, *rest: jax.vmap(call, in_axes=(0, None, None, None, None))(q_, *rest)  # noqa: E731
-    out = run(body, jnp.stack([seq_last(q), -seq_last(q)]), seq_last(k), v, jnp.asarray(lo[..., None]),
-              jnp.asarray(hi[..., None]), in_specs=(P(None, *SEQ_LAST), SEQ_LAST, SEQ_MID, P(), P()),
-              out_specs=P(None, *SEQ_MID))
+    out = run(
+        body,
+        jnp.stack([seq_last(q), -seq_last(q)]),
+        seq_last(k),
+        v,
+        jnp.asarray(lo[..., None]),
+        jnp.asarray(hi[..., None]),
+        in_specs=(P(None, *SEQ_LAST), SEQ_LAST, SEQ_MID, P(), P()),
+        out_specs=P(None, *SEQ_MID),
+    )
     want, _, _ = oracle_for(-q, k, v, bound_min=lo, bound_max=hi, **MODES["striped"])
     assert_close(out[1].reshape(B * H, -1, D), want, jnp.float32, reduction=96)
 
@@ -208,8 +236,16 @@ def test_ring_over_two_mesh_axes():
     q, k, v = problem(6)
     mesh = make_mesh((4, 2), ("x", "y"))
     seq_mid, seq_last_ = P(None, None, ("x", "y"), None), P(None, None, None, ("x", "y"))
-    out = forward(q, k, v, mesh=mesh, axes=("x", "y"), kv_specs=(seq_last_, seq_last_, seq_mid), out_specs=seq_mid,
-                  **MODES["striped"])
+    out = forward(
+        q,
+        k,
+        v,
+        mesh=mesh,
+        axes=("x", "y"),
+        kv_specs=(seq_last_, seq_last_, seq_mid),
+        out_specs=seq_mid,
+        **MODES["striped"],
+    )
     assert_close(out.reshape(B * H, -1, D), oracle_for(q, k, v, **MODES["striped"])[0], jnp.float32, reduction=48)
 
 
@@ -222,8 +258,15 @@ def test_vmap_partial_and_nested():
     # vmap over a leading axis of q only (k, v shared): each slice is its own ring attention
     qs = jnp.stack([seq_last(q), seq_last(q) * 0.5])
     body = lambda q_, k_, v_: jax.vmap(call, in_axes=(0, None, None))(q_, k_, v_)  # noqa: E731
-    out = run(body, qs, seq_last(k), v, in_specs=(batched_spec(SEQ_LAST),) + specs[1:],
-              out_specs=batched_spec(SEQ_MID), mesh=mesh)
+    out = run(
+        body,
+        qs,
+        seq_last(k),
+        v,
+        in_specs=(batched_spec(SEQ_LAST),) + specs[1:],
+        out_specs=batched_spec(SEQ_MID),
+        mesh=mesh,
+    )
     for i, scale in enumerate((1.0, 0.5)):
         want, _, _ = oracle_for(q * scale, k, v, **MODES["causal"])
         assert_close(out[i].reshape(-1, 48, D), want, jnp.float32, reduction=48)
@@ -231,8 +274,15 @@ def test_vmap_partial_and_nested():
     nested = lambda *xs: jax.vmap(jax.vmap(call))(*xs)  # noqa: E731
     stack = lambda x: jnp.broadcast_to(x, (2, 3) + x.shape)  # noqa: E731
     two = lambda s: P(None, None, *s)  # noqa: E731
-    out = run(nested, stack(seq_last(q)), stack(seq_last(k)), stack(v), in_specs=tuple(two(s) for s in specs),
-              out_specs=two(SEQ_MID), mesh=mesh)
+    out = run(
+        nested,
+        stack(seq_last(q)),
+        stack(seq_last(k)),
+        stack(v),
+        in_specs=tuple(two(s) for s in specs),
+        out_specs=two(SEQ_MID),
+        mesh=mesh,
+    )
     want, _, _ = oracle_for(q, k, v, **MODES["causal"])
     assert_close(out[1, 2].reshape(-1, 48, D), want, jnp.float32, reduction=48)
 
@@ -285,8 +335,9 @@ def test_vmap_of_grad_float32_kernel_path():
     mesh = mesh_1d("cp")
     specs = (SEQ_LAST, SEQ_LAST, SEQ_MID)
     dys = jnp.asarray(np.random.default_rng(5).standard_normal((2,) + v.shape), jnp.float32)
-    grads = jax.jit(jax.vmap(lambda dy: jax.grad(loss_fn(MODES["causal"], mesh, specs, dy), argnums=2)(
-        seq_last(q), seq_last(k), v)))(dys)
+    grads = jax.jit(
+        jax.vmap(lambda dy: jax.grad(loss_fn(MODES["causal"], mesh, specs, dy), argnums=2)(seq_last(q), seq_last(k), v))
+    )(dys)
     ok = visible(q.shape[2], NW, causal=True, striped=False)
     for i in range(2):
         want = attention_grads_oracle(rows(q), rows(k), rows(v), rows(dys[i]), ok, 1.0)[2]
@@ -306,10 +357,24 @@ def test_backward_kernel_directly_with_packing_and_bf16():
     # the forward's lse tiles: global [b, h, 128, 4 ranks * 1 tile]
     lse_tiles = jnp.asarray(np.swapaxes(lse.reshape(B, H, 4, 128), 2, 3), jnp.float32)
     mesh = make_mesh((4, 2), ("cp", "tp"))
-    call = functools.partial(ring_attention_spmd_bwd, use_causal_mask=True, softmax_scale=0.25, num_workers=4,
-                             replica_groups="cp", striped_attention=True)
-    grads = run(call, *(seq_last(x) for x in (q, k, v, o, dy)), lse_tiles, jnp.asarray(lo), jnp.asarray(hi),
-                in_specs=(SEQ_LAST,) * 6 + (P(), P()), out_specs=(SEQ_LAST,) * 3, mesh=mesh)
+    call = functools.partial(
+        ring_attention_spmd_bwd,
+        use_causal_mask=True,
+        softmax_scale=0.25,
+        num_workers=4,
+        replica_groups="cp",
+        striped_attention=True,
+    )
+    grads = run(
+        call,
+        *(seq_last(x) for x in (q, k, v, o, dy)),
+        lse_tiles,
+        jnp.asarray(lo),
+        jnp.asarray(hi),
+        in_specs=(SEQ_LAST,) * 6 + (P(), P()),
+        out_specs=(SEQ_LAST,) * 3,
+        mesh=mesh,
+    )
     want = attention_grads_oracle(rows(q), rows(k), rows(v), rows(dy), ok, 0.25)
     for got, expected in zip(grads, want):
         assert got.dtype == jnp.float32 and got.shape == (B, H, D, 4 * seq)
@@ -374,8 +439,9 @@ GROUPS_4X2 = [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 def test_neuron_forward_is_one_collective_kernel_call(dry_run):
     q, k, v = problem(128, jnp.bfloat16, nw=4)
-    call = functools.partial(ring_attention_spmd_fwd, replica_groups="cp", num_workers=4, use_causal_mask=True,
-                             striped_input=True)
+    call = functools.partial(
+        ring_attention_spmd_fwd, replica_groups="cp", num_workers=4, use_causal_mask=True, striped_input=True
+    )
     text = neuron_module(call, seq_last(q), seq_last(k), v, in_specs=KV_SPECS_4X2, out_specs=KV_SPECS_4X2[2])
     (cfg,) = kernel_configs(text)
     assert cfg["func_name"] == "ring_attention_spmd_fwd" and cfg["has_collectives"] is True and cfg["grid"] == 1
@@ -401,9 +467,15 @@ def test_neuron_training_step_is_forward_and_backward_kernels(dry_run, lnc):
     assert fwd["func_name"] == "ring_attention_spmd_fwd" and fwd["params"]["training"] is True
     assert fwd["output_names"] == ["o", "lse"]
     assert bwd["func_name"] == "ring_attention_spmd_bwd" and bwd["has_collectives"] is True
-    assert bwd["params"] == {"use_causal_mask": True, "mixed_precision": True, "softmax_scale": 1.0,
-                             "num_workers": 4, "lnc_size": lnc, "replica_groups": GROUPS_4X2,
-                             "striped_attention": False}
+    assert bwd["params"] == {
+        "use_causal_mask": True,
+        "mixed_precision": True,
+        "softmax_scale": 1.0,
+        "num_workers": 4,
+        "lnc_size": lnc,
+        "replica_groups": GROUPS_4X2,
+        "striped_attention": False,
+    }
     assert fwd["grid"] == bwd["grid"] == lnc
     assert operations(text).count("stablehlo.custom_call") == 2 and not COLLECTIVES & set(operations(text))
 
@@ -433,8 +505,17 @@ def test_neuron_backward_with_mismatched_lnc_size_falls_back(dry_run):
     lse = jnp.zeros((1, 2, 128, 4), jnp.float32)
     call = functools.partial(ring_attention_spmd_bwd, num_workers=4, replica_groups="cp", lnc_size=2)
     with pytest.warns(NeuronFallbackWarning, match="lnc_size=2 must equal the LNC degree 1"):
-        text = neuron_module(call, q, q, q, q, q, lse, in_specs=(P(None, "tp", None, "cp"),) * 6,
-                             out_specs=(P(None, "tp", None, "cp"),) * 3)
+        text = neuron_module(
+            call,
+            q,
+            q,
+            q,
+            q,
+            q,
+            lse,
+            in_specs=(P(None, "tp", None, "cp"),) * 6,
+            out_specs=(P(None, "tp", None, "cp"),) * 3,
+        )
     assert kernel_configs(text) == []
 
 
@@ -457,8 +538,14 @@ def test_forward_bad_flags(flags, error, fragment):
     q, k, v = problem(12)
     flags = dict(dict(replica_groups="cp", num_workers=NW), **flags)
     with pytest.raises(error, match=None) as info:
-        run(functools.partial(ring_attention_spmd_fwd, **flags), seq_last(q), seq_last(k), v,
-            in_specs=(SEQ_LAST, SEQ_LAST, SEQ_MID), out_specs=SEQ_MID)
+        run(
+            functools.partial(ring_attention_spmd_fwd, **flags),
+            seq_last(q),
+            seq_last(k),
+            v,
+            in_specs=(SEQ_LAST, SEQ_LAST, SEQ_MID),
+            out_specs=SEQ_MID,
+        )
     assert fragment in str(info.value)
 
 
@@ -475,8 +562,15 @@ def test_forward_bad_operands():
         run(call, seq_last(q), seq_last(k), v, lo, hi, in_specs=specs + (P(), P()), out_specs=SEQ_MID)
     striped = functools.partial(call, use_causal_mask=True, striped_input=True)
     with pytest.raises(ValueError, match="both bound_min and bound_max"):
-        run(lambda a, b, c, d: striped(a, b, c, d), seq_last(q), seq_last(k), v, lo,
-            in_specs=specs + (P(),), out_specs=SEQ_MID)
+        run(
+            lambda a, b, c, d: striped(a, b, c, d),
+            seq_last(q),
+            seq_last(k),
+            v,
+            lo,
+            in_specs=specs + (P(),),
+            out_specs=SEQ_MID,
+        )
     with pytest.raises(ValueError, match=r"\[b\*h, S, 1\]"):
         run(striped, seq_last(q), seq_last(k), v, lo[:1], hi[:1], in_specs=specs + (P(), P()), out_specs=SEQ_MID)
 
@@ -493,10 +587,19 @@ def test_backward_and_unpermute_bad_inputs():
     call = functools.partial(ring_attention_spmd_bwd, num_workers=NW, replica_groups="cp")
     specs = (SEQ_LAST,) * 6
     with pytest.raises(ValueError, match="striped_attention=True requires"):
-        run(functools.partial(call, striped_attention=True), q, q, q, q, q, lse, in_specs=specs,
-            out_specs=(SEQ_LAST,) * 3)
+        run(
+            functools.partial(call, striped_attention=True),
+            q,
+            q,
+            q,
+            q,
+            q,
+            lse,
+            in_specs=specs,
+            out_specs=(SEQ_LAST,) * 3,
+        )
     with pytest.raises(ValueError, match="`lse_ref`"):  # S = 120 per rank: no [B, N, 128, S/128] layout
-        short = q[..., :NW * 120]
+        short = q[..., : NW * 120]
         run(call, short, short, short, short, short, lse, in_specs=specs, out_specs=(SEQ_LAST,) * 3)
     with pytest.raises(ValueError, match="lnc_size must be 1 or 2"):
         run(functools.partial(call, lnc_size=3), q, q, q, q, q, lse, in_specs=specs, out_specs=(SEQ_LAST,) * 3)

@@ -14,11 +14,10 @@ matrix is ``-m slow``.
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -31,8 +30,12 @@ from tests.support.isolation import time_limit
 from tests.support.numerics import relative_error, tolerance
 
 B, S, H, N, K, D, F = 8, 16, 128, 16, 8, 16, 256
-MESHES = {"8": ((8,), ("data",)), "8x1": ((8, 1), ("data", "model")), "4x2": ((4, 2), ("data", "model")),
-          "2x4": ((2, 4), ("data", "model"))}
+MESHES = {
+    "8": ((8,), ("data",)),
+    "8x1": ((8, 1), ("data", "model")),
+    "4x2": ((4, 2), ("data", "model")),
+    "2x4": ((2, 4), ("data", "model")),
+}
 BOUND = tolerance(jnp.float32, reduction=4096, ops=16)  # psum'd partial sums add in another order
 
 
@@ -40,6 +43,7 @@ BOUND = tolerance(jnp.float32, reduction=4096, ops=16)  # psum'd partial sums ad
 class Case:
     """``fn(**args)``; ``dims`` names each operand's dimensions with the rule's letters (absent: replicated);
     gradients are taken for ``diff``."""
+
     rule: str
     fn: Callable
     args: dict
@@ -55,8 +59,11 @@ def _cases() -> dict[str, Case]:
     q, k, v = random((B, S, N, D), seed=4), random((B, S, K, D), seed=5), random((B, S, K, D), seed=6)
     w_q, w_k, w_v = (random((H, n * D), seed=7 + i, scale=0.1) for i, n in enumerate((N, K, K)))
     w_o = random((N * D, H), seed=10, scale=0.1)
-    w_gate, w_up, w_down = random((H, F), seed=11, scale=0.1), random((H, F), seed=12, scale=0.1), \
-        random((F, H), seed=13, scale=0.1)
+    w_gate, w_up, w_down = (
+        random((H, F), seed=11, scale=0.1),
+        random((H, F), seed=12, scale=0.1),
+        random((F, H), seed=13, scale=0.1),
+    )
     q1, k1, v1 = random((B, 1, N, D), seed=14), random((B, 1, K, D), seed=15), random((B, 1, K, D), seed=16)
     k_cache, v_cache = random((B, K, 32, D), seed=17), random((B, K, 32, D), seed=18)
     cache_len = jnp.arange(3, 3 + B, dtype=jnp.int32)
@@ -64,38 +71,80 @@ def _cases() -> dict[str, Case]:
     x_mx, w_mx = random((B, S, 256), seed=20), random((256, H), seed=21, scale=0.1)
     data, tp = {"0": "data"}, {"0": "data", "1": "model"}
     return {
-        "rms_norm": Case("jax_nkilib.rms_norm", lambda x, w: jax_nkilib.rms_norm(x, w), {"x": x3, "w": gain},
-                         {"x": "01h"}, ("x", "w"), (data, tp)),
-        "layer_norm": Case("jax_nkilib.layer_norm", lambda x, w, b: jax_nkilib.layer_norm(x, w, b),
-                           {"x": x3, "w": gain, "b": bias}, {"x": "01h"}, ("x", "w", "b"), (data, tp)),
-        "rope": Case("jax_nkilib.rope", lambda x, cos, sin: jax_nkilib.rope(x, cos, sin),
-                     {"x": x4, "cos": cos, "sin": sin}, {"x": "0snd", "cos": "s_", "sin": "s_"}, ("x", "cos", "sin"),
-                     (data,)),
-        "attention": Case("jax_nkilib.attention", lambda q, k, v: jax_nkilib.attention(q, k, v),
-                          {"q": q, "k": k, "v": v}, {"q": "bsnd", "k": "bsnd", "v": "bsnd"}, ("q", "k", "v"),
-                          ({"b": "data"},)),
+        "rms_norm": Case(
+            "jax_nkilib.rms_norm",
+            lambda x, w: jax_nkilib.rms_norm(x, w),
+            {"x": x3, "w": gain},
+            {"x": "01h"},
+            ("x", "w"),
+            (data, tp),
+        ),
+        "layer_norm": Case(
+            "jax_nkilib.layer_norm",
+            lambda x, w, b: jax_nkilib.layer_norm(x, w, b),
+            {"x": x3, "w": gain, "b": bias},
+            {"x": "01h"},
+            ("x", "w", "b"),
+            (data, tp),
+        ),
+        "rope": Case(
+            "jax_nkilib.rope",
+            lambda x, cos, sin: jax_nkilib.rope(x, cos, sin),
+            {"x": x4, "cos": cos, "sin": sin},
+            {"x": "0snd", "cos": "s_", "sin": "s_"},
+            ("x", "cos", "sin"),
+            (data,),
+        ),
+        "attention": Case(
+            "jax_nkilib.attention",
+            lambda q, k, v: jax_nkilib.attention(q, k, v),
+            {"q": q, "k": k, "v": v},
+            {"q": "bsnd", "k": "bsnd", "v": "bsnd"},
+            ("q", "k", "v"),
+            ({"b": "data"},),
+        ),
         "decode_attention": Case(
             "jax_nkilib.decode_attention",
             lambda q, k, v, kc, vc, n: jax_nkilib.decode_attention(q, k, v, kc, vc, n)[0],
             {"q": q1, "k": k1, "v": v1, "kc": k_cache, "vc": v_cache, "n": cache_len},
             {"q": "bsnd", "k": "bsnd", "v": "bsnd", "kc": "bn_d", "vc": "bn_d", "n": "b"},
-            ("q", "k", "v", "kc", "vc"), ({"b": "data"}, {"b": "data", "n": "model"})),
+            ("q", "k", "v", "kc", "vc"),
+            ({"b": "data"}, {"b": "data", "n": "model"}),
+        ),
         "qkv_projection": Case(
             "jax_nkilib.qkv_projection",
-            lambda x, wq, wk, wv, g: jax_nkilib.qkv_projection(x, (wq, wk, wv), num_q_heads=N, num_kv_heads=K,
-                                                               norm="rms", norm_weight=g),
+            lambda x, wq, wk, wv, g: jax_nkilib.qkv_projection(
+                x, (wq, wk, wv), num_q_heads=N, num_kv_heads=K, norm="rms", norm_weight=g
+            ),
             {"x": x3, "wq": w_q, "wk": w_k, "wv": w_v, "g": gain},
-            {"x": "bsh", "wq": "hn", "wk": "hn", "wv": "hn"}, ("x", "wq", "wk", "wv", "g"), ({"b": "data"},)),
+            {"x": "bsh", "wq": "hn", "wk": "hn", "wv": "hn"},
+            ("x", "wq", "wk", "wv", "g"),
+            ({"b": "data"},),
+        ),
         "output_projection": Case(
-            "jax_nkilib.output_projection", lambda a, w, b: jax_nkilib.output_projection(a, w, b),
-            {"a": x4, "w": w_o, "b": bias}, {"a": "bsnd", "w": "nh", "b": "h"}, ("a", "w", "b"), ({"b": "data"},)),
+            "jax_nkilib.output_projection",
+            lambda a, w, b: jax_nkilib.output_projection(a, w, b),
+            {"a": x4, "w": w_o, "b": bias},
+            {"a": "bsnd", "w": "nh", "b": "h"},
+            ("a", "w", "b"),
+            ({"b": "data"},),
+        ),
         "mlp": Case(
-            "jax_nkilib.mlp", lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d),
-            {"x": tokens, "g": w_gate, "u": w_up, "d": w_down}, {"x": "01h", "g": "hi", "u": "hi", "d": "ih"},
-            ("x", "g", "u", "d"), (data,)),
+            "jax_nkilib.mlp",
+            lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d),
+            {"x": tokens, "g": w_gate, "u": w_up, "d": w_down},
+            {"x": "01h", "g": "hi", "u": "hi", "d": "ih"},
+            ("x", "g", "u", "d"),
+            (data,),
+        ),
         "mxfp8_matmul": Case(
-            "jax_nkilib.mxfp8_matmul", lambda x, w: jax_nkilib.mxfp8_matmul(x, w), {"x": x_mx, "w": w_mx},
-            {"x": "01k", "w": "kn"}, ("x", "w"), (data, {"0": "data", "k": "model"})),
+            "jax_nkilib.mxfp8_matmul",
+            lambda x, w: jax_nkilib.mxfp8_matmul(x, w),
+            {"x": x_mx, "w": w_mx},
+            {"x": "01k", "w": "kn"},
+            ("x", "w"),
+            (data, {"0": "data", "k": "model"}),
+        ),
     }
 
 
@@ -103,17 +152,26 @@ CASES = _cases()
 
 
 def test_every_differentiable_op_in_the_sharding_table_has_a_case():
-    differentiable = set(RULES) - {"jax_nkilib.quantize_fp8", "jax_nkilib.dequantize_fp8", "jax_nkilib.quantize_mx",
-                                   "jax_nkilib.dequantize_mx", "jax_nkilib.all_gather_matmul",
-                                   "jax_nkilib.matmul_reduce_scatter", "jax_nkilib.ring_attention"}
+    differentiable = set(RULES) - {
+        "jax_nkilib.quantize_fp8",
+        "jax_nkilib.dequantize_fp8",
+        "jax_nkilib.quantize_mx",
+        "jax_nkilib.dequantize_mx",
+        "jax_nkilib.all_gather_matmul",
+        "jax_nkilib.matmul_reduce_scatter",
+        "jax_nkilib.ring_attention",
+    }
     assert {case.rule for case in CASES.values()} == differentiable
 
 
 def splits(case: Case, axis_names: tuple[str, ...]) -> list[dict]:
     """Every split the case's rule allows on a mesh with these axes."""
     rule = RULES[case.rule]
-    letters = [letter for letter in dict.fromkeys("".join(case.dims.values()))
-               if letter in rule.free or letter in rule.collective]
+    letters = [
+        letter
+        for letter in dict.fromkeys("".join(case.dims.values()))
+        if letter in rule.free or letter in rule.collective
+    ]
     found = [{letter: axis} for axis in axis_names for letter in letters]
     if len(axis_names) == 2:
         found += [{first: "data", second: "model"} for first in letters for second in letters if first != second]
@@ -136,14 +194,17 @@ def _gradients(case: Case):
     def loss(*values):  # against fixed random cotangents, so that no gradient vanishes by symmetry
         outs = jax.tree.leaves(case.fn(*values))
         return sum(jnp.sum(out.astype(jnp.float32) * random(out.shape, seed=99 + i)) for i, out in enumerate(outs))
+
     return jax.jit(jax.grad(loss, argnums=tuple(names.index(name) for name in case.diff)))
 
 
 def check_split(op: str, mesh, split: dict) -> None:
     case = CASES[op]
     with jax.set_mesh(mesh):
-        placed = [jax.device_put(value, NamedSharding(mesh, spec(case.dims.get(name), split)))
-                  for name, value in case.args.items()]
+        placed = [
+            jax.device_put(value, NamedSharding(mesh, spec(case.dims.get(name), split)))
+            for name, value in case.args.items()
+        ]
         manual = manual_computations(jax.jit(case.fn).lower(*placed).as_text())
         grads = _gradients(case)(*placed)
     expected = int(any(mesh.shape[axis] > 1 for axis in split.values()))  # none over size-1 axes only

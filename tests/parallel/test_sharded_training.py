@@ -37,21 +37,24 @@ BOUND = tolerance(jnp.float32, reduction=MODEL * INTER, ops=16)  # sums over sha
 
 
 def init_params():
-    return {"attn_norm": 1.0 + random((MODEL,), seed=1, scale=0.1),
-            "w_q": random((MODEL, HEADS * HEAD_DIM), seed=2, scale=MODEL ** -0.5),
-            "w_k": random((MODEL, KV_HEADS * HEAD_DIM), seed=3, scale=MODEL ** -0.5),
-            "w_v": random((MODEL, KV_HEADS * HEAD_DIM), seed=4, scale=MODEL ** -0.5),
-            "w_o": random((HEADS * HEAD_DIM, MODEL), seed=5, scale=(HEADS * HEAD_DIM) ** -0.5),
-            "mlp_norm": 1.0 + random((MODEL,), seed=6, scale=0.1),
-            "gate": random((MODEL, INTER), seed=7, scale=MODEL ** -0.5),
-            "up": random((MODEL, INTER), seed=8, scale=MODEL ** -0.5),
-            "down": random((INTER, MODEL), seed=9, scale=INTER ** -0.5)}
+    return {
+        "attn_norm": 1.0 + random((MODEL,), seed=1, scale=0.1),
+        "w_q": random((MODEL, HEADS * HEAD_DIM), seed=2, scale=MODEL**-0.5),
+        "w_k": random((MODEL, KV_HEADS * HEAD_DIM), seed=3, scale=MODEL**-0.5),
+        "w_v": random((MODEL, KV_HEADS * HEAD_DIM), seed=4, scale=MODEL**-0.5),
+        "w_o": random((HEADS * HEAD_DIM, MODEL), seed=5, scale=(HEADS * HEAD_DIM) ** -0.5),
+        "mlp_norm": 1.0 + random((MODEL,), seed=6, scale=0.1),
+        "gate": random((MODEL, INTER), seed=7, scale=MODEL**-0.5),
+        "up": random((MODEL, INTER), seed=8, scale=MODEL**-0.5),
+        "down": random((INTER, MODEL), seed=9, scale=INTER**-0.5),
+    }
 
 
 def block(params, x, cos, sin):
     h = jax_nkilib.rms_norm(x, params["attn_norm"])
-    q, k, v = jax_nkilib.qkv_projection(h, (params["w_q"], params["w_k"], params["w_v"]), num_q_heads=HEADS,
-                                        num_kv_heads=KV_HEADS)
+    q, k, v = jax_nkilib.qkv_projection(
+        h, (params["w_q"], params["w_k"], params["w_v"]), num_q_heads=HEADS, num_kv_heads=KV_HEADS
+    )
     q, k = jax_nkilib.rope(q, cos, sin), jax_nkilib.rope(k, cos, sin)
     x = x + jax_nkilib.output_projection(jax_nkilib.attention(q, k, v, causal=True), params["w_o"])
     h = jax_nkilib.rms_norm(x, params["mlp_norm"])
@@ -84,8 +87,16 @@ def layouts(axes: tuple[str, ...]) -> dict:
     """Layout name -> (activation spec, parameter specs, op calls planning a shard_map) on a mesh with these axes."""
     tp = axes[-1]  # `model`, or the one axis of a 1-D mesh
     data = {name: P() for name in init_params()}
-    tensor = {**data, "w_q": P(None, tp), "w_k": P(None, tp), "w_v": P(None, tp), "w_o": P(tp),
-              "gate": P(None, tp), "up": P(None, tp), "down": P(tp)}
+    tensor = {
+        **data,
+        "w_q": P(None, tp),
+        "w_k": P(None, tp),
+        "w_v": P(None, tp),
+        "w_o": P(tp),
+        "gate": P(None, tp),
+        "up": P(None, tp),
+        "down": P(tp),
+    }
     found = {"data": (P("data"), data, OP_CALLS), "tensor": (P(), tensor, OP_CALLS - 2)}  # the norms: nothing split
     if len(axes) == 2:
         found.update(megatron=(P("data"), tensor, OP_CALLS), sequence=(P("data", "model"), data, OP_CALLS))
@@ -94,8 +105,12 @@ def layouts(axes: tuple[str, ...]) -> dict:
     return found
 
 
-MESHES = {"8": ((8,), ("data",)), "8x1": ((8, 1), ("data", "model")), "4x2": ((4, 2), ("data", "model")),
-          "2x4": ((2, 4), ("data", "model"))}
+MESHES = {
+    "8": ((8,), ("data",)),
+    "8x1": ((8, 1), ("data", "model")),
+    "4x2": ((4, 2), ("data", "model")),
+    "2x4": ((2, 4), ("data", "model")),
+}
 CI = [("4x2", "megatron"), ("8x1", "megatron"), ("2x4", "data"), ("8", "data")]
 EVERY = [(shape, layout) for shape, (_, axes) in MESHES.items() for layout in layouts(axes)]
 
@@ -117,8 +132,13 @@ def check_training(shape: str, layout: str, steps: int = 2) -> None:
     params, state = init_params(), sgd_init(init_params())
     with jax.set_mesh(mesh):
         placed = {name: jax.device_put(value, NamedSharding(mesh, param_specs[name])) for name, value in params.items()}
-        sharded = (placed, sgd_init(placed), *(jax.device_put(a, NamedSharding(mesh, x_spec)) for a in (x, target)),
-                   cos, sin)
+        sharded = (
+            placed,
+            sgd_init(placed),
+            *(jax.device_put(a, NamedSharding(mesh, x_spec)) for a in (x, target)),
+            cos,
+            sin,
+        )
         forward = jax.jit(block).lower(placed, sharded[2], cos, sin).as_text()
         for _ in range(steps):
             got = train_step(*sharded)

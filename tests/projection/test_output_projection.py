@@ -18,8 +18,9 @@ E4M3, E4M3FN = jnp.float8_e4m3, jnp.float8_e4m3fn
 
 
 # ----------------------------------------------------------------------------------------------- float64 oracle
-def projection_oracle(attn_bsnd, weight, bias=None, *, quant=None, w_scale=None, in_scale=None, fp8=None, bound=None,
-                      round_to=None):
+def projection_oracle(
+    attn_bsnd, weight, bias=None, *, quant=None, w_scale=None, in_scale=None, fp8=None, bound=None, round_to=None
+):
     """``[B, S, H]`` float64 from attention ``[B, S, N, D]`` (token-major, any dtype).
 
     ``quant``: None, ``"static"`` (``fp8(clip(a / in_scale, ±bound)) @ W * w_scale * in_scale``; ``round_to`` rounds
@@ -48,8 +49,11 @@ def projection_oracle(attn_bsnd, weight, bias=None, *, quant=None, w_scale=None,
 
 def problem(b=2, s=5, n=3, d=4, h=7, dtype=jnp.float32, seed=0):
     """Attention in the token-major [B, S, N, D] order, weight [N*D, H], bias [1, H]."""
-    return (random((b, s, n, d), dtype, seed), random((n * d, h), dtype, seed + 1, 0.4),
-            random((1, h), dtype, seed + 2, 0.3))
+    return (
+        random((b, s, n, d), dtype, seed),
+        random((n * d, h), dtype, seed + 1, 0.4),
+        random((1, h), dtype, seed + 2, 0.3),
+    )
 
 
 def cte_layout(a):  # [B, S, N, D] -> [B, N, D, S]
@@ -100,8 +104,9 @@ def test_static_fp8_cte_and_tkg(fp8, dtype):
     scales = jnp.full((128, 1), in_s, jnp.float32), jnp.full((128, 1), w_s, jnp.float32)
     bias = jnp.asarray(np.arange(6)[None] * 0.25, dtype)
     cte = output_projection_cte(cte_layout(a), w, bias, scales[0], scales[1], quantization_type="STATIC")
-    want = projection_oracle(a, w, bias, quant="static", w_scale=w_s, in_scale=in_s, fp8=ml_dtypes.float8_e4m3,
-                             bound=240.0)
+    want = projection_oracle(
+        a, w, bias, quant="static", w_scale=w_s, in_scale=in_s, fp8=ml_dtypes.float8_e4m3, bound=240.0
+    )
     np.testing.assert_array_equal(np.asarray(cte, np.float64), want)
     tkg = output_projection_tkg(tkg_layout(a), w, bias, scales[1], scales[0], quantization_type=QuantizationType.STATIC)
     bound = float(ml_dtypes.finfo(fp8).max)
@@ -116,8 +121,17 @@ def test_static_fp8_rounds_non_exact_inputs_like_the_kernel():
     in_s, w_s = 0.02, 0.125
     scales = (jnp.full((128, 1), w_s, jnp.float32), jnp.full((128, 1), in_s, jnp.float32))
     out = output_projection_tkg(tkg_layout(a), w8, bias, *scales, quantization_type="STATIC")
-    want = projection_oracle(a, w8, bias, quant="static", w_scale=w_s, in_scale=in_s, fp8=ml_dtypes.float8_e4m3,
-                             bound=240.0, round_to=ml_dtypes.bfloat16)
+    want = projection_oracle(
+        a,
+        w8,
+        bias,
+        quant="static",
+        w_scale=w_s,
+        in_scale=in_s,
+        fp8=ml_dtypes.float8_e4m3,
+        bound=240.0,
+        round_to=ml_dtypes.bfloat16,
+    )
     assert_close(out.reshape(want.shape), want, jnp.bfloat16, reduction=16, ops=4)
 
 
@@ -161,8 +175,9 @@ def test_jit_vmap_and_nested_vmap():
 def test_fp8_weights_get_no_cotangent_and_the_attention_does():
     a, w = _exact_fp8_problem(jnp.float32, E4M3FN)
     scales = jnp.full((128, 1), 0.5, jnp.float32), jnp.full((128, 1), 0.125, jnp.float32)
-    g = jax.grad(lambda x: jnp.sum(output_projection_cte(cte_layout(x), w, None, *scales,
-                                                         quantization_type="STATIC")))(a + 0.01)
+    g = jax.grad(lambda x: jnp.sum(output_projection_cte(cte_layout(x), w, None, *scales, quantization_type="STATIC")))(
+        a + 0.01
+    )
     assert g.shape == a.shape and np.isfinite(np.asarray(g)).all()
 
 
@@ -190,19 +205,22 @@ def test_neuron_limits_fall_back():
 
 
 # ------------------------------------------------------------------------------------------------- bad inputs
-@pytest.mark.parametrize("case, error, fragment", [
-    ("rows", ValueError, "`weight` must be [N * D, H] = [12, H]"),
-    ("rank", ValueError, "argument `attention` must have layout [B, N, D, S]"),
-    ("weight_dtype", TypeError, "`weight` must have the dtype of `attention`"),
-    ("mx", ValueError, "quantization_type=MX needs N * D % 32 == 0"),
-    ("static_mx", ValueError, "quantization_type=STATIC_MX: STATIC_MX"),
-    ("row_on_cte", ValueError, "quantization_type=ROW is not supported by this kernel"),
-    ("static_no_scale", ValueError, "quantization_type=STATIC requires `weight_scales`"),
-    ("static_float_weight", TypeError, "needs FP8 weights"),
-    ("scale_without_quant", ValueError, "`input_scales` is only used with quantized weights"),
-    ("bias_shape", ValueError, "argument `bias` must have layout [1, H]"),
-    ("output_dtype", TypeError, "`output_dtype` must be a floating dtype"),
-])
+@pytest.mark.parametrize(
+    "case, error, fragment",
+    [
+        ("rows", ValueError, "`weight` must be [N * D, H] = [12, H]"),
+        ("rank", ValueError, "argument `attention` must have layout [B, N, D, S]"),
+        ("weight_dtype", TypeError, "`weight` must have the dtype of `attention`"),
+        ("mx", ValueError, "quantization_type=MX needs N * D % 32 == 0"),
+        ("static_mx", ValueError, "quantization_type=STATIC_MX: STATIC_MX"),
+        ("row_on_cte", ValueError, "quantization_type=ROW is not supported by this kernel"),
+        ("static_no_scale", ValueError, "quantization_type=STATIC requires `weight_scales`"),
+        ("static_float_weight", TypeError, "needs FP8 weights"),
+        ("scale_without_quant", ValueError, "`input_scales` is only used with quantized weights"),
+        ("bias_shape", ValueError, "argument `bias` must have layout [1, H]"),
+        ("output_dtype", TypeError, "`output_dtype` must be a floating dtype"),
+    ],
+)
 def test_cte_bad_inputs(case, error, fragment):
     a, w, bias = problem()
     x, args, flags = cte_layout(a), [w, bias], {}
@@ -236,21 +254,25 @@ def test_cte_bad_inputs(case, error, fragment):
     assert fragment in str(info.value)
 
 
-@pytest.mark.parametrize("case, fragment", [
-    ("row_scale", "`weight_scale` must be [128, H] = [128, 7]"),
-    ("mx", "quantization_type=MX is not supported by this kernel"),
-    ("row_in_scale", "`input_scale` is only used with quantized weights; got it with quantization_type=ROW"),
-    ("out_in_sb", "OUT_IN_SB=True leaves the output in SBUF"),
-    ("transpose", "H=7 must be a multiple of 128 * LNC = 128"),
-    ("flag", "parameter `TRANSPOSE_OUT` must be a Python bool"),
-])
+@pytest.mark.parametrize(
+    "case, fragment",
+    [
+        ("row_scale", "`weight_scale` must be [128, H] = [128, 7]"),
+        ("mx", "quantization_type=MX is not supported by this kernel"),
+        ("row_in_scale", "`input_scale` is only used with quantized weights; got it with quantization_type=ROW"),
+        ("out_in_sb", "OUT_IN_SB=True leaves the output in SBUF"),
+        ("transpose", "H=7 must be a multiple of 128 * LNC = 128"),
+        ("flag", "parameter `TRANSPOSE_OUT` must be a Python bool"),
+    ],
+)
 def test_tkg_bad_inputs(case, fragment):
     a, w, bias = problem()
     w8, one = w.astype(E4M3), jnp.ones((128, 1), jnp.float32)
     calls = {
         "row_scale": lambda: output_projection_tkg(tkg_layout(a), w8, None, one, quantization_type="ROW"),
-        "row_in_scale": lambda: output_projection_tkg(tkg_layout(a), w8, None, jnp.ones((128, 7), jnp.float32), one,
-                                                      quantization_type="ROW"),
+        "row_in_scale": lambda: output_projection_tkg(
+            tkg_layout(a), w8, None, jnp.ones((128, 7), jnp.float32), one, quantization_type="ROW"
+        ),
         "mx": lambda: output_projection_tkg(tkg_layout(a), w, quantization_type="MX"),
         "out_in_sb": lambda: output_projection_tkg(tkg_layout(a), w, OUT_IN_SB=True),
         "transpose": lambda: output_projection_tkg(tkg_layout(a), w, TRANSPOSE_OUT=True),

@@ -62,8 +62,18 @@ def stored(x, dtype):
     return np.asarray(x).astype(dtype).astype(np.float64)
 
 
-def qkv_mx_oracle(x, words, scales, bias=None, store=jnp.bfloat16, mlp_prev=None, attention_prev=None, gamma=None,
-                  eps=1e-6, swizzled=False):
+def qkv_mx_oracle(
+    x,
+    words,
+    scales,
+    bias=None,
+    store=jnp.bfloat16,
+    mlp_prev=None,
+    attention_prev=None,
+    gamma=None,
+    eps=1e-6,
+    swizzled=False,
+):
     """float64 ``[B, S, I]``: (residual add, RMS norm, each rounded to the buffer dtype) -> MXFP8 round trip of the
     hidden along H (blocks of 32, OCP emax 8) -> @ W -> rounded, + bias -> rounded."""
     h = np.asarray(x).astype(np.float64)
@@ -74,8 +84,7 @@ def qkv_mx_oracle(x, words, scales, bias=None, store=jnp.bfloat16, mlp_prev=None
         h = h + np.asarray(mlp_prev).astype(np.float64) + np.asarray(attention_prev).astype(np.float64)
     h = stored(h, store)
     if gamma is not None:
-        h = stored(h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * np.asarray(gamma, np.float64)[0],
-                   store)
+        h = stored(h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * np.asarray(gamma, np.float64)[0], store)
     t = stored(oracle_round_trip(h.astype(np.float32), axis=-1) @ oracle_weight(words, scales), store)
     return t if bias is None else stored(t + np.asarray(bias).astype(np.float64)[0], store)
 
@@ -114,8 +123,20 @@ def test_qkv_mx_matches_oracle(dtype):
 def test_qkv_mx_with_residual_add_norm_and_odd_sizes():
     x, words, scales, bias = qkv_problem(b=3, s=97, h=96)
     m, a, gamma = random(x.shape, jnp.bfloat16, 5), random(x.shape, jnp.bfloat16, 6), random((1, 96), jnp.bfloat16, 7)
-    got = qkv(x, words, None, scales, None, m, a, gamma, fused_residual_add=True, fused_norm_type="RMS_NORM", **QKV_MX,
-              **HEADS)
+    got = qkv(
+        x,
+        words,
+        None,
+        scales,
+        None,
+        m,
+        a,
+        gamma,
+        fused_residual_add=True,
+        fused_norm_type="RMS_NORM",
+        **QKV_MX,
+        **HEADS,
+    )
     expected = qkv_mx_oracle(x, words, scales, mlp_prev=m, attention_prev=a, gamma=gamma)
     assert_close(got, expected, jnp.bfloat16, reduction=96, ops=8)
 
@@ -126,8 +147,9 @@ def test_qkv_mx_h_dim_4h_transposed_and_heads_layout():
     got = qkv(swizzled, words, bias, scales, is_h_dim_4h_transposed=True, output_layout="NBSd", **QKV_MX, **HEADS)
     expected = qkv_mx_oracle(x, words, scales, bias).reshape(2, 98, WIDTH // D, D).transpose(2, 0, 1, 3)
     assert_close(got, expected, jnp.bfloat16, reduction=64)
-    assert np.array_equal(np.asarray(got), np.asarray(qkv(x, words, bias, scales, output_layout="NBSd", **QKV_MX,
-                                                          **HEADS)))
+    assert np.array_equal(
+        np.asarray(got), np.asarray(qkv(x, words, bias, scales, output_layout="NBSd", **QKV_MX, **HEADS))
+    )
 
 
 def test_qkv_mx_quantizes_the_activations():
@@ -158,8 +180,10 @@ def test_jit_and_vmap():
         assert_close(got[i], qkv_mx_oracle(stacked[i], words, scales, bias), jnp.bfloat16, reduction=64)
     a, w4, s4, b4 = oproj_problem(b=1)
     batched = jnp.stack([jnp.stack([a, -a]), jnp.stack([a * 4, a])])
-    fn = jax.vmap(jax.vmap(lambda x, y: output_projection_cte(x, w4, y, None, s4, quantization_type="MX"),
-                           in_axes=(0, None)), in_axes=(0, None))
+    fn = jax.vmap(
+        jax.vmap(lambda x, y: output_projection_cte(x, w4, y, None, s4, quantization_type="MX"), in_axes=(0, None)),
+        in_axes=(0, None),
+    )
     got = jax.jit(fn)(batched, b4)
     for i in range(2):
         for j in range(2):
@@ -172,8 +196,9 @@ def test_gradients_pass_the_activation_quantization_straight_through():
     cot = random((2, 5, 24), jnp.float32, 9)
 
     def loss(x, y):
-        return jnp.sum(output_projection_cte(x, words, y, None, scales, quantization_type="MX").astype(jnp.float32)
-                       * cot)
+        return jnp.sum(
+            output_projection_cte(x, words, y, None, scales, quantization_type="MX").astype(jnp.float32) * cot
+        )
 
     ga, gb = jax.grad(loss, argnums=(0, 1))(a, bias)
     w, cot_out = oracle_weight(words, scales), stored(cot, jnp.bfloat16)  # the bfloat16 output's cotangent
@@ -193,13 +218,18 @@ def test_shard_map_over_the_batch():
     mesh = mesh_1d()
     x, words, scales, bias = qkv_problem(b=8)
     specs = (P("data"), P(), P(), P())
-    fn = jax.shard_map(lambda x, w, s, b: qkv(x, w, b, s, **QKV_MX, **HEADS), mesh=mesh, in_specs=specs,
-                       out_specs=P("data"))
+    fn = jax.shard_map(
+        lambda x, w, s, b: qkv(x, w, b, s, **QKV_MX, **HEADS), mesh=mesh, in_specs=specs, out_specs=P("data")
+    )
     got = jax.jit(fn)(*shard(mesh, specs, x, words, scales, bias))
     assert_close(got, qkv_mx_oracle(x, words, scales, bias), jnp.bfloat16, reduction=64)
     a, w4, s4, b4 = oproj_problem(b=8)
-    fn = jax.shard_map(lambda x, w, s, b: output_projection_cte(x, w, b, None, s, quantization_type="MX"), mesh=mesh,
-                       in_specs=specs, out_specs=P("data"))
+    fn = jax.shard_map(
+        lambda x, w, s, b: output_projection_cte(x, w, b, None, s, quantization_type="MX"),
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=P("data"),
+    )
     got = jax.jit(fn)(*shard(mesh, specs, a, w4, s4, b4))
     assert_close(got, oproj_mx_oracle(a, w4, s4, b4), jnp.bfloat16, reduction=96)
 
@@ -214,8 +244,9 @@ def test_neuron_lowering_is_one_call():
         assert cfg["func_name"] == "qkv" and cfg["output_names"] == ["out"] and compute_operations(text) == []
         assert cfg["params"]["quantization_type"] == "MX" and cfg["params"]["weight_layout"] == "MX_CONTIGUOUS"
         assert "tensor<128x32xui32>" in text and "tensor<16x32xui8>" in text
-        text = neuron_text(lambda x, w, s, b: output_projection_cte(x, w, b, None, s, quantization_type="MX"), a, w4,
-                           s4, b4)
+        text = neuron_text(
+            lambda x, w, s, b: output_projection_cte(x, w, b, None, s, quantization_type="MX"), a, w4, s4, b4
+        )
         (cfg,) = kernel_configs(text)
         assert cfg["func_name"] == "output_projection_cte" and cfg["params"]["quantization_type"] == "MX"
         assert compute_operations(text) == [] and "tensor<32x256xui16>" in text and "tensor<1x128x256xbf16>" in text
@@ -229,19 +260,22 @@ def test_neuron_mx_limits_fall_back():
 
 
 # ------------------------------------------------------------------------------------------------- bad inputs
-@pytest.mark.parametrize("case, error, fragment", [
-    ("tkg_shapes", ValueError, "runs only on qkv's CTE path; B=1, S=4 dispatch to qkv_tkg"),
-    ("layout", ValueError, "quantization_type=MX takes weight_layout=MX_CONTIGUOUS"),
-    ("interleaved", ValueError, "got MX_INTERLEAVED"),
-    ("float_weights", TypeError, "needs `fused_qkv_weights` as uint32 float8_e4m3fn_x4 words [H/4, I]"),
-    ("weight_rows", ValueError, "`fused_qkv_weights` [H/4, I] = [16, I]"),
-    ("scale_shape", ValueError, "`qkv_w_scale` as uint8 e8m0 scales [H/32, I] = [2, 32]; got uint8 (1, 32)"),
-    ("scale_dtype", ValueError, "got float32 (2, 32)"),
-    ("no_scale", ValueError, "got none"),
-    ("in_scale", ValueError, "does not take `qkv_in_scale`"),
-    ("swizzle_norm", ValueError, "is_h_dim_4h_transposed=True does not combine with a fused norm"),
-    ("words_without_mx", TypeError, "uint32 `fused_qkv_weights` are MX x4 words"),
-])
+@pytest.mark.parametrize(
+    "case, error, fragment",
+    [
+        ("tkg_shapes", ValueError, "runs only on qkv's CTE path; B=1, S=4 dispatch to qkv_tkg"),
+        ("layout", ValueError, "quantization_type=MX takes weight_layout=MX_CONTIGUOUS"),
+        ("interleaved", ValueError, "got MX_INTERLEAVED"),
+        ("float_weights", TypeError, "needs `fused_qkv_weights` as uint32 float8_e4m3fn_x4 words [H/4, I]"),
+        ("weight_rows", ValueError, "`fused_qkv_weights` [H/4, I] = [16, I]"),
+        ("scale_shape", ValueError, "`qkv_w_scale` as uint8 e8m0 scales [H/32, I] = [2, 32]; got uint8 (1, 32)"),
+        ("scale_dtype", ValueError, "got float32 (2, 32)"),
+        ("no_scale", ValueError, "got none"),
+        ("in_scale", ValueError, "does not take `qkv_in_scale`"),
+        ("swizzle_norm", ValueError, "is_h_dim_4h_transposed=True does not combine with a fused norm"),
+        ("words_without_mx", TypeError, "uint32 `fused_qkv_weights` are MX x4 words"),
+    ],
+)
 def test_qkv_bad_inputs(case, error, fragment):
     x, words, scales, bias = qkv_problem()
     gamma = random((1, 64), jnp.bfloat16)
@@ -255,8 +289,19 @@ def test_qkv_bad_inputs(case, error, fragment):
         "scale_dtype": lambda: qkv(x, words, None, scales.astype(jnp.float32), **QKV_MX),
         "no_scale": lambda: qkv(x, words, **QKV_MX),
         "in_scale": lambda: qkv(x, words, None, scales, jnp.ones((1, 1), jnp.float32), **QKV_MX),
-        "swizzle_norm": lambda: qkv(x, words, None, scales, None, None, None, gamma, fused_norm_type="RMS_NORM",
-                                    is_h_dim_4h_transposed=True, **QKV_MX),
+        "swizzle_norm": lambda: qkv(
+            x,
+            words,
+            None,
+            scales,
+            None,
+            None,
+            None,
+            gamma,
+            fused_norm_type="RMS_NORM",
+            is_h_dim_4h_transposed=True,
+            **QKV_MX,
+        ),
         "words_without_mx": lambda: qkv(x, jnp.zeros((64, WIDTH), jnp.uint32)),
     }
     with pytest.raises(error) as info:
@@ -264,15 +309,18 @@ def test_qkv_bad_inputs(case, error, fragment):
     assert fragment in str(info.value)
 
 
-@pytest.mark.parametrize("case, error, fragment", [
-    ("rows", ValueError, "`weight` [N * D / 4, H] = [24, H] x4 words; got N * D = 96 and 12 weight rows"),
-    ("weight_dtype", TypeError, "needs `weight` as uint16 float4_e2m1fn_x4 words"),
-    ("scale_shape", ValueError, "`weight_scales` as uint8 e8m0 scales [N * D / 32, H] = [3, 24]"),
-    ("no_scale", ValueError, "got none"),
-    ("input_scales", ValueError, "does not take `input_scales`"),
-    ("output_dtype", TypeError, "`output_dtype` must be None or bfloat16"),
-    ("words_without_mx", TypeError, "uint16 `weight` holds MXFP4 x4 words"),
-])
+@pytest.mark.parametrize(
+    "case, error, fragment",
+    [
+        ("rows", ValueError, "`weight` [N * D / 4, H] = [24, H] x4 words; got N * D = 96 and 12 weight rows"),
+        ("weight_dtype", TypeError, "needs `weight` as uint16 float4_e2m1fn_x4 words"),
+        ("scale_shape", ValueError, "`weight_scales` as uint8 e8m0 scales [N * D / 32, H] = [3, 24]"),
+        ("no_scale", ValueError, "got none"),
+        ("input_scales", ValueError, "does not take `input_scales`"),
+        ("output_dtype", TypeError, "`output_dtype` must be None or bfloat16"),
+        ("words_without_mx", TypeError, "uint16 `weight` holds MXFP4 x4 words"),
+    ],
+)
 def test_output_projection_bad_inputs(case, error, fragment):
     a, words, scales, bias = oproj_problem()
     mx = dict(quantization_type="MX")
@@ -296,7 +344,7 @@ def test_qkv_mx_with_the_fused_kv_cache_write():
     one = jnp.ones((128, 1), jnp.float32)
     q, k, v = qkv(x, words, bias, scales, k_cache=cache, v_cache=cache, k_scale=one, v_scale=one, **QKV_MX, **HEADS)
     t = qkv_mx_oracle(x, words, scales, bias)
-    assert_close(q, t[..., :NQ * D], jnp.bfloat16, reduction=64)
-    assert_close(k[:, :98], t[..., NQ * D:(NQ + NKV) * D], jnp.bfloat16, reduction=64)
-    assert_close(v[:, :98], t[..., (NQ + NKV) * D:], jnp.bfloat16, reduction=64)
+    assert_close(q, t[..., : NQ * D], jnp.bfloat16, reduction=64)
+    assert_close(k[:, :98], t[..., NQ * D : (NQ + NKV) * D], jnp.bfloat16, reduction=64)
+    assert_close(v[:, :98], t[..., (NQ + NKV) * D :], jnp.bfloat16, reduction=64)
     assert not np.asarray(k[:, 98:]).any()

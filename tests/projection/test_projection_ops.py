@@ -24,8 +24,11 @@ WIDTH = (NQ + 2 * NKV) * D
 
 def split_heads(t, batch, seq):
     q_dim, kv_dim = NQ * D, NKV * D
-    return (t[..., :q_dim].reshape(batch, seq, NQ, D), t[..., q_dim:q_dim + kv_dim].reshape(batch, seq, NKV, D),
-            t[..., q_dim + kv_dim:].reshape(batch, seq, NKV, D))
+    return (
+        t[..., :q_dim].reshape(batch, seq, NQ, D),
+        t[..., q_dim : q_dim + kv_dim].reshape(batch, seq, NKV, D),
+        t[..., q_dim + kv_dim :].reshape(batch, seq, NKV, D),
+    )
 
 
 def tables(batch, seq, dtype=jnp.float32, seed=3):
@@ -62,8 +65,9 @@ def test_output_projection_transformations():
     np.testing.assert_allclose(jax.vmap(grad)(jnp.stack([attn64, -attn64]))[1], grad(-attn64), rtol=1e-12)
 
 
-@pytest.mark.parametrize("seq, kernel, transposes", [(1, "output_projection_tkg", 1),
-                                                     (128, "output_projection_cte", 1)])
+@pytest.mark.parametrize(
+    "seq, kernel, transposes", [(1, "output_projection_tkg", 1), (128, "output_projection_cte", 1)]
+)
 def test_output_projection_neuron_lowering(seq, kernel, transposes):
     attn, w = random((2, seq, 2, 64), jnp.bfloat16, 0), random((128, 256), jnp.bfloat16, 1)
     with jax_nkilib.neuron.dry_run():
@@ -71,8 +75,7 @@ def test_output_projection_neuron_lowering(seq, kernel, transposes):
     (cfg,) = kernel_configs(text)
     assert cfg["func_name"] == kernel
     ops = compute_operations(text)
-    assert ops.count("stablehlo.transpose") == transposes and set(ops) <= {"stablehlo.transpose",
-                                                                            "stablehlo.reshape"}
+    assert ops.count("stablehlo.transpose") == transposes and set(ops) <= {"stablehlo.transpose", "stablehlo.reshape"}
 
 
 @pytest.mark.parametrize("args, error, fragment", [
@@ -93,9 +96,13 @@ def test_output_projection_bad_inputs(args, error, fragment):
 
 # ---------------------------------------------------------------------------------------------- qkv projection
 def qkv_problem(batch=2, seq=3, hidden=8, dtype=jnp.float32):
-    return (random((batch, seq, hidden), dtype, 0), random((hidden, WIDTH), jnp.float32, 1, 0.4),
-            random((WIDTH,), jnp.float32, 2, 0.3), random((hidden,), jnp.float32, 3, 0.2) + 1,
-            random((hidden,), jnp.float32, 4, 0.2))
+    return (
+        random((batch, seq, hidden), dtype, 0),
+        random((hidden, WIDTH), jnp.float32, 1, 0.4),
+        random((WIDTH,), jnp.float32, 2, 0.3),
+        random((hidden,), jnp.float32, 3, 0.2) + 1,
+        random((hidden,), jnp.float32, 4, 0.2),
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -108,9 +115,19 @@ def test_qkv_projection_matches_the_oracle(dtype, norm, seq, with_rope):
     q, k, v = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, norm=norm, rope=rope, **norm_kw)
     assert q.shape == (2, seq, NQ, D) and k.shape == v.shape == (2, seq, NKV, D) and q.dtype == dtype
     cast = lambda t: None if t is None else t.astype(dtype)[None]  # noqa: E731
-    want, _ = qkv_oracle(x, w.astype(dtype), nq=NQ, nkv=NKV, d=D, bias=cast(bias), norm=norm, gamma=cast(gamma),
-                         beta=cast(beta) if norm == "layer" else None, cos=None if rope is None else rope[0],
-                         sin=None if rope is None else rope[1])
+    want, _ = qkv_oracle(
+        x,
+        w.astype(dtype),
+        nq=NQ,
+        nkv=NKV,
+        d=D,
+        bias=cast(bias),
+        norm=norm,
+        gamma=cast(gamma),
+        beta=cast(beta) if norm == "layer" else None,
+        cos=None if rope is None else rope[0],
+        sin=None if rope is None else rope[1],
+    )
     # the CTE path (RoPE or seq > 96) computes float32 inputs in bfloat16, as the kernel does
     tol = jnp.bfloat16 if (with_rope or seq > 96) else dtype
     for got, expected in zip((q, k, v), split_heads(want, 2, seq)):
@@ -126,7 +143,7 @@ def test_rms_without_weight_and_rope_equal_to_jax_nkilib_rope():
     q_rot, k_rot, _ = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, rope=(cos, sin))
     q_plain, k_plain, _ = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV)
     for rotated, plain in ((q_rot, q_plain), (k_rot, k_plain)):
-        expected = jax_nkilib.rope(plain, cos[..., :D // 2], sin[..., :D // 2])
+        expected = jax_nkilib.rope(plain, cos[..., : D // 2], sin[..., : D // 2])
         assert_close(rotated, np.asarray(expected, np.float64), jnp.bfloat16, reduction=8, ops=10)
 
 
@@ -139,10 +156,19 @@ def test_kv_cache_update_is_the_same_math_on_both_paths(seq, with_rope, position
     caches = tuple(random((batch, max_len, NKV, D), jnp.float32, 9 + i).astype(jnp.float8_e4m3fn) for i in range(2))
     pos = None
     if positions:
-        pos = (jnp.arange(seq, dtype=jnp.int32)[None] + jnp.array([[5], [20]], jnp.int32))
+        pos = jnp.arange(seq, dtype=jnp.int32)[None] + jnp.array([[5], [20]], jnp.int32)
         pos = pos.at[1, 0].set(-1)  # skipped
-    q, k_new, v_new = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, rope=rope,
-                                     kv_cache=caches, cache_positions=pos, kv_scale=(0.5, 0.25))
+    q, k_new, v_new = qkv_projection(
+        x,
+        w,
+        num_q_heads=NQ,
+        num_kv_heads=NKV,
+        bias=bias,
+        rope=rope,
+        kv_cache=caches,
+        cache_positions=pos,
+        kv_scale=(0.5, 0.25),
+    )
     q_ref, k_ref, v_ref = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, rope=rope)
     np.testing.assert_array_equal(q, q_ref)
     positions_np = np.broadcast_to(np.arange(seq), (batch, seq)) if pos is None else np.asarray(pos)
@@ -162,12 +188,17 @@ def test_qkv_projection_gradients_vmap_and_jit():
     cos, sin = (t.astype(jnp.float64) for t in tables(2, 3))
 
     def fn(x, w, bias, gamma, cos):
-        return qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, norm="rms", norm_weight=gamma,
-                              rope=(cos, sin))
+        return qkv_projection(
+            x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, norm="rms", norm_weight=gamma, rope=(cos, sin)
+        )
 
     check_grads(fn, (x, w, bias, gamma, cos), order=1, modes=["rev"])
-    check_grads(lambda x, w: qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, norm="layer"), (x, w), order=1,
-                modes=["rev"])
+    check_grads(
+        lambda x, w: qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, norm="layer"),
+        (x, w),
+        order=1,
+        modes=["rev"],
+    )
     xs = jnp.stack([x, -x])
     got = jax.jit(jax.vmap(lambda x: fn(x, w, bias, gamma, cos)))(xs)
     for a, b in zip(got, fn(-x, w, bias, gamma, cos)):
@@ -181,8 +212,12 @@ def test_qkv_projection_shard_map():
     x, w, bias, *_ = qkv_problem(batch=8)
     cos, sin = tables(8, 3)
     specs = (P("data"), P(), P("data"), P("data"))
-    fn = jax.shard_map(lambda x, w, c, s: qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, rope=(c, s)),
-                       mesh=mesh, in_specs=specs, out_specs=(P("data"),) * 3)
+    fn = jax.shard_map(
+        lambda x, w, c, s: qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, rope=(c, s)),
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=(P("data"),) * 3,
+    )
     got = jax.jit(fn)(*shard(mesh, specs, x, w, cos, sin))
     want, _ = qkv_oracle(x, w, nq=NQ, nkv=NKV, d=D, cos=cos, sin=sin)
     for a, b in zip(got, split_heads(want, 8, 3)):
@@ -204,36 +239,54 @@ def test_qkv_projection_neuron_lowering():
         small = x[:, :2]
         text = neuron_text(lambda x, w, k, v: qkv_projection(x, w, **heads, kv_cache=(k, v)), small, w, *caches)
         assert [(cfg["func_name"], cfg["output_names"], cfg["aliases"]) for cfg in kernel_configs(text)] == [
-            ("qkv", ["out"], [])]  # the TKG path: no cache write in the kernel
+            ("qkv", ["out"], [])
+        ]  # the TKG path: no cache write in the kernel
         assert "stablehlo.custom_call" in operations(text) and "stablehlo.scatter" in operations(text)
 
 
-@pytest.mark.parametrize("kwargs, error, fragment", [
-    (dict(num_q_heads=3), ValueError, ("with 7 heads", "got (8, 32)")),
-    (dict(num_q_heads=0), ValueError, "`num_q_heads` must be a positive int; got 0"),
-    (dict(norm="batch"), ValueError, "`norm` must be None, 'rms' or 'layer'"),
-    (dict(norm_weight=jnp.ones(8)), ValueError, "norm_weight/norm_bias need norm='rms' or 'layer'"),
-    (dict(norm="rms", norm_bias=jnp.ones(8)), ValueError, "norm_bias needs norm='layer'"),
-    (dict(bias=jnp.ones(5)), ValueError, "`bias` must be [32]"),
-    (dict(rope=jnp.ones((2, 3, 4))), TypeError, "`rope` must be (cos, sin)"),
-    (dict(rope=(jnp.ones((2, 3, 2)), jnp.ones((2, 3, 2)))), ValueError, "rope tables must be [batch, seq, head_dim]"),
-    (dict(kv_cache=jnp.ones(3)), TypeError, "`kv_cache` must be (k_cache, v_cache)"),
-    (dict(kv_cache=(jnp.ones((2, 8, 2, 4)), jnp.ones((2, 8, 1, 4)))), ValueError, "k_cache and v_cache must both be"),
-    (dict(kv_cache=(jnp.ones((2, 2, 2, 4)),) * 2), ValueError, "the caches hold 2 positions, fewer than the 3"),
-    (dict(kv_cache=(jnp.ones((2, 8, 2, 4)),) * 2, cache_positions=jnp.zeros((2, 3))), ValueError,
-     "`cache_positions` must be an integer array [batch, seq]"),
-    (dict(kv_scale=(1.0, 1.0)), ValueError, "cache_positions and kv_scale need kv_cache"),
-    # issue 11: static values and kernel-free messages
-    (dict(num_q_heads=True), ValueError, "`num_q_heads` must be a positive int; got True"),
-    (dict(num_kv_heads=2.0), ValueError, "`num_kv_heads` must be a positive int; got 2.0"),
-    (dict(norm="rms", eps=-1.0), ValueError, ("qkv_projection", "`eps`", ">= 0")),
-    (dict(norm="layer", eps=float("nan")), ValueError, ("qkv_projection", "`eps`", "nan")),
-    (dict(rope=(jnp.ones((2, 3, 5)),) * 2, num_q_heads=3, num_kv_heads=1, w=jnp.ones((8, 25))), ValueError,
-     ("qkv_projection", "`rope`", "head_dim must be even; got head_dim=5")),
-    (dict(w=jnp.ones((8, 0))), ValueError, ("`w` must be", "head_dim >= 1")),
-    (dict(x=jnp.ones((2, 3, 8), jnp.float8_e5m2)), TypeError, ("qkv_projection", "`x`", "float8_e5m2")),
-    (dict(x=jnp.ones((2, 3, 0)), w=jnp.ones((0, 32))), ValueError, ("`x`", "hidden >= 1")),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, fragment",
+    [
+        (dict(num_q_heads=3), ValueError, ("with 7 heads", "got (8, 32)")),
+        (dict(num_q_heads=0), ValueError, "`num_q_heads` must be a positive int; got 0"),
+        (dict(norm="batch"), ValueError, "`norm` must be None, 'rms' or 'layer'"),
+        (dict(norm_weight=jnp.ones(8)), ValueError, "norm_weight/norm_bias need norm='rms' or 'layer'"),
+        (dict(norm="rms", norm_bias=jnp.ones(8)), ValueError, "norm_bias needs norm='layer'"),
+        (dict(bias=jnp.ones(5)), ValueError, "`bias` must be [32]"),
+        (dict(rope=jnp.ones((2, 3, 4))), TypeError, "`rope` must be (cos, sin)"),
+        (
+            dict(rope=(jnp.ones((2, 3, 2)), jnp.ones((2, 3, 2)))),
+            ValueError,
+            "rope tables must be [batch, seq, head_dim]",
+        ),
+        (dict(kv_cache=jnp.ones(3)), TypeError, "`kv_cache` must be (k_cache, v_cache)"),
+        (
+            dict(kv_cache=(jnp.ones((2, 8, 2, 4)), jnp.ones((2, 8, 1, 4)))),
+            ValueError,
+            "k_cache and v_cache must both be",
+        ),
+        (dict(kv_cache=(jnp.ones((2, 2, 2, 4)),) * 2), ValueError, "the caches hold 2 positions, fewer than the 3"),
+        (
+            dict(kv_cache=(jnp.ones((2, 8, 2, 4)),) * 2, cache_positions=jnp.zeros((2, 3))),
+            ValueError,
+            "`cache_positions` must be an integer array [batch, seq]",
+        ),
+        (dict(kv_scale=(1.0, 1.0)), ValueError, "cache_positions and kv_scale need kv_cache"),
+        # issue 11: static values and kernel-free messages
+        (dict(num_q_heads=True), ValueError, "`num_q_heads` must be a positive int; got True"),
+        (dict(num_kv_heads=2.0), ValueError, "`num_kv_heads` must be a positive int; got 2.0"),
+        (dict(norm="rms", eps=-1.0), ValueError, ("qkv_projection", "`eps`", ">= 0")),
+        (dict(norm="layer", eps=float("nan")), ValueError, ("qkv_projection", "`eps`", "nan")),
+        (
+            dict(rope=(jnp.ones((2, 3, 5)),) * 2, num_q_heads=3, num_kv_heads=1, w=jnp.ones((8, 25))),
+            ValueError,
+            ("qkv_projection", "`rope`", "head_dim must be even; got head_dim=5"),
+        ),
+        (dict(w=jnp.ones((8, 0))), ValueError, ("`w` must be", "head_dim >= 1")),
+        (dict(x=jnp.ones((2, 3, 8), jnp.float8_e5m2)), TypeError, ("qkv_projection", "`x`", "float8_e5m2")),
+        (dict(x=jnp.ones((2, 3, 0)), w=jnp.ones((0, 32))), ValueError, ("`x`", "hidden >= 1")),
+    ],
+)
 def test_qkv_projection_bad_inputs(kwargs, error, fragment):
     x, w, *_ = qkv_problem()
     args = dict(num_q_heads=NQ, num_kv_heads=NKV)
@@ -245,14 +298,17 @@ def test_qkv_projection_bad_inputs(kwargs, error, fragment):
         assert part in str(info.value)
 
 
-@pytest.mark.parametrize("parts, bias, fragment", [
-    # issue 11's case: 4 q and 2 kv heads; 64 + 16 + 32 = 112 columns gave head_dim 14, heads cut across q/k/v
-    (((64, 64), (64, 16), (64, 32)), None, "got w_q (64, 64), w_k (64, 16), w_v (64, 32)"),
-    (((64, 64), (64, 32), (64, 16)), None, "num_kv_heads * head_dim"),
-    (((64, 64), (32, 32), (64, 32)), None, "hidden=64"),
-    (((64, 2), (64, 1), (64, 1)), None, "head_dim >= 1"),
-    (((64, 64), (64, 32), (64, 32)), ((64,), (16,), (48,)), "`bias` b_k must be [32]"),
-])
+@pytest.mark.parametrize(
+    "parts, bias, fragment",
+    [
+        # issue 11's case: 4 q and 2 kv heads; 64 + 16 + 32 = 112 columns gave head_dim 14, heads cut across q/k/v
+        (((64, 64), (64, 16), (64, 32)), None, "got w_q (64, 64), w_k (64, 16), w_v (64, 32)"),
+        (((64, 64), (64, 32), (64, 16)), None, "num_kv_heads * head_dim"),
+        (((64, 64), (32, 32), (64, 32)), None, "hidden=64"),
+        (((64, 2), (64, 1), (64, 1)), None, "head_dim >= 1"),
+        (((64, 64), (64, 32), (64, 32)), ((64,), (16,), (48,)), "`bias` b_k must be [32]"),
+    ],
+)
 def test_qkv_projection_split_weights_are_checked_against_the_heads(parts, bias, fragment):
     x = jnp.ones((1, 2, 64))
     w = tuple(jnp.ones(shape) for shape in parts)
@@ -265,20 +321,28 @@ def test_qkv_projection_split_weights_are_checked_against_the_heads(parts, bias,
 def test_qkv_projection_split_weights_equal_the_fused_ones():
     x, w, bias, *_ = qkv_problem()
     cuts = (NQ * D, (NQ + NKV) * D)
-    split = qkv_projection(x, tuple(jnp.split(w, cuts, axis=1)), num_q_heads=NQ, num_kv_heads=NKV,
-                           bias=tuple(jnp.split(bias, cuts)))
+    split = qkv_projection(
+        x, tuple(jnp.split(w, cuts, axis=1)), num_q_heads=NQ, num_kv_heads=NKV, bias=tuple(jnp.split(bias, cuts))
+    )
     for got, want in zip(split, qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias)):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("kv_scale, error, fragment", [
-    ((0.0, 1.0), ValueError, "`kv_scale` (k_scale, a cache dequantization scale: the cache stores k / k_scale) "
-                             "must be finite and > 0; got 0.0"),
-    ((1.0, -2.0), ValueError, "`kv_scale` (v_scale"),
-    ((np.nan, 1.0), ValueError, "got nan"),
-    ((1.0, jnp.float32(np.inf)), ValueError, "got inf"),
-    ((1.0, "2"), TypeError, "`kv_scale` entries must be float scalars; v_scale is str"),
-])
+@pytest.mark.parametrize(
+    "kv_scale, error, fragment",
+    [
+        (
+            (0.0, 1.0),
+            ValueError,
+            "`kv_scale` (k_scale, a cache dequantization scale: the cache stores k / k_scale) "
+            "must be finite and > 0; got 0.0",
+        ),
+        ((1.0, -2.0), ValueError, "`kv_scale` (v_scale"),
+        ((np.nan, 1.0), ValueError, "got nan"),
+        ((1.0, jnp.float32(np.inf)), ValueError, "got inf"),
+        ((1.0, "2"), TypeError, "`kv_scale` entries must be float scalars; v_scale is str"),
+    ],
+)
 def test_qkv_projection_kv_scale_is_checked(kv_scale, error, fragment):
     # issue 11: kv_scale=0 wrote +-3.4e38 (the cache dtype's max) into the cache
     x, w, *_ = qkv_problem()
@@ -296,8 +360,9 @@ def test_qkv_projection_traced_values():
     with pytest.raises(TypeError, match="qkv_projection: `num_q_heads` must be static"):
         jax.jit(lambda a, n: qkv_projection(a, w, num_q_heads=n, num_kv_heads=NKV))(x, NQ)
     # a traced kv_scale is a runtime value: allowed (checked only when concrete)
-    _, k_cache, _ = jax.jit(lambda a, s: qkv_projection(a, w, num_q_heads=NQ, num_kv_heads=NKV, kv_cache=caches,
-                                                        kv_scale=(s, s)))(x, 2.0)
+    _, k_cache, _ = jax.jit(
+        lambda a, s: qkv_projection(a, w, num_q_heads=NQ, num_kv_heads=NKV, kv_cache=caches, kv_scale=(s, s))
+    )(x, 2.0)
     _, k_plain, _ = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, kv_cache=caches)
     np.testing.assert_allclose(k_cache, np.asarray(k_plain) / 2.0, rtol=1e-6)
 

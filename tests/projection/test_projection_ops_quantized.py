@@ -52,8 +52,7 @@ def out_oracle(attn, q, bias=None):
     return out if bias is None else out + np.asarray(bias, np.float64)
 
 
-@pytest.mark.parametrize("mode, batch, seq", [("row", 2, 3), ("static", 2, 3), ("static", 1, 97),
-                                              ("row", 3, 1)])
+@pytest.mark.parametrize("mode, batch, seq", [("row", 2, 3), ("static", 2, 3), ("static", 1, 97), ("row", 3, 1)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_output_projection_matches_the_oracle(mode, batch, seq, dtype):
     attn = random((batch, seq, 3, 8), dtype, 0)
@@ -98,9 +97,14 @@ def test_output_projection_jit_vmap_shard_map():
     assert_close(fn(shard(mesh, (P("data"),), big), qs), out_oracle(big, qs), jnp.float32, reduction=16)
 
 
-@pytest.mark.parametrize("mode, seq, kernel, kind", [("row", 1, "output_projection_tkg", "ROW"),
-                                                     ("static", 1, "output_projection_tkg", "STATIC"),
-                                                     ("static", 128, "output_projection_cte", "STATIC")])
+@pytest.mark.parametrize(
+    "mode, seq, kernel, kind",
+    [
+        ("row", 1, "output_projection_tkg", "ROW"),
+        ("static", 1, "output_projection_tkg", "STATIC"),
+        ("static", 128, "output_projection_cte", "STATIC"),
+    ],
+)
 def test_output_projection_neuron_lowering(mode, seq, kernel, kind):
     attn, q = random((2, seq, 2, 64), jnp.bfloat16, 0), weight(mode, (128, 256))
     with jax_nkilib.neuron.dry_run():
@@ -117,12 +121,14 @@ def qkv_oracle(x, q):
     t = activation(x, q) @ dequantized(q)
     b, s, _ = x.shape
     q_dim, kv_dim = NQ * D, NKV * D
-    return (t[..., :q_dim].reshape(b, s, NQ, D), t[..., q_dim:q_dim + kv_dim].reshape(b, s, NKV, D),
-            t[..., q_dim + kv_dim:].reshape(b, s, NKV, D))
+    return (
+        t[..., :q_dim].reshape(b, s, NQ, D),
+        t[..., q_dim : q_dim + kv_dim].reshape(b, s, NKV, D),
+        t[..., q_dim + kv_dim :].reshape(b, s, NKV, D),
+    )
 
 
-@pytest.mark.parametrize("mode, batch, seq", [("row", 2, 3), ("static", 2, 3), ("static", 1, 97),
-                                              ("row", 3, 5)])
+@pytest.mark.parametrize("mode, batch, seq", [("row", 2, 3), ("static", 2, 3), ("static", 1, 97), ("row", 3, 5)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_qkv_projection_matches_the_oracle(mode, batch, seq, dtype):
     x, q = random((batch, seq, HID), dtype, 0), weight(mode, (HID, WIDTH))
@@ -138,7 +144,7 @@ def test_qkv_projection_norm_and_kv_cache_tkg_row():
     caches = tuple(jnp.zeros((2, 8, NKV, D), jnp.float32) for _ in range(2))
     qh, k_cache, v_cache = qkv_projection(x, q, num_q_heads=NQ, num_kv_heads=NKV, norm="rms", kv_cache=caches)
     x64 = np.asarray(x, np.float64)
-    normed = x64 / np.sqrt(np.mean(x64 ** 2, -1, keepdims=True) + 1e-6)
+    normed = x64 / np.sqrt(np.mean(x64**2, -1, keepdims=True) + 1e-6)
     want = qkv_oracle(normed, q)
     assert_close(qh, want[0], jnp.float32, reduction=HID)
     assert_close(k_cache[:, :3], want[1], jnp.float32, reduction=HID)
@@ -159,7 +165,7 @@ def test_qkv_projection_gradient_in_x(mode, seq):
 
     def plain(a):
         t = a @ w
-        return (t[..., :NQ * D], t[..., NQ * D:(NQ + NKV) * D], t[..., (NQ + NKV) * D:])
+        return (t[..., : NQ * D], t[..., NQ * D : (NQ + NKV) * D], t[..., (NQ + NKV) * D :])
 
     want = jax.grad(lambda a: loss(lambda b: tuple(p.reshape(c.shape) for p, c in zip(plain(b), cts)), a))(x)
     # the CTE path (seq > 96) computes in bfloat16 as the kernel does, cotangents included
@@ -176,14 +182,19 @@ def test_qkv_projection_jit_vmap_shard_map():
     assert_close(got[0][1], qkv_oracle(-x, q)[0], jnp.float32, reduction=HID)
     mesh = mesh_1d()
     big = random((8, 3, HID), jnp.float32, 5)
-    fn = jax.jit(jax.shard_map(lambda a, w: qkv_projection(a, w, **heads), mesh=mesh, in_specs=(P("data"), P()),
-                               out_specs=P("data")))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda a, w: qkv_projection(a, w, **heads), mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")
+        )
+    )
     for a, b in zip(fn(shard(mesh, (P("data"),), big), q), qkv_oracle(big, q)):
         assert_close(a, b, jnp.float32, reduction=HID)
 
 
-@pytest.mark.parametrize("mode, seq, kernel, kind", [("row", 2, "qkv", "ROW"), ("static", 2, "qkv", "STATIC"),
-                                                     ("static", 128, "qkv", "STATIC")])
+@pytest.mark.parametrize(
+    "mode, seq, kernel, kind",
+    [("row", 2, "qkv", "ROW"), ("static", 2, "qkv", "STATIC"), ("static", 128, "qkv", "STATIC")],
+)
 def test_qkv_projection_neuron_lowering(mode, seq, kernel, kind):
     x, q = random((1, seq, 256), jnp.bfloat16, 0), weight(mode, (256, 16 * 64))
     with jax_nkilib.neuron.dry_run():
@@ -203,24 +214,43 @@ def test_row_weights_on_the_cte_path_are_rejected():
         qkv_projection(random((1, 97, HID)), weight("row", (HID, WIDTH)), num_q_heads=NQ, num_kv_heads=NKV)
     with pytest.raises(ValueError, match="this call takes the CTE path"):  # fused RoPE runs CTE
         cos = jnp.ones((1, 2, D))
-        qkv_projection(random((1, 2, HID)), weight("row", (HID, WIDTH)), num_q_heads=NQ, num_kv_heads=NKV,
-                       rope=(cos, 0 * cos))
+        qkv_projection(
+            random((1, 2, HID)), weight("row", (HID, WIDTH)), num_q_heads=NQ, num_kv_heads=NKV, rope=(cos, 0 * cos)
+        )
 
 
-@pytest.mark.parametrize("w, error, fragment", [
-    (lambda: weight("row", (16, HID)).data, TypeError, "`w` is a raw FP8 array"),
-    (lambda: weight("row", (15, HID)), ValueError, "`w` must be [heads * head_dim, hidden] = [16, hidden]"),
-    (lambda: QuantizedWeight(jnp.zeros((16, HID)), jnp.ones(HID, jnp.float32), None, "row"), TypeError,
-     "`w`.data must be float8_e4m3 or float8_e4m3fn [in, out]"),
-    (lambda: QuantizedWeight(weight("row", (16, HID)).data, jnp.ones(HID, jnp.float32), jnp.float32(1), "row"),
-     ValueError, "has mode='row' and an input_scale"),
-    (lambda: QuantizedWeight(weight("row", (16, HID)).data, jnp.float32(1), None, "static"), ValueError,
-     "needs input_scale as a float32 scalar"),
-    (lambda: QuantizedWeight(weight("row", (16, HID)).data, jnp.ones(3, jnp.float32), None, "row"), ValueError,
-     "`w`.scale must be float32 [16] for mode='row'"),
-    (lambda: QuantizedWeight(weight("row", (16, HID)).data, jnp.ones(HID, jnp.float32), None, "tensor"), ValueError,
-     "`w`.mode must be 'row' or 'static'"),
-])
+@pytest.mark.parametrize(
+    "w, error, fragment",
+    [
+        (lambda: weight("row", (16, HID)).data, TypeError, "`w` is a raw FP8 array"),
+        (lambda: weight("row", (15, HID)), ValueError, "`w` must be [heads * head_dim, hidden] = [16, hidden]"),
+        (
+            lambda: QuantizedWeight(jnp.zeros((16, HID)), jnp.ones(HID, jnp.float32), None, "row"),
+            TypeError,
+            "`w`.data must be float8_e4m3 or float8_e4m3fn [in, out]",
+        ),
+        (
+            lambda: QuantizedWeight(weight("row", (16, HID)).data, jnp.ones(HID, jnp.float32), jnp.float32(1), "row"),
+            ValueError,
+            "has mode='row' and an input_scale",
+        ),
+        (
+            lambda: QuantizedWeight(weight("row", (16, HID)).data, jnp.float32(1), None, "static"),
+            ValueError,
+            "needs input_scale as a float32 scalar",
+        ),
+        (
+            lambda: QuantizedWeight(weight("row", (16, HID)).data, jnp.ones(3, jnp.float32), None, "row"),
+            ValueError,
+            "`w`.scale must be float32 [16] for mode='row'",
+        ),
+        (
+            lambda: QuantizedWeight(weight("row", (16, HID)).data, jnp.ones(HID, jnp.float32), None, "tensor"),
+            ValueError,
+            "`w`.mode must be 'row' or 'static'",
+        ),
+    ],
+)
 def test_bad_quantized_weights(w, error, fragment):
     with pytest.raises(error) as info:
         output_projection(random((2, 3, 2, 8)), w())

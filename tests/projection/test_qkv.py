@@ -26,9 +26,28 @@ HEADS = dict(num_q_heads=NQ, num_kv_heads=NKV, d_head=D)
 # ----------------------------------------------------------------------------------------------- float64 oracle
 
 
-def qkv_oracle(x, w, *, nq=NQ, nkv=NKV, d=D, bias=None, mlp_prev=None, attention_prev=None, norm=None, gamma=None,
-               beta=None, eps=1e-6, hidden_actual=None, cos=None, sin=None, quant=None, w_scale=None, in_scale=None,
-               store=None):
+def qkv_oracle(
+    x,
+    w,
+    *,
+    nq=NQ,
+    nkv=NKV,
+    d=D,
+    bias=None,
+    mlp_prev=None,
+    attention_prev=None,
+    norm=None,
+    gamma=None,
+    beta=None,
+    eps=1e-6,
+    hidden_actual=None,
+    cos=None,
+    sin=None,
+    quant=None,
+    w_scale=None,
+    in_scale=None,
+    store=None,
+):
     """``(t [B, S, I], fused_hidden or None)`` in float64, written from the kernel's documented math; quantized
     projections round to ``store`` after the matmul, the dequantization and the bias (the kernel's buffers)."""
     keep = (lambda v: v.astype(store).astype(np.float64)) if quant and store else (lambda v: v)  # noqa: E731
@@ -61,11 +80,11 @@ def qkv_oracle(x, w, *, nq=NQ, nkv=NKV, d=D, bias=None, mlp_prev=None, attention
     if cos is not None:
         b, s, _ = t.shape
         heads, half = nq + nkv, d // 2
-        x_h = t[..., :heads * d].reshape(b, s, heads, d)
+        x_h = t[..., : heads * d].reshape(b, s, heads, d)
         c, sn = f64(cos)[:, :, None, :], f64(sin)[:, :, None, :half]
         x1, x2 = x_h[..., :half], x_h[..., half:]
         rotated = np.concatenate([x1 * c[..., :half] - x2 * sn, x2 * c[..., half:] + x1 * sn], axis=-1)
-        t = np.concatenate([rotated.reshape(b, s, heads * d), t[..., heads * d:]], axis=-1)
+        t = np.concatenate([rotated.reshape(b, s, heads * d), t[..., heads * d :]], axis=-1)
     return t, fused
 
 
@@ -76,10 +95,15 @@ def heads_layout(t, layout):
 
 
 def problem(b=2, s=3, h=8, dtype=jnp.float32, seed=0):
-    return dict(x=random((b, s, h), dtype, seed), w=random((h, WIDTH), dtype, seed + 1, 0.4),
-                bias=random((1, WIDTH), dtype, seed + 2, 0.3), mlp=random((b, s, h), dtype, seed + 3, 0.5),
-                attn=random((b, s, h), dtype, seed + 4, 0.5), gamma=random((1, h), dtype, seed + 5, 0.3) + 1,
-                beta=random((1, h), dtype, seed + 6, 0.2))
+    return dict(
+        x=random((b, s, h), dtype, seed),
+        w=random((h, WIDTH), dtype, seed + 1, 0.4),
+        bias=random((1, WIDTH), dtype, seed + 2, 0.3),
+        mlp=random((b, s, h), dtype, seed + 3, 0.5),
+        attn=random((b, s, h), dtype, seed + 4, 0.5),
+        gamma=random((1, h), dtype, seed + 5, 0.3) + 1,
+        beta=random((1, h), dtype, seed + 6, 0.2),
+    )
 
 
 def rope_tables(b, s, dtype=jnp.float32, seed=7):
@@ -95,10 +119,31 @@ def test_tkg_path_with_fused_add_norm_and_bias(dtype, norm):
     norm_type = {None: "NO_NORM", "rms": "RMS_NORM", "rms_skip": "RMS_NORM_SKIP_GAMMA", "layer": "LAYER_NORM"}[norm]
     gamma = pr["gamma"] if norm in ("rms", "layer") else None
     beta = pr["beta"] if norm == "layer" else None
-    out, fused = qkv(pr["x"], pr["w"], pr["bias"], None, None, pr["mlp"], pr["attn"], gamma, beta,
-                     fused_residual_add=True, fused_norm_type=norm_type, norm_eps=1e-5)
-    want, want_fused = qkv_oracle(pr["x"], pr["w"], bias=pr["bias"], mlp_prev=pr["mlp"], attention_prev=pr["attn"],
-                                  norm=norm, gamma=gamma, beta=beta, eps=1e-5)
+    out, fused = qkv(
+        pr["x"],
+        pr["w"],
+        pr["bias"],
+        None,
+        None,
+        pr["mlp"],
+        pr["attn"],
+        gamma,
+        beta,
+        fused_residual_add=True,
+        fused_norm_type=norm_type,
+        norm_eps=1e-5,
+    )
+    want, want_fused = qkv_oracle(
+        pr["x"],
+        pr["w"],
+        bias=pr["bias"],
+        mlp_prev=pr["mlp"],
+        attention_prev=pr["attn"],
+        norm=norm,
+        gamma=gamma,
+        beta=beta,
+        eps=1e-5,
+    )
     assert out.shape == (2, 3, WIDTH) and out.dtype == dtype and fused.shape == (2, 3, 8) and fused.dtype == dtype
     assert_close(out, want, dtype, reduction=8, ops=8)
     assert_close(fused, want_fused, dtype, ops=3)
@@ -108,11 +153,32 @@ def test_tkg_path_with_fused_add_norm_and_bias(dtype, norm):
 @pytest.mark.parametrize("layout", ["BSD", "NBSd", "NBdS"])
 def test_cte_path_by_sequence_length_computes_in_bfloat16(dtype, layout):
     pr = problem(b=1, s=97, dtype=dtype)
-    out = qkv(pr["x"], pr["w"], pr["bias"], None, None, pr["mlp"], pr["attn"], pr["gamma"], fused_residual_add=True,
-              fused_norm_type=NormType.RMS_NORM, hidden_actual=6, output_layout=layout, d_head=D)
+    out = qkv(
+        pr["x"],
+        pr["w"],
+        pr["bias"],
+        None,
+        None,
+        pr["mlp"],
+        pr["attn"],
+        pr["gamma"],
+        fused_residual_add=True,
+        fused_norm_type=NormType.RMS_NORM,
+        hidden_actual=6,
+        output_layout=layout,
+        d_head=D,
+    )
     assert not isinstance(out, tuple) and out.dtype == dtype  # the CTE path returns no fused_hidden
-    want, _ = qkv_oracle(pr["x"], pr["w"], bias=pr["bias"], mlp_prev=pr["mlp"], attention_prev=pr["attn"],
-                         norm="rms", gamma=pr["gamma"], hidden_actual=6)
+    want, _ = qkv_oracle(
+        pr["x"],
+        pr["w"],
+        bias=pr["bias"],
+        mlp_prev=pr["mlp"],
+        attention_prev=pr["attn"],
+        norm="rms",
+        gamma=pr["gamma"],
+        hidden_actual=6,
+    )
     want = want if layout == "BSD" else heads_layout(want, layout)
     assert_close(out, want, jnp.bfloat16, reduction=8, ops=8)  # float32 input computes in bfloat16 here
     if dtype == jnp.float32:
@@ -121,10 +187,22 @@ def test_cte_path_by_sequence_length_computes_in_bfloat16(dtype, layout):
 
 def test_tkg_path_keeps_float32_precision_and_hidden_actual():
     pr = problem()
-    (out, _) = qkv(pr["x"], pr["w"], None, None, None, pr["mlp"], pr["attn"], pr["gamma"], fused_residual_add=True,
-                   fused_norm_type="RMS_NORM", hidden_actual=5)
-    want, _ = qkv_oracle(pr["x"], pr["w"], mlp_prev=pr["mlp"], attention_prev=pr["attn"], norm="rms",
-                         gamma=pr["gamma"], hidden_actual=5)
+    (out, _) = qkv(
+        pr["x"],
+        pr["w"],
+        None,
+        None,
+        None,
+        pr["mlp"],
+        pr["attn"],
+        pr["gamma"],
+        fused_residual_add=True,
+        fused_norm_type="RMS_NORM",
+        hidden_actual=5,
+    )
+    want, _ = qkv_oracle(
+        pr["x"], pr["w"], mlp_prev=pr["mlp"], attention_prev=pr["attn"], norm="rms", gamma=pr["gamma"], hidden_actual=5
+    )
     assert_close(out, want, jnp.float32, reduction=8, ops=8)
 
 
@@ -135,12 +213,17 @@ def test_fused_rope_reads_cos_in_full_and_the_first_half_of_sin(dtype):
     out = qkv(pr["x"], pr["w"], pr["bias"], cos_cache=cos, sin_cache=sin, fused_rope=True, **HEADS)
     want, _ = qkv_oracle(pr["x"], pr["w"], bias=pr["bias"], cos=cos, sin=sin)
     assert_close(out, want, jnp.bfloat16, reduction=8, ops=10)
-    garbage = sin.at[..., D // 2:].set(7.0)  # the second half of sin is never read
-    np.testing.assert_array_equal(qkv(pr["x"], pr["w"], pr["bias"], cos_cache=cos, sin_cache=garbage,
-                                      fused_rope=True, **HEADS), out)
-    v = out[..., (NQ + NKV) * D:]  # V heads are not rotated
-    np.testing.assert_array_equal(v, qkv(pr["x"], pr["w"], pr["bias"], cos_cache=cos * 0 + 1, sin_cache=sin * 0,
-                                         fused_rope=True, **HEADS)[..., (NQ + NKV) * D:])
+    garbage = sin.at[..., D // 2 :].set(7.0)  # the second half of sin is never read
+    np.testing.assert_array_equal(
+        qkv(pr["x"], pr["w"], pr["bias"], cos_cache=cos, sin_cache=garbage, fused_rope=True, **HEADS), out
+    )
+    v = out[..., (NQ + NKV) * D :]  # V heads are not rotated
+    np.testing.assert_array_equal(
+        v,
+        qkv(pr["x"], pr["w"], pr["bias"], cos_cache=cos * 0 + 1, sin_cache=sin * 0, fused_rope=True, **HEADS)[
+            ..., (NQ + NKV) * D :
+        ],
+    )
 
 
 def _integers(shape, low, high, dtype, seed):
@@ -188,7 +271,7 @@ def _cache_oracle(t, caches, scales, kv_dtype, slots=None, bounds=None):
     new = [np.array(c) for c in caches]
     b, s, _ = t.shape
     for which, (cache, scale) in enumerate(zip(new, scales)):
-        part = t[..., q_dim + which * kv_dim:q_dim + (which + 1) * kv_dim]
+        part = t[..., q_dim + which * kv_dim : q_dim + (which + 1) * kv_dim]
         values = np.clip(part / scale, low, high).astype(np.dtype(kv_dtype))
         flat = cache.reshape(-1, kv_dim)
         for bi in range(b):
@@ -214,29 +297,56 @@ def test_fused_kv_cache_write_is_exact(kv_dtype, block):
         caches = [random((b, 9, NKV * D), jnp.float32, 10 + i).astype(kv_dtype) for i in range(2)]
         slots, extra = None, {}
     k_scale, v_scale = (jnp.full((128, 1), sc, jnp.float32) for sc in scales)
-    q, k_new, v_new = qkv(x, w, cos_cache=cos, sin_cache=sin, k_cache=caches[0], v_cache=caches[1], k_scale=k_scale,
-                          v_scale=v_scale, slot_mapping=None if slots is None else jnp.asarray(slots),
-                          fused_rope=True, kv_dtype=kv_dtype, **HEADS, **extra)
+    q, k_new, v_new = qkv(
+        x,
+        w,
+        cos_cache=cos,
+        sin_cache=sin,
+        k_cache=caches[0],
+        v_cache=caches[1],
+        k_scale=k_scale,
+        v_scale=v_scale,
+        slot_mapping=None if slots is None else jnp.asarray(slots),
+        fused_rope=True,
+        kv_dtype=kv_dtype,
+        **HEADS,
+        **extra,
+    )
     t, _ = qkv_oracle(x, w, cos=cos, sin=sin)
     assert q.shape == (b, s, NQ * D) and q.dtype == jnp.bfloat16 and k_new.dtype == kv_dtype
-    np.testing.assert_array_equal(np.asarray(q, np.float64), t[..., :NQ * D])
+    np.testing.assert_array_equal(np.asarray(q, np.float64), t[..., : NQ * D])
     for got, want in zip((k_new, v_new), _cache_oracle(t, caches, scales, kv_dtype, slots)):
-        np.testing.assert_array_equal(np.asarray(got).view(np.uint8 if kv_dtype != jnp.bfloat16 else np.uint16),
-                                      want.view(np.uint8 if kv_dtype != jnp.bfloat16 else np.uint16))
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint8 if kv_dtype != jnp.bfloat16 else np.uint16),
+            want.view(np.uint8 if kv_dtype != jnp.bfloat16 else np.uint16),
+        )
 
 
 def test_kv_quantization_clamps_to_fp8_min_max():
     x, w, cos, sin = _exact_cache_problem(1, 2)
     caches = [jnp.zeros((1, 2, NKV * D), jnp.float8_e4m3fn)] * 2
     scale = jnp.full((128, 1), 2.0**-6, jnp.float32)  # values up to ~ 2^7 scaled to 2^13: far beyond the clamp
-    q, k_new, v_new = qkv(x, w, cos_cache=cos, sin_cache=sin, k_cache=caches[0], v_cache=caches[1], k_scale=scale,
-                          v_scale=scale, fused_rope=True, kv_dtype=jnp.float8_e4m3fn, fp8_max=64.0, fp8_min=-32.0,
-                          **HEADS)
+    q, k_new, v_new = qkv(
+        x,
+        w,
+        cos_cache=cos,
+        sin_cache=sin,
+        k_cache=caches[0],
+        v_cache=caches[1],
+        k_scale=scale,
+        v_scale=scale,
+        fused_rope=True,
+        kv_dtype=jnp.float8_e4m3fn,
+        fp8_max=64.0,
+        fp8_min=-32.0,
+        **HEADS,
+    )
     values = np.asarray(k_new.astype(jnp.float32))
     assert values.max() == 64.0 and values.min() == -32.0
     t, _ = qkv_oracle(x, w, cos=cos, sin=sin)
-    want = _cache_oracle(t, [np.zeros((1, 2, 4), ml_dtypes.float8_e4m3fn)] * 2, (2.0**-6,) * 2, jnp.float8_e4m3fn,
-                         bounds=(-32.0, 64.0))
+    want = _cache_oracle(
+        t, [np.zeros((1, 2, 4), ml_dtypes.float8_e4m3fn)] * 2, (2.0**-6,) * 2, jnp.float8_e4m3fn, bounds=(-32.0, 64.0)
+    )
     np.testing.assert_array_equal(np.asarray(v_new).view(np.uint8), want[1].view(np.uint8))
 
 
@@ -244,11 +354,12 @@ def test_cache_write_on_the_long_sequence_path_without_rope():
     pr = problem(b=1, s=100, dtype=jnp.bfloat16)
     caches = [jnp.zeros((1, 128, NKV * D), jnp.bfloat16)] * 2
     one = jnp.ones((128, 1), jnp.float32)
-    q, k_new, _ = qkv(pr["x"], pr["w"], pr["bias"], k_cache=caches[0], v_cache=caches[1], k_scale=one, v_scale=one,
-                      **HEADS)
+    q, k_new, _ = qkv(
+        pr["x"], pr["w"], pr["bias"], k_cache=caches[0], v_cache=caches[1], k_scale=one, v_scale=one, **HEADS
+    )
     out = qkv(pr["x"], pr["w"], pr["bias"], **HEADS)
-    np.testing.assert_array_equal(q, out[..., :NQ * D])
-    np.testing.assert_array_equal(k_new[:, :100], out[..., NQ * D:(NQ + NKV) * D])
+    np.testing.assert_array_equal(q, out[..., : NQ * D])
+    np.testing.assert_array_equal(k_new[:, :100], out[..., NQ * D : (NQ + NKV) * D])
     assert not np.asarray(k_new[:, 100:].astype(jnp.float32)).any()
 
 
@@ -257,13 +368,15 @@ def test_jit_and_vmap_on_each_path():
     pr = problem()
     cos, sin = rope_tables(2, 3)
     fn = jax.jit(lambda x: qkv(x, pr["w"], pr["bias"], cos_cache=cos, sin_cache=sin, fused_rope=True, **HEADS))
-    np.testing.assert_array_equal(fn(pr["x"]), qkv(pr["x"], pr["w"], pr["bias"], cos_cache=cos, sin_cache=sin,
-                                                   fused_rope=True, **HEADS))
+    np.testing.assert_array_equal(
+        fn(pr["x"]), qkv(pr["x"], pr["w"], pr["bias"], cos_cache=cos, sin_cache=sin, fused_rope=True, **HEADS)
+    )
     xs = jnp.stack([pr["x"], pr["x"] * 2, -pr["x"]])
     got = jax.vmap(fn)(xs)  # CTE: folded into the batch axis
     np.testing.assert_allclose(got[2], fn(xs[2]), rtol=1e-6)
-    tkg = jax.vmap(lambda x, m: qkv(x, pr["w"], None, None, None, m, pr["attn"], fused_residual_add=True),
-                   in_axes=(0, None))(xs, pr["mlp"])  # TKG: lax.map (folding could change the path)
+    tkg = jax.vmap(
+        lambda x, m: qkv(x, pr["w"], None, None, None, m, pr["attn"], fused_residual_add=True), in_axes=(0, None)
+    )(xs, pr["mlp"])  # TKG: lax.map (folding could change the path)
     want = qkv(xs[1], pr["w"], None, None, None, pr["mlp"], pr["attn"], fused_residual_add=True)
     np.testing.assert_allclose(tkg[0][1], want[0], rtol=1e-6)
     np.testing.assert_allclose(tkg[1][1], want[1], rtol=1e-6)
@@ -277,8 +390,18 @@ def test_vmap_of_a_flat_cache_write_with_a_shared_cache():
     one = jnp.ones((128, 1), jnp.float32)
 
     def write(x):
-        return qkv(x, w, cos_cache=cos, sin_cache=sin, k_cache=cache, v_cache=cache, k_scale=one, v_scale=one,
-                   fused_rope=True, **HEADS)
+        return qkv(
+            x,
+            w,
+            cos_cache=cos,
+            sin_cache=sin,
+            k_cache=cache,
+            v_cache=cache,
+            k_scale=one,
+            v_scale=one,
+            fused_rope=True,
+            **HEADS,
+        )
 
     xs = jnp.stack([x, 2 * x])
     q, k_new, v_new = jax.vmap(write)(xs)
@@ -293,14 +416,29 @@ def test_gradients_float64():
     cos, sin = (t.astype(jnp.float64) for t in rope_tables(2, 3))
 
     def cte(x, w, bias, gamma, cos):
-        return qkv(x, w, bias, None, None, None, None, gamma, None, cos, sin, fused_norm_type="RMS_NORM",
-                   fused_rope=True, **HEADS)
+        return qkv(
+            x,
+            w,
+            bias,
+            None,
+            None,
+            None,
+            None,
+            gamma,
+            None,
+            cos,
+            sin,
+            fused_norm_type="RMS_NORM",
+            fused_rope=True,
+            **HEADS,
+        )
 
     check_grads(cte, (pr["x"], pr["w"], pr["bias"], pr["gamma"], cos), order=1, modes=["rev"])
 
     def tkg(x, w, mlp, gamma, beta):
-        out, fused = qkv(x, w, None, None, None, mlp, pr["attn"], gamma, beta, fused_residual_add=True,
-                         fused_norm_type="LAYER_NORM")
+        out, fused = qkv(
+            x, w, None, None, None, mlp, pr["attn"], gamma, beta, fused_residual_add=True, fused_norm_type="LAYER_NORM"
+        )
         return out, fused
 
     check_grads(tkg, (pr["x"], pr["w"], pr["mlp"], pr["gamma"], pr["beta"]), order=1, modes=["rev"])
@@ -315,8 +453,18 @@ def test_updated_caches_carry_no_gradient():
     one = jnp.ones((128, 1), jnp.float32)
 
     def loss(x, cache):
-        q, k_new, v_new = qkv(x, w, cos_cache=cos, sin_cache=sin, k_cache=cache, v_cache=cache, k_scale=one,
-                              v_scale=one, fused_rope=True, **HEADS)
+        q, k_new, v_new = qkv(
+            x,
+            w,
+            cos_cache=cos,
+            sin_cache=sin,
+            k_cache=cache,
+            v_cache=cache,
+            k_scale=one,
+            v_scale=one,
+            fused_rope=True,
+            **HEADS,
+        )
         return jnp.sum(k_new) + jnp.sum(v_new), jnp.sum(q)
 
     assert not np.asarray(jax.grad(lambda x: loss(x, cache)[0])(x)).any()
@@ -328,8 +476,12 @@ def test_shard_map_over_the_batch():
     pr = problem(b=8)
     cos, sin = rope_tables(8, 3)
     specs = (P("data"), P(), P(), P("data"), P("data"))
-    fn = jax.shard_map(lambda x, w, b, c, s: qkv(x, w, b, cos_cache=c, sin_cache=s, fused_rope=True, **HEADS),
-                       mesh=mesh, in_specs=specs, out_specs=P("data"))
+    fn = jax.shard_map(
+        lambda x, w, b, c, s: qkv(x, w, b, cos_cache=c, sin_cache=s, fused_rope=True, **HEADS),
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=P("data"),
+    )
     got = jax.jit(fn)(*shard(mesh, specs, pr["x"], pr["w"], pr["bias"], cos, sin))
     want, _ = qkv_oracle(pr["x"], pr["w"], bias=pr["bias"], cos=cos, sin=sin)
     assert_close(got, want, jnp.bfloat16, reduction=8, ops=10)
@@ -338,8 +490,7 @@ def test_shard_map_over_the_batch():
 # ----------------------------------------------------------------------------------------------------- Neuron
 def _kernel_sized(s, dtype=jnp.bfloat16):
     """H = 256, d_head = 64, I = 256: shapes the kernel takes (also at LNC 2)."""
-    return random((1, s, 256), dtype, 0), random((256, 256), dtype, 1), dict(num_q_heads=2, num_kv_heads=1,
-                                                                               d_head=64)
+    return random((1, s, 256), dtype, 0), random((256, 256), dtype, 1), dict(num_q_heads=2, num_kv_heads=1, d_head=64)
 
 
 @pytest.mark.parametrize("lnc", [1, 2])
@@ -351,8 +502,7 @@ def test_neuron_lowering_is_one_call_per_path(lnc):
         assert cfg["func_name"] == "qkv" and cfg["entry_point"] == "nkilib.core.qkv.qkv:qkv" and cfg["grid"] == lnc
         assert cfg["output_names"] == ["out"] and compute_operations(text) == []
         x, w, heads = _kernel_sized(4)
-        text = neuron_text(lambda x, w, m: qkv(x, w, None, None, None, m, m, fused_residual_add=True, **heads), x, w,
-                           x)
+        text = neuron_text(lambda x, w, m: qkv(x, w, None, None, None, m, m, fused_residual_add=True, **heads), x, w, x)
         (cfg,) = kernel_configs(text)
         assert cfg["func_name"] == "qkv" and cfg["output_names"] == ["out", "fused_hidden"]  # the TKG path
         assert cfg["entry_point"] == "nkilib.core.qkv.qkv:qkv" and compute_operations(text) == []
@@ -366,19 +516,37 @@ def test_neuron_cache_write_aliases_the_caches(block):
     extra = dict(use_block_kv=True, block_size=64) if block else {}
     slots = jnp.arange(128, dtype=jnp.int32)[None] if block else None
     with jax_nkilib.neuron.dry_run():
-        text = neuron_text(lambda x, w, k, v: qkv(x, w, k_cache=k, v_cache=v, k_scale=one, v_scale=one,
-                                                  slot_mapping=slots, kv_dtype=jnp.float8_e4m3, **heads, **extra),
-                           x, w, caches, caches)
+        text = neuron_text(
+            lambda x, w, k, v: qkv(
+                x,
+                w,
+                k_cache=k,
+                v_cache=v,
+                k_scale=one,
+                v_scale=one,
+                slot_mapping=slots,
+                kv_dtype=jnp.float8_e4m3,
+                **heads,
+                **extra,
+            ),
+            x,
+            w,
+            caches,
+            caches,
+        )
     (cfg,) = kernel_configs(text)
     assert cfg["func_name"] == "qkv" and cfg["aliases"] == [[2, 1], [3, 2]]
     assert cfg["input_names"][:4] == ["input", "fused_qkv_weights", "k_cache", "v_cache"]
     assert cfg["output_names"] == ["q", "k_cache", "v_cache"] and "output_operand_aliases" in text
 
 
-@pytest.mark.parametrize("flags, limit", [
-    (dict(output_layout="NBdS"), "output_layout=NBdS is not implemented"),
-    (dict(output_layout="NBSd"), "output_layout=NBSd needs d_head=128"),
-])
+@pytest.mark.parametrize(
+    "flags, limit",
+    [
+        (dict(output_layout="NBdS"), "output_layout=NBdS is not implemented"),
+        (dict(output_layout="NBSd"), "output_layout=NBSd needs d_head=128"),
+    ],
+)
 def test_neuron_limits_fall_back(flags, limit):
     x, w, heads = _kernel_sized(128)
     with jax_nkilib.neuron.dry_run(), pytest.warns(NeuronFallbackWarning, match=limit):
@@ -390,35 +558,41 @@ def test_row_on_the_cte_path_falls_back():
     x, w, heads = _kernel_sized(128)
     scale = jnp.ones((1, 256), jnp.float32)
     with jax_nkilib.neuron.dry_run(), pytest.warns(NeuronFallbackWarning, match="no ROW weight scales"):
-        neuron_text(lambda x, w: qkv(x, w, None, scale, quantization_type="ROW", **heads), x,
-                    w.astype(jnp.float8_e4m3))
+        neuron_text(lambda x, w: qkv(x, w, None, scale, quantization_type="ROW", **heads), x, w.astype(jnp.float8_e4m3))
 
 
 # ------------------------------------------------------------------------------------------------- bad inputs
-@pytest.mark.parametrize("case, error, fragment", [
-    ("cache_on_tkg", ValueError, "runs only on qkv's CTE path"),
-    ("cache_without_scales", ValueError, "missing k_scale, v_scale"),
-    ("kv_dtype", TypeError, "pass kv_dtype=float8_e4m3fn"),
-    ("block_without_slots", ValueError, "use_block_kv=True needs `slot_mapping`"),
-    ("cache_params_alone", ValueError, "kv_dtype configure the fused KV-cache write"),
-    ("small_cache", ValueError, "hold max_S=2 positions, fewer than the S=4 tokens"),
-    ("mx", ValueError, "MX (quantization_type=MX, MX weight layouts, is_h_dim_4h_transposed) runs only on qkv's CTE"),
-    ("static_mx", ValueError, "quantization_type=STATIC_MX: STATIC_MX (FP8 x4-packed weights"),
-    ("mx_layout", ValueError, "weight_layout=MX_CONTIGUOUS and is_h_dim_4h_transposed=False are MX options"),
-    ("sbuf", ValueError, "store_output_in_sbuf=True"),
-    ("residual", ValueError, "fused_residual_add=True needs both `mlp_prev` and `attention_prev`"),
-    ("gamma", ValueError, "`gamma_norm_weights` [1, H] is required by"),
-    ("heads", ValueError, "(num_q_heads + 2 * num_kv_heads) * d_head = (2 + 2 * 2) * 4 must equal"),
-    ("layout", ValueError, "output_layout=NBSd needs d_head"),
-    ("rope_tables", ValueError, "fused_rope=True needs `cos_cache` and `sin_cache`"),
-    ("rope_heads", ValueError, "fused_rope=True needs num_q_heads and num_kv_heads"),
-    ("tables_without_rope", ValueError, "they are only used with it; got fused_rope=False"),
-    ("static_scales", ValueError, "quantization_type=STATIC requires `qkv_in_scale`"),
-    ("static_weights", TypeError, "needs FP8 `fused_qkv_weights`"),
-    ("weights_dtype", TypeError, "must have the input's dtype"),
-    ("enum", TypeError, "parameter `fused_norm_type` must be a NormType member"),
-    ("too_many", TypeError, "takes 16 tensor arguments"),
-])
+@pytest.mark.parametrize(
+    "case, error, fragment",
+    [
+        ("cache_on_tkg", ValueError, "runs only on qkv's CTE path"),
+        ("cache_without_scales", ValueError, "missing k_scale, v_scale"),
+        ("kv_dtype", TypeError, "pass kv_dtype=float8_e4m3fn"),
+        ("block_without_slots", ValueError, "use_block_kv=True needs `slot_mapping`"),
+        ("cache_params_alone", ValueError, "kv_dtype configure the fused KV-cache write"),
+        ("small_cache", ValueError, "hold max_S=2 positions, fewer than the S=4 tokens"),
+        (
+            "mx",
+            ValueError,
+            "MX (quantization_type=MX, MX weight layouts, is_h_dim_4h_transposed) runs only on qkv's CTE",
+        ),
+        ("static_mx", ValueError, "quantization_type=STATIC_MX: STATIC_MX (FP8 x4-packed weights"),
+        ("mx_layout", ValueError, "weight_layout=MX_CONTIGUOUS and is_h_dim_4h_transposed=False are MX options"),
+        ("sbuf", ValueError, "store_output_in_sbuf=True"),
+        ("residual", ValueError, "fused_residual_add=True needs both `mlp_prev` and `attention_prev`"),
+        ("gamma", ValueError, "`gamma_norm_weights` [1, H] is required by"),
+        ("heads", ValueError, "(num_q_heads + 2 * num_kv_heads) * d_head = (2 + 2 * 2) * 4 must equal"),
+        ("layout", ValueError, "output_layout=NBSd needs d_head"),
+        ("rope_tables", ValueError, "fused_rope=True needs `cos_cache` and `sin_cache`"),
+        ("rope_heads", ValueError, "fused_rope=True needs num_q_heads and num_kv_heads"),
+        ("tables_without_rope", ValueError, "they are only used with it; got fused_rope=False"),
+        ("static_scales", ValueError, "quantization_type=STATIC requires `qkv_in_scale`"),
+        ("static_weights", TypeError, "needs FP8 `fused_qkv_weights`"),
+        ("weights_dtype", TypeError, "must have the input's dtype"),
+        ("enum", TypeError, "parameter `fused_norm_type` must be a NormType member"),
+        ("too_many", TypeError, "takes 16 tensor arguments"),
+    ],
+)
 def test_bad_inputs(case, error, fragment):
     x, w, cos, sin = _exact_cache_problem(1, 4)
     f8 = jnp.zeros((1, 8, NKV * D), jnp.float8_e4m3fn)
@@ -443,10 +617,18 @@ def test_bad_inputs(case, error, fragment):
         "rope_tables": lambda: qkv(x, w, cos_cache=cos, fused_rope=True, **HEADS),
         "rope_heads": lambda: qkv(x, w, **rope),
         "tables_without_rope": lambda: qkv(x, w, cos_cache=cos, sin_cache=sin),
-        "static_scales": lambda: qkv(x, w.astype(jnp.float8_e4m3), None, jnp.ones((1, 3), jnp.float32),
-                                     quantization_type="STATIC", **HEADS),
-        "static_weights": lambda: qkv(x, w, None, jnp.ones((1, 3), jnp.float32), jnp.ones((1, 1), jnp.float32),
-                                      quantization_type="STATIC", **HEADS),
+        "static_scales": lambda: qkv(
+            x, w.astype(jnp.float8_e4m3), None, jnp.ones((1, 3), jnp.float32), quantization_type="STATIC", **HEADS
+        ),
+        "static_weights": lambda: qkv(
+            x,
+            w,
+            None,
+            jnp.ones((1, 3), jnp.float32),
+            jnp.ones((1, 1), jnp.float32),
+            quantization_type="STATIC",
+            **HEADS,
+        ),
         "weights_dtype": lambda: qkv(x, w.astype(jnp.float32)),
         "enum": lambda: qkv(x, w, fused_norm_type="RMS"),
         "too_many": lambda: qkv(*([x] * 17)),

@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
-from jax_nkilib.neuron import NeuronFallbackWarning
 from jax_nkilib._src.quant.fp8_quantize import pre_combine_dequant_scales, row_quantization, static_quantization
+from jax_nkilib.neuron import NeuronFallbackWarning
 from tests.support.hlo import kernel_configs, neuron_text, operations
 from tests.support.sharding import mesh_1d, shard
 
@@ -268,21 +268,29 @@ def test_gradients():
     weight64 = jnp.asarray(np.random.default_rng(13).uniform(0.1, 2.0, (3, 5)))
     per_example = jax.vmap(jax.grad(lambda s, w: jnp.sum(pre_combine_dequant_scales(s, w) ** 2)), in_axes=(None, 0))
     got = per_example(dequant64, jnp.stack([weight64, 2 * weight64]))
-    np.testing.assert_allclose(got[1], np.sum(2 * (4 * weight64 ** 2) * dequant64, axis=1, keepdims=True))
+    np.testing.assert_allclose(got[1], np.sum(2 * (4 * weight64**2) * dequant64, axis=1, keepdims=True))
 
 
 def test_inside_shard_map():
     mesh = mesh_1d()
     hidden, dequant = spread((16, 12), jnp.bfloat16, 14), scales(16)
-    fn = jax.shard_map(lambda h, s: static_quantization(h, s), mesh=mesh, in_specs=(P("data"), P("data")),
-                       out_specs=(P("data"), P("data")))
+    fn = jax.shard_map(
+        lambda h, s: static_quantization(h, s),
+        mesh=mesh,
+        in_specs=(P("data"), P("data")),
+        out_specs=(P("data"), P("data")),
+    )
     quantized, passed = jax.jit(fn)(*shard(mesh, (P("data"), P("data")), hidden, dequant))
     assert_equal(quantized, oracle_static(hidden, dequant), E4M3FN)
     np.testing.assert_array_equal(passed, dequant)
 
     tokens = spread((4, 16, 6), jnp.float32, 15)
-    fn3 = jax.shard_map(lambda h: row_quantization(h, output_dtype=E4M3), mesh=mesh, in_specs=P(None, "data"),
-                        out_specs=(P(None, "data"), P(None, "data")))
+    fn3 = jax.shard_map(
+        lambda h: row_quantization(h, output_dtype=E4M3),
+        mesh=mesh,
+        in_specs=P(None, "data"),
+        out_specs=(P(None, "data"), P(None, "data")),
+    )
     quantized, scale = jax.jit(fn3)(shard(mesh, (P(None, "data"),), tokens))
     want_q, want_scale = oracle_row_3d(tokens, E4M3FN, E4M3)
     assert_equal(quantized, want_q, E4M3)
@@ -290,8 +298,10 @@ def test_inside_shard_map():
 
     weight = jnp.asarray(np.random.default_rng(16).uniform(0.1, 2.0, (16, 3)), jnp.float32)
     fn_c = jax.shard_map(pre_combine_dequant_scales, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"))
-    np.testing.assert_array_equal(jax.jit(fn_c)(*shard(mesh, (P("data"), P("data")), dequant, weight)),
-                                  pre_combine_dequant_scales(dequant, weight))
+    np.testing.assert_array_equal(
+        jax.jit(fn_c)(*shard(mesh, (P("data"), P("data")), dequant, weight)),
+        pre_combine_dequant_scales(dequant, weight),
+    )
 
 
 # ----------------------------------------------------------------------------------------------- Neuron lowering
@@ -299,17 +309,46 @@ def test_neuron_lowering_one_call_each():
     hidden, dequant = jnp.zeros((128, 512), jnp.bfloat16), jnp.ones((128, 1), jnp.float32)
     weight = jnp.ones((128, 4), jnp.float32)
     cases = [
-        (lambda h, s: static_quantization(h, s, dtype=E4M3), (hidden, dequant), "static_quantization",
-         {"dtype": "float8_e4m3"}, ["quantized", "input_dequant_scale_out"], "tensor<128x512xf8E4M3>"),
-        (lambda h, s, q: static_quantization(h, s, q), (hidden, dequant, dequant), "static_quantization",
-         {"dtype": "float8_e4m3fn"}, ["quantized", "input_dequant_scale_out"], "tensor<128x512xf8E4M3FN>"),
-        (lambda h: row_quantization(h), (hidden,), "row_quantization",
-         {"dtype": "float8_e4m3fn", "output_dtype": None}, ["quantized", "dequant_scale"], "tensor<128x1xf32>"),
-        (lambda h: row_quantization(h, output_dtype=E5M2), (hidden.reshape(128, 4, 128),), "row_quantization",
-         {"dtype": "float8_e4m3fn", "output_dtype": "float8_e5m2"}, ["quantized", "dequant_scale"],
-         "tensor<128x4x128xf8E5M2>"),
-        (pre_combine_dequant_scales, (dequant, weight), "pre_combine_dequant_scales", {}, ["combined"],
-         "tensor<128x4xf32>"),
+        (
+            lambda h, s: static_quantization(h, s, dtype=E4M3),
+            (hidden, dequant),
+            "static_quantization",
+            {"dtype": "float8_e4m3"},
+            ["quantized", "input_dequant_scale_out"],
+            "tensor<128x512xf8E4M3>",
+        ),
+        (
+            lambda h, s, q: static_quantization(h, s, q),
+            (hidden, dequant, dequant),
+            "static_quantization",
+            {"dtype": "float8_e4m3fn"},
+            ["quantized", "input_dequant_scale_out"],
+            "tensor<128x512xf8E4M3FN>",
+        ),
+        (
+            lambda h: row_quantization(h),
+            (hidden,),
+            "row_quantization",
+            {"dtype": "float8_e4m3fn", "output_dtype": None},
+            ["quantized", "dequant_scale"],
+            "tensor<128x1xf32>",
+        ),
+        (
+            lambda h: row_quantization(h, output_dtype=E5M2),
+            (hidden.reshape(128, 4, 128),),
+            "row_quantization",
+            {"dtype": "float8_e4m3fn", "output_dtype": "float8_e5m2"},
+            ["quantized", "dequant_scale"],
+            "tensor<128x4x128xf8E5M2>",
+        ),
+        (
+            pre_combine_dequant_scales,
+            (dequant, weight),
+            "pre_combine_dequant_scales",
+            {},
+            ["combined"],
+            "tensor<128x4xf32>",
+        ),
     ]
     with jax_nkilib.neuron.dry_run():
         for call, args, entry, params, names, result in cases:
@@ -324,8 +363,14 @@ def test_neuron_lowering_one_call_each():
 def test_neuron_lowering_splits_past_128_partitions_and_falls_back():
     with jax_nkilib.neuron.dry_run():
         big = jnp.zeros((256, 64), jnp.bfloat16)
-        assert len(kernel_configs(neuron_text(lambda h, s: static_quantization(h, s), big,
-                                              jnp.ones((256, 1), jnp.float32)))) == 2
+        assert (
+            len(
+                kernel_configs(
+                    neuron_text(lambda h, s: static_quantization(h, s), big, jnp.ones((256, 1), jnp.float32))
+                )
+            )
+            == 2
+        )
         assert len(kernel_configs(neuron_text(row_quantization, big))) == 2
         tokens = jax.ShapeDtypeStruct((128, 1024, 128), jnp.bfloat16)  # SBUF capacity: split along BxS, not P0
         configs = kernel_configs(neuron_text(row_quantization, tokens))
@@ -345,8 +390,12 @@ BAD = [
     (lambda: static_quantization(H, S, dtype=jnp.bfloat16), ValueError, r"`dtype` must be an FP8 dtype"),
     (lambda: static_quantization(H, S, dtype="float9"), TypeError, r"`dtype` must be a dtype"),
     (lambda: static_quantization(H, S, dtype=None), ValueError, r"`dtype` must be an FP8 dtype .*; got None"),
-    (lambda: static_quantization(H, jnp.ones((5, 1), jnp.float32)), ValueError, r"`input_dequant_scale` must have "
-     r"layout \[P, 1\]"),
+    (
+        lambda: static_quantization(H, jnp.ones((5, 1), jnp.float32)),
+        ValueError,
+        r"`input_dequant_scale` must have "
+        r"layout \[P, 1\]",
+    ),
     (lambda: static_quantization(H, S.astype(jnp.bfloat16)), TypeError, r"`input_dequant_scale` must have dtype"),
     (lambda: static_quantization(H, S, S[:2]), ValueError, r"`quant_scale` must have layout \[P, 1\]"),
     (lambda: static_quantization(H.astype(jnp.int32), S), TypeError, r"`hidden_state` must have dtype"),
@@ -357,11 +406,17 @@ BAD = [
     (lambda: row_quantization(H[None, None]), ValueError, r"rank 2 or 3"),
     (lambda: row_quantization(H, jnp.float8_e4m3), TypeError, r"takes 1 tensor arguments"),
     (lambda: row_quantization(H, sbm=None), TypeError, r"unexpected keyword argument `sbm`"),
-    (lambda: pre_combine_dequant_scales(S, jnp.ones((5, 3), jnp.float32)), ValueError,
-     r"`weight_dequant_scale` must have layout \[P, F_w\]"),
+    (
+        lambda: pre_combine_dequant_scales(S, jnp.ones((5, 3), jnp.float32)),
+        ValueError,
+        r"`weight_dequant_scale` must have layout \[P, F_w\]",
+    ),
     (lambda: pre_combine_dequant_scales(S, jnp.ones((4, 3))), TypeError, r"must have the same dtype"),
-    (lambda: pre_combine_dequant_scales(S, jnp.ones((4, 3), jnp.bfloat16)), TypeError,
-     r"`weight_dequant_scale` must have dtype"),
+    (
+        lambda: pre_combine_dequant_scales(S, jnp.ones((4, 3), jnp.bfloat16)),
+        TypeError,
+        r"`weight_dequant_scale` must have dtype",
+    ),
 ]
 
 

@@ -10,8 +10,15 @@ from jax.sharding import PartitionSpec as P
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
 from jax_nkilib.nki import matmul_mxfp8, matmul_mxfp8_backward, quantize_block_mxfp8_kernel
-from tests.quant.test_quantize_mxfp8 import (oracle_contract, oracle_dense_scales, oracle_dequantize_tiles,
-                                             oracle_mx_matmul, oracle_operand, oracle_swizzle, spread)
+from tests.quant.test_quantize_mxfp8 import (
+    oracle_contract,
+    oracle_dense_scales,
+    oracle_dequantize_tiles,
+    oracle_mx_matmul,
+    oracle_operand,
+    oracle_swizzle,
+    spread,
+)
 from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.numerics import assert_close
 from tests.support.sharding import mesh_1d, shard
@@ -45,10 +52,15 @@ def operands(m=24, n=40, k=640, dtype=jnp.bfloat16, seed=0):
 
 
 # ---------------------------------------------------------------------------------------------------- forward
-@pytest.mark.parametrize("fmt, scheme, dtype", [("float8_e4m3fn", "wrapX", jnp.bfloat16),
-                                                 ("float8_e5m2", "wrapX", jnp.float32),
-                                                 ("float8_e4m3fn", "1x32", jnp.float32),
-                                                 ("float8_e5m2", "1x32", jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "fmt, scheme, dtype",
+    [
+        ("float8_e4m3fn", "wrapX", jnp.bfloat16),
+        ("float8_e5m2", "wrapX", jnp.float32),
+        ("float8_e4m3fn", "1x32", jnp.float32),
+        ("float8_e5m2", "1x32", jnp.bfloat16),
+    ],
+)
 def test_raw_operands_match_oracle(fmt, scheme, dtype):
     lhs, rhs = operands(dtype=dtype)
     out = matmul_mxfp8(lhs, rhs, float8_dtype=fmt, quant_scheme=scheme, output_dtype=jnp.float32, **RAW)
@@ -72,42 +84,79 @@ def test_swizzled_operands(scheme):
     want = oracle_mx_matmul(f64(lhs), f64(rhs), "float8_e4m3fn", scheme)
     both = matmul_mxfp8(lhs_sw, rhs_sw, float8_dtype="float8_e4m3fn", quant_scheme=scheme, output_dtype=jnp.float32)
     check(both, want, jnp.float32, 896)
-    mixed = matmul_mxfp8(lhs_sw, rhs, rhs_is_swizzled=False, float8_dtype="float8_e4m3fn", quant_scheme=scheme,
-                         output_dtype=jnp.float32)
+    mixed = matmul_mxfp8(
+        lhs_sw, rhs, rhs_is_swizzled=False, float8_dtype="float8_e4m3fn", quant_scheme=scheme, output_dtype=jnp.float32
+    )
     np.testing.assert_array_equal(np.asarray(mixed), np.asarray(both))
     # the blocks of a swizzled operand are its own 8 x 4 tiles, whatever the scheme (only the sum order changes)
-    other = matmul_mxfp8(lhs_sw, rhs_sw, float8_dtype="float8_e4m3fn",
-                         quant_scheme="1x32" if scheme == "wrapX" else "wrapX", output_dtype=jnp.float32)
+    other = matmul_mxfp8(
+        lhs_sw,
+        rhs_sw,
+        float8_dtype="float8_e4m3fn",
+        quant_scheme="1x32" if scheme == "wrapX" else "wrapX",
+        output_dtype=jnp.float32,
+    )
     check(other, want, jnp.float32, 896)
 
 
 @pytest.mark.parametrize("packed, scale_dtype", [(True, jnp.float8_e8m0fnu), (False, jnp.uint8)])
 def test_prequantized_operands(packed, scale_dtype):
     lhs, rhs = operands(m=16, n=24, k=2944)
-    quantize = lambda a: quantize_block_mxfp8_kernel(a, return_fp8_dtype="float8_e4m3fn",  # noqa: E731
-                                                     enable_scale_packing=packed)
+    quantize = lambda a: quantize_block_mxfp8_kernel(
+        a,
+        return_fp8_dtype="float8_e4m3fn",  # noqa: E731
+        enable_scale_packing=packed,
+    )
     (lhs_scales, lhs_data), (rhs_scales, rhs_data) = quantize(lhs), quantize(rhs)
     lhs_scales, rhs_scales = (jax.lax.bitcast_convert_type(s, scale_dtype) for s in (lhs_scales, rhs_scales))
-    out = matmul_mxfp8(lhs_data, rhs_data, lhs_scales, rhs_scales, float8_dtype="float8_e4m3fn",
-                       use_scale_packing=packed, output_dtype=jnp.float32)
+    out = matmul_mxfp8(
+        lhs_data,
+        rhs_data,
+        lhs_scales,
+        rhs_scales,
+        float8_dtype="float8_e4m3fn",
+        use_scale_packing=packed,
+        output_dtype=jnp.float32,
+    )
     # the oracle decodes the given bytes (dense scales from the layout) independently of the quantizer
-    dequantized = [oracle_dequantize_tiles(np.asarray(d), oracle_dense_scales(np.asarray(s).view(np.uint8), 2944))
-                   for d, s in ((lhs_data, lhs_scales), (rhs_data, rhs_scales))]
+    dequantized = [
+        oracle_dequantize_tiles(np.asarray(d), oracle_dense_scales(np.asarray(s).view(np.uint8), 2944))
+        for d, s in ((lhs_data, lhs_scales), (rhs_data, rhs_scales))
+    ]
     want = oracle_contract(*dequantized)
     check(out, want, jnp.float32, 2944)
     check(out, oracle_mx_matmul(f64(lhs), f64(rhs), "float8_e4m3fn"), jnp.float32, 2944)
-    raw_rhs = matmul_mxfp8(lhs_data, rhs, lhs_scales, float8_dtype="float8_e4m3fn", use_scale_packing=packed,
-                           rhs_is_swizzled=False, output_dtype=jnp.float32)
+    raw_rhs = matmul_mxfp8(
+        lhs_data,
+        rhs,
+        lhs_scales,
+        float8_dtype="float8_e4m3fn",
+        use_scale_packing=packed,
+        rhs_is_swizzled=False,
+        output_dtype=jnp.float32,
+    )
     np.testing.assert_array_equal(np.asarray(raw_rhs), np.asarray(out))
 
 
 def test_tiling_knobs_do_not_change_the_result():
     lhs, rhs = operands()
     base = matmul_mxfp8(lhs, rhs, **RAW)
-    tuned = matmul_mxfp8(lhs, rhs, TILES_IN_BLOCK_M=2, TILES_IN_BLOCK_N=4, TILES_IN_BLOCK_K=1, TILES_IN_LOAD_M=1,
-                         TILES_IN_LOAD_N=2, lhs_matmul_tile_shape_logical=(512, 128),
-                         rhs_matmul_tile_shape_logical=[512, 256], tile_loop_order="nmk", spill_reload=True,
-                         run_with_lnc2=False, lnc_2_shard_rhs=False, **RAW)
+    tuned = matmul_mxfp8(
+        lhs,
+        rhs,
+        TILES_IN_BLOCK_M=2,
+        TILES_IN_BLOCK_N=4,
+        TILES_IN_BLOCK_K=1,
+        TILES_IN_LOAD_M=1,
+        TILES_IN_LOAD_N=2,
+        lhs_matmul_tile_shape_logical=(512, 128),
+        rhs_matmul_tile_shape_logical=[512, 256],
+        tile_loop_order="nmk",
+        spill_reload=True,
+        run_with_lnc2=False,
+        lnc_2_shard_rhs=False,
+        **RAW,
+    )
     np.testing.assert_array_equal(np.asarray(tuned, np.float32), np.asarray(base, np.float32))
 
 
@@ -145,8 +194,11 @@ def test_reverse_mode_is_the_backward_kernel():
     # pre-swizzled operands get swizzled gradients; pre-quantized ones none (their dequantized values are W)
     lhs_sw = jnp.asarray(oracle_swizzle(f64(lhs)), jnp.bfloat16)
     scales, data = quantize_block_mxfp8_kernel(rhs, return_fp8_dtype="float8_e5m2")
-    _, vjp = jax.vjp(lambda a, d: matmul_mxfp8(a, d, rhs_scales=scales, use_scale_packing=True,
-                                               output_dtype=jnp.float32), lhs_sw, data)
+    _, vjp = jax.vjp(
+        lambda a, d: matmul_mxfp8(a, d, rhs_scales=scales, use_scale_packing=True, output_dtype=jnp.float32),
+        lhs_sw,
+        data,
+    )
     dlhs_sw, ddata = vjp(g)
     assert not np.any(np.asarray(ddata, np.float32))
     dequantized = oracle_unswizzle(oracle_operand(f64(rhs), "float8_e5m2"), 256)
@@ -196,8 +248,14 @@ def test_backward_matches_oracle(shape, fmt):
     want_dx, want_dw = oracle_backward(dy, w, x, fmt)
     check(dx, want_dx, jnp.float32, n)
     check(dw, want_dw, jnp.float32, m)
-    dx16, _ = matmul_mxfp8_backward(dy, w, x, float8_dtype=fmt, input_grad_config={"tile_k": 512},
-                                    weight_grad_config={"TILES_IN_BLOCK_M": 2, "TILES_IN_LOAD_M": 1})
+    dx16, _ = matmul_mxfp8_backward(
+        dy,
+        w,
+        x,
+        float8_dtype=fmt,
+        input_grad_config={"tile_k": 512},
+        weight_grad_config={"TILES_IN_BLOCK_M": 2, "TILES_IN_LOAD_M": 1},
+    )
     assert dx16.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(dx16, np.float32), np.asarray(dx.astype(jnp.bfloat16), np.float32))
 
@@ -218,8 +276,9 @@ def test_backward_jit_vmap_and_shard_map():
     for got, want in zip(mapped, call(dys[1], ws[1], x)):
         same(got[1], want, 16)
     mesh = mesh_1d()
-    fn = jax.shard_map(call, mesh=mesh, in_specs=(P(), P(None, "data"), P(None, "data")),
-                       out_specs=(P(None, "data"), P(None, "data")))  # K sharded: every product is local
+    fn = jax.shard_map(
+        call, mesh=mesh, in_specs=(P(), P(None, "data"), P(None, "data")), out_specs=(P(None, "data"), P(None, "data"))
+    )  # K sharded: every product is local
     got = jax.jit(fn)(*shard(mesh, (P(), P(None, "data"), P(None, "data")), dy, w, x))
     for out, want in zip(got, eager):
         same(out, want, 16)
@@ -235,8 +294,13 @@ def test_neuron_lowering():
         assert cfg["params"]["output_dtype"] == "bfloat16" and cfg["params"]["run_with_lnc2"] is False
         assert cfg["mac_count"] == 256 * 384 * 512
         scales, data = quantize_block_mxfp8_kernel(lhs, return_fp8_dtype="float8_e5m2")
-        prequantized = lambda d, s, b: matmul_mxfp8(d, b, lhs_scales=s, rhs_is_swizzled=False,  # noqa: E731
-                                                    use_scale_packing=True)
+        prequantized = lambda d, s, b: matmul_mxfp8(
+            d,
+            b,
+            lhs_scales=s,
+            rhs_is_swizzled=False,  # noqa: E731
+            use_scale_packing=True,
+        )
         (cfg,) = kernel_configs(neuron_text(prequantized, data, jax.lax.bitcast_convert_type(scales, jnp.uint8), rhs))
         assert cfg["input_names"] == ["lhs", "rhs", "lhs_scales"]
         with pytest.warns(NeuronFallbackWarning, match="`lhs_scales` has dtype float8_e8m0fnu"):
@@ -263,36 +327,65 @@ def _args(**changes):
     def build():
         lhs, rhs = jnp.zeros((8, 128), jnp.bfloat16), jnp.zeros((16, 128), jnp.bfloat16)
         return dict(dict(lhs=lhs, rhs=rhs, **RAW), **{k: v() if callable(v) else v for k, v in changes.items()})
+
     return build
 
 
-_SW = dict(lhs=lambda: jnp.zeros((32, 32), jnp.bfloat16), rhs=lambda: jnp.zeros((32, 64), jnp.bfloat16),
-           lhs_is_swizzled=True, rhs_is_swizzled=True)
+_SW = dict(
+    lhs=lambda: jnp.zeros((32, 32), jnp.bfloat16),
+    rhs=lambda: jnp.zeros((32, 64), jnp.bfloat16),
+    lhs_is_swizzled=True,
+    rhs_is_swizzled=True,
+)
 _PRE = dict(_SW, lhs=lambda: jnp.zeros((32, 32), jnp.float8_e5m2), lhs_scales=lambda: jnp.zeros((32, 8), jnp.uint8))
 BAD = [
     (_args(rhs=lambda: jnp.zeros((16, 64), jnp.bfloat16)), ValueError, r"argument `rhs` must have layout \[N, K\]"),
     (_args(lhs=lambda: jnp.zeros((8, 128), jnp.int32)), TypeError, "argument `lhs` must have dtype"),
     (_args(lhs=lambda: jnp.zeros((8, 128), jnp.float8_e5m2)), TypeError, "fp8 data needs its `lhs_scales`"),
-    (_args(lhs_scales=lambda: jnp.zeros((32, 8), jnp.uint8)), ValueError,
-     "always in the swizzled layout .* lhs_is_swizzled must be True"),
-    (_args(**dict(_PRE, lhs=lambda: jnp.zeros((32, 32), jnp.float8_e4m3fn))), TypeError,
-     "must hold float8_e5m2 elements"),
-    (_args(**dict(_PRE, lhs_scales=lambda: jnp.zeros((16, 8), jnp.uint8))), ValueError,
-     r"`lhs_scales` must have layout \[K/4, M\] = \(32, 8\)"),
-    (_args(**dict(_PRE, use_scale_packing=True, lhs_scales=lambda: jnp.zeros((32, 8), jnp.uint8))), ValueError,
-     r"packed \[ceil\(K/2048\)\*128, M\] = \(128, 8\)"),
-    (_args(**dict(_PRE, lhs_scales=lambda: jnp.zeros((32, 8), jnp.int8))), TypeError,
-     "argument `lhs_scales` must have dtype"),
-    (_args(**dict(_SW, lhs=lambda: jnp.zeros((12, 32), jnp.bfloat16), rhs=lambda: jnp.zeros((12, 64)))), ValueError,
-     r"swizzled `lhs` must have layout \[K/4, 4\*M\] with K a multiple of 32"),
+    (
+        _args(lhs_scales=lambda: jnp.zeros((32, 8), jnp.uint8)),
+        ValueError,
+        "always in the swizzled layout .* lhs_is_swizzled must be True",
+    ),
+    (
+        _args(**dict(_PRE, lhs=lambda: jnp.zeros((32, 32), jnp.float8_e4m3fn))),
+        TypeError,
+        "must hold float8_e5m2 elements",
+    ),
+    (
+        _args(**dict(_PRE, lhs_scales=lambda: jnp.zeros((16, 8), jnp.uint8))),
+        ValueError,
+        r"`lhs_scales` must have layout \[K/4, M\] = \(32, 8\)",
+    ),
+    (
+        _args(**dict(_PRE, use_scale_packing=True, lhs_scales=lambda: jnp.zeros((32, 8), jnp.uint8))),
+        ValueError,
+        r"packed \[ceil\(K/2048\)\*128, M\] = \(128, 8\)",
+    ),
+    (
+        _args(**dict(_PRE, lhs_scales=lambda: jnp.zeros((32, 8), jnp.int8))),
+        TypeError,
+        "argument `lhs_scales` must have dtype",
+    ),
+    (
+        _args(**dict(_SW, lhs=lambda: jnp.zeros((12, 32), jnp.bfloat16), rhs=lambda: jnp.zeros((12, 64)))),
+        ValueError,
+        r"swizzled `lhs` must have layout \[K/4, 4\*M\] with K a multiple of 32",
+    ),
     (_args(**dict(_SW, lhs=lambda: jnp.zeros((32, 30), jnp.bfloat16))), ValueError, r"\[K/4, 4\*M\]"),
     (_args(lhs_matmul_tile_shape_logical=(500, 128)), ValueError, "tile_k=500 must be a multiple of 128"),
     (_args(rhs_matmul_tile_shape_logical=(512, 8200)), ValueError, "tile_n=8200 must be a multiple of 32 and at most"),
-    (_args(lhs_matmul_tile_shape_logical=(512, 128), rhs_matmul_tile_shape_logical=(256, 128)), ValueError,
-     "the same tile_k"),
+    (
+        _args(lhs_matmul_tile_shape_logical=(512, 128), rhs_matmul_tile_shape_logical=(256, 128)),
+        ValueError,
+        "the same tile_k",
+    ),
     (_args(lhs_matmul_tile_shape_logical=512), TypeError, r"a \(tile_k, tile\) pair of positive ints"),
-    (_args(TILES_IN_BLOCK_M=3, TILES_IN_LOAD_M=2), ValueError, "TILES_IN_BLOCK_M=3 must be a multiple of "
-                                                               "TILES_IN_LOAD_M=2"),
+    (
+        _args(TILES_IN_BLOCK_M=3, TILES_IN_LOAD_M=2),
+        ValueError,
+        "TILES_IN_BLOCK_M=3 must be a multiple of TILES_IN_LOAD_M=2",
+    ),
     (_args(TILES_IN_BLOCK_N=0), ValueError, "TILES_IN_BLOCK_N must be positive"),
     (_args(block_loop_order="nmk"), ValueError, r"`block_loop_order` must be one of \('mnk',\)"),
     (_args(quant_scheme="1x16"), ValueError, "`quant_scheme` must be one of"),

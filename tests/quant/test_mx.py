@@ -42,8 +42,8 @@ def oracle_quantize_tile(x, fmt=E4M3):
     elements, scales = np.zeros((p, f), fmt), np.zeros((p // 8, f // 4), np.uint8)
     for i in range(p // 8):
         for j in range(f // 4):
-            block, scale = oracle_quantize_groups(x[8 * i:8 * i + 8, 4 * j:4 * j + 4].reshape(32), fmt)
-            elements[8 * i:8 * i + 8, 4 * j:4 * j + 4], scales[i, j] = block.reshape(8, 4), scale
+            block, scale = oracle_quantize_groups(x[8 * i : 8 * i + 8, 4 * j : 4 * j + 4].reshape(32), fmt)
+            elements[8 * i : 8 * i + 8, 4 * j : 4 * j + 4], scales[i, j] = block.reshape(8, 4), scale
     return elements, scales
 
 
@@ -133,8 +133,10 @@ def test_quantize_tile_matches_oracle_and_round_trips():
         want_elements, want_scales = oracle_quantize_tile(x[i])
         np.testing.assert_array_equal(codes(elements[i]), codes(want_elements))
         np.testing.assert_array_equal(np.asarray(scales[i]), want_scales)
-        assert_same_float32(mx.dequantize_mx(elements[i], scales[i]),
-                            oracle_dequantize(want_elements, np.repeat(np.repeat(want_scales, 8, 0), 4, 1)))
+        assert_same_float32(
+            mx.dequantize_mx(elements[i], scales[i]),
+            oracle_dequantize(want_elements, np.repeat(np.repeat(want_scales, 8, 0), 4, 1)),
+        )
     # ordinary blocks round-trip within 64 units of the block scale (half a step of 32 at the top, or saturation)
     normal = np.random.default_rng(1).standard_normal((16, 8)).astype(np.float32)
     elements, scales = mx.quantize_mx(normal)
@@ -150,8 +152,10 @@ def test_e5m2_elements():
     assert elements.dtype == jnp.float8_e5m2 and scales[0, 0] == 255 - 15
     np.testing.assert_array_equal(codes(elements), codes(want_elements))
     np.testing.assert_array_equal(np.asarray(scales), want_scales)
-    assert_same_float32(mx.dequantize_mx(elements, scales),
-                        oracle_dequantize(want_elements, np.repeat(np.repeat(want_scales, 8, 0), 4, 1)))
+    assert_same_float32(
+        mx.dequantize_mx(elements, scales),
+        oracle_dequantize(want_elements, np.repeat(np.repeat(want_scales, 8, 0), 4, 1)),
+    )
     assert_same_float32(mx.mx_round_trip(x, 0, jnp.float8_e5m2), oracle_round_trip(x, 0, ml_dtypes.float8_e5m2))
 
 
@@ -219,8 +223,10 @@ def test_nan_and_inf():
     back = np.asarray(mx.dequantize_mx(elements, scales))
     assert back[0, 0] == np.inf and back[0, 3] == -np.inf and np.isnan(back[0, 2])  # 448 * 2**120 overflows
     want_elements, _ = oracle_quantize_tile(x)
-    np.testing.assert_array_equal(codes(elements)[~np.isnan(values)[None].repeat(8, 0)],
-                                  codes(want_elements)[~np.isnan(values)[None].repeat(8, 0)])
+    np.testing.assert_array_equal(
+        codes(elements)[~np.isnan(values)[None].repeat(8, 0)],
+        codes(want_elements)[~np.isnan(values)[None].repeat(8, 0)],
+    )
     # scale byte 255 decodes as 2**128 (no NaN code); NaN element bytes stay NaN
     odd = np.array([[1.0, 2.0**-9, np.nan, 0.0]] * 8, np.float32).astype(E4M3)
     out = np.asarray(mx.dequantize_mx(jnp.asarray(odd), jnp.full((1, 1), 255, jnp.uint8)))[0]
@@ -278,8 +284,9 @@ def test_kv_cache_block_encode_decode(contraction):
     noise = np.random.default_rng(5).integers(0, 2**32, (32, 160), dtype=np.uint64).astype(np.uint32)
     noise[:4, 128:] &= 0x7F7F7F7F  # keep scales below 2**1 so that most values stay finite
     noise[0, 128] |= 0xFF
-    assert_same_float32(mx.decode_mx_block(jnp.asarray(noise), contraction), oracle_decode_block(noise.view(np.float32),
-                                                                                                 contraction))
+    assert_same_float32(
+        mx.decode_mx_block(jnp.asarray(noise), contraction), oracle_decode_block(noise.view(np.float32), contraction)
+    )
 
 
 def test_bad_shapes_are_named():

@@ -28,11 +28,12 @@ def oracle_quantize_along(x, axis, fmt="float8_e4m3fn", block=32):
     scales = np.zeros(x.shape[:-1] + (x.shape[-1] // block,), np.uint8)
     for index in np.ndindex(*x.shape[:-1]):
         for b in range(x.shape[-1] // block):
-            values = x[index][b * block:(b + 1) * block].astype(np.float64)
+            values = x[index][b * block : (b + 1) * block].astype(np.float64)
             top = oracle_biased_exponent(values).max()
             with np.errstate(invalid="ignore"):
-                data[index][b * block:(b + 1) * block] = np.clip(values * 2.0 ** (127 + emax - top), -largest,
-                                                                 largest).astype(kind)
+                data[index][b * block : (b + 1) * block] = np.clip(
+                    values * 2.0 ** (127 + emax - top), -largest, largest
+                ).astype(kind)
             scales[index + (b,)] = np.clip(top - emax, 0, 255)
     return np.moveaxis(data, -1, axis), np.moveaxis(scales, -1, axis)
 
@@ -68,8 +69,9 @@ def test_kernel_path_equals_jax_path_and_other_blocks():
     np.testing.assert_array_equal(np.asarray(scales), want[1])
 
 
-@pytest.mark.parametrize("fmt, half_step_offset, top_range", [("float8_e4m3fn", 124, (128, 256)),
-                                                               ("float8_e5m2", 116, (2**14, 2**15))])
+@pytest.mark.parametrize(
+    "fmt, half_step_offset, top_range", [("float8_e4m3fn", 124, (128, 256)), ("float8_e5m2", 116, (2**14, 2**15))]
+)
 def test_round_trip_error_is_half_a_step(fmt, half_step_offset, top_range):
     x = spread((8, 512), 4, jnp.float32)
     data, scales = jax_nkilib.quantize_mx(x, dtype=DTYPES[fmt])
@@ -131,8 +133,9 @@ def test_dequantize_dtype_and_e8m0_scales():
     e8m0 = jax.lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)
     out = jax_nkilib.dequantize_mx(data, e8m0, dtype=jnp.bfloat16)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(out, np.float32),
-                                  np.asarray(jax_nkilib.dequantize_mx(data, scales).astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(out, np.float32), np.asarray(jax_nkilib.dequantize_mx(data, scales).astype(jnp.bfloat16), np.float32)
+    )
 
 
 def test_quantize_transformations():
@@ -195,8 +198,9 @@ def test_mxfp8_matmul_transformations():
     x8 = spread((8, 2, 64), 14, jnp.bfloat16)
     sharded = jax.shard_map(fn, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
     same(jax.jit(sharded)(*shard(mesh, (P("data"), P()), x8, w)), fn(x8, w), 64)
-    grads = jax.jit(jax.grad(lambda a, b: jnp.sum(sharded(a, b)), argnums=(0, 1)))(*shard(mesh, (P("data"), P()),
-                                                                                           x8, w))
+    grads = jax.jit(jax.grad(lambda a, b: jnp.sum(sharded(a, b)), argnums=(0, 1)))(
+        *shard(mesh, (P("data"), P()), x8, w)
+    )
     want = jax.grad(lambda a, b: jnp.sum(fn(a, b)), argnums=(0, 1))(x8, w)
     same(grads[0], want[0], 16)
     check(grads[1], f64(want[1]), jnp.bfloat16, 8)  # dw: per-device sums of bf16 partials
@@ -220,28 +224,55 @@ def test_neuron_lowering():
 
 BAD = [
     (lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 48))), ValueError, "must be a multiple of block=32"),
-    (lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64)), dtype=jnp.float8_e4m3), ValueError,
-     "`dtype` must be jnp.float8_e4m3fn or jnp.float8_e5m2"),
+    (
+        lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64)), dtype=jnp.float8_e4m3),
+        ValueError,
+        "`dtype` must be jnp.float8_e4m3fn or jnp.float8_e5m2",
+    ),
     (lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64), jnp.int32)), TypeError, "`x` must have a floating dtype"),
     (lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64)), axis=2), ValueError, "`axis`=2 is out of range"),
     (lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64)), block=0), TypeError, "`block` must be a positive int"),
     (lambda: jax_nkilib.quantize_mx([1.0] * 32), TypeError, "`x` must be an array"),
-    (lambda: jax_nkilib.dequantize_mx(jnp.zeros((4, 64), jnp.float8_e4m3fn), jnp.zeros((4, 3), jnp.uint8)),
-     ValueError, "`scales` must have the shape of `data`"),
-    (lambda: jax_nkilib.dequantize_mx(jnp.zeros((4, 64)), jnp.zeros((4, 2), jnp.uint8)), ValueError,
-     "`data.dtype` must be jnp.float8_e4m3fn or jnp.float8_e5m2"),
-    (lambda: jax_nkilib.dequantize_mx(jnp.zeros((4, 64), jnp.float8_e5m2), jnp.zeros((4, 2), jnp.int8)), TypeError,
-     "`scales` must be uint8"),
-    (lambda: jax_nkilib.mxfp8_matmul(jnp.zeros((4, 64)), jnp.zeros((32, 8))), ValueError,
-     r"`x` must have layout \[..., K\] and `w` \[K, N\]"),
-    (lambda: jax_nkilib.mxfp8_matmul(jnp.zeros((4, 64)), jnp.zeros((64, 8)), float8_dtype="e4m3"), ValueError,
-     "`float8_dtype` must be"),
-    (lambda: jax_nkilib.mxfp8_matmul(jnp.zeros((4, 64)), jnp.zeros((64, 8), jnp.int32)), TypeError,
-     "`w` must have a floating dtype"),
-    (lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64), jnp.float8_e4m3fn)), TypeError,
-     r"quantize_mx: `x` must have a floating dtype \(float32, bfloat16, float16 or float64\); got float8_e4m3fn"),
-    (lambda: jax_nkilib.quantize_mx(jnp.zeros((1,) * 11 + (64,))), ValueError,
-     "quantize_mx: `x` has 12 leading axes; at most 10"),
+    (
+        lambda: jax_nkilib.dequantize_mx(jnp.zeros((4, 64), jnp.float8_e4m3fn), jnp.zeros((4, 3), jnp.uint8)),
+        ValueError,
+        "`scales` must have the shape of `data`",
+    ),
+    (
+        lambda: jax_nkilib.dequantize_mx(jnp.zeros((4, 64)), jnp.zeros((4, 2), jnp.uint8)),
+        ValueError,
+        "`data.dtype` must be jnp.float8_e4m3fn or jnp.float8_e5m2",
+    ),
+    (
+        lambda: jax_nkilib.dequantize_mx(jnp.zeros((4, 64), jnp.float8_e5m2), jnp.zeros((4, 2), jnp.int8)),
+        TypeError,
+        "`scales` must be uint8",
+    ),
+    (
+        lambda: jax_nkilib.mxfp8_matmul(jnp.zeros((4, 64)), jnp.zeros((32, 8))),
+        ValueError,
+        r"`x` must have layout \[..., K\] and `w` \[K, N\]",
+    ),
+    (
+        lambda: jax_nkilib.mxfp8_matmul(jnp.zeros((4, 64)), jnp.zeros((64, 8)), float8_dtype="e4m3"),
+        ValueError,
+        "`float8_dtype` must be",
+    ),
+    (
+        lambda: jax_nkilib.mxfp8_matmul(jnp.zeros((4, 64)), jnp.zeros((64, 8), jnp.int32)),
+        TypeError,
+        "`w` must have a floating dtype",
+    ),
+    (
+        lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64), jnp.float8_e4m3fn)),
+        TypeError,
+        r"quantize_mx: `x` must have a floating dtype \(float32, bfloat16, float16 or float64\); got float8_e4m3fn",
+    ),
+    (
+        lambda: jax_nkilib.quantize_mx(jnp.zeros((1,) * 11 + (64,))),
+        ValueError,
+        "quantize_mx: `x` has 12 leading axes; at most 10",
+    ),
 ]
 
 

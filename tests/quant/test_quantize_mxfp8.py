@@ -29,7 +29,7 @@ def oracle_tiles(k):
     128, any other remainder as one tile."""
     tiles = [(start, 512) for start in range(0, k - k % 512, 512)]
     start, rest = k - k % 512, k % 512
-    for size in ((256, 128) if rest % 128 == 0 else (rest,)):
+    for size in (256, 128) if rest % 128 == 0 else (rest,):
         if rest >= size and size:
             tiles.append((start, size))
             start, rest = start + size, rest - size
@@ -148,8 +148,12 @@ def test_matches_oracle(fmt, packed, dtype):
 def test_odd_sizes(shape):
     src = spread(shape, 1)  # K not a multiple of 128: one tile (CPU); F odd
     for packed in (True, False):
-        assert_outputs(*quantize_block_mxfp8_kernel(src, return_fp8_dtype=jnp.float8_e4m3fn,
-                                                    enable_scale_packing=packed), src, "float8_e4m3fn", packed)
+        assert_outputs(
+            *quantize_block_mxfp8_kernel(src, return_fp8_dtype=jnp.float8_e4m3fn, enable_scale_packing=packed),
+            src,
+            "float8_e4m3fn",
+            packed,
+        )
 
 
 def test_saturation_nan_and_zero_blocks():
@@ -158,8 +162,9 @@ def test_saturation_nan_and_zero_blocks():
     src[1, 0] = np.nan
     src[2, :] = 255.9  # largest magnitude of the block maps into [128, 256): 255.9 * 2**0 rounds to 256
     src[3, 5] = 3.0e38  # finite values near the float32 maximum do not saturate
-    scales, data = quantize_block_mxfp8_kernel(jnp.asarray(src), return_fp8_dtype="float8_e4m3fn",
-                                               enable_scale_packing=False)
+    scales, data = quantize_block_mxfp8_kernel(
+        jnp.asarray(src), return_fp8_dtype="float8_e4m3fn", enable_scale_packing=False
+    )
     assert_outputs(scales, data, src, "float8_e4m3fn", False)
     values = np.asarray(data.astype(jnp.float32))  # data[r, 4f + j]: f = 0 is columns 0..3
     bytes_ = np.asarray(scales).view(np.uint8)
@@ -182,14 +187,19 @@ def test_vmap_folds_and_zero_gradients():
 def test_inside_shard_map():
     mesh = mesh_1d()
     src = spread((64, 640), 3)
-    fn = jax.shard_map(lambda s: quantize_block_mxfp8_kernel(s, return_fp8_dtype="float8_e4m3fn"), mesh=mesh,
-                       in_specs=P("data"), out_specs=(P(None, "data"), P(None, "data")))
+    fn = jax.shard_map(
+        lambda s: quantize_block_mxfp8_kernel(s, return_fp8_dtype="float8_e4m3fn"),
+        mesh=mesh,
+        in_specs=P("data"),
+        out_specs=(P(None, "data"), P(None, "data")),
+    )
     scales, data = (np.asarray(out) for out in jax.jit(fn)(shard(mesh, (P("data"),), src)))
     # each device quantizes its 8 rows: the outputs' columns are F, so the shards concatenate along columns
     for device in range(8):
         rows = slice(8 * device, 8 * device + 8)
-        assert_outputs(scales[:, rows], data[:, 32 * device:32 * device + 32], np.asarray(src)[rows],
-                       "float8_e4m3fn", True)
+        assert_outputs(
+            scales[:, rows], data[:, 32 * device : 32 * device + 32], np.asarray(src)[rows], "float8_e4m3fn", True
+        )
 
 
 def test_neuron_lowering():
@@ -199,8 +209,11 @@ def test_neuron_lowering():
         (cfg,) = kernel_configs(neuron_text(call, src))
         assert cfg["entry_point"] == "nkilib.experimental.quantize_mxfp8.quantize_mxfp8:quantize_block_mxfp8_kernel"
         assert cfg["output_names"] == ["quantized_scales_hbm", "quantized_data_hbm"]
-        assert cfg["params"] == {"return_fp8_dtype": "float8_e4m3fn", "run_with_lnc2": False,
-                                 "enable_scale_packing": True}
+        assert cfg["params"] == {
+            "return_fp8_dtype": "float8_e4m3fn",
+            "run_with_lnc2": False,
+            "enable_scale_packing": True,
+        }
         with pytest.warns(NeuronFallbackWarning, match="src_tensor must be bfloat16; got float32"):
             assert not kernel_configs(neuron_text(call, src.astype(jnp.float32)))
         with pytest.warns(NeuronFallbackWarning, match="K=96 must be a multiple of 128; F=3 must be a multiple of 8"):
@@ -214,16 +227,31 @@ def test_neuron_lowering():
 
 BAD = [
     (dict(src_tensor=jnp.zeros((8, 128))), TypeError, "missing required parameter `return_fp8_dtype`"),
-    (dict(src_tensor=jnp.zeros((8, 128)), return_fp8_dtype="float8_e4m3"), ValueError,
-     r"`return_fp8_dtype` must be one of \('float8_e4m3fn', 'float8_e5m2'\)"),
-    (dict(src_tensor=jnp.zeros((8, 100)), return_fp8_dtype="float8_e5m2"), ValueError,
-     r"\[F, K\] with K a multiple of 32"),
-    (dict(src_tensor=jnp.zeros((2, 8, 128)), return_fp8_dtype="float8_e5m2"), ValueError,
-     r"argument `src_tensor` must have layout \[F, K\]"),
-    (dict(src_tensor=jnp.zeros((8, 128), jnp.int32), return_fp8_dtype="float8_e5m2"), TypeError,
-     "argument `src_tensor` must have dtype"),
-    (dict(src_tensor=jnp.zeros((8, 128)), return_fp8_dtype="float8_e5m2", enable_scale_packing=1), TypeError,
-     "`enable_scale_packing` must be a Python bool"),
+    (
+        dict(src_tensor=jnp.zeros((8, 128)), return_fp8_dtype="float8_e4m3"),
+        ValueError,
+        r"`return_fp8_dtype` must be one of \('float8_e4m3fn', 'float8_e5m2'\)",
+    ),
+    (
+        dict(src_tensor=jnp.zeros((8, 100)), return_fp8_dtype="float8_e5m2"),
+        ValueError,
+        r"\[F, K\] with K a multiple of 32",
+    ),
+    (
+        dict(src_tensor=jnp.zeros((2, 8, 128)), return_fp8_dtype="float8_e5m2"),
+        ValueError,
+        r"argument `src_tensor` must have layout \[F, K\]",
+    ),
+    (
+        dict(src_tensor=jnp.zeros((8, 128), jnp.int32), return_fp8_dtype="float8_e5m2"),
+        TypeError,
+        "argument `src_tensor` must have dtype",
+    ),
+    (
+        dict(src_tensor=jnp.zeros((8, 128)), return_fp8_dtype="float8_e5m2", enable_scale_packing=1),
+        TypeError,
+        "`enable_scale_packing` must be a Python bool",
+    ),
 ]
 
 

@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
-from jax_nkilib.neuron import NeuronFallbackWarning
 from jax_nkilib._src.norm.rmsnorm_mx_prefill import RouterActFnType, rmsnorm_mx_prefill, swizzle_router_weights
+from jax_nkilib.neuron import NeuronFallbackWarning
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text
 from tests.support.numerics import assert_close
 from tests.support.sharding import mesh_1d, shard
@@ -57,7 +57,7 @@ def oracle_norm(hidden, gamma, residual=None, eps=1e-6, unpadded=None, interleav
     if residual is not None:
         x = rounded(x + f64(residual).reshape(b * s, h), hidden.dtype)
     natural = x[:, natural_index(h)] if interleaved else x
-    inv_rms = 1.0 / np.sqrt((natural ** 2).sum(axis=1, keepdims=True) / (unpadded or h) + eps)
+    inv_rms = 1.0 / np.sqrt((natural**2).sum(axis=1, keepdims=True) / (unpadded or h) + eps)
     return natural * inv_rms * f64(gamma).reshape(1, h), x
 
 
@@ -80,7 +80,7 @@ def oracle_row_bytes(y, pack_scales):
             base, shift = ((k // 4) * 128, (k % 4) * 4) if pack_scales else (k * 128, 0)
             for g in range(16):
                 start = k * 512 + 32 * g
-                row[token, start:start + 32], scale = quantize_block(y[token, start:start + 32])
+                row[token, start : start + 32], scale = quantize_block(y[token, start : start + 32])
                 row[token, h + base + (g // 4) * 32 + shift + g % 4] = scale
     return row
 
@@ -115,7 +115,7 @@ def oracle_router(y, w_natural, bias, top_k, softmax):
     index = order[:, :top_k]
     ranked = np.take_along_axis(logits, order, axis=1)
     gaps = ranked[:, :-1] - ranked[:, 1:]
-    determined = (gaps[:, :min(top_k, gaps.shape[1])] > 1e-3 * np.abs(logits).max()).all(axis=1)
+    determined = (gaps[:, : min(top_k, gaps.shape[1])] > 1e-3 * np.abs(logits).max()).all(axis=1)
     top = np.take_along_axis(logits, index, axis=1)
     weights = np.exp(top - top.max(axis=1, keepdims=True))
     weights = weights / weights.sum(axis=1, keepdims=True) if softmax else 1.0 / (1.0 + np.exp(-top))
@@ -142,7 +142,7 @@ def oracle_noaux(y, w_natural, bias, top_k, n_group, topk_group, scaling):
     dense, determined = np.zeros((t, e)), np.ones(t, bool)
     tol = 1e-4
     for token in range(t):
-        groups = [sorted(choice[token, g * size:(g + 1) * size], reverse=True) + [-30000.0] for g in range(n_group)]
+        groups = [sorted(choice[token, g * size : (g + 1) * size], reverse=True) + [-30000.0] for g in range(n_group)]
         group_score = np.array([grp[0] + grp[1] for grp in groups])
         ranked = np.argsort(-group_score, kind="stable")
         kept = ranked[:topk_group]
@@ -162,8 +162,7 @@ def as_bytes(packed):
     return np.asarray(jax.lax.bitcast_convert_type(packed, jnp.uint8)).reshape(packed.shape[0], -1)
 
 
-def problem(b=1, s=5, h=1536, dtype=jnp.bfloat16, e=0, router_dtype=jnp.bfloat16, residual=False, bias=False,
-            seed=0):
+def problem(b=1, s=5, h=1536, dtype=jnp.bfloat16, e=0, router_dtype=jnp.bfloat16, residual=False, bias=False, seed=0):
     rng = np.random.default_rng(seed)
     hidden = jnp.asarray(rng.standard_normal((b, s, h)) * 2, dtype)
     gamma = jnp.asarray(rng.standard_normal((1, h)) + 0.5, dtype)
@@ -174,25 +173,35 @@ def problem(b=1, s=5, h=1536, dtype=jnp.bfloat16, e=0, router_dtype=jnp.bfloat16
 
 
 # ------------------------------------------------------------------------------------------------ forward
-@pytest.mark.parametrize("dtype, b, s, h, residual, pack_scales, unpadded", [
-    (jnp.bfloat16, 1, 5, 1536, False, True, None),  # 3 H512 tiles: a partial scale fold
-    (jnp.bfloat16, 2, 3, 2560, True, True, 2500),  # 5 tiles: two folds
-    (jnp.float16, 3, 1, 1024, True, False, None),
-    (jnp.float32, 1, 7, 512, False, False, 300),
-])
+@pytest.mark.parametrize(
+    "dtype, b, s, h, residual, pack_scales, unpadded",
+    [
+        (jnp.bfloat16, 1, 5, 1536, False, True, None),  # 3 H512 tiles: a partial scale fold
+        (jnp.bfloat16, 2, 3, 2560, True, True, 2500),  # 5 tiles: two folds
+        (jnp.float16, 3, 1, 1024, True, False, None),
+        (jnp.float32, 1, 7, 512, False, False, 300),
+    ],
+)
 def test_packed_row_matches_oracle(dtype, b, s, h, residual, pack_scales, unpadded):
     hidden, gamma, _, _, res = problem(b, s, h, dtype, residual=residual, seed=h)
     gamma_arg = gamma.reshape(-1) if dtype == jnp.float16 else gamma  # [H] is accepted too
-    outs = rmsnorm_mx_prefill(hidden, gamma_arg, residual=res, pack_scales=pack_scales,
-                              unpadded_hidden_size=unpadded, eps=1e-5)
+    outs = rmsnorm_mx_prefill(
+        hidden, gamma_arg, residual=res, pack_scales=pack_scales, unpadded_hidden_size=unpadded, eps=1e-5
+    )
     packed = outs[0] if residual else outs
     z, x = oracle_norm(hidden, gamma, res, eps=1e-5, unpadded=unpadded)
     want, mask = determined_bytes(z, dtype, pack_scales)
     assert packed.dtype == jnp.float8_e4m3fn and packed.shape == want.shape
     assert_bytes(as_bytes(packed), want, mask)
     # decode_packed_output's dequantization is within one e4m3 half-ulp of each block's largest value
-    scales = want[:, h:][:, [((k // 4) * 128 + (k % 4) * 4 if pack_scales else k * 128) + (g // 4) * 32 + g % 4
-                             for k in range(h // 512) for g in range(16)]]
+    scales = want[:, h:][
+        :,
+        [
+            ((k // 4) * 128 + (k % 4) * 4 if pack_scales else k * 128) + (g // 4) * 32 + g % 4
+            for k in range(h // 512)
+            for g in range(16)
+        ],
+    ]
     decoded = as_bytes(packed)[:, :h].view(E4M3).astype(np.float64) * 2.0 ** (np.repeat(scales, 32, 1) - 127.0)
     block_max = np.repeat(np.abs(z).reshape(b * s, -1, 32).max(axis=2), 32, axis=1)
     assert np.all(np.abs(decoded - z) <= block_max / 14)
@@ -201,17 +210,21 @@ def test_packed_row_matches_oracle(dtype, b, s, h, residual, pack_scales, unpadd
         np.testing.assert_array_equal(f64(outs[1]), x)
 
 
-@pytest.mark.parametrize("act, router_dtype, e, top_k, bias", [
-    ("SIGMOID", jnp.bfloat16, 13, 3, True),
-    ("SOFTMAX", jnp.float16, 8, 8, False),
-    (RouterActFnType.SOFTMAX, jnp.bfloat16, 33, 1, True),
-])
+@pytest.mark.parametrize(
+    "act, router_dtype, e, top_k, bias",
+    [
+        ("SIGMOID", jnp.bfloat16, 13, 3, True),
+        ("SOFTMAX", jnp.float16, 8, 8, False),
+        (RouterActFnType.SOFTMAX, jnp.bfloat16, 33, 1, True),
+    ],
+)
 def test_router_matches_oracle(act, router_dtype, e, top_k, bias):
     hidden, gamma, w, b, res = problem(2, 9, 1024, e=e, router_dtype=router_dtype, residual=True, bias=bias, seed=e)
     w_perm = jnp.asarray(np.asarray(w)[swizzle_index(1024)])  # the kernel doc's host weight prep
     bias_arg = None if b is None else b.reshape(-1) if e == 13 else b  # [E] or [1, E]
     packed, index, affinities, residual_out, norm = rmsnorm_mx_prefill(
-        hidden, gamma, w_perm, bias_arg, res, top_k=top_k, router_act_fn=act, emit_norm_bf16=True)
+        hidden, gamma, w_perm, bias_arg, res, top_k=top_k, router_act_fn=act, emit_norm_bf16=True
+    )
     z, x = oracle_norm(hidden, gamma, res)
     want, mask = determined_bytes(z, router_dtype, True)  # the router's dtype is the compute dtype
     assert_bytes(as_bytes(packed), want, mask)
@@ -229,14 +242,24 @@ def test_router_matches_oracle(act, router_dtype, e, top_k, bias):
     np.testing.assert_array_equal(f64(norm), rounded(f64(norm), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("e, n_group, topk_group, top_k, pack", [(32, 4, 2, 3, False), (12, 6, 3, 4, True),
-                                                                 (6, 6, 2, 1, False)])
+@pytest.mark.parametrize(
+    "e, n_group, topk_group, top_k, pack", [(32, 4, 2, 3, False), (12, 6, 3, 4, True), (6, 6, 2, 1, False)]
+)
 def test_noaux_tc_router_matches_oracle(e, n_group, topk_group, top_k, pack):
     hidden, gamma, w, b, _ = problem(2, 5, 1024, e=e, bias=True, seed=20 + e)
     b = b * 3  # a bias large enough to change the selection, which only it may influence
-    outs = rmsnorm_mx_prefill(hidden, gamma, noaux_weights(w), b, top_k=top_k, router_act_fn="NOAUX_TC",
-                              n_group=n_group, topk_group=topk_group, routed_scaling_factor=2.5,
-                              pack_affinities=pack)
+    outs = rmsnorm_mx_prefill(
+        hidden,
+        gamma,
+        noaux_weights(w),
+        b,
+        top_k=top_k,
+        router_act_fn="NOAUX_TC",
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=2.5,
+        pack_affinities=pack,
+    )
     z, _ = oracle_norm(hidden, gamma)
     want_bytes, mask = determined_bytes(z, jnp.bfloat16, True)
     want, determined = oracle_noaux(rounded(z, jnp.bfloat16), w, b, top_k, n_group, topk_group, 2.5)
@@ -245,7 +268,7 @@ def test_noaux_tc_router_matches_oracle(e, n_group, topk_group, top_k, pack):
         (packed,) = (outs,)
         assert packed.dtype == jnp.float32 and packed.shape == (10, (1024 + 128 + 4 * e) // 4)
         assert_bytes(as_bytes(packed)[:, :1152], want_bytes, mask)
-        affinities = packed[:, 1152 // 4:]
+        affinities = packed[:, 1152 // 4 :]
     else:
         packed, affinities = outs
         assert packed.dtype == jnp.float8_e4m3fn and affinities.dtype == jnp.float32
@@ -268,7 +291,7 @@ def test_ties_pick_the_lower_expert():
     _, index, affinities = rmsnorm_mx_prefill(hidden, gamma, w, bias, top_k=4, router_act_fn="SOFTMAX")
     np.testing.assert_array_equal(np.asarray(index), [[1, 3, 5, 2]] * 2)
     want = np.exp([1.0, 1.0, 1.0, 0.5]) / np.exp([1.0, 1.0, 1.0, 0.5]).sum()
-    np.testing.assert_allclose(f64(affinities)[:, [1, 3, 5, 2]], np.tile(want, (2, 1)), rtol=2 ** -8)
+    np.testing.assert_allclose(f64(affinities)[:, [1, 3, 5, 2]], np.tile(want, (2, 1)), rtol=2**-8)
     assert np.all(f64(affinities)[:, [0, 4]] == 0)
 
 
@@ -281,9 +304,10 @@ def test_pack_affinities(pack_scales):
     assert packed.dtype == jnp.bfloat16 and packed.shape == (3, (-(-(row + 10) // 4) * 4) // 2)
     data = as_bytes(packed)
     np.testing.assert_array_equal(data[:, :row], as_bytes(separate[0]))
-    np.testing.assert_array_equal(np.asarray(packed)[:, row // 2:row // 2 + 5].view(np.uint16),
-                                  np.asarray(separate[2]).view(np.uint16))
-    assert np.all(data[:, row + 10:] == 0)
+    np.testing.assert_array_equal(
+        np.asarray(packed)[:, row // 2 : row // 2 + 5].view(np.uint16), np.asarray(separate[2]).view(np.uint16)
+    )
+    assert np.all(data[:, row + 10 :] == 0)
     np.testing.assert_array_equal(np.asarray(index), np.asarray(separate[1]))
 
 
@@ -291,8 +315,9 @@ def test_hidden_interleaved():
     hidden, gamma, w, _, res = problem(1, 4, 1024, e=6, residual=True, seed=5)
     stored = lambda a: jnp.asarray(np.asarray(a)[..., np.argsort(natural_index(1024))])  # noqa: E731
     natural = rmsnorm_mx_prefill(hidden, gamma, w, None, res, top_k=2, emit_norm_bf16=True)
-    inter = rmsnorm_mx_prefill(stored(hidden), gamma, w, None, stored(res), top_k=2, emit_norm_bf16=True,
-                               hidden_interleaved=True)
+    inter = rmsnorm_mx_prefill(
+        stored(hidden), gamma, w, None, stored(res), top_k=2, emit_norm_bf16=True, hidden_interleaved=True
+    )
     z, x = oracle_norm(stored(hidden), gamma, stored(res), interleaved=True)
     want, mask = determined_bytes(z, jnp.bfloat16, True)
     assert_bytes(as_bytes(inter[0]), want, mask)
@@ -324,7 +349,7 @@ def test_gradients_float64():
     x = f64(hidden).reshape(3, 512) + f64(res).reshape(3, 512)
     g, c = f64(gamma).reshape(1, 512), f64(ct_norm)
     r = 1.0 / np.sqrt((x * x).sum(1, keepdims=True) / 500 + 1e-6)
-    dx = c * g * r - x * r ** 3 / 500 * (c * g * x).sum(1, keepdims=True) + f64(ct_res)
+    dx = c * g * r - x * r**3 / 500 * (c * g * x).sum(1, keepdims=True) + f64(ct_res)
     np.testing.assert_allclose(f64(d_hidden).reshape(3, 512), dx, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(f64(d_res).reshape(3, 512), dx, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(f64(d_gamma), (c * x * r).sum(0, keepdims=True), rtol=1e-10, atol=1e-12)
@@ -351,7 +376,8 @@ def test_jit_and_vmap_folding():
     for got, want in zip(batched, flipped):
         np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want, np.float32))
     nested = jax.jit(jax.vmap(jax.vmap(fn, in_axes=(0, None, 0)), in_axes=(0, None, None)))(
-        jnp.stack([jnp.stack([hidden, -hidden])] * 2), gamma, jnp.stack([res, res]))
+        jnp.stack([jnp.stack([hidden, -hidden])] * 2), gamma, jnp.stack([res, res])
+    )
     for got, want in zip(nested, flipped):
         np.testing.assert_array_equal(np.asarray(got[1, 1], np.float32), np.asarray(want, np.float32))
 
@@ -364,8 +390,12 @@ def test_vmap_unfoldable_operands_and_grad():
         np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(want, np.float32))
     loss = lambda a, g: jnp.sum(rmsnorm_mx_prefill(a, g, emit_norm_bf16=True)[1].astype(jnp.float32) ** 2)  # noqa
     per_example = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, None)))(jnp.stack([hidden, -hidden]), gamma)
-    np.testing.assert_allclose(np.asarray(per_example[1], np.float32),
-                               np.asarray(jax.jit(jax.grad(loss))(-hidden, gamma), np.float32), rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(
+        np.asarray(per_example[1], np.float32),
+        np.asarray(jax.jit(jax.grad(loss))(-hidden, gamma), np.float32),
+        rtol=1e-2,
+        atol=1e-2,
+    )
 
 
 def test_shard_map():
@@ -374,7 +404,8 @@ def test_shard_map():
     mesh = mesh_1d()
     specs = (P("data"), P(), P("data"))
     sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=(P("data"),) * 4))(
-        *shard(mesh, specs, hidden, gamma, res))
+        *shard(mesh, specs, hidden, gamma, res)
+    )
     for got, want in zip(sharded, fn(hidden, gamma, res)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
@@ -389,8 +420,13 @@ def test_neuron_lowering():
         assert compute_operations(text) == []
         assert cfg["entry_point"] == "nkilib.core.rmsnorm.rmsnorm_mx_prefill:rmsnorm_mx_prefill"
         assert cfg["input_names"] == ["hidden_states", "gamma", "router_weights", "router_bias", "residual"]
-        assert cfg["output_names"] == ["norm_quant_packed", "expert_index", "expert_affinities", "output_residual",
-                                       "norm_bf16"]
+        assert cfg["output_names"] == [
+            "norm_quant_packed",
+            "expert_index",
+            "expert_affinities",
+            "output_residual",
+            "norm_bf16",
+        ]
         assert cfg["params"]["top_k"] == 4 and cfg["params"]["emit_norm_bf16"] is True
         assert "tensor<128x1152xf8E4M3FN>" in text and "tensor<128x4xi32>" in text
         with jax_nkilib.config(lnc=2):  # the kernel splits the tokens over the logical cores
@@ -404,8 +440,10 @@ def test_neuron_lowering():
         with pytest.warns(NeuronFallbackWarning, match="top_k=9 must be <= 8"):
             neuron_text(lambda a, g, ww: rmsnorm_mx_prefill(a, g, ww, top_k=9), *problem(1, 4, 512, e=10)[:3])
         with pytest.warns(NeuronFallbackWarning, match="NOAUX_TC needs n_group <= 8; got n_group=16"):
-            neuron_text(lambda a, g, ww, bb: rmsnorm_mx_prefill(a, g, ww, bb, router_act_fn="NOAUX_TC", n_group=16),
-                        *problem(1, 4, 512, e=16, bias=True)[:4])
+            neuron_text(
+                lambda a, g, ww, bb: rmsnorm_mx_prefill(a, g, ww, bb, router_act_fn="NOAUX_TC", n_group=16),
+                *problem(1, 4, 512, e=16, bias=True)[:4],
+            )
         with pytest.warns(NeuronFallbackWarning, match="E=520 must be <= 512"):
             neuron_text(lambda a, g, ww: rmsnorm_mx_prefill(a, g, ww), *problem(1, 2, 512, e=520)[:3])
 
@@ -414,26 +452,37 @@ def test_neuron_lowering():
 H512 = (jnp.zeros((1, 4, 512), jnp.bfloat16), jnp.zeros((1, 512), jnp.bfloat16))
 
 
-@pytest.mark.parametrize("args, kwargs, error, fragment", [
-    ((jnp.zeros((1, 4, 768)), jnp.zeros((1, 768))), {}, ValueError, "H=768 must be a multiple of 512"),
-    (H512 + (jnp.zeros((500, 8)),), {}, ValueError, r"argument `router_weights` must have layout \[H, E\]"),
-    (H512 + (jnp.zeros((512,)),), {}, ValueError, r"argument `router_weights` must have layout \[H, E\]"),
-    (H512 + (jnp.zeros((512, 8)),), dict(top_k=0), ValueError, r"top_k must be in \[1, E=8\]"),
-    (H512 + (jnp.zeros((512, 8)),), dict(top_k=9), ValueError, r"top_k must be in \[1, E=8\]"),
-    (H512 + (jnp.zeros((512, 8)),), dict(router_act_fn="NOAUX_TC"), ValueError, "NOAUX_TC needs router_bias"),
-    (H512 + (jnp.zeros((512, 8)), jnp.zeros(8)), dict(router_act_fn="NOAUX_TC", n_group=3), ValueError,
-     "n_group must be a positive divisor of E=8"),
-    (H512 + (jnp.zeros((512, 8)), jnp.zeros(8)), dict(router_act_fn="NOAUX_TC", n_group=2, topk_group=3),
-     ValueError, r"topk_group must be in \[1, n_group=2\]"),
-    (H512 + (jnp.zeros((512, 8)),), dict(router_act_fn="RELU"), TypeError, "RouterActFnType member"),
-    (H512 + (jnp.zeros((512, 8)), jnp.zeros((1, 7))), {}, ValueError, "argument `router_bias`"),
-    (H512 + (None, jnp.zeros((1, 8))), {}, ValueError, "router_bias .* without router_weights"),
-    (H512, dict(unpadded_hidden_size=513), ValueError, r"unpadded_hidden_size must be in \(0, H=512\]"),
-    (H512, dict(qmx_output_dtype=jnp.float8_e5m2), ValueError, "qmx_output_dtype must be float8_e4m3fn"),
-    ((H512[0], jnp.zeros((1, 1024))), {}, ValueError, "argument `gamma`"),
-    (H512, dict(residual=jnp.zeros((1, 3, 512))), ValueError, "argument `residual`"),
-    ((jnp.zeros((1, 4, 512), jnp.int32), H512[1]), {}, TypeError, "argument `hidden_states` must have dtype"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, error, fragment",
+    [
+        ((jnp.zeros((1, 4, 768)), jnp.zeros((1, 768))), {}, ValueError, "H=768 must be a multiple of 512"),
+        (H512 + (jnp.zeros((500, 8)),), {}, ValueError, r"argument `router_weights` must have layout \[H, E\]"),
+        (H512 + (jnp.zeros((512,)),), {}, ValueError, r"argument `router_weights` must have layout \[H, E\]"),
+        (H512 + (jnp.zeros((512, 8)),), dict(top_k=0), ValueError, r"top_k must be in \[1, E=8\]"),
+        (H512 + (jnp.zeros((512, 8)),), dict(top_k=9), ValueError, r"top_k must be in \[1, E=8\]"),
+        (H512 + (jnp.zeros((512, 8)),), dict(router_act_fn="NOAUX_TC"), ValueError, "NOAUX_TC needs router_bias"),
+        (
+            H512 + (jnp.zeros((512, 8)), jnp.zeros(8)),
+            dict(router_act_fn="NOAUX_TC", n_group=3),
+            ValueError,
+            "n_group must be a positive divisor of E=8",
+        ),
+        (
+            H512 + (jnp.zeros((512, 8)), jnp.zeros(8)),
+            dict(router_act_fn="NOAUX_TC", n_group=2, topk_group=3),
+            ValueError,
+            r"topk_group must be in \[1, n_group=2\]",
+        ),
+        (H512 + (jnp.zeros((512, 8)),), dict(router_act_fn="RELU"), TypeError, "RouterActFnType member"),
+        (H512 + (jnp.zeros((512, 8)), jnp.zeros((1, 7))), {}, ValueError, "argument `router_bias`"),
+        (H512 + (None, jnp.zeros((1, 8))), {}, ValueError, "router_bias .* without router_weights"),
+        (H512, dict(unpadded_hidden_size=513), ValueError, r"unpadded_hidden_size must be in \(0, H=512\]"),
+        (H512, dict(qmx_output_dtype=jnp.float8_e5m2), ValueError, "qmx_output_dtype must be float8_e4m3fn"),
+        ((H512[0], jnp.zeros((1, 1024))), {}, ValueError, "argument `gamma`"),
+        (H512, dict(residual=jnp.zeros((1, 3, 512))), ValueError, "argument `residual`"),
+        ((jnp.zeros((1, 4, 512), jnp.int32), H512[1]), {}, TypeError, "argument `hidden_states` must have dtype"),
+    ],
+)
 def test_bad_inputs(args, kwargs, error, fragment):
     with pytest.raises(error, match=fragment):
         rmsnorm_mx_prefill(*args, **kwargs)

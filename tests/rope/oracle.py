@@ -15,8 +15,11 @@ def rope_oracle(x_in, cos, sin, contiguous_layout=True):
     """RoPE kernel: x_in [d, B, H, S], cos/sin [d/2, B, S]; pairs are halves or interleaved neighbours."""
     x_in, cos, sin = f64(x_in), f64(cos), f64(sin)
     d = x_in.shape[0]
-    first, second = (np.arange(d // 2), np.arange(d // 2) + d // 2) if contiguous_layout else (
-        np.arange(0, d, 2), np.arange(1, d, 2))
+    first, second = (
+        (np.arange(d // 2), np.arange(d // 2) + d // 2)
+        if contiguous_layout
+        else (np.arange(0, d, 2), np.arange(1, d, 2))
+    )
     z = x_in[first] + 1j * x_in[second]
     rotated = z * (cos[:, :, None, :] + 1j * sin[:, :, None, :])
     out = np.empty_like(x_in)
@@ -54,8 +57,9 @@ def idiomatic_rope_oracle(x, cos, sin, interleaved=False):
     result has x's shape."""
     x, cos, sin = f64(x), f64(cos), f64(sin)
     d = x.shape[-1]
-    first, second = (np.arange(0, d, 2), np.arange(1, d, 2)) if interleaved else (
-        np.arange(d // 2), np.arange(d // 2) + d // 2)
+    first, second = (
+        (np.arange(0, d, 2), np.arange(1, d, 2)) if interleaved else (np.arange(d // 2), np.arange(d // 2) + d // 2)
+    )
     angle = (cos + 1j * sin)[..., :, None, :]  # [..., S, 1, D/2]
     rotated = (x[..., first] + 1j * x[..., second]) * angle
     out = np.empty(np.broadcast_shapes(x.shape, rotated.shape[:-1] + (d,)))

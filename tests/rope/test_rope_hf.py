@@ -71,8 +71,9 @@ def test_gradients_float64(table_batch):
     cos, sin = tables((2, 5, 4) if table_batch else (5, 4), jnp.float64)
     for backward in (False, True):
         check_grads(lambda *a: rope_hf(*a, backward=backward), (q, k, cos, sin), order=2, modes=["rev"])
-    check_grads(lambda a, b, c: rope_hf(a, b, rope_cache=c), (q, k, jnp.concatenate([cos, sin], -1)), order=1,
-                modes=["rev"])
+    check_grads(
+        lambda a, b, c: rope_hf(a, b, rope_cache=c), (q, k, jnp.concatenate([cos, sin], -1)), order=1, modes=["rev"]
+    )
 
 
 @pytest.mark.parametrize("in_axes", [(0, 0, None, None), (1, None, None, None), (0, 0, 0, 0), (None, 0, 1, 1)])
@@ -80,8 +81,10 @@ def test_vmap(in_axes):
     q, k = qk(s=5)
     cos, sin = tables((2, 5, 8))
     n = 3
-    args = [jnp.stack([a + i for i in range(n)], axis=ax) if ax is not None else a
-            for a, ax in zip((q, k, cos, sin), in_axes)]
+    args = [
+        jnp.stack([a + i for i in range(n)], axis=ax) if ax is not None else a
+        for a, ax in zip((q, k, cos, sin), in_axes)
+    ]
     out_q, out_k = jax.vmap(lambda *a: rope_hf(*a), in_axes=in_axes)(*args)
     for i in range(n):
         one = [jnp.take(a, i, axis=ax) if ax is not None else a for a, ax in zip(args, in_axes)]

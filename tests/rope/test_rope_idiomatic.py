@@ -18,13 +18,16 @@ from tests.support.sharding import mesh_1d, shard
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("x_shape, table_shape", [
-    ((2, 7, 3, 8), (7, 4)),  # shared table
-    ((2, 7, 3, 8), (2, 7, 4)),  # per-batch table
-    ((7, 3, 8), (7, 4)),  # no batch axis
-    ((3, 2, 5, 1, 64), (2, 5, 32)),  # two leading axes, table broadcast over the first
-    ((2, 5, 2, 6), (1, 5, 3)),  # batch-1 table
-])
+@pytest.mark.parametrize(
+    "x_shape, table_shape",
+    [
+        ((2, 7, 3, 8), (7, 4)),  # shared table
+        ((2, 7, 3, 8), (2, 7, 4)),  # per-batch table
+        ((7, 3, 8), (7, 4)),  # no batch axis
+        ((3, 2, 5, 1, 64), (2, 5, 32)),  # two leading axes, table broadcast over the first
+        ((2, 5, 2, 6), (1, 5, 3)),  # batch-1 table
+    ],
+)
 def test_forward_matches_oracle(dtype, interleaved, x_shape, table_shape):
     x = random(x_shape, dtype)
     cos, sin = angles(table_shape, dtype)
@@ -47,8 +50,7 @@ def test_gradients_float64():
     for table_shape in ((3, 2), (2, 3, 2)):
         cos, sin = angles(table_shape, jnp.float64)
         for interleaved in (False, True):
-            check_grads(lambda *a: jax_nkilib.rope(*a, interleaved=interleaved), (x, cos, sin), order=2,
-                        modes=["rev"])
+            check_grads(lambda *a: jax_nkilib.rope(*a, interleaved=interleaved), (x, cos, sin), order=2, modes=["rev"])
 
 
 def test_gradient_matches_oracle_gradient():
@@ -105,8 +107,11 @@ def test_head_sharded_inside_shard_map_with_replicated_tables():
 @hypothesis.settings(max_examples=25, deadline=None)
 @hypothesis.given(
     lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
-    seq=st.integers(1, 9), heads=st.integers(1, 4), half=st.integers(1, 5),
-    batched_table=st.booleans(), interleaved=st.booleans(),
+    seq=st.integers(1, 9),
+    heads=st.integers(1, 4),
+    half=st.integers(1, 5),
+    batched_table=st.booleans(),
+    interleaved=st.booleans(),
 )
 @pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
 def test_property_any_shape_matches_oracle(lead, seq, heads, half, batched_table, interleaved):

@@ -11,8 +11,8 @@ import jax_nkilib
 from jax_nkilib.nki import RoPE
 from tests.rope.oracle import rope_oracle
 from tests.support.data import angles, random
-from tests.support.sharding import mesh_1d, shard
 from tests.support.numerics import assert_close, assert_no_worse_than_plain
+from tests.support.sharding import mesh_1d, shard
 
 SHAPES = [(64, 2, 4, 16), (128, 1, 2, 8), (6, 3, 5, 7), (2, 1, 1, 1)]  # the last two: odd sizes off Neuron
 
@@ -72,8 +72,10 @@ def _kernel_calls(jaxpr) -> list:
 def test_vmap_matches_loop_and_folds(in_axes):
     x, cos, sin = inputs((64, 2, 3, 5))
     n = 3
-    batched = [jnp.stack([a * (i + 1) for i in range(n)], axis=ax) if ax is not None else a
-               for a, ax in zip((x, cos, sin), in_axes)]
+    batched = [
+        jnp.stack([a * (i + 1) for i in range(n)], axis=ax) if ax is not None else a
+        for a, ax in zip((x, cos, sin), in_axes)
+    ]
     out = jax.vmap(lambda a, c, s: RoPE(a, c, s, contiguous_layout=False), in_axes=in_axes)(*batched)
     for i in range(n):
         args = [jnp.take(a, i, axis=ax) if ax is not None else a for a, ax in zip(batched, in_axes)]
@@ -103,8 +105,9 @@ def test_vmap_of_grad_and_jacrev():
         for got, want in zip(grads, expected):
             np.testing.assert_allclose(got[i], want, rtol=1e-12)
     jac = jax.jacrev(RoPE)(x, cos, sin)
-    oracle_jac = np.stack([rope_oracle(e.reshape(x.shape), cos, sin).ravel()
-                           for e in np.eye(x.size)], axis=1).reshape(x.shape + x.shape)
+    oracle_jac = np.stack([rope_oracle(e.reshape(x.shape), cos, sin).ravel() for e in np.eye(x.size)], axis=1).reshape(
+        x.shape + x.shape
+    )
     np.testing.assert_allclose(jac, oracle_jac, atol=1e-12)
 
 
@@ -123,8 +126,9 @@ def test_inside_shard_map_on_8_devices():
     sharded = jax.jit(jax.shard_map(RoPE, mesh=mesh, in_specs=(spec_x, spec_t, spec_t), out_specs=spec_x))
     out = sharded(x, cos, sin)
     assert_close(out, rope_oracle(x, cos, sin), jnp.float32)
-    report = jax_nkilib.explain(jax.shard_map(RoPE, mesh=mesh, in_specs=(spec_x, spec_t, spec_t),
-                                              out_specs=spec_x), x, cos, sin)
+    report = jax_nkilib.explain(
+        jax.shard_map(RoPE, mesh=mesh, in_specs=(spec_x, spec_t, spec_t), out_specs=spec_x), x, cos, sin
+    )
     (call,) = report
     assert call.inputs[0][1] == (64, 1, 2, 16)  # per-device shard
     assert "shard_map" in call.context and "data=8" in call.context
@@ -136,5 +140,6 @@ def test_residuals_are_named_for_remat_policies():
     assert "RoPE.x_in" in str(jax.make_jaxpr(jax.grad(loss))(x, cos))
     policy = jax.checkpoint_policies.save_only_these_names("RoPE.x_in", "RoPE.cos", "RoPE.sin")
     remat = jax.checkpoint(loss, policy=policy)
-    chex.assert_trees_all_close(jax.grad(remat, argnums=(0, 1))(x, cos), jax.grad(loss, argnums=(0, 1))(x, cos),
-                                rtol=1e-12)
+    chex.assert_trees_all_close(
+        jax.grad(remat, argnums=(0, 1))(x, cos), jax.grad(loss, argnums=(0, 1))(x, cos), rtol=1e-12
+    )

@@ -7,7 +7,7 @@ import jax
 from jax_nkilib.neuron import CUSTOM_CALL_TARGET, decode_backend_config
 
 _OP = re.compile(r"=\s*(?:\"?)([a-z_]+\.[a-z_.]+)")
-_BACKEND_CONFIG = re.compile(r'@' + CUSTOM_CALL_TARGET + r'\(.*?backend_config = "([A-Za-z0-9+/=]*)"')
+_BACKEND_CONFIG = re.compile(r"@" + CUSTOM_CALL_TARGET + r'\(.*?backend_config = "([A-Za-z0-9+/=]*)"')
 STRUCTURAL = {"func.return", "func.call", "stablehlo.return"}
 
 
@@ -30,8 +30,7 @@ def compute_operations(text: str) -> list[str]:
     return [op for op in operations(text) if op not in ("stablehlo.custom_call", "stablehlo.constant")]
 
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
-               "collective-broadcast")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "collective-broadcast")
 
 
 def compiled_collectives(compiled_text: str) -> dict[str, int]:

@@ -26,6 +26,7 @@ def _tail(output, lines: int = 60) -> str:
 
 def time_limit(seconds: int):
     """Run the decorated test in its own ``pytest`` process and fail it if it runs longer than ``seconds``."""
+
     def decorate(test):
         @functools.wraps(test)
         def run(*args, **kwargs):
@@ -34,16 +35,28 @@ def time_limit(seconds: int):
                 return test(*args, **kwargs)
             command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "", nodeid]
             try:
-                result = subprocess.run(command, cwd=ROOT, env={**os.environ, _CHILD: nodeid}, capture_output=True,
-                                        text=True, timeout=seconds)
+                result = subprocess.run(
+                    command,
+                    cwd=ROOT,
+                    env={**os.environ, _CHILD: nodeid},
+                    capture_output=True,
+                    text=True,
+                    timeout=seconds,
+                )
             except subprocess.TimeoutExpired as expired:
                 result = expired
             if isinstance(result, subprocess.TimeoutExpired):
-                pytest.fail(f"{nodeid} did not finish within its time limit of {seconds} s (it runs in a subprocess "
-                            "so that a hang, e.g. in JAX's lowering, fails the test instead of stalling the suite). "
-                            f"Output so far:\n{_tail(result.stdout)}\n{_tail(result.stderr)}", pytrace=False)
+                pytest.fail(
+                    f"{nodeid} did not finish within its time limit of {seconds} s (it runs in a subprocess "
+                    "so that a hang, e.g. in JAX's lowering, fails the test instead of stalling the suite). "
+                    f"Output so far:\n{_tail(result.stdout)}\n{_tail(result.stderr)}",
+                    pytrace=False,
+                )
             if result.returncode != 0:
-                pytest.fail(f"{nodeid} failed in its subprocess:\n{_tail(result.stdout)}\n{_tail(result.stderr)}",
-                            pytrace=False)
+                pytest.fail(
+                    f"{nodeid} failed in its subprocess:\n{_tail(result.stdout)}\n{_tail(result.stderr)}", pytrace=False
+                )
+
         return run
+
     return decorate

@@ -43,16 +43,34 @@ import json
 import os
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 SIGNATURES = json.loads((Path(__file__).parents[1] / "neuron" / "library_signatures.json").read_text())
-NKI_DTYPES = ("bool_", "int8", "int16", "int32", "uint8", "uint16", "uint32", "float16", "float32", "bfloat16",
-              "tfloat32", "float8_e4m3", "float8_e4m3fn", "float8_e5m2", "float8_e5m2_x4", "float8_e4m3fn_x4",
-              "float8_e8m0fnu", "float4_e2m1fn_x4")
+NKI_DTYPES = (
+    "bool_",
+    "int8",
+    "int16",
+    "int32",
+    "uint8",
+    "uint16",
+    "uint32",
+    "float16",
+    "float32",
+    "bfloat16",
+    "tfloat32",
+    "float8_e4m3",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e5m2_x4",
+    "float8_e4m3fn_x4",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x4",
+)
 _NC_VERSION = {"trn1": "gen2", "trn2": "gen3", "trn3pre": "gen4", "trn3": "gen4"}
 OutputRule = Callable[..., Any]
 
@@ -96,9 +114,12 @@ class CompileOptions:
         if self.lnc not in (1, 2):
             raise ValueError(f"lnc must be 1 or 2, got {self.lnc}")
 
-    def disable_backend_optimizations(self) -> "CompileOptions":
-        options = replace(self, nki_opt_pipeline_options=self.nki_opt_pipeline_options + (
-            "enable-linear-scan-allocation=false", "enable-instruction-scheduling=false"))
+    def disable_backend_optimizations(self) -> CompileOptions:
+        options = replace(
+            self,
+            nki_opt_pipeline_options=self.nki_opt_pipeline_options
+            + ("enable-linear-scan-allocation=false", "enable-instruction-scheduling=false"),
+        )
         return replace(options, emit_reg_compute_as_affine_expr=True)
 
 
@@ -220,8 +241,9 @@ class StandIn:
         self.rules[name] = outputs
 
     # -------------------------------------------------------------- compile_kernel_to_nir, the only entry point
-    def compile_kernel_to_nir(self, kernel_func, *, inputs, compile_opts, frontend=None, enable_cache=True,
-                              trace_cache=None) -> NirResult:
+    def compile_kernel_to_nir(
+        self, kernel_func, *, inputs, compile_opts, frontend=None, enable_cache=True, trace_cache=None
+    ) -> NirResult:
         func = getattr(kernel_func, "func", kernel_func)
         name = func.__name__
         inspect.signature(func).bind(**inputs)  # the real frontend binds the inputs to the kernel's parameters
@@ -229,8 +251,9 @@ class StandIn:
         for arg_name, value in inputs.items():
             kind = type(value).__module__ + "." + type(value).__qualname__
             if kind.startswith(("jax.", "jaxlib.")):
-                raise TypeError(f"{name}: input `{arg_name}` is a {kind}; NKI's frontend takes NumPy arrays or NKI "
-                                "tensors")
+                raise TypeError(
+                    f"{name}: input `{arg_name}` is a {kind}; NKI's frontend takes NumPy arrays or NKI tensors"
+                )
             if isinstance(value, (np.ndarray, NkiTensor)):
                 tensors.append((arg_name, value))
         if name not in self.rules:
@@ -238,21 +261,36 @@ class StandIn:
         result = self.rules[name](**inputs)
         is_tuple = isinstance(result, (list, tuple))
         outputs = list(result) if is_tuple else [result]
-        aliases = tuple((index, out_index) for out_index, out in enumerate(outputs)
-                        for index, (_, value) in enumerate(tensors) if out is value)
+        aliases = tuple(
+            (index, out_index)
+            for out_index, out in enumerate(outputs)
+            for index, (_, value) in enumerate(tensors)
+            if out is value
+        )
         descriptor = KernelDescriptor(
             kernel_json_path=os.path.join(compile_opts.artifacts_dir or "", f"{name}.json"),
             input_specs=tuple(TensorSpec(n, tuple(v.shape), _dtype_name(v.dtype)) for n, v in tensors),
-            output_specs=tuple(TensorSpec(f"output_{i}", tuple(o.shape), _dtype_name(o.dtype))
-                               for i, o in enumerate(outputs)),
-            version="0.4.0-standin", func_name=name, aliases=aliases)
+            output_specs=tuple(
+                TensorSpec(f"output_{i}", tuple(o.shape), _dtype_name(o.dtype)) for i, o in enumerate(outputs)
+            ),
+            version="0.4.0-standin",
+            func_name=name,
+            aliases=aliases,
+        )
         has_collectives = any(isinstance(value, ReplicaGroup) for value in inputs.values())
-        self.compilations.append({"func": func, "inputs": dict(inputs), "options": compile_opts,
-                                  "kernel": kernel_func})
+        self.compilations.append({"func": func, "inputs": dict(inputs), "options": compile_opts, "kernel": kernel_func})
         key = hashlib.sha256(repr((name, [(n, v.shape, str(v.dtype)) for n, v in tensors])).encode()).hexdigest()
-        return NirResult(descriptor=descriptor, sg00_dir="", work_dir=compile_opts.artifacts_dir or "",
-                         mlir_time=0.0, is_tuple_return=is_tuple, has_collectives=has_collectives,
-                         cache_hash=key, lnc=compile_opts.lnc, target=compile_opts.target)
+        return NirResult(
+            descriptor=descriptor,
+            sg00_dir="",
+            work_dir=compile_opts.artifacts_dir or "",
+            mlir_time=0.0,
+            is_tuple_return=is_tuple,
+            has_collectives=has_collectives,
+            cache_hash=key,
+            lnc=compile_opts.lnc,
+            target=compile_opts.target,
+        )
 
     def compile_kernel_class(self):
         standin = self
@@ -269,10 +307,14 @@ class StandIn:
                     self.func._nki_compile_cache = {}  # FrozenInstanceError when func is an @nki.jit Kernel
 
             def _compile_opts(self):
-                options = CompileOptions(target=self.target or "trn3", lnc=self.lnc,
-                                         artifacts_dir=self.artifacts_dir, output_path="kernel.neff",
-                                         address_rotation=self.address_rotation,
-                                         enable_barrier_checker=self.barrier_check)
+                options = CompileOptions(
+                    target=self.target or "trn3",
+                    lnc=self.lnc,
+                    artifacts_dir=self.artifacts_dir,
+                    output_path="kernel.neff",
+                    address_rotation=self.address_rotation,
+                    enable_barrier_checker=self.barrier_check,
+                )
                 return options if self._enable_backend_opt else options.disable_backend_optimizations()
 
             def compile(self, *args, **kwargs):
@@ -288,16 +330,22 @@ def _dtype_name(dtype) -> str:
 
 
 # ------------------------------------------------------------------------------- stand-in library functions
-ENUMS = {name: enum.Enum(name, [(member, index) for index, member in enumerate(record["members"])])
-         for name, record in SIGNATURES["enums"].items()}  # the stand-in library's own enum classes
+ENUMS = {
+    name: enum.Enum(name, [(member, index) for index, member in enumerate(record["members"])])
+    for name, record in SIGNATURES["enums"].items()
+}  # the stand-in library's own enum classes
 
 
 def recorded_signature(entry_point: str) -> inspect.Signature:
     """The signature ``tests/neuron/library_signatures.json`` records for a library function (enum-annotated
     parameters annotated with the stand-in library's enum class, as the real source annotates them)."""
-    kinds = {"positional_or_keyword": inspect.Parameter.POSITIONAL_OR_KEYWORD,
-             "keyword_only": inspect.Parameter.KEYWORD_ONLY, "positional_only": inspect.Parameter.POSITIONAL_ONLY,
-             "var_positional": inspect.Parameter.VAR_POSITIONAL, "var_keyword": inspect.Parameter.VAR_KEYWORD}
+    kinds = {
+        "positional_or_keyword": inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        "keyword_only": inspect.Parameter.KEYWORD_ONLY,
+        "positional_only": inspect.Parameter.POSITIONAL_ONLY,
+        "var_positional": inspect.Parameter.VAR_POSITIONAL,
+        "var_keyword": inspect.Parameter.VAR_KEYWORD,
+    }
     parameters = []
     for p in SIGNATURES["functions"][entry_point]["parameters"]:
         default = inspect.Parameter.empty if p["required"] else _literal(p["default"])
@@ -330,9 +378,14 @@ def library_function(entry_point: str):
 def library_class(entry_point: str):
     """A stand-in library class (a config or argument object) whose constructor has the recorded signature."""
     record = SIGNATURES["classes"][entry_point]
-    parameters = [inspect.Parameter(p["name"], inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                    default=inspect.Parameter.empty if p["required"] else _literal(p["default"]))
-                  for p in record["parameters"]]
+    parameters = [
+        inspect.Parameter(
+            p["name"],
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            default=inspect.Parameter.empty if p["required"] else _literal(p["default"]),
+        )
+        for p in record["parameters"]
+    ]
     signature = inspect.Signature(parameters)
 
     def __init__(self, *args, **kwargs):

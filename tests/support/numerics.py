@@ -41,7 +41,8 @@ def assert_no_worse_than_plain(actual, plain, expected, factor: float = 2.0) -> 
     """``actual``'s error against the oracle is at most ``factor`` times that of the plain computation."""
     ours, theirs = relative_error(actual, expected), relative_error(plain, expected)
     assert ours <= factor * theirs + EPSILON[np.dtype(np.float32)], (
-        f"error {ours:.3e} is more than {factor}x the plain same-precision error {theirs:.3e}")
+        f"error {ours:.3e} is more than {factor}x the plain same-precision error {theirs:.3e}"
+    )
 
 
 def f64(x):

@@ -31,8 +31,9 @@ def _reshard_passing_cotangent(x, sharding):
     return jax.sharding.reshard(x, sharding)
 
 
-_reshard_passing_cotangent.defvjp(lambda x, sharding: (jax.sharding.reshard(x, sharding), None),
-                                  lambda _, __, ct: (ct,))
+_reshard_passing_cotangent.defvjp(
+    lambda x, sharding: (jax.sharding.reshard(x, sharding), None), lambda _, __, ct: (ct,)
+)
 
 
 @functools.cache

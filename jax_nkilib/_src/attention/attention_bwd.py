@@ -55,26 +55,56 @@ def lse_tiles(lse):
     return jnp.swapaxes(lse.reshape(*lead, seq // LSE_TILE, LSE_TILE), -1, -2)
 
 
-def reference_attention_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, sinks_ref=None, bound_min=None,
-                            bound_max=None, *, use_causal_mask=False, mixed_precision=False, softmax_scale=None,
-                            sliding_window=None):
+def reference_attention_bwd(
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    dy_ref,
+    lse_ref,
+    sinks_ref=None,
+    bound_min=None,
+    bound_max=None,
+    *,
+    use_causal_mask=False,
+    mixed_precision=False,
+    softmax_scale=None,
+    sliding_window=None,
+):
     """JAX reference of ``attention_bwd`` (blockwise; ``mixed_precision`` does not change the reference)."""
     del mixed_precision
     bs, heads, d, seq_q = q_ref.shape
     n_kv, seq_k = k_ref.shape[1], k_ref.shape[3]
     scale = softmax_scale or 1.0 / math.sqrt(d)
-    rule = MaskRule(n_queries=seq_q, n_active=seq_k, causal=use_causal_mask, window=sliding_window or 0,
-                    bound_min=bound_min, bound_max=bound_max)
+    rule = MaskRule(
+        n_queries=seq_q,
+        n_active=seq_k,
+        causal=use_causal_mask,
+        window=sliding_window or 0,
+        bound_min=bound_min,
+        bound_max=bound_max,
+    )
     sinks = None
     if sinks_ref is not None:
         sinks = sinks_ref.reshape(bs * n_kv, heads // n_kv, -1)
     to_engine = lambda x, n: _to_engine(x, n)  # noqa: E731
     lse = lse_rows(lse_ref).reshape(bs * n_kv, heads // n_kv, seq_q)
     dq, dk, dv, dsinks = attention_backward(
-        to_engine(q_ref, n_kv), to_engine(k_ref, n_kv)[:, 0], to_engine(v_ref, n_kv)[:, 0], to_engine(o_ref, n_kv),
-        to_engine(dy_ref, n_kv), lse, rule, scale, sinks)
-    outs = (_from_engine(dq, bs).astype(q_ref.dtype), _from_engine(dk[:, None], bs).astype(k_ref.dtype),
-            _from_engine(dv[:, None], bs).astype(v_ref.dtype))
+        to_engine(q_ref, n_kv),
+        to_engine(k_ref, n_kv)[:, 0],
+        to_engine(v_ref, n_kv)[:, 0],
+        to_engine(o_ref, n_kv),
+        to_engine(dy_ref, n_kv),
+        lse,
+        rule,
+        scale,
+        sinks,
+    )
+    outs = (
+        _from_engine(dq, bs).astype(q_ref.dtype),
+        _from_engine(dk[:, None], bs).astype(k_ref.dtype),
+        _from_engine(dv[:, None], bs).astype(v_ref.dtype),
+    )
     if sinks_ref is not None:
         outs += (dsinks.reshape(sinks_ref.shape).astype(sinks_ref.dtype),)
     return outs
@@ -105,43 +135,62 @@ def _neuron_limits(call: CallInfo) -> list[str]:
 
 _Q_LAYOUT = "bs, H, d, Sq"
 _KV_LAYOUT = "bs, H_kv, d, Sk"
+
+
 def _outputs(call: CallInfo):
     """``dq, dk, dv`` (and ``dsinks`` when ``sinks_ref`` is given) like their operands."""
     pairs = (("dq", "q_ref"), ("dk", "k_ref"), ("dv", "v_ref"), ("dsinks", "sinks_ref"))
-    return [(name, call.avals[operand].shape, call.avals[operand].dtype) for name, operand in pairs
-            if call.avals.get(operand) is not None]
+    return [
+        (name, call.avals[operand].shape, call.avals[operand].dtype)
+        for name, operand in pairs
+        if call.avals.get(operand) is not None
+    ]
 
 
 ATTENTION_BWD_SPEC = KernelSpec(
     name="attention_bwd",
     entry_point="nkilib.core.attention.attention_bwd:attention_bwd",
     operands=(
-        Operand.of("q_ref", _Q_LAYOUT), Operand.of("k_ref", _KV_LAYOUT), Operand.of("v_ref", _KV_LAYOUT),
-        Operand.of("o_ref", _Q_LAYOUT), Operand.of("dy_ref", _Q_LAYOUT),
+        Operand.of("q_ref", _Q_LAYOUT),
+        Operand.of("k_ref", _KV_LAYOUT),
+        Operand.of("v_ref", _KV_LAYOUT),
+        Operand.of("o_ref", _Q_LAYOUT),
+        Operand.of("dy_ref", _Q_LAYOUT),
         Operand.of("lse_ref", "bs, H, 128, Sq/128", dtypes=(jnp.float32, jnp.float64)),
         Operand.of("sinks_ref", "bs, H", "bs, H, n_sinks", optional=True),
         Operand.of("bound_min", "Sq", dtypes=(jnp.float32,), optional=True),
         Operand.of("bound_max", "Sq", dtypes=(jnp.float32,), optional=True),
     ),
     params=(
-        Param("use_causal_mask", False, bool), Param("mixed_precision", False, bool),
-        Param("softmax_scale", None, float), Param("sliding_window", None, int),
+        Param("use_causal_mask", False, bool),
+        Param("mixed_precision", False, bool),
+        Param("softmax_scale", None, float),
+        Param("sliding_window", None, int),
     ),
     outputs=(),
     output_avals=_outputs,
     reference=reference_attention_bwd,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({**dict.fromkeys(("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref", "lse_ref", "sinks_ref"), "bs"),
-                          "bound_min": None, "bound_max": None},
-                         outputs=dict.fromkeys(("dq", "dk", "dv", "dsinks"), 0)),),
+    fold_plans=(
+        FoldPlan(
+            {
+                **dict.fromkeys(("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref", "lse_ref", "sinks_ref"), "bs"),
+                "bound_min": None,
+                "bound_max": None,
+            },
+            outputs=dict.fromkeys(("dq", "dk", "dv", "dsinks"), 0),
+        ),
+    ),
     neuron_split_dims=("bs",),
     mac_count=lambda call: 4 * call.dims["bs"] * call.dims["H"] * call.dims["Sq"] * call.dims["Sk"] * call.dims["d"],
     family="attention",
     catalog="1.2",
-    support={"idiomatic": "",
-             "vjp": "not differentiable (it is the backward of attention_cte)",
-             "notes": "Neuron: d <= 128; Sk a multiple of 512 (or <= 512); Sq a multiple of 128 (lse layout)"},
+    support={
+        "idiomatic": "",
+        "vjp": "not differentiable (it is the backward of attention_cte)",
+        "notes": "Neuron: d <= 128; Sk a multiple of 512 (or <= 512); Sq a multiple of 128 (lse layout)",
+    },
 )
 
 attention_bwd = make_kernel(ATTENTION_BWD_SPEC)

@@ -59,19 +59,37 @@ def _canonical(q, k, v, k_prior, v_prior, tp_q, tp_k):
     return q, k, v
 
 
-def _rule(q, k, k_prior, prior_used_len, cp_offset, bound_min, bound_max, *, causal_mask, sliding_window,
-          global_cp_deg, cp_strided_q_slicing, tp_q, tp_k) -> MaskRule:
+def _rule(
+    q,
+    k,
+    k_prior,
+    prior_used_len,
+    cp_offset,
+    bound_min,
+    bound_max,
+    *,
+    causal_mask,
+    sliding_window,
+    global_cp_deg,
+    cp_strided_q_slicing,
+    tp_q,
+    tp_k,
+) -> MaskRule:
     seq_q = q.shape[1] if tp_q else q.shape[2]
     seq_k = k.shape[1] if tp_k else k.shape[2]
     n_prior = 0 if k_prior is None else (k_prior.shape[1] if tp_k else k_prior.shape[2])
     return MaskRule(
-        n_queries=seq_q, n_active=seq_k, n_prior=n_prior,
+        n_queries=seq_q,
+        n_active=seq_k,
+        n_prior=n_prior,
         prior_used=None if prior_used_len is None else prior_used_len.reshape(()),
         q_base=0 if cp_offset is None else cp_offset.reshape(()),
         q_stride=global_cp_deg if (cp_offset is not None and cp_strided_q_slicing) else 1,
-        causal=causal_mask, window=sliding_window or 0,
+        causal=causal_mask,
+        window=sliding_window or 0,
         bound_min=None if bound_min is None else bound_min.reshape(-1),
-        bound_max=None if bound_max is None else bound_max.reshape(-1))
+        bound_max=None if bound_max is None else bound_max.reshape(-1),
+    )
 
 
 _MASK_FLAGS = ("causal_mask", "sliding_window", "global_cp_deg", "cp_strided_q_slicing", "tp_q", "tp_k")
@@ -79,22 +97,57 @@ _MASK_FLAGS = ("causal_mask", "sliding_window", "global_cp_deg", "cp_strided_q_s
 
 def _forward(operands, params):
     """Blockwise forward on the kernel's operands: ``(o [B, Sq, d] f32, row_max [B, Sq], row_sum [B, Sq])``."""
-    q, k, v = _canonical(operands["q"], operands["k"], operands["v"], operands["k_prior"], operands["v_prior"],
-                         params["tp_q"], params["tp_k"])
-    rule = _rule(operands["q"], operands["k"], operands["k_prior"], operands["prior_used_len"],
-                 operands["cp_offset"], operands["bound_min"], operands["bound_max"],
-                 **{flag: params[flag] for flag in _MASK_FLAGS})
+    q, k, v = _canonical(
+        operands["q"],
+        operands["k"],
+        operands["v"],
+        operands["k_prior"],
+        operands["v_prior"],
+        params["tp_q"],
+        params["tp_k"],
+    )
+    rule = _rule(
+        operands["q"],
+        operands["k"],
+        operands["k_prior"],
+        operands["prior_used_len"],
+        operands["cp_offset"],
+        operands["bound_min"],
+        operands["bound_max"],
+        **{flag: params[flag] for flag in _MASK_FLAGS},
+    )
     n_kv = k.shape[0]
     sink = None if operands["sink"] is None else group_queries(operands["sink"], n_kv)
     out, row_max, row_sum = attention_forward(group_queries(q, n_kv), k, v, rule, params["scale"], sink)
     return ungroup_queries(out), ungroup_queries(row_max), ungroup_queries(row_sum), rule
 
 
-def reference_attention_cte(q, k, v, k_prior=None, v_prior=None, prior_used_len=None, sink=None, cp_offset=None,
-                            bound_min=None, bound_max=None, **params):
+def reference_attention_cte(
+    q,
+    k,
+    v,
+    k_prior=None,
+    v_prior=None,
+    prior_used_len=None,
+    sink=None,
+    cp_offset=None,
+    bound_min=None,
+    bound_max=None,
+    **params,
+):
     """JAX reference of ``attention_cte`` (blockwise online softmax, no ``[Sq, Sk]`` matrix)."""
-    operands = dict(q=q, k=k, v=v, k_prior=k_prior, v_prior=v_prior, prior_used_len=prior_used_len, sink=sink,
-                    cp_offset=cp_offset, bound_min=bound_min, bound_max=bound_max)
+    operands = dict(
+        q=q,
+        k=k,
+        v=v,
+        k_prior=k_prior,
+        v_prior=v_prior,
+        prior_used_len=prior_used_len,
+        sink=sink,
+        cp_offset=cp_offset,
+        bound_min=bound_min,
+        bound_max=bound_max,
+    )
     out, row_max, row_sum, _ = _forward(operands, params)
     out = out.astype(q.dtype)
     out = jnp.swapaxes(out, 1, 2) if params["tp_out"] else out
@@ -113,8 +166,10 @@ def _check(call: CallInfo) -> None:
     present = {name for name, aval in avals.items() if aval is not None}
     prefix = {"k_prior", "v_prior", "prior_used_len"} & present
     if prefix and len(prefix) != 3:
-        raise ValueError(f"{function}: prefix caching needs k_prior, v_prior and prior_used_len together; got only "
-                         f"{', '.join(sorted(prefix))}")
+        raise ValueError(
+            f"{function}: prefix caching needs k_prior, v_prior and prior_used_len together; got only "
+            f"{', '.join(sorted(prefix))}"
+        )
     cp = p["global_cp_deg"] is not None
     if cp != ("cp_offset" in present):
         raise ValueError(f"{function}: context parallelism needs both cp_offset (1, 1) and global_cp_deg")
@@ -123,18 +178,22 @@ def _check(call: CallInfo) -> None:
     if ("bound_min" in present) != ("bound_max" in present):
         raise ValueError(f"{function}: give both bound_min and bound_max, or neither")
     if "bound_min" in present and (prefix or cp):
-        raise ValueError(f"{function}: sequence packing (bound_min/bound_max) excludes prefix caching and context "
-                         "parallelism")
+        raise ValueError(
+            f"{function}: sequence packing (bound_min/bound_max) excludes prefix caching and context parallelism"
+        )
     static_float(function, "scale", p["scale"])
     window = static_int(function, "sliding_window", p["sliding_window"] or 0)
     if (window or cp) and not p["causal_mask"]:
         raise ValueError(f"{function}: sliding_window and context parallelism require causal_mask=True")
     if (window or cp or prefix) and p["scale"] != 1.0:
-        raise ValueError(f"{function}: scale must be 1.0 with a sliding window, context parallelism or prefix "
-                         f"caching (pre-scale q instead); got scale={p['scale']}")
+        raise ValueError(
+            f"{function}: scale must be 1.0 with a sliding window, context parallelism or prefix "
+            f"caching (pre-scale q instead); got scale={p['scale']}"
+        )
     if dims["B"] % dims["B_kv"]:
-        raise ValueError(f"{function}: the query batch B={dims['B']} must be a multiple of the KV batch "
-                         f"B_kv={dims['B_kv']}")
+        raise ValueError(
+            f"{function}: the query batch B={dims['B']} must be a multiple of the KV batch B_kv={dims['B_kv']}"
+        )
     require_same_dtype(call, ("q", "k", "v", "k_prior", "v_prior"), "q, k, v (and k_prior, v_prior)")
     if p["cache_softmax"] and dims["Sq"] % LSE_TILE:
         raise ValueError(f"{function}: cache_softmax needs Sq to be a multiple of {LSE_TILE}; got Sq={dims['Sq']}")
@@ -160,9 +219,14 @@ def bwd_kernel_applies(operands, params) -> bool:
     """Whether ``attention_bwd`` can differentiate this call (see the module docstring)."""
     seq_q = operands["q"].shape[1 if params["tp_q"] else 2]
     seq_k = operands["k"].shape[1 if params["tp_k"] else 2]
-    return (operands["k_prior"] is None and operands["cp_offset"] is None and seq_q % LSE_TILE == 0
-            and (seq_q == seq_k or not params["causal_mask"]) and params["scale"] != 0.0
-            and operands["q"].dtype != jnp.float64)  # float64 (CPU only) keeps float64 statistics
+    return (
+        operands["k_prior"] is None
+        and operands["cp_offset"] is None
+        and seq_q % LSE_TILE == 0
+        and (seq_q == seq_k or not params["causal_mask"])
+        and params["scale"] != 0.0
+        and operands["q"].dtype != jnp.float64
+    )  # float64 (CPU only) keeps float64 statistics
 
 
 def _to_bwd_layout(x, seq_axis):
@@ -190,18 +254,29 @@ def _kernel_backward(operands, params, outs, dy):
     tp_q, tp_k, tp_out = params["tp_q"], params["tp_k"], params["tp_out"]
     lse = -(neg_max.astype(jnp.float32) + jnp.log(recip.astype(jnp.float32)))
     sink = operands["sink"]
-    bounds = [None if operands[n] is None else operands[n].reshape(-1).astype(jnp.float32)
-              for n in ("bound_min", "bound_max")]
+    bounds = [
+        None if operands[n] is None else operands[n].reshape(-1).astype(jnp.float32) for n in ("bound_min", "bound_max")
+    ]
     grads = attention_bwd(
-        _to_bwd_layout(operands["q"], 2 if not tp_q else 1), _to_bwd_layout(operands["k"], 1 if tp_k else 2),
-        _to_bwd_layout(operands["v"], 1), _to_bwd_layout(out, 2 if tp_out else 1),
-        _to_bwd_layout(dy.astype(out.dtype), 2 if tp_out else 1), lse[None],
-        None if sink is None else sink.reshape(1, -1).astype(operands["q"].dtype), *bounds,
-        use_causal_mask=params["causal_mask"], mixed_precision=True, softmax_scale=params["scale"],
-        sliding_window=params["sliding_window"])
+        _to_bwd_layout(operands["q"], 2 if not tp_q else 1),
+        _to_bwd_layout(operands["k"], 1 if tp_k else 2),
+        _to_bwd_layout(operands["v"], 1),
+        _to_bwd_layout(out, 2 if tp_out else 1),
+        _to_bwd_layout(dy.astype(out.dtype), 2 if tp_out else 1),
+        lse[None],
+        None if sink is None else sink.reshape(1, -1).astype(operands["q"].dtype),
+        *bounds,
+        use_causal_mask=params["causal_mask"],
+        mixed_precision=True,
+        softmax_scale=params["scale"],
+        sliding_window=params["sliding_window"],
+    )
     dq, dk, dv = grads[0][0], grads[1][0], grads[2][0]  # [B, d, S]
-    result = {"q": dq if not tp_q else jnp.swapaxes(dq, 1, 2), "k": jnp.swapaxes(dk, 1, 2) if tp_k else dk,
-              "v": jnp.swapaxes(dv, 1, 2)}
+    result = {
+        "q": dq if not tp_q else jnp.swapaxes(dq, 1, 2),
+        "k": jnp.swapaxes(dk, 1, 2) if tp_k else dk,
+        "v": jnp.swapaxes(dv, 1, 2),
+    }
     if sink is not None:
         result["sink"] = grads[3].reshape(sink.shape)
     return result
@@ -209,16 +284,32 @@ def _kernel_backward(operands, params, outs, dy):
 
 def _blockwise_backward(operands, params, out, dy):
     """The JAX backward for calls attention_bwd cannot take (prefix caching, context parallelism, ...)."""
-    q, k, v = _canonical(operands["q"], operands["k"], operands["v"], operands["k_prior"], operands["v_prior"],
-                         params["tp_q"], params["tp_k"])
+    q, k, v = _canonical(
+        operands["q"],
+        operands["k"],
+        operands["v"],
+        operands["k_prior"],
+        operands["v_prior"],
+        params["tp_q"],
+        params["tp_k"],
+    )
     _, row_max, row_sum, rule = _forward(operands, params)
     n_kv = k.shape[0]
     out = jnp.swapaxes(out, 1, 2) if params["tp_out"] else out
     dy = jnp.swapaxes(dy, 1, 2) if params["tp_out"] else dy
     sink = None if operands["sink"] is None else group_queries(operands["sink"], n_kv)
     lse = group_queries(log_sum_exp(row_max, row_sum), n_kv)
-    dq, dk, dv, dsink = attention_backward(group_queries(q, n_kv), k, v, group_queries(out, n_kv),
-                                           group_queries(dy, n_kv), lse, rule, params["scale"], sink)
+    dq, dk, dv, dsink = attention_backward(
+        group_queries(q, n_kv),
+        k,
+        v,
+        group_queries(out, n_kv),
+        group_queries(dy, n_kv),
+        lse,
+        rule,
+        params["scale"],
+        sink,
+    )
     dq = ungroup_queries(dq)
     n_prior = rule.n_prior
     dk_prior, dk = dk[:, :n_prior], dk[:, n_prior:]
@@ -258,10 +349,16 @@ ATTENTION_CTE_SPEC = KernelSpec(
         Operand.of("bound_max", "Sq, 1", dtypes=INT_DTYPES + (jnp.float32,), optional=True),
     ),
     params=(
-        Param("scale", 1.0, float), Param("causal_mask", True, bool), Param("sliding_window", None, int),
-        Param("tp_q", True, bool), Param("tp_k", False, bool), Param("tp_out", False, bool),
-        Param("cache_softmax", False, bool), Param("softmax_dtype", jnp.float32, "dtype"),
-        Param("mm_out_dtype", jnp.float32, "dtype"), Param("global_cp_deg", None, int),
+        Param("scale", 1.0, float),
+        Param("causal_mask", True, bool),
+        Param("sliding_window", None, int),
+        Param("tp_q", True, bool),
+        Param("tp_k", False, bool),
+        Param("tp_out", False, bool),
+        Param("cache_softmax", False, bool),
+        Param("softmax_dtype", jnp.float32, "dtype"),
+        Param("mm_out_dtype", jnp.float32, "dtype"),
+        Param("global_cp_deg", None, int),
         Param("cp_strided_q_slicing", False, bool),
     ),
     outputs=(),
@@ -269,17 +366,34 @@ ATTENTION_CTE_SPEC = KernelSpec(
     reference=reference_attention_cte,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"q": "B", "k": "B_kv", "v": "B_kv", "k_prior": "B_kv", "v_prior": "B_kv", "sink": "B",
-                          "prior_used_len": None, "cp_offset": None, "bound_min": None, "bound_max": None},
-                         outputs={"o": 0, "neg_max": 0, "recip": 0}),),
-    mac_count=lambda call: 2 * call.dims["B"] * call.dims["Sq"] * (call.dims["Sk"] + call.dims.get("S_prior", 0))
-    * call.dims["d"],
+    fold_plans=(
+        FoldPlan(
+            {
+                "q": "B",
+                "k": "B_kv",
+                "v": "B_kv",
+                "k_prior": "B_kv",
+                "v_prior": "B_kv",
+                "sink": "B",
+                "prior_used_len": None,
+                "cp_offset": None,
+                "bound_min": None,
+                "bound_max": None,
+            },
+            outputs={"o": 0, "neg_max": 0, "recip": 0},
+        ),
+    ),
+    mac_count=lambda call: (
+        2 * call.dims["B"] * call.dims["Sq"] * (call.dims["Sk"] + call.dims.get("S_prior", 0)) * call.dims["d"]
+    ),
     nondifferentiable_outputs=("neg_max", "recip"),
     family="attention",
     catalog="1.1",
-    support={"idiomatic": "attention",
-             "vjp": "attention_bwd kernel (forward with cache_softmax); blockwise JAX for prefix caching and CP",
-             "notes": "Neuron: d <= 128, B <= 512, S <= 131072; scale 1.0 with SWA/CP/prefix (checked everywhere)"},
+    support={
+        "idiomatic": "attention",
+        "vjp": "attention_bwd kernel (forward with cache_softmax); blockwise JAX for prefix caching and CP",
+        "notes": "Neuron: d <= 128, B <= 512, S <= 131072; scale 1.0 with SWA/CP/prefix (checked everywhere)",
+    },
 )
 
 attention_cte = make_kernel(ATTENTION_CTE_SPEC, vjp=Vjp(_forward_with_statistics, _backward))

@@ -64,10 +64,27 @@ def merge_partials(out, row_max, row_sum):
     return normalize((weight[..., None] * out).sum(axis=0), total)
 
 
-def reference_attention_kv_parallel_segmented_cte(q, k_cache, v_cache, block_tables, kvp_q_offset, kvp_rank_id=None,
-                                                  valid_num_prior_tokens=None, k_scale=None, v_scale=None, *,
-                                                  replica_groups, group_size, block_size, scale=1.0, tp_out=False,
-                                                  sliding_window=0, kvp_group_size=0, fp8_packed=False, **tiling):
+def reference_attention_kv_parallel_segmented_cte(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    kvp_q_offset,
+    kvp_rank_id=None,
+    valid_num_prior_tokens=None,
+    k_scale=None,
+    v_scale=None,
+    *,
+    replica_groups,
+    group_size,
+    block_size,
+    scale=1.0,
+    tp_out=False,
+    sliding_window=0,
+    kvp_group_size=0,
+    fp8_packed=False,
+    **tiling,
+):
     """JAX reference (inside ``shard_map`` over ``replica_groups``); see the module docstring."""
     del valid_num_prior_tokens, tiling, group_size  # tiling only (see the module docstring); group size = axis size
     axes = lax_axis(replica_groups)
@@ -81,13 +98,21 @@ def reference_attention_kv_parallel_segmented_cte(q, k_cache, v_cache, block_tab
     heads = q.shape[0]
     q_full = lax.all_gather(q, axes, axis=0, tiled=True)  # [G * QH, S, D]
     round_robin = dict(k_block=block_size, k_groups=kvp_group_size, k_rank=kvp_rank_id[0, 0]) if kvp_group_size else {}
-    rule = MaskRule(n_queries=q.shape[1], n_active=keys.shape[0], q_base=kvp_q_offset[0, 0], causal=True,
-                    window=sliding_window, **round_robin)
-    out, row_max, row_sum = attention_forward(q_full[None], keys.astype(q.dtype)[None], values.astype(q.dtype)[None],
-                                              rule, scale)
+    rule = MaskRule(
+        n_queries=q.shape[1],
+        n_active=keys.shape[0],
+        q_base=kvp_q_offset[0, 0],
+        causal=True,
+        window=sliding_window,
+        **round_robin,
+    )
+    out, row_max, row_sum = attention_forward(
+        q_full[None], keys.astype(q.dtype)[None], values.astype(q.dtype)[None], rule, scale
+    )
     # rank g's partials for the heads of rank r go to rank r: [G (heads' owner), QH, ...] -> [G (source), QH, ...]
-    exchanged = [lax.all_to_all(x[0].reshape(-1, heads, *x.shape[2:]), axes, 0, 0, tiled=True)
-                 for x in (out, row_max, row_sum)]
+    exchanged = [
+        lax.all_to_all(x[0].reshape(-1, heads, *x.shape[2:]), axes, 0, 0, tiled=True) for x in (out, row_max, row_sum)
+    ]
     merged = merge_partials(*exchanged).astype(q.dtype)
     return (jnp.swapaxes(merged, 1, 2) if tp_out else merged,)
 
@@ -99,15 +124,20 @@ def _check(call: CallInfo) -> None:
         raise ValueError(f"{function}: `replica_groups` is required: the mesh axis name(s) of the KV-parallel group")
     size = compat.bound_axis_size(p["replica_groups"])
     if size is not None and size != p["group_size"]:
-        raise ValueError(f"{function}: group_size={p['group_size']} but the replica group {p['replica_groups']} has "
-                         f"{size} ranks")
+        raise ValueError(
+            f"{function}: group_size={p['group_size']} but the replica group {p['replica_groups']} has {size} ranks"
+        )
     if dims["kv_heads"] != 1:
-        raise ValueError(f"{function}: the kernel reads KV head 0 only; k_cache/v_cache must have one KV head "
-                         f"([n_blocks, 1, block, D]); got {dims['kv_heads']}")
+        raise ValueError(
+            f"{function}: the kernel reads KV head 0 only; k_cache/v_cache must have one KV head "
+            f"([n_blocks, 1, block, D]); got {dims['kv_heads']}"
+        )
     block = 2 * dims["half_block"] if p["fp8_packed"] else dims["block"]
     if block != p["block_size"] or dims["block"] != p["block_size"]:
-        raise ValueError(f"{function}: block_size={p['block_size']} does not match the caches' block axis {block}"
-                         + (" (packed pairs x 2)" if p["fp8_packed"] else ""))
+        raise ValueError(
+            f"{function}: block_size={p['block_size']} does not match the caches' block axis {block}"
+            + (" (packed pairs x 2)" if p["fp8_packed"] else "")
+        )
     if p["seg_size"] % p["block_size"]:
         raise ValueError(f"{function}: seg_size={p['seg_size']} must be a multiple of block_size={p['block_size']}")
     if p["kvp_group_size"] < 0 or p["sliding_window"] < 0:
@@ -141,9 +171,12 @@ ATTENTION_KV_PARALLEL_SEGMENTED_CTE_SPEC = KernelSpec(
     entry_point="nkilib.core.attention.attention_kv_parallel_segmented_cte:attention_kv_parallel_segmented_cte",
     operands=(
         Operand.of("q", "QH, S, d"),
-        Operand.switched("k_cache", "fp8_packed", {False: "n_blocks, kv_heads, block, d",
-                                                   True: "n_blocks, kv_heads, half_block, d, 2"},
-                         dtypes=CACHE_DTYPES),
+        Operand.switched(
+            "k_cache",
+            "fp8_packed",
+            {False: "n_blocks, kv_heads, block, d", True: "n_blocks, kv_heads, half_block, d, 2"},
+            dtypes=CACHE_DTYPES,
+        ),
         Operand.of("v_cache", "n_blocks, kv_heads, block, d", dtypes=CACHE_DTYPES),
         Operand.of("block_tables", "1, max_blocks", dtypes=INT_DTYPES),
         Operand.of("kvp_q_offset", "1, 1", dtypes=INT_DTYPES),
@@ -155,9 +188,13 @@ ATTENTION_KV_PARALLEL_SEGMENTED_CTE_SPEC = KernelSpec(
     params=(
         Param("replica_groups", None, "axis", required=True),
         *(Param(name, None, int, required=True) for name in ("group_size", "block_size", "seg_size")),
-        Param("scale", 1.0, float), Param("global_q_offset", 0, int),
-        Param("tp_out", False, bool), Param("sliding_window", 0, int), Param("kvp_group_size", 0, int),
-        Param("apc_mode", False, bool), Param("fp8_packed", False, bool),
+        Param("scale", 1.0, float),
+        Param("global_q_offset", 0, int),
+        Param("tp_out", False, bool),
+        Param("sliding_window", 0, int),
+        Param("kvp_group_size", 0, int),
+        Param("apc_mode", False, bool),
+        Param("fp8_packed", False, bool),
     ),
     outputs=(),
     output_avals=_outputs,
@@ -165,17 +202,39 @@ ATTENTION_KV_PARALLEL_SEGMENTED_CTE_SPEC = KernelSpec(
     check=_check,
     neuron_limits=_neuron_limits,
     # a vmapped axis folds into this rank's query heads (the gathered heads keep the rank-major order)
-    fold_plans=(FoldPlan({"q": "QH", "k_cache": None, "v_cache": None, "block_tables": None, "kvp_q_offset": None,
-                          "kvp_rank_id": None, "valid_num_prior_tokens": None, "k_scale": None, "v_scale": None},
-                         outputs={"out": 0}),),
+    fold_plans=(
+        FoldPlan(
+            {
+                "q": "QH",
+                "k_cache": None,
+                "v_cache": None,
+                "block_tables": None,
+                "kvp_q_offset": None,
+                "kvp_rank_id": None,
+                "valid_num_prior_tokens": None,
+                "k_scale": None,
+                "v_scale": None,
+            },
+            outputs={"out": 0},
+        ),
+    ),
     has_collectives=True,
-    mac_count=lambda call: 2 * call.dims["QH"] * call.params["group_size"] * call.dims["S"]
-    * call.dims["max_blocks"] * call.params["block_size"] * call.dims["d"],
+    mac_count=lambda call: (
+        2
+        * call.dims["QH"]
+        * call.params["group_size"]
+        * call.dims["S"]
+        * call.dims["max_blocks"]
+        * call.params["block_size"]
+        * call.dims["d"]
+    ),
     family="attention",
     catalog="row 46",
-    support={"vjp": "JAX (differentiates the reference, collectives included; no backward kernel)",
-             "shard_map": "inside jax.shard_map only: replica_groups names the KV-parallel mesh axes (collectives)",
-             "notes": "contiguous or round-robin KV shards, FP8 (packed) caches; one KV head"},
+    support={
+        "vjp": "JAX (differentiates the reference, collectives included; no backward kernel)",
+        "shard_map": "inside jax.shard_map only: replica_groups names the KV-parallel mesh axes (collectives)",
+        "notes": "contiguous or round-robin KV shards, FP8 (packed) caches; one KV head",
+    },
 )
 
 attention_kv_parallel_segmented_cte = make_kernel(ATTENTION_KV_PARALLEL_SEGMENTED_CTE_SPEC, vjp=reference_vjp)

@@ -80,8 +80,9 @@ def _cache_chunk(k_prior, v_prior, blocks):
     return keys.reshape(batch, n * BLOCK_TOKENS, -1), values.reshape(batch, n * BLOCK_TOKENS, -1)
 
 
-def reference_attention_mxfp8_tkg(q, k_active, v_active, k_prior, v_prior, mask, identity_hbm=None,
-                                  active_blocks_table=None):
+def reference_attention_mxfp8_tkg(
+    q, k_active, v_active, k_prior, v_prior, mask, identity_hbm=None, active_blocks_table=None
+):
     """JAX reference of ``attention_mxfp8_tkg``: ``(out [B, H, s_active, d] bfloat16,)`` (see the module doc)."""
     del identity_hbm  # the kernel's PE-reduction operand
     batch, heads, s_active, d = q.shape
@@ -96,8 +97,11 @@ def reference_attention_mxfp8_tkg(q, k_active, v_active, k_prior, v_prior, mask,
     n_blocks = table.shape[1]
     n_tokens = n_blocks * BLOCK_TOKENS
     prior_visible = jnp.pad(visible[..., :s_prior], ((0, 0), (0, 0), (0, n_tokens - s_prior)))
-    state = (jnp.full((batch, rows, 1), RUNNING_MAX_INIT, jnp.float32), jnp.zeros((batch, rows, 1), jnp.float32),
-             jnp.zeros((batch, rows, d), jnp.float32))
+    state = (
+        jnp.full((batch, rows, 1), RUNNING_MAX_INIT, jnp.float32),
+        jnp.zeros((batch, rows, 1), jnp.float32),
+        jnp.zeros((batch, rows, d), jnp.float32),
+    )
 
     def chunk(state, blocks_and_visible):
         blocks, chunk_visible = blocks_and_visible
@@ -105,19 +109,25 @@ def reference_attention_mxfp8_tkg(q, k_active, v_active, k_prior, v_prior, mask,
 
     n_full = n_blocks // CHUNK_BLOCKS
     if n_full:
-        tables = jnp.moveaxis(table[:, :n_full * CHUNK_BLOCKS].reshape(batch, n_full, CHUNK_BLOCKS), 1, 0)
-        masks = jnp.moveaxis(prior_visible[..., :n_full * CHUNK_TOKENS].reshape(batch, rows, n_full, CHUNK_TOKENS),
-                             2, 0)
+        tables = jnp.moveaxis(table[:, : n_full * CHUNK_BLOCKS].reshape(batch, n_full, CHUNK_BLOCKS), 1, 0)
+        masks = jnp.moveaxis(
+            prior_visible[..., : n_full * CHUNK_TOKENS].reshape(batch, rows, n_full, CHUNK_TOKENS), 2, 0
+        )
         state, _ = jax.lax.scan(chunk, state, (tables, masks))
     if n_blocks % CHUNK_BLOCKS:  # CPU extension: a last partial chunk
-        state, _ = chunk(state, (table[:, n_full * CHUNK_BLOCKS:], prior_visible[..., n_full * CHUNK_TOKENS:]))
+        state, _ = chunk(state, (table[:, n_full * CHUNK_BLOCKS :], prior_visible[..., n_full * CHUNK_TOKENS :]))
 
     width = CHUNK_TOKENS * -(-s_active // CHUNK_TOKENS)  # the active chunk, padded with masked zero tokens
     keys = mx.mx_round_trip(k_active.astype(jnp.bfloat16), axis=-1)  # contraction d
     values = mx.mx_round_trip(v_active.astype(jnp.bfloat16), axis=-2)  # contraction: the tokens
     pad = ((0, 0), (0, width - s_active), (0, 0))
-    state = _softmax_step(state, q_rt, jnp.pad(keys, pad), jnp.pad(values, pad),
-                          jnp.pad(visible[..., s_prior:], ((0, 0), (0, 0), (0, width - s_active))))
+    state = _softmax_step(
+        state,
+        q_rt,
+        jnp.pad(keys, pad),
+        jnp.pad(values, pad),
+        jnp.pad(visible[..., s_prior:], ((0, 0), (0, 0), (0, width - s_active))),
+    )
     _, running_sum, acc = state
     out = (acc * (1.0 / running_sum)).astype(jnp.bfloat16)
     return (out.reshape(batch, heads, s_active, d),)
@@ -126,19 +136,24 @@ def reference_attention_mxfp8_tkg(q, k_active, v_active, k_prior, v_prior, mask,
 def _check(call: CallInfo) -> None:
     dims, function = call.dims, call.function
     if dims["d"] != D_HEAD:
-        raise ValueError(f"{function}: q, k_active and v_active must have d = {D_HEAD}, fixed by the MXFP8 cache "
-                         f"block [num_blocks, 32, 160] (128 tokens x 128 head dims); got d = {dims['d']}")
+        raise ValueError(
+            f"{function}: q, k_active and v_active must have d = {D_HEAD}, fixed by the MXFP8 cache "
+            f"block [num_blocks, 32, 160] (128 tokens x 128 head dims); got d = {dims['d']}"
+        )
     require_same_dtype(call, ("q", "k_active", "v_active"), "q, k_active and v_active")
     n_keys, s_active = dims["n_keys"], dims["s_active"]
     bucket = dims.get("n_table", dims["n_blocks"]) * BLOCK_TOKENS
     if not s_active <= n_keys <= bucket + s_active:
-        raise ValueError(f"{function}: mask must be [B, H, s_active, s_prior + s_active] with 0 <= s_prior <= "
-                         f"{bucket} (the cache's 128-token blocks); got a last axis of {n_keys} for "
-                         f"s_active = {s_active}")
+        raise ValueError(
+            f"{function}: mask must be [B, H, s_active, s_prior + s_active] with 0 <= s_prior <= "
+            f"{bucket} (the cache's 128-token blocks); got a last axis of {n_keys} for "
+            f"s_active = {s_active}"
+        )
     identity = call.avals.get("identity_hbm")
     if identity is not None and min(identity.shape) < 128:
-        raise ValueError(f"{function}: identity_hbm must be a [>=128, >=128] bfloat16 identity; got shape "
-                         f"{tuple(identity.shape)}")
+        raise ValueError(
+            f"{function}: identity_hbm must be a [>=128, >=128] bfloat16 identity; got shape {tuple(identity.shape)}"
+        )
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
@@ -158,8 +173,7 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     if avals.get("active_blocks_table") is None:
         unmet.append("the kernel needs active_blocks_table (pass the sequential table for a contiguous cache)")
     elif dims["n_table"] != dims["n_blocks"]:
-        unmet.append(f"active_blocks_table must be [B, num_blocks={dims['n_blocks']}]; got {dims['n_table']} "
-                     "columns")
+        unmet.append(f"active_blocks_table must be [B, num_blocks={dims['n_blocks']}]; got {dims['n_table']} columns")
     return unmet
 
 
@@ -192,16 +206,31 @@ ATTENTION_MXFP8_TKG_SPEC = KernelSpec(
     reference=reference_attention_mxfp8_tkg,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"q": "B", "k_active": "B", "v_active": "B", "mask": "B", "active_blocks_table": "B",
-                          "k_prior": None, "v_prior": None, "identity_hbm": None}, outputs=("B",)),),
+    fold_plans=(
+        FoldPlan(
+            {
+                "q": "B",
+                "k_active": "B",
+                "v_active": "B",
+                "mask": "B",
+                "active_blocks_table": "B",
+                "k_prior": None,
+                "v_prior": None,
+                "identity_hbm": None,
+            },
+            outputs=("B",),
+        ),
+    ),
     mac_count=_mac_count,
     family="attention",
     catalog="row 47",
-    support={"idiomatic": "",
-             "vjp": "zero cotangents (every float input is MXFP8/bf16-rounded; no backward kernel)",
-             "notes": "MXFP8 block KV cache [num_blocks, 32, 160], d=128; Neuron: bf16, H in {32, 64}, s_active in "
-                      "{1, 2, 4, 8}, num_blocks % 16 == 0, identity_hbm and active_blocks_table given (Trn3); "
-                      "reference emulates the kernel's MXFP8 datapath at LNC=1"},
+    support={
+        "idiomatic": "",
+        "vjp": "zero cotangents (every float input is MXFP8/bf16-rounded; no backward kernel)",
+        "notes": "MXFP8 block KV cache [num_blocks, 32, 160], d=128; Neuron: bf16, H in {32, 64}, s_active in "
+        "{1, 2, 4, 8}, num_blocks % 16 == 0, identity_hbm and active_blocks_table given (Trn3); "
+        "reference emulates the kernel's MXFP8 datapath at LNC=1",
+    },
 )
 
 attention_mxfp8_tkg = make_kernel(ATTENTION_MXFP8_TKG_SPEC, vjp=_zero_cotangents)

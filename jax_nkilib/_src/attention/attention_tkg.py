@@ -85,12 +85,25 @@ def _visible(mask, rope_pos_ids, start_pos_ids, *, use_pos_id, batch, heads, s_a
         starts = start_pos_ids.astype(jnp.float32)[:, :, None]
         prior = jnp.where(starts <= ends, (slot >= starts) & (slot < ends), (slot >= starts) | (slot < ends))
     causal_tail = jnp.arange(s_active)[None, :] <= jnp.arange(s_active)[:, None]  # [i, j]: j <= i
-    prior = jnp.broadcast_to(prior, (batch, s_active, s_prior)).at[:, :, s_prior - s_active:].set(causal_tail[None])
+    prior = jnp.broadcast_to(prior, (batch, s_active, s_prior)).at[:, :, s_prior - s_active :].set(causal_tail[None])
     return jnp.broadcast_to(prior[:, None], (batch, heads, s_active, s_prior))
 
 
-def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_freqs=None, rope_pos_ids=None,
-                            start_pos_ids=None, sink=None, active_blocks_table=None, lnc=1, **cfg):
+def reference_attention_tkg(
+    q,
+    k_active,
+    v_active,
+    k_prior,
+    v_prior,
+    mask,
+    inv_freqs=None,
+    rope_pos_ids=None,
+    start_pos_ids=None,
+    sink=None,
+    active_blocks_table=None,
+    lnc=1,
+    **cfg,
+):
     """JAX reference of ``attention_tkg``: ``(out [B, H, d, s_a],)``, and ``k_out [B, 1, d, s_a]`` with fuse_rope."""
     batch, heads, s_active, d = q.shape
     s_prior = mask.shape[0] if not cfg["use_pos_id"] else cfg["curr_sprior"]
@@ -102,9 +115,16 @@ def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_f
         table = jnp.where(entry_ok, active_blocks_table, 0)
         k_prior, v_prior = (pool[table].reshape(batch, 1, -1, d) for pool in (k_prior, v_prior))
         if not cfg["use_pos_id"]:
-            mask_block_len = resized_block_len(s_prior, cfg["block_len"], lnc=lnc, bs=batch, q_head=heads,
-                                               s_active=s_active, fuse_rope=cfg["fuse_rope"],
-                                               enable_fa_s_prior_tiling=cfg["enable_fa_s_prior_tiling"])
+            mask_block_len = resized_block_len(
+                s_prior,
+                cfg["block_len"],
+                lnc=lnc,
+                bs=batch,
+                q_head=heads,
+                s_active=s_active,
+                fuse_rope=cfg["fuse_rope"],
+                enable_fa_s_prior_tiling=cfg["enable_fa_s_prior_tiling"],
+            )
     acc = jnp.promote_types(q.dtype, jnp.float32)
     queries, keys = q.astype(acc), k_active[:, 0].astype(acc)  # [B, H, s_a, d], [B, s_a, d]
     if cfg["fuse_rope"]:
@@ -115,10 +135,19 @@ def reference_attention_tkg(q, k_active, v_active, k_prior, v_prior, mask, inv_f
     cache_k = k_prior[:batch, 0]
     cache_k = (cache_k if cfg["tp_k_prior"] else jnp.swapaxes(cache_k, 1, 2))[:, :s_prior].astype(acc)
     cache_v = v_prior[:batch, 0, :s_prior].astype(acc)
-    cache_k = cache_k.at[:, s_prior - s_active:].set(keys)
-    cache_v = cache_v.at[:, s_prior - s_active:].set(v_active[:, 0].astype(acc))
-    visible = _visible(mask, rope_pos_ids, start_pos_ids, use_pos_id=cfg["use_pos_id"], batch=batch, heads=heads,
-                       s_active=s_active, s_prior=s_prior, block_len=mask_block_len)
+    cache_k = cache_k.at[:, s_prior - s_active :].set(keys)
+    cache_v = cache_v.at[:, s_prior - s_active :].set(v_active[:, 0].astype(acc))
+    visible = _visible(
+        mask,
+        rope_pos_ids,
+        start_pos_ids,
+        use_pos_id=cfg["use_pos_id"],
+        batch=batch,
+        heads=heads,
+        s_active=s_active,
+        s_prior=s_prior,
+        block_len=mask_block_len,
+    )
     # slots no query of a row sees (stale cache memory past its length) must not reach it as 0 * NaN
     seen = jnp.any(visible, axis=(1, 2))[..., None]  # [B, S_prior, 1]
     cache_k, cache_v = jnp.where(seen, cache_k, 0.0), jnp.where(seen, cache_v, 0.0)
@@ -152,32 +181,51 @@ def _check(call: CallInfo) -> None:
     block = "active_blocks_table" in present
     for name in ("k_prior", "v_prior"):
         if avals[name].ndim != (3 if block else 4):
-            what = (f"a block KV cache needs `{name}` as a pool [N_blocks, blk, d] (active_blocks_table is given)"
-                    if block else f"`{name}` must be a flat cache of rank 4 (a rank-3 block pool [N_blocks, blk, d] "
-                    "needs active_blocks_table and block_len)")
+            what = (
+                f"a block KV cache needs `{name}` as a pool [N_blocks, blk, d] (active_blocks_table is given)"
+                if block
+                else f"`{name}` must be a flat cache of rank 4 (a rank-3 block pool [N_blocks, blk, d] "
+                "needs active_blocks_table and block_len)"
+            )
             raise ValueError(f"{function}: {what}; got shape {tuple(avals[name].shape)}")
     if block != bool(p["block_len"]) or (block and dims.get("blk") != p["block_len"]):
-        raise ValueError(f"{function}: a block KV cache needs active_blocks_table and block_len equal to the pools' "
-                         f"block axis; got block_len={p['block_len']}, pools {tuple(avals['k_prior'].shape)}")
+        raise ValueError(
+            f"{function}: a block KV cache needs active_blocks_table and block_len equal to the pools' "
+            f"block axis; got block_len={p['block_len']}, pools {tuple(avals['k_prior'].shape)}"
+        )
     if block and not p["tp_k_prior"]:
         raise ValueError(f"{function}: a block KV cache needs tp_k_prior=True (pools [N_blocks, blk, d])")
     if block:
         dims = dict(dims, B_cache=dims["B"], S_full=dims["n_blocks"] * p["block_len"])
     if block and not p["use_pos_id"]:
         if p["strided_mm1"]:
-            raise ValueError(f"{function}: a block KV cache with a given mask needs strided_mm1=False (the kernel "
-                             "asserts it; the mask is in the non-strided block order)")
+            raise ValueError(
+                f"{function}: a block KV cache with a given mask needs strided_mm1=False (the kernel "
+                "asserts it; the mask is in the non-strided block order)"
+            )
         if dims["S_prior"] != dims["S_full"]:
-            raise ValueError(f"{function}: with a block KV cache the mask must cover all n_blocks * block_len = "
-                             f"{dims['S_full']} slots of the table (the kernel asserts it); got S_prior="
-                             f"{dims['S_prior']}")
-        resized_block_len(dims["S_prior"], p["block_len"], lnc=call.lnc, bs=dims["B"], q_head=dims["H"],
-                          s_active=dims["s_a"], enable_fa_s_prior_tiling=p["enable_fa_s_prior_tiling"],
-                          fuse_rope=p["fuse_rope"], function=function)
+            raise ValueError(
+                f"{function}: with a block KV cache the mask must cover all n_blocks * block_len = "
+                f"{dims['S_full']} slots of the table (the kernel asserts it); got S_prior="
+                f"{dims['S_prior']}"
+            )
+        resized_block_len(
+            dims["S_prior"],
+            p["block_len"],
+            lnc=call.lnc,
+            bs=dims["B"],
+            q_head=dims["H"],
+            s_active=dims["s_a"],
+            enable_fa_s_prior_tiling=p["enable_fa_s_prior_tiling"],
+            fuse_rope=p["fuse_rope"],
+            function=function,
+        )
     for flag in ("qk_in_sb", "k_out_in_sb", "out_in_sb"):
         if p[flag]:
-            raise ValueError(f"{function}: `{flag}` places tensors in SBUF, which a JAX call cannot do; the device "
-                             "adapter handles SBUF placement")
+            raise ValueError(
+                f"{function}: `{flag}` places tensors in SBUF, which a JAX call cannot do; the device "
+                "adapter handles SBUF placement"
+            )
     if dims["B_cache"] < dims["B"]:
         raise ValueError(f"{function}: the cache batch B_cache={dims['B_cache']} is smaller than B={dims['B']}")
     if p["use_pos_id"]:
@@ -189,8 +237,10 @@ def _check(call: CallInfo) -> None:
         if p["curr_sprior"] not in (None, s_prior):
             raise ValueError(f"{function}: curr_sprior={p['curr_sprior']} does not match the mask's S_prior={s_prior}")
     if not dims["s_a"] <= s_prior <= dims["S_full"]:
-        raise ValueError(f"{function}: need s_active <= curr_sprior <= full_sprior; got s_active={dims['s_a']}, "
-                         f"curr_sprior={s_prior}, full_sprior={dims['S_full']}")
+        raise ValueError(
+            f"{function}: need s_active <= curr_sprior <= full_sprior; got s_active={dims['s_a']}, "
+            f"curr_sprior={s_prior}, full_sprior={dims['S_full']}"
+        )
     if p["fuse_rope"] and not {"inv_freqs", "rope_pos_ids"} <= present:
         raise ValueError(f"{function}: fuse_rope needs inv_freqs [d/2, 1] and rope_pos_ids [B, s_a]")
     if p["use_pos_id"] and "rope_pos_ids" not in present:
@@ -203,9 +253,12 @@ def _runtime_checks(call: CallInfo, operands) -> None:
     table = operands["active_blocks_table"]
     if table is not None:
         n_blocks = call.avals["k_prior"].shape[0]
-        check_all(valid_block_entries(table, n_blocks), f"{call.function}: active_blocks_table entry (row, block) "
-                  f"{{index}} is {{}}, not a block of the pools (0 <= block < {n_blocks}); that row's output is NaN",
-                  table)
+        check_all(
+            valid_block_entries(table, n_blocks),
+            f"{call.function}: active_blocks_table entry (row, block) "
+            f"{{index}} is {{}}, not a block of the pools (0 <= block < {n_blocks}); that row's output is NaN",
+            table,
+        )
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
@@ -232,11 +285,15 @@ ATTENTION_TKG_SPEC = KernelSpec(
         Operand.of("q", "B, H, s_a, d"),
         Operand.of("k_active", "B, 1, s_a, d"),
         Operand.of("v_active", "B, 1, s_a, d"),
-        Operand.switched("k_prior", "tp_k_prior", {False: "B_cache, 1, d, S_full",
-                                                   True: ("B_cache, 1, S_full, d", "N_blocks, blk, d")}),
+        Operand.switched(
+            "k_prior",
+            "tp_k_prior",
+            {False: "B_cache, 1, d, S_full", True: ("B_cache, 1, S_full, d", "N_blocks, blk, d")},
+        ),
         Operand.of("v_prior", "B_cache, 1, S_full, d", "N_blocks, blk, d"),
-        Operand.switched("mask", "use_pos_id", {False: "S_prior, B, H, s_a", True: "s_a, B, H, s_a"},
-                         dtypes=MASK_DTYPES),
+        Operand.switched(
+            "mask", "use_pos_id", {False: "S_prior, B, H, s_a", True: "s_a, B, H, s_a"}, dtypes=MASK_DTYPES
+        ),
         Operand.of("inv_freqs", "d/2, 1", optional=True),
         Operand.of("rope_pos_ids", "B, s_a", dtypes=POSITION_DTYPES, optional=True),
         Operand.of("start_pos_ids", "B, s_a", dtypes=POSITION_DTYPES, optional=True),
@@ -245,9 +302,15 @@ ATTENTION_TKG_SPEC = KernelSpec(
     ),
     params=(
         Param("curr_sprior", None, int, "cache slots used; required with use_pos_id, else the mask's S_prior"),
-        Param("block_len", 0, int), Param("tp_k_prior", False, bool), Param("strided_mm1", True, bool),
-        Param("use_pos_id", False, bool), Param("fuse_rope", False, bool), Param("use_gpsimd_sb2sb", True, bool),
-        Param("qk_in_sb", False, bool), Param("k_out_in_sb", False, bool), Param("out_in_sb", False, bool),
+        Param("block_len", 0, int),
+        Param("tp_k_prior", False, bool),
+        Param("strided_mm1", True, bool),
+        Param("use_pos_id", False, bool),
+        Param("fuse_rope", False, bool),
+        Param("use_gpsimd_sb2sb", True, bool),
+        Param("qk_in_sb", False, bool),
+        Param("k_out_in_sb", False, bool),
+        Param("out_in_sb", False, bool),
         Param("enable_fa_s_prior_tiling", True, bool),
     ),
     outputs=(),
@@ -256,27 +319,68 @@ ATTENTION_TKG_SPEC = KernelSpec(
     check=_check,
     runtime_checks=_runtime_checks,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"q": "B", "k_active": "B", "v_active": "B", "k_prior": "B_cache", "v_prior": "B_cache",
-                          "mask": "B", "rope_pos_ids": "B", "start_pos_ids": "B", "inv_freqs": None, "sink": None,
-                          "active_blocks_table": None}, outputs={"out": 0, "k_out": 0},
-                         when=lambda call: call.dims.get("B_cache") == call.dims["B"]),
-                FoldPlan({"q": "B", "k_active": "B", "v_active": "B", "k_prior": None, "v_prior": None, "mask": "B",
-                          "rope_pos_ids": "B", "start_pos_ids": "B", "inv_freqs": None, "sink": None,
-                          "active_blocks_table": "B"}, outputs={"out": 0, "k_out": 0},
-                         # a given block mask's order depends on B at LNC > 1: fold only where it cannot change
-                         when=lambda call: call.avals.get("active_blocks_table") is not None
-                         and (call.params["use_pos_id"] or call.lnc == 1))),
-    derived_params=(("bs", "B"), ("q_head", "H"), ("s_active", "s_a"), ("d_head", "d"),
-                    ("full_sprior", lambda call: call.dims.get("S_full") or call.dims["n_blocks"] * call.params[
-                        "block_len"])),
-    mac_count=lambda call: 2 * call.dims["B"] * call.dims["H"] * call.dims["s_a"] * call.dims["d"]
-    * call.dims.get("S_full", call.dims.get("n_blocks", 0) * call.params["block_len"]),
+    fold_plans=(
+        FoldPlan(
+            {
+                "q": "B",
+                "k_active": "B",
+                "v_active": "B",
+                "k_prior": "B_cache",
+                "v_prior": "B_cache",
+                "mask": "B",
+                "rope_pos_ids": "B",
+                "start_pos_ids": "B",
+                "inv_freqs": None,
+                "sink": None,
+                "active_blocks_table": None,
+            },
+            outputs={"out": 0, "k_out": 0},
+            when=lambda call: call.dims.get("B_cache") == call.dims["B"],
+        ),
+        FoldPlan(
+            {
+                "q": "B",
+                "k_active": "B",
+                "v_active": "B",
+                "k_prior": None,
+                "v_prior": None,
+                "mask": "B",
+                "rope_pos_ids": "B",
+                "start_pos_ids": "B",
+                "inv_freqs": None,
+                "sink": None,
+                "active_blocks_table": "B",
+            },
+            outputs={"out": 0, "k_out": 0},
+            # a given block mask's order depends on B at LNC > 1: fold only where it cannot change
+            when=lambda call: (
+                call.avals.get("active_blocks_table") is not None and (call.params["use_pos_id"] or call.lnc == 1)
+            ),
+        ),
+    ),
+    derived_params=(
+        ("bs", "B"),
+        ("q_head", "H"),
+        ("s_active", "s_a"),
+        ("d_head", "d"),
+        ("full_sprior", lambda call: call.dims.get("S_full") or call.dims["n_blocks"] * call.params["block_len"]),
+    ),
+    mac_count=lambda call: (
+        2
+        * call.dims["B"]
+        * call.dims["H"]
+        * call.dims["s_a"]
+        * call.dims["d"]
+        * call.dims.get("S_full", call.dims.get("n_blocks", 0) * call.params["block_len"])
+    ),
     family="attention",
     catalog="1.3",
-    support={"idiomatic": "decode_attention",
-             "vjp": "JAX (differentiates the reference; no backward kernel)",
-             "notes": "flat and block KV caches (a given block-cache mask is in the kernel's block order, which "
-                      "depends on the LNC degree); no 1/sqrt(d) unless fuse_rope; device adapter jax_nkilib_kernels/attention.py"},
+    support={
+        "idiomatic": "decode_attention",
+        "vjp": "JAX (differentiates the reference; no backward kernel)",
+        "notes": "flat and block KV caches (a given block-cache mask is in the kernel's block order, which "
+        "depends on the LNC degree); no 1/sqrt(d) unless fuse_rope; device adapter jax_nkilib_kernels/attention.py",
+    },
 )
 
 attention_tkg = make_kernel(ATTENTION_TKG_SPEC, vjp=reference_vjp)

@@ -41,7 +41,6 @@ DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
 
 
-
 def _pad_to(x, axis: int, block: int):
     """Pad ``axis`` with zeros to a multiple of ``block`` (no copy when it already is one)."""
     size = x.shape[axis]
@@ -106,15 +105,27 @@ def attention_forward(q, k, v, rule: MaskRule, scale: float, sink=None, *, block
         row_sum = row_sum * correction + p.sum(-1)
         out = out * correction[..., None] + _matmul("hgqk,hkd->hgqd", p.astype(v.dtype), v_block, acc)
         # written at every step; the last key block of a query block leaves the final values
-        return (_put(out_all, out, i, bq, 2), _put(max_all, new_max, i, bq, 2), _put(sum_all, row_sum, i, bq, 2),
-                new_max, row_sum, out)
+        return (
+            _put(out_all, out, i, bq, 2),
+            _put(max_all, new_max, i, bq, 2),
+            _put(sum_all, row_sum, i, bq, 2),
+            new_max,
+            row_sum,
+            out,
+        )
 
-    init = (jnp.zeros(q.shape, acc), jnp.full(q.shape[:3], -jnp.inf, acc), jnp.zeros(q.shape[:3], acc),
-            jnp.full((n_kv, groups, bq), -jnp.inf, acc), jnp.zeros((n_kv, groups, bq), acc),
-            jnp.zeros((n_kv, groups, bq, d), acc))
+    init = (
+        jnp.zeros(q.shape, acc),
+        jnp.full(q.shape[:3], -jnp.inf, acc),
+        jnp.zeros(q.shape[:3], acc),
+        jnp.full((n_kv, groups, bq), -jnp.inf, acc),
+        jnp.zeros((n_kv, groups, bq), acc),
+        jnp.zeros((n_kv, groups, bq, d), acc),
+    )
     init = tuple(varying_like(x, q, k, v, *runtime) for x in init)
-    out, row_max, row_sum = (lax.slice_in_dim(x, 0, seq_q, axis=2)
-                             for x in lax.fori_loop(0, len(q_blocks), one_pair, init)[:3])
+    out, row_max, row_sum = (
+        lax.slice_in_dim(x, 0, seq_q, axis=2) for x in lax.fori_loop(0, len(q_blocks), one_pair, init)[:3]
+    )
     if sink is not None:
         sink = sink.astype(acc)[:, :, None, :]  # the same logits for every row
         new_max = jnp.maximum(row_max, sink.max(-1))
@@ -143,8 +154,7 @@ def _only_valid_keys(rule: MaskRule, j, bk: int, x):
     return x if valid is None else jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
 
 
-def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=None, *, block_q=None,
-                       block_k=None):
+def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=None, *, block_q=None, block_k=None):
     """Gradients ``(dq, dk, dv, dsink)`` in the accumulation dtype from the forward output ``o`` and its row
     log-sum-exp ``lse [H_kv, G, Sq]`` (FlashAttention-2: ``D = rowsum(dy * o)``, ``dS = P * (dP - D)``)."""
     acc = accumulation_dtype(q.dtype)
@@ -172,15 +182,23 @@ def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=N
         dq_block = _matmul("hgqk,hkd->hgqd", ds, k_block, acc) * scale
         dk_block = dk_block + _matmul("hgqk,hgqd->hkd", ds, q_block, acc) * scale
         # written at every step; the last query block of a key block leaves the final values
-        return (_put(dq, _block(dq, i, bq, 2) + dq_block, i, bq, 2), _put(dk, dk_block, j, bk, 1),
-                _put(dv, dv_block, j, bk, 1), dk_block, dv_block)
+        return (
+            _put(dq, _block(dq, i, bq, 2) + dq_block, i, bq, 2),
+            _put(dk, dk_block, j, bk, 1),
+            _put(dv, dv_block, j, bk, 1),
+            dk_block,
+            dv_block,
+        )
 
     block_zeros = jnp.zeros((k.shape[0], bk, k.shape[2]), acc)
     init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc), block_zeros, block_zeros)
     init = tuple(varying_like(x, *inputs) for x in init)
     dq, dk, dv = lax.fori_loop(0, len(q_blocks), one_pair, init)[:3]
-    dq, dk, dv = lax.slice_in_dim(dq, 0, seq_q, axis=2), lax.slice_in_dim(dk, 0, seq_k, axis=1), \
-        lax.slice_in_dim(dv, 0, seq_k, axis=1)
+    dq, dk, dv = (
+        lax.slice_in_dim(dq, 0, seq_q, axis=2),
+        lax.slice_in_dim(dk, 0, seq_k, axis=1),
+        lax.slice_in_dim(dv, 0, seq_k, axis=1),
+    )
     dsink = None
     if sink is not None:
         p_sink = jnp.exp(sink.astype(acc)[:, :, None, :] - lse.astype(acc)[..., None])  # [H_kv, G, Sq, n_sinks]
@@ -195,9 +213,14 @@ def block_pairs(rule: MaskRule, n_q_blocks: int, n_k_blocks: int, bq: int, bk: i
     of each group. Fully masked pairs are skipped when the mask is known at trace time (causal and sliding-window
     rules without runtime offsets or lengths); otherwise every pair is visited.
     """
-    pairs = [(i, j) for i in range(n_q_blocks) for j in range(n_k_blocks)
-             if rule.block_may_attend(i * bq, min((i + 1) * bq, rule.n_queries) - 1, j * bk,
-                                      min((j + 1) * bk, rule.n_keys) - 1)]
+    pairs = [
+        (i, j)
+        for i in range(n_q_blocks)
+        for j in range(n_k_blocks)
+        if rule.block_may_attend(
+            i * bq, min((i + 1) * bq, rule.n_queries) - 1, j * bk, min((j + 1) * bk, rule.n_keys) - 1
+        )
+    ]
     if not pairs:  # nothing is visible: one pair keeps the loop well-formed (its entries are all masked)
         pairs = [(0, 0)]
     if by == "key":

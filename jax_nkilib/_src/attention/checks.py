@@ -40,8 +40,10 @@ def require_cache_dtypes(call: CallInfo, caches: tuple[str, ...] = ("k_cache", "
     for name in caches:
         aval = call.avals.get(name)
         if aval is not None and aval.dtype != dtype and aval.dtype not in FP8_DTYPES:
-            raise TypeError(f"{call.function}: `{name}` must have {like}'s dtype {dtype} or an FP8 dtype "
-                            f"{tuple(str(d) for d in FP8_DTYPES)}; got {aval.dtype}")
+            raise TypeError(
+                f"{call.function}: `{name}` must have {like}'s dtype {dtype} or an FP8 dtype "
+                f"{tuple(str(d) for d in FP8_DTYPES)}; got {aval.dtype}"
+            )
 
 
 def check_qkv_layout(where: str, q, k, v, *, same_seq: bool = False, kind: str = "an array") -> None:
@@ -50,15 +52,20 @@ def check_qkv_layout(where: str, q, k, v, *, same_seq: bool = False, kind: str =
     is empty; ``TypeError`` unless they share one floating dtype."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not (hasattr(x, "shape") and hasattr(x, "dtype")) or x.ndim != 4:
-            raise ValueError(f"{where}: `{name}` must be {kind} {QKV_LAYOUT}; got "
-                             f"{getattr(x, 'shape', type(x).__name__)}")
-    for name, x, axes in (("q", q, ("batch", "seq", "heads", "head_dim")),
-                          ("k", k, ("batch", "seq_kv", "kv_heads", "head_dim")),
-                          ("v", v, ("batch", "seq_kv", "kv_heads", "head_dim"))):
+            raise ValueError(
+                f"{where}: `{name}` must be {kind} {QKV_LAYOUT}; got {getattr(x, 'shape', type(x).__name__)}"
+            )
+    for name, x, axes in (
+        ("q", q, ("batch", "seq", "heads", "head_dim")),
+        ("k", k, ("batch", "seq_kv", "kv_heads", "head_dim")),
+        ("v", v, ("batch", "seq_kv", "kv_heads", "head_dim")),
+    ):
         require_nonempty(where, name, x, axes)
     if k.shape != v.shape:
-        raise ValueError(f"{where}: `k` and `v` must have the same shape [batch, seq_kv, kv_heads, head_dim]; got "
-                         f"{k.shape} and {v.shape}")
+        raise ValueError(
+            f"{where}: `k` and `v` must have the same shape [batch, seq_kv, kv_heads, head_dim]; got "
+            f"{k.shape} and {v.shape}"
+        )
     agree = (0, 1, 3) if same_seq else (0, 3)
     if any(q.shape[axis] != k.shape[axis] for axis in agree):
         what = "batch, seq and head_dim" if same_seq else "batch and head_dim"
@@ -72,8 +79,10 @@ def require_nonempty(where: str, name: str, x, axes: tuple[str, ...]) -> None:
     """``ValueError`` naming the first empty axis of ``x`` (``axes`` names its axes)."""
     for axis, size in zip(axes, x.shape):
         if size == 0:
-            raise ValueError(f"{where}: `{name}` has {axis} = 0 (shape {tuple(x.shape)}, axes [{', '.join(axes)}]); "
-                             "every axis must be non-empty")
+            raise ValueError(
+                f"{where}: `{name}` has {axis} = 0 (shape {tuple(x.shape)}, axes [{', '.join(axes)}]); "
+                "every axis must be non-empty"
+            )
 
 
 def require_float_dtypes(where: str, arrays: dict, *, same: bool) -> None:
@@ -81,8 +90,11 @@ def require_float_dtypes(where: str, arrays: dict, *, same: bool) -> None:
     (float32, bfloat16, float16, float64) and, with ``same``, they share one."""
     for name, x in arrays.items():
         if jnp.dtype(x.dtype) not in FLOAT_DTYPES:
-            raise TypeError(f"{where}: `{name}` must have a floating dtype in ({', '.join(map(str, FLOAT_DTYPES))}); "
-                            f"got {x.dtype}")
+            raise TypeError(
+                f"{where}: `{name}` must have a floating dtype in ({', '.join(map(str, FLOAT_DTYPES))}); got {x.dtype}"
+            )
     if same and len({jnp.dtype(x.dtype) for x in arrays.values()}) > 1:
-        raise TypeError(f"{where}: {', '.join(f'`{name}`' for name in arrays)} must share one floating dtype; got "
-                        + ", ".join(f"{name} {x.dtype}" for name, x in arrays.items()))
+        raise TypeError(
+            f"{where}: {', '.join(f'`{name}`' for name in arrays)} must share one floating dtype; got "
+            + ", ".join(f"{name} {x.dtype}" for name, x in arrays.items())
+        )

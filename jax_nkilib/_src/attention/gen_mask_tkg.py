@@ -58,8 +58,8 @@ def natural_mask(pos_ids, start_pos, active_mask, *, bs, q_head, s_active, s_ctx
         visible = jnp.where(starts <= ends, (slots >= starts) & (slots < ends), (slots >= starts) | (slots < ends))
     mask = jnp.broadcast_to(visible[:, None].astype(jnp.float32), (bs, q_head, s_active, s_ctx))
     if active_mask is not None:
-        rows = active_mask[:, batch_start: batch_start + bs].astype(jnp.float32)
-        mask = mask.at[..., s_ctx - s_active:].set(jnp.transpose(rows, (1, 2, 3, 0)))  # [bs, q_head, i, j]
+        rows = active_mask[:, batch_start : batch_start + bs].astype(jnp.float32)
+        mask = mask.at[..., s_ctx - s_active :].set(jnp.transpose(rows, (1, 2, 3, 0)))  # [bs, q_head, i, j]
     return mask
 
 
@@ -87,15 +87,26 @@ def sprior_programs(*, lnc: int, bs: int, q_head: int, s_active: int, s_prior: i
     return lnc if not batch_split and s_prior >= 2 * PARTITIONS else 1
 
 
-def resized_block_len(s_prior: int, block_len: int, *, lnc: int, bs: int, q_head: int, s_active: int,
-                      enable_fa_s_prior_tiling: bool = True, fuse_rope: bool = False, function: str = "") -> int:
+def resized_block_len(
+    s_prior: int,
+    block_len: int,
+    *,
+    lnc: int,
+    bs: int,
+    q_head: int,
+    s_active: int,
+    enable_fa_s_prior_tiling: bool = True,
+    fuse_rope: bool = False,
+    function: str = "",
+) -> int:
     """The block length ``L`` the TKG kernels use for a block cache (see the module docstring); ``ValueError`` when
     ``s_prior`` is not a multiple of ``block_len`` and of the ``n * 128`` slots the kernel needs."""
-    programs = sprior_programs(lnc=lnc, bs=bs, q_head=q_head, s_active=s_active, s_prior=s_prior,
-                               fuse_rope=fuse_rope)
+    programs = sprior_programs(lnc=lnc, bs=bs, q_head=q_head, s_active=s_active, s_prior=s_prior, fuse_rope=fuse_rope)
     if s_prior % block_len or s_prior % (programs * PARTITIONS):
-        raise ValueError(f"{function}: a block KV cache needs s_prior={s_prior} to be a multiple of block_len="
-                         f"{block_len} and of {programs * PARTITIONS} (128 per program it is split over at LNC={lnc})")
+        raise ValueError(
+            f"{function}: a block KV cache needs s_prior={s_prior} to be a multiple of block_len="
+            f"{block_len} and of {programs * PARTITIONS} (128 per program it is split over at LNC={lnc})"
+        )
     divisor = s_prior // (programs * PARTITIONS)
     per_program = s_prior // programs
     if enable_fa_s_prior_tiling and per_program > FA_TILE:  # each flash-attention tile holds whole folds
@@ -120,14 +131,31 @@ def natural_order(rows, block_len: int):
     return jnp.transpose(folded, (3, 4, 5, 0, 2, 1)).reshape(bs, q_head, s_active, s_prior)
 
 
-def reference_gen_mask_tkg_hbm(pos_ids_hbm, start_pos_hbm=None, active_mask=None, *, bs, q_head, s_active, s_prior,
-                               block_len=0, enable_fa_s_prior_tiling=True, lnc=1):
+def reference_gen_mask_tkg_hbm(
+    pos_ids_hbm,
+    start_pos_hbm=None,
+    active_mask=None,
+    *,
+    bs,
+    q_head,
+    s_active,
+    s_prior,
+    block_len=0,
+    enable_fa_s_prior_tiling=True,
+    lnc=1,
+):
     """JAX reference of ``gen_mask_tkg_hbm``: ``[s_prior, bs, q_head, s_active]`` float32 in tile-major order."""
-    mask = natural_mask(pos_ids_hbm, start_pos_hbm, active_mask, bs=bs, q_head=q_head, s_active=s_active,
-                        s_ctx=s_prior)
+    mask = natural_mask(pos_ids_hbm, start_pos_hbm, active_mask, bs=bs, q_head=q_head, s_active=s_active, s_ctx=s_prior)
     if block_len:
-        resized = resized_block_len(s_prior, block_len, lnc=lnc, bs=bs, q_head=q_head, s_active=s_active,
-                                    enable_fa_s_prior_tiling=enable_fa_s_prior_tiling)
+        resized = resized_block_len(
+            s_prior,
+            block_len,
+            lnc=lnc,
+            bs=bs,
+            q_head=q_head,
+            s_active=s_active,
+            enable_fa_s_prior_tiling=enable_fa_s_prior_tiling,
+        )
         return (block_order(mask, resized),)
     tiled = jnp.swapaxes(kernel_tiles(mask, s_prior // PARTITIONS), 0, 1)  # tile-major rows: t * 128 + p
     return (tiled.reshape(s_prior, bs, q_head, s_active),)
@@ -137,21 +165,33 @@ def _check_hbm(call: CallInfo) -> None:
     p, dims, function = call.params, call.dims, call.function
     require_params(call, ("bs", "q_head", "s_active", "s_prior"), positive=True)
     if dims["BS"] != p["bs"] * p["s_active"]:
-        raise ValueError(f"{function}: `pos_ids_hbm` must be [1, bs * s_active] = [1, {p['bs'] * p['s_active']}]; "
-                         f"got [1, {dims['BS']}]")
+        raise ValueError(
+            f"{function}: `pos_ids_hbm` must be [1, bs * s_active] = [1, {p['bs'] * p['s_active']}]; "
+            f"got [1, {dims['BS']}]"
+        )
     if p["s_prior"] % PARTITIONS or p["s_prior"] < p["s_active"]:
-        raise ValueError(f"{function}: s_prior must be a multiple of {PARTITIONS} and at least s_active; got "
-                         f"s_prior={p['s_prior']}")
+        raise ValueError(
+            f"{function}: s_prior must be a multiple of {PARTITIONS} and at least s_active; got s_prior={p['s_prior']}"
+        )
     if p["block_len"] < 0:
         raise ValueError(f"{function}: block_len must be 0 (flat cache) or positive; got {p['block_len']}")
     if p["block_len"]:
-        resized_block_len(p["s_prior"], p["block_len"], lnc=call.lnc, bs=p["bs"], q_head=p["q_head"],
-                          s_active=p["s_active"], enable_fa_s_prior_tiling=p["enable_fa_s_prior_tiling"],
-                          function=function)
+        resized_block_len(
+            p["s_prior"],
+            p["block_len"],
+            lnc=call.lnc,
+            bs=p["bs"],
+            q_head=p["q_head"],
+            s_active=p["s_active"],
+            enable_fa_s_prior_tiling=p["enable_fa_s_prior_tiling"],
+            function=function,
+        )
     active = call.avals.get("active_mask")
     if active is not None and tuple(active.shape) != (p["s_active"], p["bs"], p["q_head"], p["s_active"]):
-        raise ValueError(f"{function}: `active_mask` must be [s_active, bs, q_head, s_active] = "
-                         f"{(p['s_active'], p['bs'], p['q_head'], p['s_active'])}; got {tuple(active.shape)}")
+        raise ValueError(
+            f"{function}: `active_mask` must be [s_active, bs, q_head, s_active] = "
+            f"{(p['s_active'], p['bs'], p['q_head'], p['s_active'])}; got {tuple(active.shape)}"
+        )
 
 
 GEN_MASK_TKG_HBM_SPEC = KernelSpec(
@@ -161,30 +201,48 @@ GEN_MASK_TKG_HBM_SPEC = KernelSpec(
     operands=(
         Operand.of("pos_ids_hbm", "1, BS", dtypes=_POSITIONS),
         Operand.of("start_pos_hbm", "1, BS", dtypes=_POSITIONS, optional=True),
-        Operand.of("active_mask", "s_a, b, h, s_a", dtypes=_MASK_VALUES,
-                   optional=True),
+        Operand.of("active_mask", "s_a, b, h, s_a", dtypes=_MASK_VALUES, optional=True),
     ),
     params=(
         *(Param(name, None, int, required=True) for name in ("bs", "q_head", "s_active", "s_prior")),
-        Param("block_len", 0, int), Param("enable_fa_s_prior_tiling", True, bool),
+        Param("block_len", 0, int),
+        Param("enable_fa_s_prior_tiling", True, bool),
     ),
     outputs=(Output.of("mask", "s_prior, bs, q_head, s_active", "float32"),),
     reference=reference_gen_mask_tkg_hbm,
     check=_check_hbm,
     family="attention",
     catalog="1.4",
-    support={"idiomatic": "", "vjp": "not differentiable (a mask)",
-             "notes": "flat and block KV caches; output rows in the kernel's tile-major order; the block order uses "
-                      "the kernel's resized block length, which depends on the LNC degree"},
+    support={
+        "idiomatic": "",
+        "vjp": "not differentiable (a mask)",
+        "notes": "flat and block KV caches; output rows in the kernel's tile-major order; the block order uses "
+        "the kernel's resized block length, which depends on the LNC degree",
+    },
 )
 
 gen_mask_tkg_hbm = make_kernel(GEN_MASK_TKG_HBM_SPEC)
 
 
 # ------------------------------------------------------------------------------------------------ gen_mask_tkg
-def reference_gen_mask_tkg(pos_ids, start_pos=None, active_mask=None, *, bs, q_head, s_active, is_s_prior_sharded,
-                           s_prior_per_shard, n_sprior_tile, s_prior_offset=0, block_len=0, strided_mm1=True,
-                           is_batch_sharded=False, batch_offset=0, n_sprior_tile_total=0):
+def reference_gen_mask_tkg(
+    pos_ids,
+    start_pos=None,
+    active_mask=None,
+    *,
+    bs,
+    q_head,
+    s_active,
+    is_s_prior_sharded,
+    s_prior_per_shard,
+    n_sprior_tile,
+    s_prior_offset=0,
+    block_len=0,
+    strided_mm1=True,
+    is_batch_sharded=False,
+    batch_offset=0,
+    n_sprior_tile_total=0,
+):
     """JAX reference of the ``gen_mask_tkg`` subkernel on program 0: ``[128, n_sprior_tile, bs, q_head, s_active]``.
 
     ``block_len`` is used as given: the subkernel does not resize it (its callers pass the already resized length
@@ -192,9 +250,17 @@ def reference_gen_mask_tkg(pos_ids, start_pos=None, active_mask=None, *, bs, q_h
     library versions assert ``strided_mm1=False`` there; the device adapter passes False).
     """
     del is_s_prior_sharded, is_batch_sharded, n_sprior_tile_total  # program 0: no shard offsets (checked)
-    mask = natural_mask(pos_ids, start_pos, active_mask, bs=bs, q_head=q_head, s_active=s_active,
-                        s_ctx=s_prior_per_shard, batch_start=batch_offset)
-    window = mask[..., s_prior_offset: s_prior_offset + n_sprior_tile * PARTITIONS]
+    mask = natural_mask(
+        pos_ids,
+        start_pos,
+        active_mask,
+        bs=bs,
+        q_head=q_head,
+        s_active=s_active,
+        s_ctx=s_prior_per_shard,
+        batch_start=batch_offset,
+    )
+    window = mask[..., s_prior_offset : s_prior_offset + n_sprior_tile * PARTITIONS]
     return (kernel_tiles(window, n_sprior_tile, block_len=block_len, strided_mm1=strided_mm1),)
 
 
@@ -202,21 +268,30 @@ def _check_subkernel(call: CallInfo) -> None:
     p, dims, function = call.params, call.dims, call.function
     require_params(call, ("bs", "q_head", "s_active", "s_prior_per_shard", "n_sprior_tile"), positive=True)
     if dims["BS"] < p["bs"] * p["s_active"]:
-        raise ValueError(f"{function}: `pos_ids` must have at least bs * s_active = {p['bs'] * p['s_active']} "
-                         f"columns; got {dims['BS']}")
+        raise ValueError(
+            f"{function}: `pos_ids` must have at least bs * s_active = {p['bs'] * p['s_active']} "
+            f"columns; got {dims['BS']}"
+        )
     end = p["s_prior_offset"] + p["n_sprior_tile"] * PARTITIONS
     if end > p["s_prior_per_shard"] or p["s_prior_offset"] < 0:
-        raise ValueError(f"{function}: the tile window [{p['s_prior_offset']}, {end}) exceeds s_prior_per_shard="
-                         f"{p['s_prior_per_shard']}")
+        raise ValueError(
+            f"{function}: the tile window [{p['s_prior_offset']}, {end}) exceeds s_prior_per_shard="
+            f"{p['s_prior_per_shard']}"
+        )
     if p["block_len"] and p["n_sprior_tile"] % p["block_len"]:
-        raise ValueError(f"{function}: n_sprior_tile={p['n_sprior_tile']} must be a multiple of block_len="
-                         f"{p['block_len']}")
+        raise ValueError(
+            f"{function}: n_sprior_tile={p['n_sprior_tile']} must be a multiple of block_len={p['block_len']}"
+        )
     if p["n_sprior_tile_total"] not in (0, p["n_sprior_tile"]):
-        raise ValueError(f"{function}: a flash-attention-tiled strided layout (n_sprior_tile_total="
-                         f"{p['n_sprior_tile_total']} != n_sprior_tile) is not bound yet")
+        raise ValueError(
+            f"{function}: a flash-attention-tiled strided layout (n_sprior_tile_total="
+            f"{p['n_sprior_tile_total']} != n_sprior_tile) is not bound yet"
+        )
     if call.lnc > 1 and (p["is_s_prior_sharded"] or p["is_batch_sharded"]):
-        raise ValueError(f"{function}: with LNC={call.lnc} each program writes its own SBUF shard of the mask, which "
-                         "a single JAX output cannot represent; bind it at LNC=1")
+        raise ValueError(
+            f"{function}: with LNC={call.lnc} each program writes its own SBUF shard of the mask, which "
+            "a single JAX output cannot represent; bind it at LNC=1"
+        )
 
 
 GEN_MASK_TKG_SPEC = KernelSpec(
@@ -225,24 +300,33 @@ GEN_MASK_TKG_SPEC = KernelSpec(
     operands=(
         Operand.of("pos_ids", "P, BS", dtypes=_POSITIONS),
         Operand.of("start_pos", "P, BS", dtypes=_POSITIONS, optional=True),
-        Operand.of("active_mask", "s_a, b_full, h, s_a", dtypes=_MASK_VALUES,
-                   optional=True),
+        Operand.of("active_mask", "s_a, b_full, h, s_a", dtypes=_MASK_VALUES, optional=True),
     ),
     params=(
-        Param("bs", None, int), Param("q_head", None, int), Param("s_active", None, int),
-        Param("is_s_prior_sharded", False, bool), Param("s_prior_per_shard", None, int),
+        Param("bs", None, int),
+        Param("q_head", None, int),
+        Param("s_active", None, int),
+        Param("is_s_prior_sharded", False, bool),
+        Param("s_prior_per_shard", None, int),
         Param("n_sprior_tile", None, int, "tiles of 128 slots in the output (the shape of the kernel's mask_out)"),
-        Param("s_prior_offset", 0, int), Param("block_len", 0, int), Param("strided_mm1", True, bool),
-        Param("is_batch_sharded", False, bool), Param("batch_offset", 0, int), Param("n_sprior_tile_total", 0, int),
+        Param("s_prior_offset", 0, int),
+        Param("block_len", 0, int),
+        Param("strided_mm1", True, bool),
+        Param("is_batch_sharded", False, bool),
+        Param("batch_offset", 0, int),
+        Param("n_sprior_tile_total", 0, int),
     ),
     outputs=(Output.of("mask_out", "128, n_sprior_tile, bs, q_head, s_active", "float32"),),
     reference=reference_gen_mask_tkg,
     check=_check_subkernel,
     family="attention",
     catalog="1.4",
-    support={"idiomatic": "", "vjp": "not differentiable (a mask)",
-             "notes": "SBUF subkernel bound through an HBM adapter; program 0 / LNC=1 semantics; mask_out's shape "
-                      "is the n_sprior_tile param"},
+    support={
+        "idiomatic": "",
+        "vjp": "not differentiable (a mask)",
+        "notes": "SBUF subkernel bound through an HBM adapter; program 0 / LNC=1 semantics; mask_out's shape "
+        "is the n_sprior_tile param",
+    },
 )
 
 gen_mask_tkg = make_kernel(GEN_MASK_TKG_SPEC)

@@ -31,18 +31,43 @@ from .ring_checks import needs_trn2, require_ring
 from .ring_math import ring_backward
 
 
-def reference_ring_attention_spmd_bwd(q_ref, k_ref, v_ref, o_ref, dy_ref, lse_ref, bound_min=None, bound_max=None,
-                                      *, use_causal_mask=False, mixed_precision=True, softmax_scale=None,
-                                      num_workers=1, lnc_size=1, replica_groups=None, striped_attention=False):
+def reference_ring_attention_spmd_bwd(
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    dy_ref,
+    lse_ref,
+    bound_min=None,
+    bound_max=None,
+    *,
+    use_causal_mask=False,
+    mixed_precision=True,
+    softmax_scale=None,
+    num_workers=1,
+    lnc_size=1,
+    replica_groups=None,
+    striped_attention=False,
+):
     """JAX reference (inside ``shard_map`` over ``replica_groups``); see the module docstring."""
     del mixed_precision, lnc_size  # precision and work split of the kernel only
     b, n, d, seq = q_ref.shape
     rows = lambda x: jnp.swapaxes(x, 2, 3).reshape(b * n, seq, d)  # noqa: E731
     lse = lse_rows(lse_ref).reshape(b * n, seq).astype(jnp.promote_types(q_ref.dtype, jnp.float32))
-    grads = ring_backward(rows(q_ref), rows(k_ref), rows(v_ref), rows(o_ref), rows(dy_ref), lse,
-                          axes=lax_axis(replica_groups), nw=num_workers,
-                          scale=softmax_scale or 1.0 / d ** 0.5, causal=use_causal_mask, striped=striped_attention,
-                          bounds=None if bound_min is None else (bound_min, bound_max))
+    grads = ring_backward(
+        rows(q_ref),
+        rows(k_ref),
+        rows(v_ref),
+        rows(o_ref),
+        rows(dy_ref),
+        lse,
+        axes=lax_axis(replica_groups),
+        nw=num_workers,
+        scale=softmax_scale or 1.0 / d**0.5,
+        causal=use_causal_mask,
+        striped=striped_attention,
+        bounds=None if bound_min is None else (bound_min, bound_max),
+    )
     return tuple(jnp.swapaxes(g.reshape(b, n, seq, d), 2, 3).astype(jnp.float32) for g in grads)
 
 
@@ -55,15 +80,21 @@ def _check(call: CallInfo) -> None:
         raise ValueError(f"{function}: give both bound_min and bound_max [B*N, S], or neither")
     if avals.get("bound_min") is not None:
         if not (p["use_causal_mask"] and p["striped_attention"]):
-            raise ValueError(f"{function}: bound_min/bound_max (sequence packing) require use_causal_mask=True and "
-                             "striped_attention=True")
+            raise ValueError(
+                f"{function}: bound_min/bound_max (sequence packing) require use_causal_mask=True and "
+                "striped_attention=True"
+            )
         if dims["BN"] != dims["B"] * dims["N"]:
-            raise ValueError(f"{function}: bound_min/bound_max must be [B*N, S] = [{dims['B'] * dims['N']}, "
-                             f"{dims['S']}]; got {dims['BN']} rows")
+            raise ValueError(
+                f"{function}: bound_min/bound_max must be [B*N, S] = [{dims['B'] * dims['N']}, "
+                f"{dims['S']}]; got {dims['BN']} rows"
+            )
     names = ("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref")
     if len({avals[name].dtype for name in names}) > 1:
-        raise TypeError(f"{function}: q_ref, k_ref, v_ref, o_ref and dy_ref must share one dtype; got "
-                        f"{[str(avals[name].dtype) for name in names]}")
+        raise TypeError(
+            f"{function}: q_ref, k_ref, v_ref, o_ref and dy_ref must share one dtype; got "
+            f"{[str(avals[name].dtype) for name in names]}"
+        )
     if p["lnc_size"] not in (1, 2):
         raise ValueError(f"{function}: lnc_size must be 1 or 2; got {p['lnc_size']}")
 
@@ -73,8 +104,10 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     if call.dims["D"] > MAX_HEAD_DIM:
         unmet.append(f"head dim D={call.dims['D']} exceeds {MAX_HEAD_DIM}")
     if call.params["lnc_size"] != call.lnc:
-        unmet.append(f"lnc_size={call.params['lnc_size']} must equal the LNC degree {call.lnc} (the kernel splits "
-                     "its work over lnc_size cores of the launch grid)")
+        unmet.append(
+            f"lnc_size={call.params['lnc_size']} must equal the LNC degree {call.lnc} (the kernel splits "
+            "its work over lnc_size cores of the launch grid)"
+        )
     return unmet
 
 
@@ -83,33 +116,54 @@ RING_ATTENTION_SPMD_BWD_SPEC = KernelSpec(
     name="ring_attention_spmd_bwd",
     entry_point="nkilib.experimental.attention.ring_attention_bwd:ring_attention_spmd_bwd",
     operands=(
-        Operand.of("q_ref", _LAYOUT), Operand.of("k_ref", _LAYOUT), Operand.of("v_ref", _LAYOUT),
-        Operand.of("o_ref", _LAYOUT), Operand.of("dy_ref", _LAYOUT),
+        Operand.of("q_ref", _LAYOUT),
+        Operand.of("k_ref", _LAYOUT),
+        Operand.of("v_ref", _LAYOUT),
+        Operand.of("o_ref", _LAYOUT),
+        Operand.of("dy_ref", _LAYOUT),
         Operand.of("lse_ref", "B, N, 128, S/128", dtypes=(jnp.float32, jnp.bfloat16, jnp.float64)),
         Operand.of("bound_min", "BN, S", dtypes=(jnp.float32,), optional=True),
         Operand.of("bound_max", "BN, S", dtypes=(jnp.float32,), optional=True),
     ),
     params=(
-        Param("use_causal_mask", False, bool), Param("mixed_precision", True, bool),
-        Param("softmax_scale", None, float), Param("num_workers", 1, int), Param("lnc_size", 1, int),
-        Param("replica_groups", None, "axis"), Param("striped_attention", False, bool),
+        Param("use_causal_mask", False, bool),
+        Param("mixed_precision", True, bool),
+        Param("softmax_scale", None, float),
+        Param("num_workers", 1, int),
+        Param("lnc_size", 1, int),
+        Param("replica_groups", None, "axis"),
+        Param("striped_attention", False, bool),
     ),
-    outputs=(Output.of("dq", _LAYOUT, "float32"), Output.of("dk", _LAYOUT, "float32"),
-             Output.of("dv", _LAYOUT, "float32")),
+    outputs=(
+        Output.of("dq", _LAYOUT, "float32"),
+        Output.of("dk", _LAYOUT, "float32"),
+        Output.of("dv", _LAYOUT, "float32"),
+    ),
     reference=reference_ring_attention_spmd_bwd,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({**dict.fromkeys(("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref", "lse_ref"), "B"),
-                          "bound_min": "BN", "bound_max": "BN"}, outputs=("B", "B", "B")),),
+    fold_plans=(
+        FoldPlan(
+            {
+                **dict.fromkeys(("q_ref", "k_ref", "v_ref", "o_ref", "dy_ref", "lse_ref"), "B"),
+                "bound_min": "BN",
+                "bound_max": "BN",
+            },
+            outputs=("B", "B", "B"),
+        ),
+    ),
     has_collectives=True,
-    mac_count=lambda call: 4 * call.dims["B"] * call.dims["N"] * call.dims["S"] ** 2 * call.params["num_workers"]
-    * call.dims["D"],
+    mac_count=lambda call: (
+        4 * call.dims["B"] * call.dims["N"] * call.dims["S"] ** 2 * call.params["num_workers"] * call.dims["D"]
+    ),
     family="parallel",
     catalog="row 43, section 3",
-    support={"idiomatic": "",
-             "vjp": "not differentiable (it is the backward of ring_attention_spmd_fwd)",
-             "shard_map": "inside jax.shard_map only: replica_groups names the ring's mesh axes (collectives)",
-             "notes": "Trn2+; S % 128 == 0; float32 gradients; lnc_size must equal the LNC degree on Neuron"},
+    support={
+        "idiomatic": "",
+        "vjp": "not differentiable (it is the backward of ring_attention_spmd_fwd)",
+        "shard_map": "inside jax.shard_map only: replica_groups names the ring's mesh axes (collectives)",
+        "notes": "Trn2+; S % 128 == 0; float32 gradients; lnc_size must equal the LNC degree on Neuron",
+    },
 )
 
 ring_attention_spmd_bwd = make_kernel(RING_ATTENTION_SPMD_BWD_SPEC)

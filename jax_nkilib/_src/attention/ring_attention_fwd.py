@@ -65,11 +65,17 @@ def _bounds(bound_min, bound_max):
 def _forward_math(q, k, v, bound_min, bound_max, params):
     """``(o [b*h, S, d]`` accumulation dtype, ``lse [b*h, S])`` for the kernel's operands."""
     d = q.shape[3] if params["tp_q"] else q.shape[2]
-    return ring_forward(_rows(q, not params["tp_q"]), _rows(k, not params["tp_k"]), _rows(v, False),
-                        axes=lax_axis(params["replica_groups"]), nw=params["num_workers"],
-                        scale=effective_scale(params["softmax_scale"], params["use_causal_mask"], d),
-                        causal=params["use_causal_mask"], striped=params["striped_input"],
-                        bounds=_bounds(bound_min, bound_max))
+    return ring_forward(
+        _rows(q, not params["tp_q"]),
+        _rows(k, not params["tp_k"]),
+        _rows(v, False),
+        axes=lax_axis(params["replica_groups"]),
+        nw=params["num_workers"],
+        scale=effective_scale(params["softmax_scale"], params["use_causal_mask"], d),
+        causal=params["use_causal_mask"],
+        striped=params["striped_input"],
+        bounds=_bounds(bound_min, bound_max),
+    )
 
 
 def reference_ring_attention_spmd_fwd(q, k, v, bound_min=None, bound_max=None, **params):
@@ -87,25 +93,34 @@ def _check(call: CallInfo) -> None:
     require_ring(call, "replica_groups", "num_workers")
     causal = p["use_causal_mask"]
     if causal and p["softmax_scale"] not in (None, 1.0):
-        raise ValueError(f"{function}: with use_causal_mask=True the kernel applies scale 1.0 and ignores "
-                         f"softmax_scale={p['softmax_scale']}: pre-scale q and pass softmax_scale=None or 1.0")
+        raise ValueError(
+            f"{function}: with use_causal_mask=True the kernel applies scale 1.0 and ignores "
+            f"softmax_scale={p['softmax_scale']}: pre-scale q and pass softmax_scale=None or 1.0"
+        )
     if p["striped_input"] and not causal:
         raise ValueError(f"{function}: striped_input=True requires use_causal_mask=True")
     if (avals.get("bound_min") is None) != (avals.get("bound_max") is None):
         raise ValueError(f"{function}: give both bound_min and bound_max [b*h, S, 1], or neither")
     if avals.get("bound_min") is not None:
         if not (causal and p["striped_input"]):
-            raise ValueError(f"{function}: bound_min/bound_max (sequence packing) require use_causal_mask=True and "
-                             "striped_input=True")
+            raise ValueError(
+                f"{function}: bound_min/bound_max (sequence packing) require use_causal_mask=True and "
+                "striped_input=True"
+            )
         if dims["bh"] != dims["b"] * dims["h"]:
-            raise ValueError(f"{function}: bound_min/bound_max must be [b*h, S, 1] = [{dims['b'] * dims['h']}, "
-                             f"{dims['S']}, 1]; got {dims['bh']} rows")
+            raise ValueError(
+                f"{function}: bound_min/bound_max must be [b*h, S, 1] = [{dims['b'] * dims['h']}, "
+                f"{dims['S']}, 1]; got {dims['bh']} rows"
+            )
     if len({avals[name].dtype for name in ("q", "k", "v")}) > 1:
-        raise TypeError(f"{function}: q, k and v must share one dtype; got "
-                        f"{[str(avals[name].dtype) for name in ('q', 'k', 'v')]}")
+        raise TypeError(
+            f"{function}: q, k and v must share one dtype; got {[str(avals[name].dtype) for name in ('q', 'k', 'v')]}"
+        )
     if p["training"] and dims["S"] % LSE_TILE:
-        raise ValueError(f"{function}: training=True (the lse output [b, h, 128, S/128]) needs S to be a multiple "
-                         f"of {LSE_TILE}; got S={dims['S']}")
+        raise ValueError(
+            f"{function}: training=True (the lse output [b, h, 128, S/128]) needs S to be a multiple "
+            f"of {LSE_TILE}; got S={dims['S']}"
+        )
     if p["lse_dtype"] not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         raise TypeError(f"{function}: lse_dtype must be float32 or bfloat16; got {p['lse_dtype']}")
 
@@ -147,18 +162,38 @@ def _backward(kernel, residuals, params, cotangents):
     if applies:
         bounds = [None if operands[n] is None else operands[n][..., 0] for n in ("bound_min", "bound_max")]
         dq, dk, dv = ring_attention_spmd_bwd(
-            _to_bwd_layout(q, not tp_q), _to_bwd_layout(k, not tp_k), _to_bwd_layout(v, False),
-            _to_bwd_layout(outs[0], False), _to_bwd_layout(dy, False), outs[1], *bounds,
-            use_causal_mask=causal, mixed_precision=True, softmax_scale=scale,
-            num_workers=params["num_workers"], lnc_size=params["lnc"], replica_groups=params["replica_groups"],
-            striped_attention=params["striped_input"])
+            _to_bwd_layout(q, not tp_q),
+            _to_bwd_layout(k, not tp_k),
+            _to_bwd_layout(v, False),
+            _to_bwd_layout(outs[0], False),
+            _to_bwd_layout(dy, False),
+            outs[1],
+            *bounds,
+            use_causal_mask=causal,
+            mixed_precision=True,
+            softmax_scale=scale,
+            num_workers=params["num_workers"],
+            lnc_size=params["lnc"],
+            replica_groups=params["replica_groups"],
+            striped_attention=params["striped_input"],
+        )
         return {"q": _to_bwd_layout(dq, not tp_q), "k": _to_bwd_layout(dk, not tp_k), "v": _to_bwd_layout(dv, False)}
     # float64, or S % 128 != 0: the same math in JAX, from a recomputed forward's statistics
     out, lse = _forward_math(q, k, v, operands["bound_min"], operands["bound_max"], params)
-    dq, dk, dv = ring_backward(_rows(q, not tp_q), _rows(k, not tp_k), _rows(v, False), out, _rows(dy, False), lse,
-                               axes=lax_axis(params["replica_groups"]), nw=params["num_workers"], scale=scale,
-                               causal=causal, striped=params["striped_input"],
-                               bounds=_bounds(operands["bound_min"], operands["bound_max"]))
+    dq, dk, dv = ring_backward(
+        _rows(q, not tp_q),
+        _rows(k, not tp_k),
+        _rows(v, False),
+        out,
+        _rows(dy, False),
+        lse,
+        axes=lax_axis(params["replica_groups"]),
+        nw=params["num_workers"],
+        scale=scale,
+        causal=causal,
+        striped=params["striped_input"],
+        bounds=_bounds(operands["bound_min"], operands["bound_max"]),
+    )
     b, h = q.shape[:2]
     return {"q": _unrows(dq, b, h, not tp_q), "k": _unrows(dk, b, h, not tp_k), "v": _unrows(dv, b, h, False)}
 
@@ -182,9 +217,15 @@ RING_ATTENTION_SPMD_FWD_SPEC = KernelSpec(
         Operand.of("bound_max", "bh, S, 1", dtypes=(jnp.float32,), optional=True),
     ),
     params=(
-        Param("replica_groups", None, "axis"), Param("num_workers", 1, int), Param("softmax_scale", None, float),
-        Param("use_causal_mask", False, bool), Param("striped_input", False, bool), Param("training", False, bool),
-        Param("lse_dtype", jnp.float32, "dtype"), Param("tp_q", False, bool), Param("tp_k", False, bool),
+        Param("replica_groups", None, "axis"),
+        Param("num_workers", 1, int),
+        Param("softmax_scale", None, float),
+        Param("use_causal_mask", False, bool),
+        Param("striped_input", False, bool),
+        Param("training", False, bool),
+        Param("lse_dtype", jnp.float32, "dtype"),
+        Param("tp_q", False, bool),
+        Param("tp_k", False, bool),
     ),
     outputs=(),
     output_avals=_outputs,
@@ -192,19 +233,23 @@ RING_ATTENTION_SPMD_FWD_SPEC = KernelSpec(
     check=_check,
     neuron_limits=_neuron_limits,
     # a vmapped axis folds into the batch (and the bounds' b*h rows, whose major part is b)
-    fold_plans=(FoldPlan({"q": "b", "k": "b", "v": "b", "bound_min": "bh", "bound_max": "bh"},
-                         outputs={"o": 0, "lse": 0}),),
+    fold_plans=(
+        FoldPlan({"q": "b", "k": "b", "v": "b", "bound_min": "bh", "bound_max": "bh"}, outputs={"o": 0, "lse": 0}),
+    ),
     has_collectives=True,
-    mac_count=lambda call: 2 * call.dims["b"] * call.dims["h"] * call.dims["S"] ** 2 * call.params["num_workers"]
-    * call.dims["d"],
+    mac_count=lambda call: (
+        2 * call.dims["b"] * call.dims["h"] * call.dims["S"] ** 2 * call.params["num_workers"] * call.dims["d"]
+    ),
     nondifferentiable_outputs=("lse",),
     family="parallel",
     catalog="row 42, section 3",
-    support={"idiomatic": "",
-             "vjp": "ring_attention_spmd_bwd kernel (forward with training=True) when S % 128 == 0; JAX otherwise",
-             "shard_map": "inside jax.shard_map only: replica_groups names the ring's mesh axes (collectives)",
-             "notes": "Trn2+; MHA only; causal needs pre-scaled q (softmax_scale None/1.0); striped causal, "
-                      "sequence packing; d <= 128"},
+    support={
+        "idiomatic": "",
+        "vjp": "ring_attention_spmd_bwd kernel (forward with training=True) when S % 128 == 0; JAX otherwise",
+        "shard_map": "inside jax.shard_map only: replica_groups names the ring's mesh axes (collectives)",
+        "notes": "Trn2+; MHA only; causal needs pre-scaled q (softmax_scale None/1.0); striped causal, "
+        "sequence packing; d <= 128",
+    },
 )
 
 ring_attention_spmd_fwd = make_kernel(RING_ATTENTION_SPMD_FWD_SPEC, vjp=Vjp(_forward_with_lse, _backward))

@@ -31,8 +31,10 @@ def _check(call: CallInfo) -> None:
     require_ring(call, "replica_groups", "num_workers")
     seq, workers = call.dims["S"], call.params["num_workers"]
     if seq % workers:
-        raise ValueError(f"{call.function}: x [bs, S, d] needs S (tokens per rank) to be a multiple of "
-                         f"num_workers={workers}; got S={seq}")
+        raise ValueError(
+            f"{call.function}: x [bs, S, d] needs S (tokens per rank) to be a multiple of "
+            f"num_workers={workers}; got S={seq}"
+        )
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
@@ -56,10 +58,12 @@ RING_ATTENTION_UNPERMUTE_SPEC = KernelSpec(
     has_collectives=True,
     family="parallel",
     catalog="row 44, section 3",
-    support={"idiomatic": "",
-             "vjp": "JAX (the inverse permutation, through the reference's all_to_all)",
-             "shard_map": "inside jax.shard_map only: replica_groups names the ring's mesh axes (collectives)",
-             "notes": "Trn2+; bfloat16/float16 on Neuron; S % num_workers == 0"},
+    support={
+        "idiomatic": "",
+        "vjp": "JAX (the inverse permutation, through the reference's all_to_all)",
+        "shard_map": "inside jax.shard_map only: replica_groups names the ring's mesh axes (collectives)",
+        "notes": "Trn2+; bfloat16/float16 on Neuron; S % num_workers == 0",
+    },
 )
 
 ring_attention_unpermute = make_kernel(RING_ATTENTION_UNPERMUTE_SPEC, vjp=reference_vjp)

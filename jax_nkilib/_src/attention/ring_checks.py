@@ -11,8 +11,10 @@ def require_ring(call: CallInfo, groups: str, workers: str) -> None:
     """``ValueError`` unless param ``groups`` names bound mesh axes whose size is param ``workers`` (>= 1)."""
     p, function = call.params, call.function
     if p[groups] is None:
-        raise ValueError(f"{function}: `{groups}` is required: the mesh axis name(s) of the ring (call the kernel "
-                         "inside jax.shard_map)")
+        raise ValueError(
+            f"{function}: `{groups}` is required: the mesh axis name(s) of the ring (call the kernel "
+            "inside jax.shard_map)"
+        )
     if p[workers] < 1:
         raise ValueError(f"{function}: `{workers}` must be >= 1; got {p[workers]}")
     size = compat.bound_axis_size(p[groups])

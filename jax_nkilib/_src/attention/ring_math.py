@@ -51,9 +51,15 @@ def mask_rule(seq: int, nw: int, rank, *, causal: bool, striped: bool, bound_min
     """The visibility of the ``nw * S`` position-ordered keys to this rank's ``S`` queries (one batch row's bounds:
     ``[S]`` local-key-index bounds, or ``None``)."""
     to_positions = lambda b: None if b is None else jnp.ceil(b.astype(jnp.float32)) * nw  # noqa: E731
-    return MaskRule(n_queries=seq, n_active=nw * seq, q_base=rank if striped else rank * seq,
-                    q_stride=nw if striped else 1, causal=causal, bound_min=to_positions(bound_min),
-                    bound_max=to_positions(bound_max))
+    return MaskRule(
+        n_queries=seq,
+        n_active=nw * seq,
+        q_base=rank if striped else rank * seq,
+        q_stride=nw if striped else 1,
+        causal=causal,
+        bound_min=to_positions(bound_min),
+        bound_max=to_positions(bound_max),
+    )
 
 
 def _per_row(fn, bounds, *arrays):
@@ -93,15 +99,19 @@ def ring_backward(q, k, v, o, dy, lse, *, axes, nw: int, scale: float, causal: b
 
     def grads(q_rows, k_rows, v_rows, o_rows, dy_rows, lse_rows, bound_min, bound_max):
         rule = mask_rule(seq, nw, rank, causal=causal, striped=striped, bound_min=bound_min, bound_max=bound_max)
-        dq, dk, dv, _ = attention_backward(q_rows[:, None], k_rows, v_rows, o_rows[:, None], dy_rows[:, None],
-                                           lse_rows[:, None], rule, scale)
+        dq, dk, dv, _ = attention_backward(
+            q_rows[:, None], k_rows, v_rows, o_rows[:, None], dy_rows[:, None], lse_rows[:, None], rule, scale
+        )
         return dq[:, 0], dk, dv
 
     dq, dk_all, dv_all = _per_row(grads, bounds, q, keys, values, o, dy, lse)
     if bounds is not None:
         dq, dk_all, dv_all = dq[:, 0], dk_all[:, 0], dv_all[:, 0]
-    return (dq, scatter_from_position_order(dk_all, axes, striped, nw),
-            scatter_from_position_order(dv_all, axes, striped, nw))
+    return (
+        dq,
+        scatter_from_position_order(dk_all, axes, striped, nw),
+        scatter_from_position_order(dv_all, axes, striped, nw),
+    )
 
 
 def unpermute_striped(x, axes, nw: int):

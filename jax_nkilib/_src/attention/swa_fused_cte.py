@@ -88,10 +88,30 @@ def _from_cache(values, scale, dtype, acc):
     return values.astype(dtype) if scale is None else (values.astype(acc) * scale).astype(dtype)
 
 
-def reference_swa_fused_cte(hidden_states, qkv_weight, op_weight, k_cache, v_cache, block_tables, cos_cache,
-                            sin_cache, sink, prior_tokens, qkv_bias, op_bias, k_scale=None, v_scale=None, *,
-                            scale=1.0, sliding_window=128, block_size=128, num_q_heads=16, num_kv_heads=2, d_head=64,
-                            **unused):
+def reference_swa_fused_cte(
+    hidden_states,
+    qkv_weight,
+    op_weight,
+    k_cache,
+    v_cache,
+    block_tables,
+    cos_cache,
+    sin_cache,
+    sink,
+    prior_tokens,
+    qkv_bias,
+    op_bias,
+    k_scale=None,
+    v_scale=None,
+    *,
+    scale=1.0,
+    sliding_window=128,
+    block_size=128,
+    num_q_heads=16,
+    num_kv_heads=2,
+    d_head=64,
+    **unused,
+):
     """JAX reference of ``swa_fused_cte``: returns ``(out, k_cache, v_cache)`` (see the module docstring)."""
     del unused
     dtype = hidden_states.dtype
@@ -102,9 +122,9 @@ def reference_swa_fused_cte(hidden_states, qkv_weight, op_weight, k_cache, v_cac
     k_s, v_s = (None if s is None else s.reshape(-1)[0].astype(acc) for s in (k_scale, v_scale))
 
     qkv = jnp.einsum("bsh,hi->bsi", hidden_states.astype(acc), qkv_weight.astype(acc)) + qkv_bias[0].astype(acc)
-    q = qkv[..., :n_q * d].reshape(batch, seq, n_q, d)
-    k = qkv[..., n_q * d:(n_q + n_kv) * d].reshape(batch, seq, n_kv, d)
-    v = qkv[..., (n_q + n_kv) * d:].reshape(batch, seq, n_kv, d).astype(dtype)
+    q = qkv[..., : n_q * d].reshape(batch, seq, n_q, d)
+    k = qkv[..., n_q * d : (n_q + n_kv) * d].reshape(batch, seq, n_kv, d)
+    v = qkv[..., (n_q + n_kv) * d :].reshape(batch, seq, n_kv, d).astype(dtype)
     cos, sin = cos_cache.astype(acc), sin_cache.astype(acc)
     q = (_rope(q, cos, sin) * scale).astype(dtype)
     k = _rope(k, cos, sin).astype(dtype)
@@ -114,8 +134,7 @@ def reference_swa_fused_cte(hidden_states, qkv_weight, op_weight, k_cache, v_cac
     prior = prior_tokens.reshape(()).astype(jnp.int32)
     first_block = (prior + block_size - 1) // block_size
     positions = jnp.arange(seq)
-    physical = jnp.take(block_tables, first_block + positions // block_size, axis=1, mode="fill",
-                        fill_value=n_blocks)
+    physical = jnp.take(block_tables, first_block + positions // block_size, axis=1, mode="fill", fill_value=n_blocks)
     slot = jnp.broadcast_to(positions % block_size, physical.shape)
     k_cache = _write(k_cache, physical, slot, _to_cache(k, k_cache, k_s, acc))
     v_cache = _write(v_cache, physical, slot, _to_cache(v, v_cache, v_s, acc))
@@ -134,8 +153,9 @@ def reference_swa_fused_cte(hidden_states, qkv_weight, op_weight, k_cache, v_cac
         v_prior = _from_cache(_tokens(v_cache, prior_physical, prior_slot), v_s, dtype, acc)
         keys, values = jnp.concatenate([k_prior, keys], 1), jnp.concatenate([v_prior, values], 1)
         # prior slot j holds position start + j, i.e. j - (prior - start) relative to the first active token
-        rule = MaskRule(n_queries=seq, n_active=seq, n_prior=n_prior, prior_used=prior - start, causal=True,
-                        window=sliding_window)
+        rule = MaskRule(
+            n_queries=seq, n_active=seq, n_prior=n_prior, prior_used=prior - start, causal=True, window=sliding_window
+        )
 
     rows = batch * n_kv  # engine rows: (sequence, kv head); query head h belongs to kv head h // (n_q / n_kv)
     as_rows = lambda x: jnp.swapaxes(x, 1, 2).reshape(rows, x.shape[1], d)  # noqa: E731  [B,T,kv,d] -> [B*kv,T,d]
@@ -152,10 +172,12 @@ def _check(call: CallInfo) -> None:
     for name in ("sliding_window", "block_size", "num_q_heads", "num_kv_heads", "d_head"):
         if p[name] <= 0:
             raise ValueError(f"{function}: `{name}` must be positive; got {p[name]}")
-    for name, dim, what in (("num_kv_heads", "kv_heads", "the caches' head axis"),
-                            ("d_head", "d", "the caches' last axis"),
-                            ("block_size", "block", "v_cache's block axis"),
-                            ("num_q_heads", "NQ", "sink's second axis")):
+    for name, dim, what in (
+        ("num_kv_heads", "kv_heads", "the caches' head axis"),
+        ("d_head", "d", "the caches' last axis"),
+        ("block_size", "block", "v_cache's block axis"),
+        ("num_q_heads", "NQ", "sink's second axis"),
+    ):
         if p[name] != dims[dim]:
             raise ValueError(f"{function}: {name}={p[name]} does not match {what} ({dims[dim]})")
     n_q, n_kv, d = p["num_q_heads"], p["num_kv_heads"], p["d_head"]
@@ -164,23 +186,31 @@ def _check(call: CallInfo) -> None:
     if d % 2:
         raise ValueError(f"{function}: d_head={d} must be even (half-split RoPE)")
     if dims["I"] != (n_q + 2 * n_kv) * d:
-        raise ValueError(f"{function}: qkv_weight has {dims['I']} columns; it must have (num_q_heads + 2 * "
-                         f"num_kv_heads) * d_head = {(n_q + 2 * n_kv) * d}")
+        raise ValueError(
+            f"{function}: qkv_weight has {dims['I']} columns; it must have (num_q_heads + 2 * "
+            f"num_kv_heads) * d_head = {(n_q + 2 * n_kv) * d}"
+        )
     if dims["QD"] != n_q * d:
         raise ValueError(f"{function}: op_weight has {dims['QD']} rows; it must have num_q_heads * d_head = {n_q * d}")
     active_blocks = -(-dims["S"] // p["block_size"])
     if active_blocks > dims["max_blocks"]:
-        raise ValueError(f"{function}: block_tables has {dims['max_blocks']} blocks per sequence; the {dims['S']} "
-                         f"active tokens need {active_blocks} of block_size={p['block_size']}")
+        raise ValueError(
+            f"{function}: block_tables has {dims['max_blocks']} blocks per sequence; the {dims['S']} "
+            f"active tokens need {active_blocks} of block_size={p['block_size']}"
+        )
     dtype = avals["hidden_states"].dtype
     for name in ("qkv_weight", "op_weight", "k_cache", "v_cache"):
         if not is_fp8(avals[name].dtype) and avals[name].dtype != dtype:
-            raise TypeError(f"{function}: `{name}` must have the dtype of hidden_states ({dtype}) or, for a cache, "
-                            f"an FP8 dtype; got {avals[name].dtype}")
+            raise TypeError(
+                f"{function}: `{name}` must have the dtype of hidden_states ({dtype}) or, for a cache, "
+                f"an FP8 dtype; got {avals[name].dtype}"
+            )
     packed = avals["k_cache"].ndim == 5
     if packed != is_fp8(avals["k_cache"].dtype):
-        raise TypeError(f"{function}: `k_cache` must be FP8 exactly when packed [n_blocks, kv_heads, block/2, d, 2]; "
-                        f"got dtype {avals['k_cache'].dtype} with shape {tuple(avals['k_cache'].shape)}")
+        raise TypeError(
+            f"{function}: `k_cache` must be FP8 exactly when packed [n_blocks, kv_heads, block/2, d, 2]; "
+            f"got dtype {avals['k_cache'].dtype} with shape {tuple(avals['k_cache'].shape)}"
+        )
     for cache, scale in (("k_cache", "k_scale"), ("v_cache", "v_scale")):
         fp8, given = is_fp8(avals[cache].dtype), avals.get(scale) is not None
         if fp8 != given:
@@ -225,8 +255,7 @@ SWA_FUSED_CTE_SPEC = KernelSpec(
         Operand.of("hidden_states", "B, S, H"),
         Operand.of("qkv_weight", "H, I"),
         Operand.of("op_weight", "QD, H"),
-        Operand.of("k_cache", "n_blocks, kv_heads, block, d", "n_blocks, kv_heads, block/2, d, 2",
-                   dtypes=CACHE_DTYPES),
+        Operand.of("k_cache", "n_blocks, kv_heads, block, d", "n_blocks, kv_heads, block/2, d, 2", dtypes=CACHE_DTYPES),
         Operand.of("v_cache", "n_blocks, kv_heads, block, d", dtypes=CACHE_DTYPES),
         Operand.of("block_tables", "B, max_blocks", dtypes=INT_DTYPES),
         Operand.of("cos_cache", "B, S, d"),
@@ -239,13 +268,18 @@ SWA_FUSED_CTE_SPEC = KernelSpec(
         Operand.of("v_scale", "128, 1", dtypes=(jnp.float32,), optional=True),
     ),
     params=(
-        Param("scale", 1.0, float), Param("sliding_window", 128, int), Param("block_size", 128, int),
-        Param("num_q_heads", 16, int), Param("num_kv_heads", 2, int), Param("d_head", 64, int),
+        Param("scale", 1.0, float),
+        Param("sliding_window", 128, int),
+        Param("block_size", 128, int),
+        Param("num_q_heads", 16, int),
+        Param("num_kv_heads", 2, int),
+        Param("d_head", 64, int),
     ),
     outputs=(),
-    output_avals=lambda call: [("out", call.shape("B, S, H"), call.avals["hidden_states"].dtype),
-                               *((name, call.avals[name].shape, call.avals[name].dtype)
-                                 for name in ("k_cache", "v_cache"))],  # the caches, updated
+    output_avals=lambda call: [
+        ("out", call.shape("B, S, H"), call.avals["hidden_states"].dtype),
+        *((name, call.avals[name].shape, call.avals[name].dtype) for name in ("k_cache", "v_cache")),
+    ],  # the caches, updated
     reference=reference_swa_fused_cte,
     check=_check,
     neuron_limits=_neuron_limits,
@@ -254,11 +288,13 @@ SWA_FUSED_CTE_SPEC = KernelSpec(
     family="attention",
     catalog="row 48",
     nondifferentiable_outputs=("k_cache", "v_cache"),
-    support={"idiomatic": "",
-             "vjp": "JAX (differentiates the reference; out only, the updated caches carry no gradient)",
-             "notes": "fused QKV + RoPE + sliding-window paged attention + output projection; caches updated in "
-                      "place (aliased); FP8 caches (packed K); kernel: S % 128 == 0, sliding_window == 128, "
-                      "d_head <= 64, LNC <= 2, prior_tokens 0 or a block-aligned count >= 128"},
+    support={
+        "idiomatic": "",
+        "vjp": "JAX (differentiates the reference; out only, the updated caches carry no gradient)",
+        "notes": "fused QKV + RoPE + sliding-window paged attention + output projection; caches updated in "
+        "place (aliased); FP8 caches (packed K); kernel: S % 128 == 0, sliding_window == 128, "
+        "d_head <= 64, LNC <= 2, prior_tokens 0 or a block-aligned count >= 128",
+    },
 )
 
 swa_fused_cte = make_kernel(SWA_FUSED_CTE_SPEC, vjp=reference_vjp)

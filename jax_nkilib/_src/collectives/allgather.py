@@ -105,8 +105,9 @@ def _check_group(call: CallInfo) -> None:
         raise ValueError(f"{function}: `tp_degree` is required: a positive int, the number of ranks that gather")
     size = compat.bound_axis_size(p["replica_groups"])
     if size is not None and size != p["tp_degree"]:
-        raise ValueError(f"{function}: tp_degree={p['tp_degree']} but the replica group {p['replica_groups']} has "
-                         f"{size} ranks")
+        raise ValueError(
+            f"{function}: tp_degree={p['tp_degree']} but the replica group {p['replica_groups']} has {size} ranks"
+        )
 
 
 def _check_ring(call: CallInfo) -> None:
@@ -116,8 +117,10 @@ def _check_ring(call: CallInfo) -> None:
         raise ValueError(f"{function}: `num_groups` is required: a positive int, the number of replica groups")
     groups = axis_rank_groups(p["replica_groups"])
     if groups is not None and len(groups) != p["num_groups"]:
-        raise ValueError(f"{function}: num_groups={p['num_groups']} but the mesh forms {len(groups)} groups of "
-                         f"{p['tp_degree']} ranks along {p['replica_groups']}")
+        raise ValueError(
+            f"{function}: num_groups={p['num_groups']} but the mesh forms {len(groups)} groups of "
+            f"{p['tp_degree']} ranks along {p['replica_groups']}"
+        )
 
 
 def channels(tp_degree: int, lnc: int) -> int:
@@ -184,8 +187,10 @@ def _ring_limits(call: CallInfo) -> list[str]:
     groups = axis_rank_groups(p["replica_groups"])
     expected = kernel_rank_groups(tp, p["num_groups"])
     if groups is not None and groups != expected:
-        unmet.append(f"the kernel gathers over consecutive ranks {expected} but axis {p['replica_groups']} groups "
-                     f"ranks {groups} (make it the mesh's minor-most axis)")
+        unmet.append(
+            f"the kernel gathers over consecutive ranks {expected} but axis {p['replica_groups']} groups "
+            f"ranks {groups} (make it the mesh's minor-most axis)"
+        )
     return unmet
 
 
@@ -203,8 +208,10 @@ def _sb2sb_limits(rows: str, width: str, tiled: bool):
                 unmet.append(f"the {tiles} row tiles of 128 must divide over LNC={call.lnc}")
         per_partition = (1 + tp) * dims[width] * size
         if per_partition > SBUF_PARTITION_BYTES:
-            unmet.append(f"{width} x (1 + tp_degree) x {size} bytes = {per_partition} bytes per SBUF partition "
-                         f"exceeds {SBUF_PARTITION_BYTES}")
+            unmet.append(
+                f"{width} x (1 + tp_degree) x {size} bytes = {per_partition} bytes per SBUF partition "
+                f"exceeds {SBUF_PARTITION_BYTES}"
+            )
         return unmet
 
     return limits
@@ -212,10 +219,16 @@ def _sb2sb_limits(rows: str, width: str, tiled: bool):
 
 # -------------------------------------------------------------------------------------------------------- specs
 _SHARD_MAP = "inside jax.shard_map only: replica_groups names the mesh axes that gather (collectives)"
-_RING_PARAMS = (Param("tp_degree", None, int), Param("num_groups", None, int), Param("force_hbm_cc", False, bool),
-                Param("replica_groups", None, "axis"))
-_RING_NOTES = ("TRN2; tp_degree in 4..128 (even); the axis must group consecutive ranks; m % (LNC x channels) == 0; "
-               "output [tp_degree, m, .] for every SBUF/HBM path (the kernel's [RANK_N, ...] result, reshaped)")
+_RING_PARAMS = (
+    Param("tp_degree", None, int),
+    Param("num_groups", None, int),
+    Param("force_hbm_cc", False, bool),
+    Param("replica_groups", None, "axis"),
+)
+_RING_NOTES = (
+    "TRN2; tp_degree in 4..128 (even); the axis must group consecutive ranks; m % (LNC x channels) == 0; "
+    "output [tp_degree, m, .] for every SBUF/HBM path (the kernel's [RANK_N, ...] result, reshaped)"
+)
 
 FINE_GRAINED_ALLGATHER_SPEC = KernelSpec(
     name="fine_grained_allgather",
@@ -231,8 +244,11 @@ FINE_GRAINED_ALLGATHER_SPEC = KernelSpec(
     has_collectives=True,
     family="collectives",
     catalog="row 33",
-    support={"vjp": "JAX (differentiates the reference: the transpose of all_gather, a reduce-scatter)",
-             "shard_map": _SHARD_MAP, "notes": _RING_NOTES},
+    support={
+        "vjp": "JAX (differentiates the reference: the transpose of all_gather, a reduce-scatter)",
+        "shard_map": _SHARD_MAP,
+        "notes": _RING_NOTES,
+    },
 )
 
 ALLGATHER_COMPUTE_MATMUL_SPEC = KernelSpec(
@@ -250,9 +266,12 @@ ALLGATHER_COMPUTE_MATMUL_SPEC = KernelSpec(
     mac_count=lambda call: call.params["tp_degree"] * call.dims["m"] * call.dims["K"] * call.dims["N"],
     family="collectives",
     catalog="row 34",
-    support={"vjp": "JAX (differentiates the reference ring; jax_nkilib.all_gather_matmul, whose forward is this "
-                    "kernel, has its own dual-ring VJP)",
-             "shard_map": _SHARD_MAP, "notes": _RING_NOTES + "; N <= 512 or a multiple of 512; float32 accumulation"},
+    support={
+        "vjp": "JAX (differentiates the reference ring; jax_nkilib.all_gather_matmul, whose forward is this "
+        "kernel, has its own dual-ring VJP)",
+        "shard_map": _SHARD_MAP,
+        "notes": _RING_NOTES + "; N <= 512 or a multiple of 512; float32 accumulation",
+    },
 )
 
 
@@ -271,12 +290,19 @@ def _sb2sb_spec(name: str, rows: str, width: str, tiled: bool, row: str) -> Kern
         has_collectives=True,
         family="collectives",
         catalog=row,
-        support={"vjp": "JAX (differentiates the reference: the transpose of all_gather, a reduce-scatter)",
-                 "shard_map": _SHARD_MAP,
-                 "notes": (f"TRN2; output [{rows}, tp_degree, {width}] (the kernel's [{rows}, {width} x tp] "
-                           "reshaped); (1 + tp_degree) x width must fit one SBUF partition; "
-                           + (f"{rows} <= 128 or a multiple of 128, tiles split over LNC" if tiled
-                              else f"{rows} > 128 runs as several kernel calls"))},
+        support={
+            "vjp": "JAX (differentiates the reference: the transpose of all_gather, a reduce-scatter)",
+            "shard_map": _SHARD_MAP,
+            "notes": (
+                f"TRN2; output [{rows}, tp_degree, {width}] (the kernel's [{rows}, {width} x tp] "
+                "reshaped); (1 + tp_degree) x width must fit one SBUF partition; "
+                + (
+                    f"{rows} <= 128 or a multiple of 128, tiles split over LNC"
+                    if tiled
+                    else f"{rows} > 128 runs as several kernel calls"
+                )
+            ),
+        },
     )
 
 

@@ -54,8 +54,9 @@ def _layout_name(value: Any, where: str) -> str:
     return enum_member(AttnQBatchShardLayout, value, where).name
 
 
-def reference_attn_q_batch_shard(input, iota_workers, gathered_buf=None, rank_id_in=None, *, gqa_group_size,
-                                 replica_group, q_layout):
+def reference_attn_q_batch_shard(
+    input, iota_workers, gathered_buf=None, rank_id_in=None, *, gqa_group_size, replica_group, q_layout
+):
     """JAX reference (inside ``shard_map``); see the module docstring."""
     del gathered_buf  # workspace only
     groups, per_rank = gqa_group_size, input.shape[1] // gqa_group_size
@@ -76,8 +77,9 @@ def _check(call: CallInfo) -> None:
         raise ValueError(f"{function}: `gqa_group_size` is required and must be positive; got {groups!r}")
     size = compat.bound_axis_size(require_replica_group(function, p))
     if size is not None and size != groups:
-        raise ValueError(f"{function}: gqa_group_size={groups} but the replica group {p['replica_group']} has "
-                         f"{size} ranks")
+        raise ValueError(
+            f"{function}: gqa_group_size={groups} but the replica group {p['replica_group']} has {size} ranks"
+        )
     if p["q_layout"] == "dBnS" and dims["n"] != 1:
         raise ValueError(f"{function}: layout dBnS needs one head per rank (input [d, B, 1, S]); got n={dims['n']}")
     if dims["B"] % groups:
@@ -85,13 +87,17 @@ def _check(call: CallInfo) -> None:
     if call.avals.get("gathered_buf") is not None and dims["G"] != groups:
         raise ValueError(f"{function}: gathered_buf's dim 0 ({dims['G']}) must be gqa_group_size={groups}")
     if call.avals.get("gathered_buf") is not None and call.avals["gathered_buf"].dtype != call.avals["input"].dtype:
-        raise TypeError(f"{function}: gathered_buf must have the input's dtype {call.avals['input'].dtype}; got "
-                        f"{call.avals['gathered_buf'].dtype}")
+        raise TypeError(
+            f"{function}: gathered_buf must have the input's dtype {call.avals['input'].dtype}; got "
+            f"{call.avals['gathered_buf'].dtype}"
+        )
     if call.avals.get("rank_id_in") is None:
         ranks = compat.bound_axis_size(mesh_axes(function))
         if dims["R"] < ranks:
-            raise ValueError(f"{function}: iota_workers [1, R] needs an entry for each of the {ranks} ranks of the "
-                             f"mesh (the kernel indexes it by ncc.rank_id()); got R={dims['R']}")
+            raise ValueError(
+                f"{function}: iota_workers [1, R] needs an entry for each of the {ranks} ranks of the "
+                f"mesh (the kernel indexes it by ncc.rank_id()); got R={dims['R']}"
+            )
 
 
 def _communicating_axes(function: str, params: Mapping, operands: Mapping) -> tuple[str, ...]:
@@ -136,7 +142,8 @@ ATTN_Q_BATCH_SHARD_SPEC = KernelSpec(
         Operand.of("rank_id_in", "1, 1", dtypes=INT_DTYPES, optional=True),
     ),
     params=(
-        Param("gqa_group_size", None, int), Param("replica_group", None, "axis"),
+        Param("gqa_group_size", None, int),
+        Param("replica_group", None, "axis"),
         Param("q_layout", "NBSd", AttnQBatchShardLayout, "the kernel's `layout`", normalizer=_layout_name),
     ),
     outputs=(),
@@ -147,18 +154,26 @@ ATTN_Q_BATCH_SHARD_SPEC = KernelSpec(
     check=_check,
     # a vmapped axis folds into S (the workspace's S axis with it)
     fold_plans=(
-        FoldPlan({"input": "S", "gathered_buf": "S", "iota_workers": None, "rank_id_in": None}, outputs={"q_out": 2},
-                 when=lambda call: call.params["q_layout"] == "NBSd"),
-        FoldPlan({"input": "S", "gathered_buf": "S", "iota_workers": None, "rank_id_in": None}, outputs={"q_out": 3},
-                 when=lambda call: call.params["q_layout"] == "dBnS"),
+        FoldPlan(
+            {"input": "S", "gathered_buf": "S", "iota_workers": None, "rank_id_in": None},
+            outputs={"q_out": 2},
+            when=lambda call: call.params["q_layout"] == "NBSd",
+        ),
+        FoldPlan(
+            {"input": "S", "gathered_buf": "S", "iota_workers": None, "rank_id_in": None},
+            outputs={"q_out": 3},
+            when=lambda call: call.params["q_layout"] == "dBnS",
+        ),
     ),
     has_collectives=True,
     family="collectives",
     catalog="row 62",
-    support={"vjp": "JAX (differentiates the reference: reduce-scatter of the padded cotangent)",
-             "shard_map": "inside jax.shard_map only: replica_group names the mesh axes of each GQA group",
-             "notes": "docs-only kernel (2.30+); NBSd or dBnS (n = 1); gathered_buf optional (zero workspace); "
-                      "without rank_id_in, the rank is the global device position"},
+    support={
+        "vjp": "JAX (differentiates the reference: reduce-scatter of the padded cotangent)",
+        "shard_map": "inside jax.shard_map only: replica_group names the mesh axes of each GQA group",
+        "notes": "docs-only kernel (2.30+); NBSd or dBnS (n = 1); gathered_buf optional (zero workspace); "
+        "without rank_id_in, the rank is the global device position",
+    },
 )
 
 

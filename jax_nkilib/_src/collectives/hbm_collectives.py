@@ -50,8 +50,10 @@ def mesh_axes(function: str) -> tuple[str, ...]:
     names = tuple(getattr(mesh, "axis_names", ()) or ())
     manual = set(getattr(mesh, "manual_axes", ()) or ())
     if not names or set(names) - manual:
-        raise ValueError(f"{function}: the rank is this device's position among all devices of the mesh: call it "
-                         f"inside jax.shard_map over every mesh axis (mesh axes {names}, manual {tuple(manual)})")
+        raise ValueError(
+            f"{function}: the rank is this device's position among all devices of the mesh: call it "
+            f"inside jax.shard_map over every mesh axis (mesh axes {names}, manual {tuple(manual)})"
+        )
     return names
 
 
@@ -69,8 +71,10 @@ def marking_varying(axes: Callable[[str, Mapping, Mapping], tuple[str, ...]]) ->
         names = axes(function, params, operands)
         if names:
             varying = lax.axis_index(lax_axis(names))  # a value varying over exactly these axes
-            operands = {name: None if value is None else compat.varying_like(jnp.asarray(value), varying)
-                        for name, value in operands.items()}
+            operands = {
+                name: None if value is None else compat.varying_like(jnp.asarray(value), varying)
+                for name, value in operands.items()
+            }
         return operands, params
 
     return prepare
@@ -79,8 +83,10 @@ def marking_varying(axes: Callable[[str, Mapping, Mapping], tuple[str, ...]]) ->
 def require_replica_group(function: str, params: Mapping) -> tuple[str, ...]:
     """The ``replica_group`` axes, which every collective kernel call must name."""
     if params["replica_group"] is None:
-        raise ValueError(f"{function}: `replica_group` is required: the mesh axis name(s) whose devices form each "
-                         "rank list (inside jax.shard_map)")
+        raise ValueError(
+            f"{function}: `replica_group` is required: the mesh axis name(s) whose devices form each "
+            "rank list (inside jax.shard_map)"
+        )
     return params["replica_group"]
 
 
@@ -131,8 +137,9 @@ def check_group(call: CallInfo, with_num_ranks: bool = False) -> int:
         if p["num_ranks"] is None or p["num_ranks"] <= 0:
             raise ValueError(f"{function}: `num_ranks` is required and must be positive; got {p['num_ranks']!r}")
         if size is not None and size != p["num_ranks"]:
-            raise ValueError(f"{function}: num_ranks={p['num_ranks']} but the replica group {p['replica_group']} "
-                             f"has {size} ranks")
+            raise ValueError(
+                f"{function}: num_ranks={p['num_ranks']} but the replica group {p['replica_group']} has {size} ranks"
+            )
     return size
 
 
@@ -140,23 +147,29 @@ def _check_reduce_scatter(call: CallInfo) -> None:
     check_group(call, with_num_ranks=True)
     rows = call.dims["H"]
     if rows % call.params["num_ranks"]:
-        raise ValueError(f"{call.function}: input [H, W] has H={rows} rows, which do not split into "
-                         f"num_ranks={call.params['num_ranks']} equal blocks")
+        raise ValueError(
+            f"{call.function}: input [H, W] has H={rows} rows, which do not split into "
+            f"num_ranks={call.params['num_ranks']} equal blocks"
+        )
 
 
 def _check_all_to_all(call: CallInfo) -> None:
     size = check_group(call)
     rows = call.dims["d0"]
     if size is not None and rows % size:
-        raise ValueError(f"{call.function}: input dim 0 ({rows}) does not split into one block per rank of the "
-                         f"replica group ({size} ranks)")
+        raise ValueError(
+            f"{call.function}: input dim 0 ({rows}) does not split into one block per rank of the "
+            f"replica group ({size} ranks)"
+        )
 
 
 def _check_rank_table(call: CallInfo) -> None:
     ranks = compat.bound_axis_size(mesh_axes(call.function))
     if call.avals.get("rank_id_lookup") is not None and call.dims["R_lookup"] < ranks:
-        raise ValueError(f"{call.function}: rank_id_lookup [1, R] needs an entry for each of the {ranks} ranks; "
-                         f"got R={call.dims['R_lookup']}")
+        raise ValueError(
+            f"{call.function}: rank_id_lookup [1, R] needs an entry for each of the {ranks} ranks; "
+            f"got R={call.dims['R_lookup']}"
+        )
 
 
 # ------------------------------------------------------------------------------------------------------------- VJPs
@@ -172,17 +185,39 @@ def transpose_vjp(transpose: Callable[[], Kernel]) -> Vjp:
     return Vjp(forward, backward)
 
 
-def _group_kernel(name: str, operands, params, output_avals, reference, check, fold_plans, notes: str,
-                  transpose: Callable[[], Kernel], notes_extra: str = "") -> Kernel:
+def _group_kernel(
+    name: str,
+    operands,
+    params,
+    output_avals,
+    reference,
+    check,
+    fold_plans,
+    notes: str,
+    transpose: Callable[[], Kernel],
+    notes_extra: str = "",
+) -> Kernel:
     spec = KernelSpec(
-        name=name, entry_point=f"{LIBRARY_MODULE}:{name}", operands=operands, params=params, outputs=(),
-        output_avals=output_avals, prepare=marking_varying(replica_group_axes), reference=reference, check=check,
-        fold_plans=fold_plans, has_collectives=True, family="collectives",
+        name=name,
+        entry_point=f"{LIBRARY_MODULE}:{name}",
+        operands=operands,
+        params=params,
+        outputs=(),
+        output_avals=output_avals,
+        prepare=marking_varying(replica_group_axes),
+        reference=reference,
+        check=check,
+        fold_plans=fold_plans,
+        has_collectives=True,
+        family="collectives",
         catalog="row 59",
-        support={"vjp": "JAX rule binding " + notes,
-                 "shard_map": "inside jax.shard_map only: replica_group names the mesh axes of each rank list",
-                 "notes": "docs-only kernel (2.30+); the rank lists reach it as an nki.collectives.ReplicaGroup"
-                          + notes_extra})
+        support={
+            "vjp": "JAX rule binding " + notes,
+            "shard_map": "inside jax.shard_map only: replica_group names the mesh axes of each rank list",
+            "notes": "docs-only kernel (2.30+); the rank lists reach it as an nki.collectives.ReplicaGroup"
+            + notes_extra,
+        },
+    )
     return make_kernel(spec, transpose_vjp(transpose))
 
 
@@ -190,49 +225,90 @@ GROUP = Param("replica_group", None, "axis", "mesh axis name(s) of each rank lis
 NUM_RANKS = Param("num_ranks", None, int, "ranks per group (the replica group's size)", required=True)
 
 all_reduce_hbm_kernel = _group_kernel(
-    "all_reduce_hbm_kernel", (Operand.of("input", *ANY_RANK),), (GROUP,), _like_input,
-    reference_all_reduce, check_group, (FoldPlan({"input": "d0"}, outputs={"out": 0}),),
-    "all_reduce_hbm_kernel (its own transpose)", lambda: all_reduce_hbm_kernel)
+    "all_reduce_hbm_kernel",
+    (Operand.of("input", *ANY_RANK),),
+    (GROUP,),
+    _like_input,
+    reference_all_reduce,
+    check_group,
+    (FoldPlan({"input": "d0"}, outputs={"out": 0}),),
+    "all_reduce_hbm_kernel (its own transpose)",
+    lambda: all_reduce_hbm_kernel,
+)
 
 all_gather_hbm_kernel = _group_kernel(
-    "all_gather_hbm_kernel", (Operand.of("input", "H, W"),), (GROUP, NUM_RANKS),
+    "all_gather_hbm_kernel",
+    (Operand.of("input", "H, W"),),
+    (GROUP, NUM_RANKS),
     lambda call: [("out", (call.params["num_ranks"] * call.dims["H"], call.dims["W"]), call.avals["input"].dtype)],
-    reference_all_gather, lambda call: check_group(call, with_num_ranks=True),
-    (FoldPlan({"input": "W"}, outputs={"out": 1}),), "reduce_scatter_hbm_kernel", lambda: reduce_scatter_hbm_kernel)
+    reference_all_gather,
+    lambda call: check_group(call, with_num_ranks=True),
+    (FoldPlan({"input": "W"}, outputs={"out": 1}),),
+    "reduce_scatter_hbm_kernel",
+    lambda: reduce_scatter_hbm_kernel,
+)
 
 reduce_scatter_hbm_kernel = _group_kernel(
-    "reduce_scatter_hbm_kernel", (Operand.of("input", "H, W"),), (GROUP, NUM_RANKS),
+    "reduce_scatter_hbm_kernel",
+    (Operand.of("input", "H, W"),),
+    (GROUP, NUM_RANKS),
     lambda call: [("out", (call.dims["H"] // call.params["num_ranks"], call.dims["W"]), call.avals["input"].dtype)],
-    reference_reduce_scatter, _check_reduce_scatter, (FoldPlan({"input": "W"}, outputs={"out": 1}),),
-    "all_gather_hbm_kernel", lambda: all_gather_hbm_kernel)
+    reference_reduce_scatter,
+    _check_reduce_scatter,
+    (FoldPlan({"input": "W"}, outputs={"out": 1}),),
+    "all_gather_hbm_kernel",
+    lambda: all_gather_hbm_kernel,
+)
 
 all_to_all_hbm_kernel = _group_kernel(
-    "all_to_all_hbm_kernel", (Operand.of("input", *ANY_RANK),), (GROUP,), _like_input,
-    reference_all_to_all, _check_all_to_all,
+    "all_to_all_hbm_kernel",
+    (Operand.of("input", *ANY_RANK),),
+    (GROUP,),
+    _like_input,
+    reference_all_to_all,
+    _check_all_to_all,
     (FoldPlan({"input": "d1"}, outputs={"out": 1}, when=lambda call: call.avals["input"].ndim > 1),),
-    "all_to_all_hbm_kernel (its own inverse)", lambda: all_to_all_hbm_kernel,
-    "; the library tests it with 4 ranks at LNC2 or 8 at LNC1 (its mesh algorithm)")
+    "all_to_all_hbm_kernel (its own inverse)",
+    lambda: all_to_all_hbm_kernel,
+    "; the library tests it with 4 ranks at LNC2 or 8 at LNC1 (its mesh algorithm)",
+)
 
 
 def _rank_kernel(name: str, operands, reference, fold_plans, notes: str) -> Kernel:
     spec = KernelSpec(
-        name=name, entry_point=f"{LIBRARY_MODULE}:{name}", operands=operands, params=(),
-        outputs=(Output.of("out", "H, W", "in_tensor"),), prepare=marking_varying(every_mesh_axis),
-        reference=reference, check=_check_rank_table,
-        fold_plans=fold_plans, has_collectives=True, family="collectives", catalog="row 59",
-        support={"vjp": "JAX (the cotangent goes back to row `rank` of in_tensor)",
-                 "shard_map": "inside jax.shard_map over every mesh axis (the rank is the global device position)",
-                 "notes": notes})
+        name=name,
+        entry_point=f"{LIBRARY_MODULE}:{name}",
+        operands=operands,
+        params=(),
+        outputs=(Output.of("out", "H, W", "in_tensor"),),
+        prepare=marking_varying(every_mesh_axis),
+        reference=reference,
+        check=_check_rank_table,
+        fold_plans=fold_plans,
+        has_collectives=True,
+        family="collectives",
+        catalog="row 59",
+        support={
+            "vjp": "JAX (the cotangent goes back to row `rank` of in_tensor)",
+            "shard_map": "inside jax.shard_map over every mesh axis (the rank is the global device position)",
+            "notes": notes,
+        },
+    )
     return make_kernel(spec, reference_vjp)
 
 
 rank_id_kernel = _rank_kernel(
-    "rank_id_kernel", (Operand.of("in_tensor", "R, H, W"),), reference_rank_id,
+    "rank_id_kernel",
+    (Operand.of("in_tensor", "R, H, W"),),
+    reference_rank_id,
     (FoldPlan({"in_tensor": "H"}, outputs=("H",)),),
-    "docs-only kernel (2.30+): out = in_tensor[ncc.rank_id()]; has_collectives assumed")
+    "docs-only kernel (2.30+): out = in_tensor[ncc.rank_id()]; has_collectives assumed",
+)
 
 dma_copy_rank_id_kernel = _rank_kernel(
     "dma_copy_rank_id_kernel",
     (Operand.of("in_tensor", "R, H, W"), Operand.of("rank_id_lookup", "1, R_lookup", dtypes=INT_DTYPES)),
-    reference_dma_copy_rank_id, (FoldPlan({"in_tensor": "H", "rank_id_lookup": None}, outputs=("H",)),),
-    "docs-only kernel (2.30+): out = in_tensor[rank_id_lookup[0, ncc.rank_id()]]; has_collectives assumed")
+    reference_dma_copy_rank_id,
+    (FoldPlan({"in_tensor": "H", "rank_id_lookup": None}, outputs=("H",)),),
+    "docs-only kernel (2.30+): out = in_tensor[rank_id_lookup[0, ncc.rank_id()]]; has_collectives assumed",
+)

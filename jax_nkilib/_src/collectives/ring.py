@@ -50,7 +50,7 @@ def gather_matmul(x, w, names: tuple[str, ...], axis: int):
     out_dtype = x.dtype
     x, w, acc = common_dtype(x, w)
     rows = x.shape[axis]
-    shape = x.shape[:axis] + (n * rows,) + x.shape[axis + 1:-1] + (w.shape[1],)
+    shape = x.shape[:axis] + (n * rows,) + x.shape[axis + 1 : -1] + (w.shape[1],)
     out = compat.varying_like(jnp.zeros(shape, out_dtype), x, w)
 
     def step(out, block, source):

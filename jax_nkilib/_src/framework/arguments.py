@@ -24,8 +24,9 @@ def is_array(value) -> bool:
     return hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, (str, bytes))
 
 
-def array_argument(where: str, name: str, value, *, layout: str = "", rank: int | None = None,
-                   dtypes: str | None = "kernel"):
+def array_argument(
+    where: str, name: str, value, *, layout: str = "", rank: int | None = None, dtypes: str | None = "kernel"
+):
     """``value`` as an array after the checks of the module docstring (``dtypes``: ``"kernel"``, ``"floating"`` or
     ``None`` for any dtype)."""
     described = f"`{name}` {layout}" if layout else f"`{name}`"

@@ -21,17 +21,16 @@ from .validation import operand_layout
 def _merge_axis(x, source_axis: int | None, target_axis: int, size: int):
     """Put the vmapped axis in front of ``target_axis`` and merge the two (vmapped axis major)."""
     if source_axis is None:
-        x = jnp.broadcast_to(jnp.expand_dims(x, target_axis),
-                             x.shape[:target_axis] + (size,) + x.shape[target_axis:])
+        x = jnp.broadcast_to(jnp.expand_dims(x, target_axis), x.shape[:target_axis] + (size,) + x.shape[target_axis:])
     else:
         x = jnp.moveaxis(x, source_axis, target_axis)
     shape = x.shape
-    return x.reshape(shape[:target_axis] + (shape[target_axis] * shape[target_axis + 1],) + shape[target_axis + 2:])
+    return x.reshape(shape[:target_axis] + (shape[target_axis] * shape[target_axis + 1],) + shape[target_axis + 2 :])
 
 
 def _split_axis(x, axis: int, size: int):
     shape = x.shape
-    return x.reshape(shape[:axis] + (size, shape[axis] // size) + shape[axis + 1:])
+    return x.reshape(shape[:axis] + (size, shape[axis] // size) + shape[axis + 1 :])
 
 
 def plan_fits(plan: FoldPlan, present: Sequence[str], batch_dims: Sequence[int | None], call: CallInfo) -> bool:
@@ -57,8 +56,9 @@ def _axis(spec: KernelSpec, name: str, dim: str | int, call: CallInfo) -> int:
     layout = plain[name] if name in plain else operand_layout(spec, name, call)
     tokens = [] if layout is None else [token.text for token in layout.dims]
     if dim not in tokens:  # a spec bug, not a user error
-        raise AssertionError(f"{spec.name}: a fold plan names dimension {dim} of `{name}`, whose layout in this call "
-                             f"is {layout}")
+        raise AssertionError(
+            f"{spec.name}: a fold plan names dimension {dim} of `{name}`, whose layout in this call is {layout}"
+        )
     return tokens.index(dim)
 
 
@@ -72,15 +72,18 @@ def check_fold_plans(spec: KernelSpec) -> None:
                 continue
             layout = layouts.get(name)
             if layout is None or dim not in [token.text for token in layout.dims]:
-                raise AssertionError(f"{spec.name}: a fold plan names dimension {dim} of output `{name}`, which "
-                                     f"{'has no layout (give its axis as an int)' if layout is None else f'is {layout}'}")
+                raise AssertionError(
+                    f"{spec.name}: a fold plan names dimension {dim} of output `{name}`, which "
+                    f"{'has no layout (give its axis as an int)' if layout is None else f'is {layout}'}"
+                )
 
 
 def fold_axes(spec: KernelSpec, plan: FoldPlan, call: CallInfo, present, produced) -> tuple[dict, list[int]]:
     """``(operand name -> axis or None, [axis of each produced output])``: where the plan merges the vmapped axis
     in the present operands and where the produced outputs carry it, resolved against this call's layouts."""
-    operand_axes = {name: None if plan.axes.get(name) is None else _axis(spec, name, plan.axes[name], call)
-                    for name in present}
+    operand_axes = {
+        name: None if plan.axes.get(name) is None else _axis(spec, name, plan.axes[name], call) for name in present
+    }
     dims = plan.output_dims(spec.outputs)
     return operand_axes, [_axis(spec, name, dims[name], call) for name in produced]
 

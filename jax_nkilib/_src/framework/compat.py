@@ -64,8 +64,9 @@ def jit_keyed_state(kind: str, name: str, default, help: str, **extra):
     if existing is not None:  # re-import of the module (e.g. importlib.reload in tests)
         return existing
     if "include_in_trace_context" in inspect.signature(factory).parameters:  # JAX >= 0.8
-        return factory(name, default=default, help=help, include_in_jit_key=True, include_in_trace_context=True,
-                       **extra)
+        return factory(
+            name, default=default, help=help, include_in_jit_key=True, include_in_trace_context=True, **extra
+        )
     # JAX 0.7.x: jax/_src/config.py's `trace_context()` is a fixed tuple of JAX's own states, and the tracing and
     # lowering caches (`lu.cache`, `util.cache`, `util.weakref_lru_cache`, e.g. pjit's `_infer_params_cached` and
     # pxla's `_cached_lowering_to_hlo`) capture that function when JAX is imported, so a library state cannot join
@@ -74,8 +75,15 @@ def jit_keyed_state(kind: str, name: str, default, help: str, **extra):
     # `update_thread_local_hook` callbacks every `*_state` factory of 0.7 takes. (Caches are process-wide: another
     # thread tracing at the same moment under a different value may still share a trace.)
     hook = _ClearCachesOnChange(default)
-    return factory(name, default=default, help=help, include_in_jit_key=True, update_global_hook=hook.global_value,
-                   update_thread_local_hook=hook.local_value, **extra)
+    return factory(
+        name,
+        default=default,
+        help=help,
+        include_in_jit_key=True,
+        update_global_hook=hook.global_value,
+        update_thread_local_hook=hook.local_value,
+        **extra,
+    )
 
 
 class _ClearCachesOnChange:
@@ -148,15 +156,17 @@ def typed_like(aval, refs):
     for ref in refs:
         manual = getattr(ref, "manual_axis_type", None)
         if manual is not None and _varying_axes_of_type(manual):
-            sharding = jax.sharding.NamedSharding(ref.sharding.mesh,
-                                                  jax.sharding.PartitionSpec(*([None] * len(aval.shape))))
+            sharding = jax.sharding.NamedSharding(
+                ref.sharding.mesh, jax.sharding.PartitionSpec(*([None] * len(aval.shape)))
+            )
             return ShapedArray(aval.shape, aval.dtype, sharding=sharding, manual_axis_type=manual)
         # JAX 0.7-0.9: the varying axes are a frozenset field, `ShapedArray(..., sharding=..., vma=...)`, checked
         # against the mesh's Manual axes (jax/_src/core.py `ShapedArray.__init__` and `get_vma`).
         vma = getattr(ref, "vma", None) if manual is None else None
         if vma:
-            sharding = jax.sharding.NamedSharding(ref.sharding.mesh,
-                                                  jax.sharding.PartitionSpec(*([None] * len(aval.shape))))
+            sharding = jax.sharding.NamedSharding(
+                ref.sharding.mesh, jax.sharding.PartitionSpec(*([None] * len(aval.shape)))
+            )
             return ShapedArray(aval.shape, aval.dtype, sharding=sharding, vma=frozenset(vma))
     return aval
 
@@ -175,8 +185,12 @@ def astype_float8(x, dtype):
     ``x.astype(dtype)``.
     """
     source, dtype = jnp.dtype(x.dtype), jnp.dtype(dtype)
-    if (source not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64)) or dtype.itemsize != 1
-            or not jnp.issubdtype(dtype, jnp.floating) or _cast_rounds_once(source, dtype)):
+    if (
+        source not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.float64))
+        or dtype.itemsize != 1
+        or not jnp.issubdtype(dtype, jnp.floating)
+        or _cast_rounds_once(source, dtype)
+    ):
         return x.astype(dtype)
     target = jnp.finfo(dtype)
     _, exponent = jnp.frexp(x)  # |x| = f * 2**exponent, f in [0.5, 1)
@@ -200,8 +214,8 @@ def _cast_rounds_once(source, dtype) -> bool:
     mantissa = jnp.finfo(dtype).nmant
 
     def probe() -> bool:
-        value = jax.device_put(np.asarray([1 + 2.0 ** -(mantissa + 1) + 2.0 ** -12], source), jax.devices("cpu")[0])
-        return float(np.asarray(value.astype(dtype)).astype(np.float64)[0]) == 1 + 2.0 ** -mantissa
+        value = jax.device_put(np.asarray([1 + 2.0 ** -(mantissa + 1) + 2.0**-12], source), jax.devices("cpu")[0])
+        return float(np.asarray(value.astype(dtype)).astype(np.float64)[0]) == 1 + 2.0**-mantissa
 
     try:
         return _outside_any_trace(probe)
@@ -229,14 +243,16 @@ def scatter_add_has_sharding_rule() -> bool:
     an ``out_sharding``, and ``_gather_transpose_rule`` passes the operand's sharding, which is dropped when the
     operand has no mesh: a gather of an unsharded array whose cotangent is sharded cannot be transposed there.
     """
+
     def probe() -> bool:
-        updates = jax.ShapeDtypeStruct((2,), jnp.float32,
-                                       sharding=NamedSharding(_probe_mesh("probe"), PartitionSpec()))
-        numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
-                                                  scatter_dims_to_operand_dims=(0,))
+        updates = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(_probe_mesh("probe"), PartitionSpec()))
+        numbers = jax.lax.ScatterDimensionNumbers(
+            update_window_dims=(), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
+        )
         try:
-            jax.make_jaxpr(lambda u: jax.lax.scatter_add(jnp.zeros(2, jnp.float32), np.array([[1], [0]]), u,
-                                                         numbers))(updates)
+            jax.make_jaxpr(lambda u: jax.lax.scatter_add(jnp.zeros(2, jnp.float32), np.array([[1], [0]]), u, numbers))(
+                updates
+            )
         except NotImplementedError:
             return False
         return True
@@ -253,12 +269,19 @@ def shard_map_batches_explicit_axes() -> bool:
     ``_shard_shaped_array`` then lists that explicit axis among the varying axes, which ``core.get_vma`` rejects
     ("Axes mentioned in `vma` field of ShapedArray should be of type `Manual`").
     """
+
     def probe() -> bool:
         mesh = _probe_mesh("batch", "probe")
-        body = jax.shard_map(lambda a: a, mesh=mesh, in_specs=PartitionSpec("probe"),
-                             out_specs=PartitionSpec("probe"), axis_names={"probe"})
-        mapped = jax.ShapeDtypeStruct((1, 1), jnp.float32,
-                                      sharding=NamedSharding(mesh, PartitionSpec("batch", "probe")))
+        body = jax.shard_map(
+            lambda a: a,
+            mesh=mesh,
+            in_specs=PartitionSpec("probe"),
+            out_specs=PartitionSpec("probe"),
+            axis_names={"probe"},
+        )
+        mapped = jax.ShapeDtypeStruct(
+            (1, 1), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("batch", "probe"))
+        )
         try:
             jax.make_jaxpr(jax.vmap(body))(mapped)
         except ValueError as err:
@@ -279,8 +302,16 @@ def call_site(traceback) -> str:
     return "<unknown>"
 
 
-def custom_call(target: str, *, result_types, operands, backend_config: str, operand_output_aliases=None,
-                frontend_attributes: dict[str, str] | None = None, tuple_result: bool = False) -> list:
+def custom_call(
+    target: str,
+    *,
+    result_types,
+    operands,
+    backend_config: str,
+    operand_output_aliases=None,
+    frontend_attributes: dict[str, str] | None = None,
+    tuple_result: bool = False,
+) -> list:
     """Emit a ``stablehlo.custom_call`` and return its result values (``mlir.custom_call`` is public in
     jax.interpreters.mlir only privately).
 
@@ -290,17 +321,29 @@ def custom_call(target: str, *, result_types, operands, backend_config: str, ope
     build: Callable = _probe("jax._src.interpreters.mlir", "custom_call")
     result_types = list(result_types)
     types = [mlir.ir.TupleType.get_tuple(result_types)] if tuple_result else result_types
-    op = build(target, result_types=types, operands=list(operands), backend_config=backend_config,
-               has_side_effect=False, operand_output_aliases=None if tuple_result else operand_output_aliases or None)
+    op = build(
+        target,
+        result_types=types,
+        operands=list(operands),
+        backend_config=backend_config,
+        has_side_effect=False,
+        operand_output_aliases=None if tuple_result else operand_output_aliases or None,
+    )
     attributes = op.operation.attributes
     if tuple_result and operand_output_aliases:
         hlo = _probe("jax._src.lib.mlir.dialects", "hlo")
-        attributes["output_operand_aliases"] = mlir.ir.ArrayAttr.get([
-            hlo.OutputOperandAlias.get(output_tuple_indices=[output], operand_index=operand, operand_tuple_indices=[])
-            for operand, output in operand_output_aliases.items()])
+        attributes["output_operand_aliases"] = mlir.ir.ArrayAttr.get(
+            [
+                hlo.OutputOperandAlias.get(
+                    output_tuple_indices=[output], operand_index=operand, operand_tuple_indices=[]
+                )
+                for operand, output in operand_output_aliases.items()
+            ]
+        )
     if frontend_attributes:
         attributes["mhlo.frontend_attributes"] = mlir.ir.DictAttr.get(
-            {key: mlir.ir.StringAttr.get(value) for key, value in frontend_attributes.items()})
+            {key: mlir.ir.StringAttr.get(value) for key, value in frontend_attributes.items()}
+        )
     if not tuple_result:
         return list(op.results)
     hlo = _probe("jax._src.lib.mlir.dialects", "hlo")

@@ -18,25 +18,41 @@ from .platform import LNC_DEGREES, PLATFORM_TARGETS
 ON_UNSUPPORTED_POLICIES = ("fallback", "error")
 
 _target_state = compat.jit_keyed_state(
-    "enum", "jax_nkilib_platform_target", platform.target_from_environment(),
+    "enum",
+    "jax_nkilib_platform_target",
+    platform.target_from_environment(),
     "Neuron platform target of jax_nkilib kernels (default: $NEURON_PLATFORM_TARGET_OVERRIDE at import, else trn2).",
-    enum_values=list(PLATFORM_TARGETS))
+    enum_values=list(PLATFORM_TARGETS),
+)
 _lnc_state = compat.jit_keyed_state(
-    "int", "jax_nkilib_lnc", 0,
+    "int",
+    "jax_nkilib_lnc",
+    0,
     "Logical NeuronCore degree used by jax_nkilib kernels (0: $NEURON_LOGICAL_NC_CONFIG at import, else the "
-    "platform target's default).")
+    "platform target's default).",
+)
 _environment_lnc = platform.lnc_from_environment()
 _on_unsupported_state = compat.jit_keyed_state(
-    "enum", "jax_nkilib_on_unsupported", "fallback",
+    "enum",
+    "jax_nkilib_on_unsupported",
+    "fallback",
     "What jax_nkilib does when lowering for Neuron and a kernel limit is not met: 'fallback' lowers the JAX "
-    "reference and warns, 'error' raises.", enum_values=list(ON_UNSUPPORTED_POLICIES))
+    "reference and warns, 'error' raises.",
+    enum_values=list(ON_UNSUPPORTED_POLICIES),
+)
 _dry_run_state = compat.jit_keyed_state(
-    "bool", "jax_nkilib_neuron_dry_run", False,
-    "Lower jax_nkilib kernels for Neuron with the dry-run compiler (no `nki` package needed; not runnable).")
+    "bool",
+    "jax_nkilib_neuron_dry_run",
+    False,
+    "Lower jax_nkilib kernels for Neuron with the dry-run compiler (no `nki` package needed; not runnable).",
+)
 _runtime_checks_state = compat.jit_keyed_state(
-    "bool", "jax_nkilib_runtime_checks", False,
+    "bool",
+    "jax_nkilib_runtime_checks",
+    False,
     "Emit jax.experimental.checkify checks of run-time index values (decode_attention's cache_len and block_table, "
-    "...); they report errors under checkify.checkify and are dropped otherwise.")
+    "...); they report errors under checkify.checkify and are dropped otherwise.",
+)
 
 
 def current_target() -> str:
@@ -65,8 +81,13 @@ def runtime_checks_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def config(*, lnc: int | None = None, on_unsupported: str | None = None, target: str | None = None,
-           runtime_checks: bool | None = None) -> Iterator[None]:
+def config(
+    *,
+    lnc: int | None = None,
+    on_unsupported: str | None = None,
+    target: str | None = None,
+    runtime_checks: bool | None = None,
+) -> Iterator[None]:
     """Temporarily change jax_nkilib settings.
 
     Args:
@@ -90,7 +111,8 @@ def config(*, lnc: int | None = None, on_unsupported: str | None = None, target:
         raise ValueError(f"jax_nkilib.config: lnc must be one of {LNC_DEGREES}, got {lnc!r}")
     if on_unsupported is not None and on_unsupported not in ON_UNSUPPORTED_POLICIES:
         raise ValueError(
-            f"jax_nkilib.config: on_unsupported must be one of {ON_UNSUPPORTED_POLICIES}, got {on_unsupported!r}")
+            f"jax_nkilib.config: on_unsupported must be one of {ON_UNSUPPORTED_POLICIES}, got {on_unsupported!r}"
+        )
     if target is not None:
         target = platform.normalize_target(target, "jax_nkilib.config: target")
     if runtime_checks is not None and not isinstance(runtime_checks, bool):

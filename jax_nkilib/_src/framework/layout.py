@@ -84,8 +84,9 @@ class LayoutMismatch(Exception):
         self.reason = reason
 
 
-def bind_layouts(shapes: Sequence[tuple[str, tuple[int, ...], Sequence[Layout]]]) -> tuple[dict[str, int],
-                                                                                        dict[str, Layout]]:
+def bind_layouts(
+    shapes: Sequence[tuple[str, tuple[int, ...], Sequence[Layout]]],
+) -> tuple[dict[str, int], dict[str, Layout]]:
     """Match each operand's shape against its layouts, binding named dimensions.
 
     ``shapes`` lists ``(operand name, shape, accepted layouts)`` in argument order. Returns the bound dimension
@@ -98,8 +99,9 @@ def bind_layouts(shapes: Sequence[tuple[str, tuple[int, ...], Sequence[Layout]]]
         if not by_rank:
             accepted = " or ".join(str(layout) for layout in layouts)
             ranks = " or ".join(str(layout.rank) for layout in layouts)
-            raise LayoutMismatch(name, f"must have layout {accepted} (rank {ranks}); got rank {len(shape)} with "
-                                       f"shape {tuple(shape)}")
+            raise LayoutMismatch(
+                name, f"must have layout {accepted} (rank {ranks}); got rank {len(shape)} with shape {tuple(shape)}"
+            )
         layout = by_rank[0]
         chosen[name] = layout
         for dim, size in zip(layout.dims, shape):
@@ -110,10 +112,14 @@ def bind_layouts(shapes: Sequence[tuple[str, tuple[int, ...], Sequence[Layout]]]
         for position, (dim, size) in enumerate(zip(layout.dims, shape)):
             expected = dim.expected(dims)
             if expected is None and dim.name is not None and dim.name in dims:
-                raise LayoutMismatch(name, f"must have layout {layout}, but {dim.text} is not an integer for "
-                                           f"{dim.name}={dims[dim.name]}")
+                raise LayoutMismatch(
+                    name, f"must have layout {layout}, but {dim.text} is not an integer for {dim.name}={dims[dim.name]}"
+                )
             if expected is not None and expected != size:
                 context = ", ".join(f"{key}={value}" for key, value in dims.items())
-                raise LayoutMismatch(name, f"must have layout {layout}: dimension {position} ({dim.text}) should be "
-                                           f"{expected} given {context}; got shape {tuple(shape)}")
+                raise LayoutMismatch(
+                    name,
+                    f"must have layout {layout}: dimension {position} ({dim.text}) should be "
+                    f"{expected} given {context}; got shape {tuple(shape)}",
+                )
     return dims, chosen

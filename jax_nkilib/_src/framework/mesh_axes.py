@@ -11,12 +11,13 @@ def axis_names(where: str, value, argument: str = "axis_name", hint: str = "") -
     ``jax.shard_map``; ``TypeError`` for anything else, ``ValueError`` when an axis is not bound here."""
     names = (value,) if isinstance(value, str) else value
     if not (isinstance(names, tuple) and names and all(isinstance(name, str) for name in names)):
-        raise TypeError(f"{where}: `{argument}` must be a mesh axis name or a non-empty tuple of names; got "
-                        f"{value!r}")
+        raise TypeError(f"{where}: `{argument}` must be a mesh axis name or a non-empty tuple of names; got {value!r}")
     if bound_axis_size(names) is None:
         shown = repr(value) if isinstance(value, str) else str(names)
-        raise ValueError(f"{where}: mesh axis {shown} is not bound here (`{argument}`); call {where} inside "
-                         f"jax.shard_map over a mesh with that axis{hint}")
+        raise ValueError(
+            f"{where}: mesh axis {shown} is not bound here (`{argument}`); call {where} inside "
+            f"jax.shard_map over a mesh with that axis{hint}"
+        )
     return names
 
 

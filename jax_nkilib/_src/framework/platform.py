@@ -45,8 +45,7 @@ def instance_target(product_name_file: str = PRODUCT_NAME_FILE) -> str | None:
     return next((target for target in PLATFORM_TARGETS if family.startswith(target)), None)
 
 
-def target_from_environment(environ: Mapping[str, str] = os.environ,
-                            product_name_file: str = PRODUCT_NAME_FILE) -> str:
+def target_from_environment(environ: Mapping[str, str] = os.environ, product_name_file: str = PRODUCT_NAME_FILE) -> str:
     """``$NEURON_PLATFORM_TARGET_OVERRIDE``, else the instance's platform, else ``trn2``."""
     raw = environ.get(PLATFORM_TARGET_ENV_VAR, "").strip()
     if raw:

@@ -43,6 +43,7 @@ def register_neuron_lowering(builder: Callable) -> None:
     global _neuron_rule_builder
     _neuron_rule_builder = builder
 
+
 # A VJP rule is either a backward function
 #     rule(kernel, operands, params, outputs, cotangents) -> {operand name: cotangent or None}
 # whose forward saves the operands and outputs, or a Vjp(forward, backward) pair for kernels whose reverse mode needs
@@ -56,14 +57,18 @@ def register_neuron_lowering(builder: Callable) -> None:
 def reference_vjp(kernel, operands, params, outs, cotangents):
     """A VJP rule for kernels with no backward kernel: differentiate the JAX reference in the floating operands that
     are not FP8 (FP8 data, like integer operands, gets no cotangent)."""
-    names = [name for name, value in operands.items()
-             if value is not None and jnp.issubdtype(value.dtype, jnp.floating) and value.dtype not in FP8_DTYPES]
+    names = [
+        name
+        for name, value in operands.items()
+        if value is not None and jnp.issubdtype(value.dtype, jnp.floating) and value.dtype not in FP8_DTYPES
+    ]
     return pull_back(lambda named: kernel.reference(named, params), operands, names, cotangents)
 
 
 def pull_back(fn: Callable, operands: Mapping[str, Any], names, cotangents) -> dict[str, Any]:
     """Cotangents of ``operands[name]`` for ``name`` in ``names`` through ``fn(operands) -> tuple of outputs``, for
     the outputs' ``cotangents`` (``None`` means zero; each is cast to its output's dtype)."""
+
     def differentiable(*values):
         return fn(dict(operands, **dict(zip(names, values))))
 
@@ -81,8 +86,10 @@ class Vjp:
 def _saving_operands_and_outputs(rule: Callable) -> Vjp:
     def forward(kernel, operands, params):
         outs = kernel.call(operands, params)
-        named = {name: None if value is None else checkpoint_name(value, f"{kernel.spec.name}.{name}")
-                 for name, value in operands.items()}
+        named = {
+            name: None if value is None else checkpoint_name(value, f"{kernel.spec.name}.{name}")
+            for name, value in operands.items()
+        }
         return outs, (named, outs)
 
     def backward(kernel, residuals, params, cotangents):
@@ -121,8 +128,9 @@ class Kernel:
         """Normalized params for ``flags`` (defaults filled, LNC resolved), for layer-2 ops calling :meth:`call`."""
         return normalize_params(self.spec, flags)
 
-    def call(self, operands: Mapping[str, Any], params: Mapping[str, Any],
-             derived: Mapping[str, Any] | None = None) -> tuple:
+    def call(
+        self, operands: Mapping[str, Any], params: Mapping[str, Any], derived: Mapping[str, Any] | None = None
+    ) -> tuple:
         """Call with operands by name (``None`` for absent optional ones) and normalized params (the spec's
         ``prepare`` hook, if any, first). ``derived`` holds shape-derived config fields the caller gave, checked
         against the shapes."""
@@ -136,8 +144,10 @@ class Kernel:
             self.spec.runtime_checks(call, operands)
         outs = self.bind(operands, params) if self.vjp is None else self._differentiable(operands, params)
         if self.spec.nondifferentiable_outputs:
-            outs = tuple(jax.lax.stop_gradient(out) if name in self.spec.nondifferentiable_outputs else out
-                         for out, name in zip(outs, output_names(self.spec, call)))
+            outs = tuple(
+                jax.lax.stop_gradient(out) if name in self.spec.nondifferentiable_outputs else out
+                for out, name in zip(outs, output_names(self.spec, call))
+            )
         return outs
 
     def bind(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
@@ -166,9 +176,12 @@ class Kernel:
         def backward(residuals, cotangents):
             grads = rule.backward(self, residuals, params, tuple(cotangents))
             # inside shard_map, an operand replicated over a mesh axis gets the sum of its per-shard cotangents
-            return tuple(None if grads.get(name) is None
-                         else compat.sum_over_extra_varying(grads[name], operands[name]).astype(operands[name].dtype)
-                         for name in present)
+            return tuple(
+                None
+                if grads.get(name) is None
+                else compat.sum_over_extra_varying(grads[name], operands[name]).astype(operands[name].dtype)
+                for name in present
+            )
 
         kernel_call.defvjp(forward, backward)
         return tuple(kernel_call(*(operands[name] for name in present)))

@@ -28,6 +28,7 @@ INT_DTYPES = (jnp.dtype(jnp.int32),)
 # FP8 caches and weights: Trainium2's E4M3 (max 240), the OCP E4M3 (448) and E5M2
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
+
 def accumulation_dtype(dtype) -> np.dtype:
     """The kernels' accumulation/statistics dtype for ``dtype`` inputs: float32, or float64 for float64 inputs."""
     return np.dtype(jnp.promote_types(dtype, jnp.float32))
@@ -81,15 +82,31 @@ class Operand:
     device_dtype: DeviceDtype | None = None
 
     @classmethod
-    def of(cls, name: str, *layouts: str, dtypes: Sequence = FLOAT_DTYPES, optional: bool = False,
-           doc: str = "", device_dtype: DeviceDtype | None = None) -> Operand:
-        return cls(name, _layouts(layouts), tuple(jnp.dtype(d) for d in dtypes), optional, doc,
-                   device_dtype=device_dtype)
+    def of(
+        cls,
+        name: str,
+        *layouts: str,
+        dtypes: Sequence = FLOAT_DTYPES,
+        optional: bool = False,
+        doc: str = "",
+        device_dtype: DeviceDtype | None = None,
+    ) -> Operand:
+        return cls(
+            name, _layouts(layouts), tuple(jnp.dtype(d) for d in dtypes), optional, doc, device_dtype=device_dtype
+        )
 
     @classmethod
-    def switched(cls, name: str, param: str | tuple[str, ...], cases: Mapping[Any, Any], *,
-                 dtypes: Sequence = FLOAT_DTYPES, optional: bool = False, doc: str = "",
-                 device_dtype: DeviceDtype | None = None) -> Operand:
+    def switched(
+        cls,
+        name: str,
+        param: str | tuple[str, ...],
+        cases: Mapping[Any, Any],
+        *,
+        dtypes: Sequence = FLOAT_DTYPES,
+        optional: bool = False,
+        doc: str = "",
+        device_dtype: DeviceDtype | None = None,
+    ) -> Operand:
         """An operand whose layout the static flag ``param`` selects: ``cases`` maps flag values to layouts (with a
         tuple of flags, tuples of their values)."""
         switch = _switch(param, cases)
@@ -113,8 +130,7 @@ def enum_member(kind: type[enum.Enum], value: Any, where: str) -> enum.Enum:
         return value
     if isinstance(value, str) and value in kind.__members__:
         return kind[value]
-    raise TypeError(f"{where} must be a {kind.__name__} member or one of {', '.join(kind.__members__)}; "
-                    f"got {value!r}")
+    raise TypeError(f"{where} must be a {kind.__name__} member or one of {', '.join(kind.__members__)}; got {value!r}")
 
 
 def dtype_value(value: Any, where: str) -> np.dtype:

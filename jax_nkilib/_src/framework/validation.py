@@ -27,8 +27,10 @@ def split_arguments(spec: KernelSpec, args: tuple, kwargs: dict) -> tuple[dict, 
     derived_names = dict(spec.derived_params)
     derived: dict[str, Any] = {}
     if len(args) > len(operand_names):
-        raise TypeError(f"{function} takes {len(operand_names)} tensor arguments ({', '.join(operand_names)}) "
-                        f"positionally; got {len(args)}. Pass static flags ({', '.join(param_names)}) by keyword.")
+        raise TypeError(
+            f"{function} takes {len(operand_names)} tensor arguments ({', '.join(operand_names)}) "
+            f"positionally; got {len(args)}. Pass static flags ({', '.join(param_names)}) by keyword."
+        )
     operands: dict[str, Any] = dict(zip(operand_names, args))
     params: dict[str, Any] = {}
     for key, value in kwargs.items():
@@ -45,18 +47,23 @@ def split_arguments(spec: KernelSpec, args: tuple, kwargs: dict) -> tuple[dict, 
         elif key in derived_names:
             derived[key] = value
         else:
-            raise TypeError(f"{function} got an unexpected keyword argument `{key}`; tensor arguments are "
-                            f"{', '.join(operand_names)} and static flags are {', '.join(param_names)}")
+            raise TypeError(
+                f"{function} got an unexpected keyword argument `{key}`; tensor arguments are "
+                f"{', '.join(operand_names)} and static flags are {', '.join(param_names)}"
+            )
     for operand in spec.operands:
         value = operands.get(operand.name)
         if value is None:
             if not operand.optional:
-                raise TypeError(f"{function}: missing required tensor argument `{operand.name}` "
-                                f"with layout {operand.layout_text}")
+                raise TypeError(
+                    f"{function}: missing required tensor argument `{operand.name}` with layout {operand.layout_text}"
+                )
             operands[operand.name] = None
         elif not (hasattr(value, "shape") and hasattr(value, "dtype")):
-            raise TypeError(f"{function}: argument `{operand.name}` must be an array with layout "
-                            f"{operand.layout_text}; got {type(value).__name__}")
+            raise TypeError(
+                f"{function}: argument `{operand.name}` must be an array with layout "
+                f"{operand.layout_text}; got {type(value).__name__}"
+            )
     return {operand.name: operands[operand.name] for operand in spec.operands}, params, derived
 
 
@@ -65,8 +72,9 @@ def check_derived(spec: KernelSpec, call: CallInfo, derived: Mapping[str, Any]) 
     for name, dim in spec.derived_params:
         expected, what = (dim(call), name) if callable(dim) else (call.dims.get(dim), dim)
         if name in derived and derived[name] is not None and derived[name] != expected:
-            raise ValueError(f"{call.function}: `{name}`={derived[name]!r} does not match the operands, whose {what} "
-                             f"is {expected}")
+            raise ValueError(
+                f"{call.function}: `{name}`={derived[name]!r} does not match the operands, whose {what} is {expected}"
+            )
 
 
 def normalize_params(spec: KernelSpec, raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -79,8 +87,10 @@ def normalize_params(spec: KernelSpec, raw: Mapping[str, Any]) -> dict[str, Any]
         if value is FOLLOW_LNC or (value is None and param.default is FOLLOW_LNC):
             params[param.name] = lnc > 1
         elif value is None and param.required:
-            raise TypeError(f"{spec.public_name}: missing required parameter `{param.name}`"
-                            + (f" ({param.doc})" if param.doc else ""))
+            raise TypeError(
+                f"{spec.public_name}: missing required parameter `{param.name}`"
+                + (f" ({param.doc})" if param.doc else "")
+            )
         else:
             params[param.name] = param.normalize(value, spec.public_name)
     params["lnc"] = lnc
@@ -96,8 +106,10 @@ def check_call(spec: KernelSpec, avals: Mapping[str, Any], params: Mapping[str, 
         dtype = np.dtype(aval.dtype)
         if dtype not in operand.dtypes:
             allowed = ", ".join(str(d) for d in operand.dtypes)
-            raise TypeError(f"{function}: argument `{operand.name}` must have dtype in ({allowed}); got {dtype} "
-                            f"(layout {operand.layout_text}, shape {tuple(aval.shape)})")
+            raise TypeError(
+                f"{function}: argument `{operand.name}` must have dtype in ({allowed}); got {dtype} "
+                f"(layout {operand.layout_text}, shape {tuple(aval.shape)})"
+            )
     try:
         layouts = [(operand.name, tuple(aval.shape), operand.layouts_for(params)) for operand, aval in present]
     except ValueError as err:
@@ -124,11 +136,18 @@ def kernel_outputs(spec: KernelSpec, call: CallInfo) -> tuple[tuple[str, Any], .
         produced = spec.output_avals(call)
     else:
         operands = {operand.name for operand in spec.operands}
-        produced = [(output.name, call.shape(output.layout),
-                     call.avals[output.dtype_of].dtype if output.dtype_of in operands else output.dtype_of)
-                    for output in spec.outputs]
-    return tuple((name, compat.ShapedArray(tuple(int(size) for size in shape), np.dtype(dtype)))
-                 for name, shape, dtype in produced)
+        produced = [
+            (
+                output.name,
+                call.shape(output.layout),
+                call.avals[output.dtype_of].dtype if output.dtype_of in operands else output.dtype_of,
+            )
+            for output in spec.outputs
+        ]
+    return tuple(
+        (name, compat.ShapedArray(tuple(int(size) for size in shape), np.dtype(dtype)))
+        for name, shape, dtype in produced
+    )
 
 
 def output_names(spec: KernelSpec, call: CallInfo) -> tuple[str, ...]:
@@ -161,8 +180,10 @@ INT32_MAX = 2**31 - 1
 def require_static(where: str, name: str, value, expected: str) -> None:
     """Refuse a traced value: ``value`` must be known at trace time (``expected`` says what it should be)."""
     if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"{where}: `{name}` must be static ({expected}), not a traced value; under jax.jit pass it as "
-                        f"a static argument (static_argnames / static_argnums) or close over it")
+        raise TypeError(
+            f"{where}: `{name}` must be static ({expected}), not a traced value; under jax.jit pass it as "
+            f"a static argument (static_argnames / static_argnums) or close over it"
+        )
 
 
 def _describe(value) -> str:
@@ -181,8 +202,12 @@ def static_float(where: str, name: str, value, *, minimum: float | None = None, 
     number = None
     if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_)):
         number = float(value)
-    elif hasattr(value, "shape") and hasattr(value, "dtype") and np.size(value) == 1 and \
-            (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer)):
+    elif (
+        hasattr(value, "shape")
+        and hasattr(value, "dtype")
+        and np.size(value) == 1
+        and (np.issubdtype(value.dtype, np.floating) or np.issubdtype(value.dtype, np.integer))
+    ):
         number = float(np.asarray(value, np.float64).reshape(()))
     if number is None:
         raise TypeError(f"{where}: `{name}` must be {expected}; got {_describe(value)}")
@@ -199,8 +224,12 @@ def static_int(where: str, name: str, value, *, minimum: int = 0, maximum: int =
     integer = None
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         integer = int(value)
-    elif hasattr(value, "shape") and hasattr(value, "dtype") and np.ndim(value) == 0 and \
-            np.issubdtype(value.dtype, np.integer):
+    elif (
+        hasattr(value, "shape")
+        and hasattr(value, "dtype")
+        and np.ndim(value) == 0
+        and np.issubdtype(value.dtype, np.integer)
+    ):
         integer = int(np.asarray(value))
     if integer is None:
         raise TypeError(f"{where}: `{name}` must be {expected}; got {_describe(value)}")

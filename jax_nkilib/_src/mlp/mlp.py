@@ -91,11 +91,26 @@ def _by_quantization(row: str, other: str, mx_layout: str | None = None) -> dict
     return cases if mx_layout is None else {**cases, QuantizationType.MX: mx_layout}
 
 
-def reference_mlp(hidden_tensor, gate_proj_weights_tensor, up_proj_weights_tensor, down_proj_weights_tensor,
-                  normalization_weights_tensor=None, gate_proj_bias_tensor=None, up_proj_bias_tensor=None,
-                  down_proj_bias_tensor=None, normalization_bias_tensor=None, fused_add_tensor=None,
-                  gate_w_scale=None, up_w_scale=None, down_w_scale=None, gate_up_in_scale=None, down_in_scale=None,
-                  *, lnc=1, **params):
+def reference_mlp(
+    hidden_tensor,
+    gate_proj_weights_tensor,
+    up_proj_weights_tensor,
+    down_proj_weights_tensor,
+    normalization_weights_tensor=None,
+    gate_proj_bias_tensor=None,
+    up_proj_bias_tensor=None,
+    down_proj_bias_tensor=None,
+    normalization_bias_tensor=None,
+    fused_add_tensor=None,
+    gate_w_scale=None,
+    up_w_scale=None,
+    down_w_scale=None,
+    gate_up_in_scale=None,
+    down_in_scale=None,
+    *,
+    lnc=1,
+    **params,
+):
     """JAX reference of the ``mlp`` kernel: ``(out,)`` or ``(out, add_out)``."""
     ops = dict(locals())
     out, add_out = mlp_forward(ops, params, exact=False, lnc=lnc)
@@ -110,42 +125,56 @@ def _tkg(call: CallInfo) -> bool:
 def _reject_unbound(params, function: str) -> None:
     quant = params["quantization_type"]
     if quant in UNBOUND_MX_TYPES:
-        raise ValueError(f"{function}: quantization_type={quant.name} is not bound in jax_nkilib (the pinned NKI "
-                         "Library 2.29 mlp does not support it); use NONE, ROW, STATIC, STATIC_MX (CTE) or MX (TKG)")
+        raise ValueError(
+            f"{function}: quantization_type={quant.name} is not bound in jax_nkilib (the pinned NKI "
+            "Library 2.29 mlp does not support it); use NONE, ROW, STATIC, STATIC_MX (CTE) or MX (TKG)"
+        )
     if params["store_output_in_sbuf"]:
-        raise ValueError(f"{function}: store_output_in_sbuf=True is not applicable in JAX (there is no SBUF to leave "
-                         "the output in); the output is returned")
+        raise ValueError(
+            f"{function}: store_output_in_sbuf=True is not applicable in JAX (there is no SBUF to leave "
+            "the output in); the output is returned"
+        )
 
 
 def _check_mx(call: CallInfo, weights: list[str]) -> None:
     """MX (TKG only): x4 words of ``mx_weight_dtype``, uint8 scales, RMS or no norm, no fused add."""
     avals, p, function, dims = call.avals, call.params, call.function, call.dims
     if not _tkg(call):
-        raise ValueError(f"{function}: quantization_type=MX runs only on the TKG path (B*S <= 96, force_cte_mode="
-                         f"False); got B*S={dims['B'] * dims['S']}, force_cte_mode={p['force_cte_mode']}")
+        raise ValueError(
+            f"{function}: quantization_type=MX runs only on the TKG path (B*S <= 96, force_cte_mode="
+            f"False); got B*S={dims['B'] * dims['S']}, force_cte_mode={p['force_cte_mode']}"
+        )
     if p["normalization_type"] == NormType.LAYER_NORM:
-        raise ValueError(f"{function}: quantization_type=MX supports RMS_NORM, RMS_NORM_SKIP_GAMMA or NO_NORM, not "
-                         "LAYER_NORM")
+        raise ValueError(
+            f"{function}: quantization_type=MX supports RMS_NORM, RMS_NORM_SKIP_GAMMA or NO_NORM, not LAYER_NORM"
+        )
     if avals.get("fused_add_tensor") is not None:
         raise ValueError(f"{function}: quantization_type=MX does not support fused_add_tensor")
     if p["use_tkg_down_proj_optimized_layout"]:
-        raise ValueError(f"{function}: quantization_type=MX takes down weights [P_I, ceil(I/512), H], not "
-                         "use_tkg_down_proj_optimized_layout")
+        raise ValueError(
+            f"{function}: quantization_type=MX takes down weights [P_I, ceil(I/512), H], not "
+            "use_tkg_down_proj_optimized_layout"
+        )
     fmt = np.dtype(p["mx_weight_dtype"])
     if fmt not in MX_WEIGHT_DTYPES:
-        raise TypeError(f"{function}: mx_weight_dtype must be one of {', '.join(map(str, MX_WEIGHT_DTYPES))}; got "
-                        f"{fmt}")
+        raise TypeError(
+            f"{function}: mx_weight_dtype must be one of {', '.join(map(str, MX_WEIGHT_DTYPES))}; got {fmt}"
+        )
     words = mx.X4_WORD_DTYPES[fmt]
     wrong = [f"{name} ({avals[name].dtype})" for name in weights if np.dtype(avals[name].dtype) not in words]
     if wrong:
-        raise TypeError(f"{function}: quantization_type=MX with mx_weight_dtype={fmt} needs x4 words of dtype "
-                        f"{' or '.join(map(str, words))} (gate/up [128, H/512, I], down [P_I, ceil(I/512), H]); got "
-                        f"{', '.join(wrong)}")
+        raise TypeError(
+            f"{function}: quantization_type=MX with mx_weight_dtype={fmt} needs x4 words of dtype "
+            f"{' or '.join(map(str, words))} (gate/up [128, H/512, I], down [P_I, ceil(I/512), H]); got "
+            f"{', '.join(wrong)}"
+        )
     needed = [name for name in SCALES if not (name == "gate_w_scale" and p["skip_gate_proj"])]
     missing = [name for name in needed if avals.get(name) is None]
     if missing:
-        raise ValueError(f"{function}: quantization_type=MX needs {', '.join(missing)} (uint8, gate/up [16, H/512, I], "
-                         "down [P_I/8, ceil(I/512), H])")
+        raise ValueError(
+            f"{function}: quantization_type=MX needs {', '.join(missing)} (uint8, gate/up [16, H/512, I], "
+            "down [P_I/8, ceil(I/512), H])"
+        )
     wrong = [f"{name} ({avals[name].dtype})" for name in needed if np.dtype(avals[name].dtype) != np.uint8]
     if wrong:
         raise TypeError(f"{function}: quantization_type=MX needs uint8 scales; got {', '.join(wrong)}")
@@ -157,16 +186,21 @@ def _check_mx(call: CallInfo, weights: list[str]) -> None:
         raise ValueError(f"{function}: quantization_type=MX needs I % 32 == 0; got I={inter}")
     rows, tiles = min(128, inter // 4), -(-inter // MX_TILE)
     if (dims["PI"], dims["NI"]) != (rows, tiles):
-        raise ValueError(f"{function}: down_proj_weights_tensor must be [P_I, ceil(I/512), H] = [{rows}, {tiles}, "
-                         f"{dims['H']}] for I={inter} (P_I = min(128, I/4)); got "
-                         f"{tuple(avals['down_proj_weights_tensor'].shape)}")
+        raise ValueError(
+            f"{function}: down_proj_weights_tensor must be [P_I, ceil(I/512), H] = [{rows}, {tiles}, "
+            f"{dims['H']}] for I={inter} (P_I = min(128, I/4)); got "
+            f"{tuple(avals['down_proj_weights_tensor'].shape)}"
+        )
 
 
 def _check_quantization(call: CallInfo) -> None:
     avals, p, function = call.avals, call.params, call.function
     quant = p["quantization_type"]
-    weights = [name for name in ("gate_proj_weights_tensor", "up_proj_weights_tensor", "down_proj_weights_tensor")
-               if not (name == "gate_proj_weights_tensor" and p["skip_gate_proj"])]
+    weights = [
+        name
+        for name in ("gate_proj_weights_tensor", "up_proj_weights_tensor", "down_proj_weights_tensor")
+        if not (name == "gate_proj_weights_tensor" and p["skip_gate_proj"])
+    ]
     if quant == QuantizationType.MX:
         return _check_mx(call, weights)
     mx_words = [name for name in weights if np.dtype(avals[name].dtype) in MX_WORD_DTYPES]
@@ -174,36 +208,47 @@ def _check_quantization(call: CallInfo) -> None:
         raise TypeError(f"{function}: integer (MX x4 word) weights ({', '.join(mx_words)}) need quantization_type=MX")
     uint8 = [name for name in SCALES if avals.get(name) is not None and np.dtype(avals[name].dtype) == np.uint8]
     if uint8:
-        raise TypeError(f"{function}: uint8 scales ({', '.join(uint8)}) are MX scales; quantization_type="
-                        f"{quant.name} takes float32 scales")
+        raise TypeError(
+            f"{function}: uint8 scales ({', '.join(uint8)}) are MX scales; quantization_type="
+            f"{quant.name} takes float32 scales"
+        )
     if quant == QuantizationType.NONE:
         fp8 = [name for name in weights if np.dtype(avals[name].dtype) in FP8_WEIGHT_DTYPES]
         if fp8:
-            raise TypeError(f"{function}: FP8 weights ({', '.join(fp8)}) need quantization_type=ROW, STATIC or "
-                            "STATIC_MX and their dequantization scales")
+            raise TypeError(
+                f"{function}: FP8 weights ({', '.join(fp8)}) need quantization_type=ROW, STATIC or "
+                "STATIC_MX and their dequantization scales"
+            )
         given = [name for name in SCALES + IN_SCALES if avals.get(name) is not None]
         if given:
-            raise ValueError(f"{function}: {', '.join(given)} are only used with quantization_type ROW, STATIC or "
-                             "STATIC_MX")
+            raise ValueError(
+                f"{function}: {', '.join(given)} are only used with quantization_type ROW, STATIC or STATIC_MX"
+            )
         return
-    wrong = [f"{name} ({avals[name].dtype})" for name in weights
-             if np.dtype(avals[name].dtype) not in FP8_WEIGHT_DTYPES]
+    wrong = [
+        f"{name} ({avals[name].dtype})" for name in weights if np.dtype(avals[name].dtype) not in FP8_WEIGHT_DTYPES
+    ]
     if wrong:
-        raise TypeError(f"{function}: quantization_type={quant.name} needs float8_e4m3 or float8_e4m3fn weights; got "
-                        f"{', '.join(wrong)}")
+        raise TypeError(
+            f"{function}: quantization_type={quant.name} needs float8_e4m3 or float8_e4m3fn weights; got "
+            f"{', '.join(wrong)}"
+        )
     layout = "[128, I] (gate, up) and [128, H] (down)" if quant == QuantizationType.ROW else "[128, 1]"
     needed = [name for name in SCALES if not (name == "gate_w_scale" and p["skip_gate_proj"])]
     if quant in STATIC_TYPES:
         needed += list(IN_SCALES)
     missing = [name for name in needed if avals.get(name) is None]
     if missing:
-        raise ValueError(f"{function}: quantization_type={quant.name} needs {', '.join(missing)} (float32, weight "
-                         f"scales {layout}, input scales [128, 1])")
+        raise ValueError(
+            f"{function}: quantization_type={quant.name} needs {', '.join(missing)} (float32, weight "
+            f"scales {layout}, input scales [128, 1])"
+        )
     if quant == QuantizationType.ROW:
         given = [name for name in IN_SCALES if avals.get(name) is not None]
         if given:
-            raise ValueError(f"{function}: {', '.join(given)} are STATIC input scales; ROW quantization computes "
-                             "row scales itself")
+            raise ValueError(
+                f"{function}: {', '.join(given)} are STATIC input scales; ROW quantization computes row scales itself"
+            )
     if quant == QuantizationType.STATIC_MX:
         _check_static_mx(call)
 
@@ -212,12 +257,16 @@ def _check_static_mx(call: CallInfo) -> None:
     """STATIC_MX: CTE only; the swizzled weights need H and I multiples of 512."""
     p, dims, function = call.params, call.dims, call.function
     if _tkg(call):
-        raise ValueError(f"{function}: quantization_type=STATIC_MX runs only on the CTE path (B*S > 96 or "
-                         f"force_cte_mode=True); got B*S={dims['B'] * dims['S']}, force_cte_mode={p['force_cte_mode']}")
+        raise ValueError(
+            f"{function}: quantization_type=STATIC_MX runs only on the CTE path (B*S > 96 or "
+            f"force_cte_mode=True); got B*S={dims['B'] * dims['S']}, force_cte_mode={p['force_cte_mode']}"
+        )
     if dims["H"] % STATIC_MX_TILE or dims["I"] % STATIC_MX_TILE:
-        raise ValueError(f"{function}: quantization_type=STATIC_MX takes swizzled weights (gate/up [H, I] as "
-                         "[128, H/512, I/512, 4, 128, 2, 2], down [I, H] as [128, I/512, H, 4]) and needs H % 512 == 0 "
-                         f"and I % 512 == 0; got H={dims['H']}, I={dims['I']}")
+        raise ValueError(
+            f"{function}: quantization_type=STATIC_MX takes swizzled weights (gate/up [H, I] as "
+            "[128, H/512, I/512, 4, 128, 2, 2], down [I, H] as [128, I/512, H, 4]) and needs H % 512 == 0 "
+            f"and I % 512 == 0; got H={dims['H']}, I={dims['I']}"
+        )
 
 
 def _check(call: CallInfo) -> None:
@@ -227,20 +276,27 @@ def _check(call: CallInfo) -> None:
     if norm in (NormType.RMS_NORM, NormType.LAYER_NORM) and avals.get("normalization_weights_tensor") is None:
         raise ValueError(f"{function}: normalization_type={norm.name} needs normalization_weights_tensor [1, H]")
     if avals.get("normalization_bias_tensor") is not None and norm != NormType.LAYER_NORM:
-        raise ValueError(f"{function}: normalization_bias_tensor is only supported with LAYER_NORM; got "
-                         f"normalization_type={norm.name}")
+        raise ValueError(
+            f"{function}: normalization_bias_tensor is only supported with LAYER_NORM; got "
+            f"normalization_type={norm.name}"
+        )
     if p["store_fused_add_result"] and avals.get("fused_add_tensor") is None:
         raise ValueError(f"{function}: store_fused_add_result=True needs fused_add_tensor [B, S, H]")
     if not jnp.issubdtype(p["output_dtype"], jnp.floating) or np.dtype(p["output_dtype"]) not in FLOAT_DTYPES:
-        raise TypeError(f"{function}: output_dtype must be one of float32, bfloat16, float16, float64; got "
-                        f"{p['output_dtype']}")
+        raise TypeError(
+            f"{function}: output_dtype must be one of float32, bfloat16, float16, float64; got {p['output_dtype']}"
+        )
     if p["use_tkg_down_proj_optimized_layout"]:
         if not _tkg(call) or p["use_tkg_down_proj_column_tiling"]:
-            raise ValueError(f"{function}: use_tkg_down_proj_optimized_layout needs the TKG path (B*S <= 96, "
-                             "force_cte_mode=False) with use_tkg_down_proj_column_tiling=False")
+            raise ValueError(
+                f"{function}: use_tkg_down_proj_optimized_layout needs the TKG path (B*S <= 96, "
+                "force_cte_mode=False) with use_tkg_down_proj_column_tiling=False"
+            )
         if call.dims["H"] % (128 * call.lnc):
-            raise ValueError(f"{function}: use_tkg_down_proj_optimized_layout needs H % (128 * LNC) == 0; got "
-                             f"H={call.dims['H']}, LNC={call.lnc}")
+            raise ValueError(
+                f"{function}: use_tkg_down_proj_optimized_layout needs H % (128 * LNC) == 0; got "
+                f"H={call.dims['H']}, LNC={call.lnc}"
+            )
     _check_quantization(call)
 
 
@@ -271,9 +327,11 @@ def _neuron_limits(call: CallInfo) -> list[str]:
 def _mlp_vjp(kernel, operands, params, outs, cotangents):
     """Backward by ``jax.vjp`` of the smooth math (``mlp_forward(exact=True)``) at the call's operands."""
     skip = {"gate_proj_weights_tensor", "gate_w_scale"} if params["skip_gate_proj"] else set()
-    names = [name for name, value in operands.items()
-             if value is not None and name not in skip and name not in IN_SCALES
-             and np.dtype(value.dtype) in FLOAT_DTYPES]
+    names = [
+        name
+        for name, value in operands.items()
+        if value is not None and name not in skip and name not in IN_SCALES and np.dtype(value.dtype) in FLOAT_DTYPES
+    ]
 
     def smooth(named):
         out, add_out = mlp_forward(named, params, exact=True, lnc=params["lnc"])
@@ -294,6 +352,8 @@ _SCALE_DTYPES = (jnp.float32, jnp.uint8)
 _MX_GATE_UP = "128, H/512, I"  # x4 words; lane j of [p, t, i] is W[j H/4 + 128 t + p, i]
 _MX_DOWN = "PI, NI, H"  # x4 words; P_I = min(128, I/4), NI = ceil(I/512); lanes along I (math.mx_inter_index)
 _MX_GU_BIAS = "PI, NI, 4"
+
+
 def _mx_device_dtype(params, dtype) -> str | None:
     """MX weights reach the kernel as the x4 type of ``mx_weight_dtype`` (``float8_e4m3fn_x4``...), the dtype the
     kernel reads their element type from; other weights as they are."""
@@ -313,30 +373,64 @@ MLP_SPEC = KernelSpec(
     entry_point="nkilib.core.mlp.mlp:mlp",
     operands=(
         Operand.of("hidden_tensor", "B, S, H", doc="input hidden states"),
-        Operand.switched("gate_proj_weights_tensor", "quantization_type", _by_quantization("H, I", "H, I", _MX_GATE_UP),
-                         dtypes=_WEIGHT_DTYPES, doc="gate projection (unread when skip_gate_proj)",
-                         device_dtype=_mx_device_dtype),
-        Operand.switched("up_proj_weights_tensor", "quantization_type", _by_quantization("H, I", "H, I", _MX_GATE_UP),
-                         dtypes=_WEIGHT_DTYPES, doc="up projection", device_dtype=_mx_device_dtype),
-        Operand.switched("down_proj_weights_tensor", "quantization_type", _by_quantization("I, H", "I, H", _MX_DOWN),
-                         dtypes=_WEIGHT_DTYPES, doc="down projection", device_dtype=_mx_device_dtype),
+        Operand.switched(
+            "gate_proj_weights_tensor",
+            "quantization_type",
+            _by_quantization("H, I", "H, I", _MX_GATE_UP),
+            dtypes=_WEIGHT_DTYPES,
+            doc="gate projection (unread when skip_gate_proj)",
+            device_dtype=_mx_device_dtype,
+        ),
+        Operand.switched(
+            "up_proj_weights_tensor",
+            "quantization_type",
+            _by_quantization("H, I", "H, I", _MX_GATE_UP),
+            dtypes=_WEIGHT_DTYPES,
+            doc="up projection",
+            device_dtype=_mx_device_dtype,
+        ),
+        Operand.switched(
+            "down_proj_weights_tensor",
+            "quantization_type",
+            _by_quantization("I, H", "I, H", _MX_DOWN),
+            dtypes=_WEIGHT_DTYPES,
+            doc="down projection",
+            device_dtype=_mx_device_dtype,
+        ),
         Operand.of("normalization_weights_tensor", "1, H", optional=True, doc="RMS/Layer norm gamma"),
-        Operand.switched("gate_proj_bias_tensor", "quantization_type", _by_quantization("1, I", "1, I", _MX_GU_BIAS),
-                         optional=True),
-        Operand.switched("up_proj_bias_tensor", "quantization_type", _by_quantization("1, I", "1, I", _MX_GU_BIAS),
-                         optional=True),
+        Operand.switched(
+            "gate_proj_bias_tensor", "quantization_type", _by_quantization("1, I", "1, I", _MX_GU_BIAS), optional=True
+        ),
+        Operand.switched(
+            "up_proj_bias_tensor", "quantization_type", _by_quantization("1, I", "1, I", _MX_GU_BIAS), optional=True
+        ),
         Operand.of("down_proj_bias_tensor", "1, H", optional=True),
         Operand.of("normalization_bias_tensor", "1, H", optional=True, doc="LayerNorm beta"),
         Operand.of("fused_add_tensor", "B, S, H", optional=True, doc="residual added to hidden first"),
-        Operand.switched("gate_w_scale", "quantization_type", _by_quantization("128, I", "128, 1", "16, H/512, I"),
-                         dtypes=_SCALE_DTYPES, optional=True,
-                         doc="gate dequantization scale (ROW [128, I], STATIC [128, 1]; MX uint8 [16, H/512, I])"),
-        Operand.switched("up_w_scale", "quantization_type", _by_quantization("128, I", "128, 1", "16, H/512, I"),
-                         dtypes=_SCALE_DTYPES, optional=True,
-                         doc="up dequantization scale (ROW [128, I], STATIC [128, 1]; MX uint8 [16, H/512, I])"),
-        Operand.switched("down_w_scale", "quantization_type", _by_quantization("128, H", "128, 1", "PI/8, NI, H"),
-                         dtypes=_SCALE_DTYPES, optional=True,
-                         doc="down dequantization scale (ROW [128, H], STATIC [128, 1]; MX uint8 [P_I/8, NI, H])"),
+        Operand.switched(
+            "gate_w_scale",
+            "quantization_type",
+            _by_quantization("128, I", "128, 1", "16, H/512, I"),
+            dtypes=_SCALE_DTYPES,
+            optional=True,
+            doc="gate dequantization scale (ROW [128, I], STATIC [128, 1]; MX uint8 [16, H/512, I])",
+        ),
+        Operand.switched(
+            "up_w_scale",
+            "quantization_type",
+            _by_quantization("128, I", "128, 1", "16, H/512, I"),
+            dtypes=_SCALE_DTYPES,
+            optional=True,
+            doc="up dequantization scale (ROW [128, I], STATIC [128, 1]; MX uint8 [16, H/512, I])",
+        ),
+        Operand.switched(
+            "down_w_scale",
+            "quantization_type",
+            _by_quantization("128, H", "128, 1", "PI/8, NI, H"),
+            dtypes=_SCALE_DTYPES,
+            optional=True,
+            doc="down dequantization scale (ROW [128, H], STATIC [128, 1]; MX uint8 [P_I/8, NI, H])",
+        ),
         Operand.of("gate_up_in_scale", "128, 1", dtypes=_F32, optional=True, doc="STATIC gate/up input scale"),
         Operand.of("down_in_scale", "128, 1", dtypes=_F32, optional=True, doc="STATIC down input scale"),
     ),
@@ -344,11 +438,20 @@ MLP_SPEC = KernelSpec(
         Param("store_fused_add_result", False, bool, "also return hidden + fused_add"),
         Param("activation_fn", ActFnType.SiLU, ActFnType),
         Param("normalization_type", NormType.NO_NORM, NormType),
-        Param("quantization_type", QuantizationType.NONE, QuantizationType,
-              "NONE, ROW, STATIC, STATIC_MX (CTE, swizzled FP8 weights) or MX (TKG); ROW_MX not bound"),
-        Param("mx_weight_dtype", "float8_e4m3fn", "dtype", "MX: the x4 weights' element type (the kernel reads it "
-              "from the x4 dtype): float8_e4m3fn or float8_e5m2 (32-bit words), float4_e2m1fn (uint16 words)",
-              to_kernel=False),
+        Param(
+            "quantization_type",
+            QuantizationType.NONE,
+            QuantizationType,
+            "NONE, ROW, STATIC, STATIC_MX (CTE, swizzled FP8 weights) or MX (TKG); ROW_MX not bound",
+        ),
+        Param(
+            "mx_weight_dtype",
+            "float8_e4m3fn",
+            "dtype",
+            "MX: the x4 weights' element type (the kernel reads it "
+            "from the x4 dtype): float8_e4m3fn or float8_e5m2 (32-bit words), float4_e2m1fn (uint16 words)",
+            to_kernel=False,
+        ),
         Param("quant_clipping_bound", 0.0, float, "CTE ROW activation clip (0: none)"),
         Param("output_dtype", None, "dtype", "default: the hidden dtype"),
         Param("store_output_in_sbuf", False, bool, "not applicable in JAX (must be False)"),
@@ -357,13 +460,17 @@ MLP_SPEC = KernelSpec(
         Param("use_tkg_gate_up_proj_column_tiling", True, bool, "TKG tiling (no numeric effect)"),
         Param("use_tkg_down_proj_column_tiling", True, bool, "TKG tiling (no numeric effect)"),
         Param("use_tkg_down_proj_optimized_layout", False, bool, "down weights in the kernel's swizzled layout"),
-        Param("gate_clamp_upper_limit", None, float), Param("gate_clamp_lower_limit", None, float),
-        Param("up_clamp_upper_limit", None, float), Param("up_clamp_lower_limit", None, float),
+        Param("gate_clamp_upper_limit", None, float),
+        Param("gate_clamp_lower_limit", None, float),
+        Param("up_clamp_upper_limit", None, float),
+        Param("up_clamp_lower_limit", None, float),
         Param("force_cte_mode", False, bool, "run the CTE path even when B*S <= 96"),
     ),
     outputs=(),
-    output_avals=lambda call: [(name, call.shape("B, S, H"), call.params["output_dtype"]) for name in
-                               ("out", "add_out")[:2 if call.params["store_fused_add_result"] else 1]],
+    output_avals=lambda call: [
+        (name, call.shape("B, S, H"), call.params["output_dtype"])
+        for name in ("out", "add_out")[: 2 if call.params["store_fused_add_result"] else 1]
+    ],
     prepare=_prepare,
     reference=reference_mlp,
     reference_takes_lnc=True,
@@ -371,17 +478,24 @@ MLP_SPEC = KernelSpec(
     neuron_limits=_neuron_limits,
     # Rows are independent, but folding a vmapped axis into B changes B*S and may switch TKG -> CTE (different
     # numerics): fold only calls that already run CTE; TKG calls run per element under lax.map.
-    fold_plans=(FoldPlan({"hidden_tensor": "B", "fused_add_tensor": "B"}, outputs={"out": 0, "add_out": 0},
-                         when=lambda call: not _tkg(call)),),
+    fold_plans=(
+        FoldPlan(
+            {"hidden_tensor": "B", "fused_add_tensor": "B"},
+            outputs={"out": 0, "add_out": 0},
+            when=lambda call: not _tkg(call),
+        ),
+    ),
     mac_count=_mac_count,
     family="mlp",
     catalog="1.9",
-    support={"idiomatic": "mlp",
-             "vjp": "JAX (jax.vjp of the smooth MLP math; straight-through FP8 activation quantization)",
-             "notes": "CTE/TKG dispatch at B*S = 96 (CTE computes float32 in bfloat16); FP8 ROW/STATIC; MX "
-                      "(MXFP8/MXFP4 x4 weights, TKG); STATIC_MX (swizzled FP8 weights, CTE); ROW_MX, "
-                      "gate_up_w_layout (2.32), pre-quantized input and SBUF output not bound; Neuron: H % 128, "
-                      "clamps TKG only"},
+    support={
+        "idiomatic": "mlp",
+        "vjp": "JAX (jax.vjp of the smooth MLP math; straight-through FP8 activation quantization)",
+        "notes": "CTE/TKG dispatch at B*S = 96 (CTE computes float32 in bfloat16); FP8 ROW/STATIC; MX "
+        "(MXFP8/MXFP4 x4 weights, TKG); STATIC_MX (swizzled FP8 weights, CTE); ROW_MX, "
+        "gate_up_w_layout (2.32), pre-quantized input and SBUF output not bound; Neuron: H % 128, "
+        "clamps TKG only",
+    },
 )
 
 

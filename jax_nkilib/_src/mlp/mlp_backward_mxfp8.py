@@ -50,8 +50,7 @@ DOWN_T = MatmulOperand("down_weight_T", "I", "H", "down_weight_T_scales")
 OUTPUT_GRAD_T = MatmulOperand("output_grad_T", "H", "S", "output_grad_T_scales")
 HIDDEN_T = MatmulOperand("hidden_states_T", "H", "S", "hidden_states_T_scales")
 PREQUANTIZED_ONLY = (GATE_UP_T, DOWN_T, OUTPUT_GRAD_T, HIDDEN_T)
-CHECKPOINTS = tuple(MatmulOperand(name, "S", "I")
-                    for name in ("gate_pre", "gate_act", "up", "intermediate"))
+CHECKPOINTS = tuple(MatmulOperand(name, "S", "I") for name in ("gate_pre", "gate_act", "up", "intermediate"))
 OPERANDS = (OUTPUT_GRAD, HIDDEN_STATES, DOWN_PROJ, GATE_UP) + PREQUANTIZED_ONLY + CHECKPOINTS
 DGT_MIN_K = 128
 
@@ -64,37 +63,66 @@ def _copy(spec: MatmulOperand, raw, ops, params):
     return raw.astype(jnp.bfloat16).T, True
 
 
-def reference_mlp_backward_mxfp8(output_grad, hidden_states, down_proj_weight=None, gate_up_weights=None,
-                                 gate_up_weight_T=None, gate_up_weight_T_scales=None, gate_up_weights_scales=None,
-                                 down_weight_T=None, down_weight_T_scales=None, output_grad_T=None,
-                                 output_grad_T_scales=None, hidden_states_T=None, hidden_states_T_scales=None,
-                                 gate_pre=None, gate_act=None, up=None, intermediate=None, **params):
+def reference_mlp_backward_mxfp8(
+    output_grad,
+    hidden_states,
+    down_proj_weight=None,
+    gate_up_weights=None,
+    gate_up_weight_T=None,
+    gate_up_weight_T_scales=None,
+    gate_up_weights_scales=None,
+    down_weight_T=None,
+    down_weight_T_scales=None,
+    output_grad_T=None,
+    output_grad_T_scales=None,
+    hidden_states_T=None,
+    hidden_states_T_scales=None,
+    gate_pre=None,
+    gate_act=None,
+    up=None,
+    intermediate=None,
+    **params,
+):
     """JAX reference: ``(hidden_states_grad, gate_up_weight_grad, down_proj_weight_grad)``."""
     ops = dict(locals())
     clamps = {name: params[name] for name in math.CLAMPS}
     gate_up, quantize_gate_up = values(GATE_UP, ops, params)
-    checkpoints = math.recompute(hidden_states, gate_up, quantize_gate_up,
-                                 (gate_pre, gate_act, up, intermediate), clamps)
-    return math.backward(output_grad, checkpoints, _copy(DOWN_T, down_proj_weight, ops, params),
-                         _copy(GATE_UP_T, gate_up_weights, ops, params), _copy(HIDDEN_T, hidden_states, ops, params),
-                         _copy(OUTPUT_GRAD_T, output_grad, ops, params), clamps)
+    checkpoints = math.recompute(
+        hidden_states, gate_up, quantize_gate_up, (gate_pre, gate_act, up, intermediate), clamps
+    )
+    return math.backward(
+        output_grad,
+        checkpoints,
+        _copy(DOWN_T, down_proj_weight, ops, params),
+        _copy(GATE_UP_T, gate_up_weights, ops, params),
+        _copy(HIDDEN_T, hidden_states, ops, params),
+        _copy(OUTPUT_GRAD_T, output_grad, ops, params),
+        clamps,
+    )
 
 
 def _check(call: CallInfo) -> None:
     avals, function = call.avals, call.function
     for spec in PREQUANTIZED_ONLY:
         if (avals.get(spec.name) is None) != (avals.get(spec.scales) is None):
-            raise ValueError(f"{function}: `{spec.name}` (pre-quantized, layout {spec.layout_text(PREQUANTIZED)}) "
-                             f"and `{spec.scales}` go together")
+            raise ValueError(
+                f"{function}: `{spec.name}` (pre-quantized, layout {spec.layout_text(PREQUANTIZED)}) "
+                f"and `{spec.scales}` go together"
+            )
     if avals.get("gate_up_weights") is None:
-        raise TypeError(f"{function}: missing required tensor argument `gate_up_weights` with layout [2*I, H] (or "
-                        "pre-quantized [H/4, 2*I] with `gate_up_weights_scales`)")
+        raise TypeError(
+            f"{function}: missing required tensor argument `gate_up_weights` with layout [2*I, H] (or "
+            "pre-quantized [H/4, 2*I] with `gate_up_weights_scales`)"
+        )
     if avals.get("down_proj_weight") is None and avals.get("down_weight_T") is None:
-        raise ValueError(f"{function}: give `down_proj_weight` [H, I], or `down_weight_T` pre-quantized with "
-                         "`down_weight_T_scales`")
+        raise ValueError(
+            f"{function}: give `down_proj_weight` [H, I], or `down_weight_T` pre-quantized with `down_weight_T_scales`"
+        )
     if avals.get("gate_up_weights_scales") is not None and avals.get("gate_up_weight_T") is None:
-        raise ValueError(f"{function}: pre-quantized `gate_up_weights` cannot be transposed by the kernel: give "
-                         "`gate_up_weight_T` (layout [2*I/4, H]) with `gate_up_weight_T_scales` too")
+        raise ValueError(
+            f"{function}: pre-quantized `gate_up_weights` cannot be transposed by the kernel: give "
+            "`gate_up_weight_T` (layout [2*I/4, H]) with `gate_up_weight_T_scales` too"
+        )
     bind_dims(call, OPERANDS)
 
 
@@ -157,10 +185,12 @@ MLP_BACKWARD_MXFP8_SPEC = KernelSpec(
     mac_count=lambda call: 6 * call.dims["S"] * call.dims["H"] * call.dims["I"],
     family="mlp",
     catalog="row 68",
-    support={"idiomatic": "",
-             "vjp": "not differentiable (it is the backward of mlp_forward_mxfp8_nki)",
-             "notes": "MXFP8 SwiGLU backward with recompute and clamp limits; Neuron (Trn3): bf16 operands, S and I "
-                      "(and H) % 128, LNC=2 with run_with_lnc2; matmul_config not exposed; adapter jax_nkilib_kernels/mxfp8.py"},
+    support={
+        "idiomatic": "",
+        "vjp": "not differentiable (it is the backward of mlp_forward_mxfp8_nki)",
+        "notes": "MXFP8 SwiGLU backward with recompute and clamp limits; Neuron (Trn3): bf16 operands, S and I "
+        "(and H) % 128, LNC=2 with run_with_lnc2; matmul_config not exposed; adapter jax_nkilib_kernels/mxfp8.py",
+    },
 )
 
 mlp_backward_mxfp8_nki = make_kernel(MLP_BACKWARD_MXFP8_SPEC)

@@ -138,10 +138,15 @@ def mlp_forward(ops: Mapping[str, Any], p: Mapping[str, Any], *, exact: bool, ln
     quant = p["quantization_type"]
     quantize_acts = quant in FP8_TYPES and not tkg and not exact
     if quant == QuantizationType.STATIC_MX:
-        ops = dict(ops, down_proj_weights_tensor=unswizzle_static_mx_down(ops["down_proj_weights_tensor"]),
-                   **{name: unswizzle_static_mx_gate_up(ops[name]) for name in
-                      ("gate_proj_weights_tensor", "up_proj_weights_tensor") if ops.get(name) is not None
-                      and not (p["skip_gate_proj"] and name.startswith("gate"))})
+        ops = dict(
+            ops,
+            down_proj_weights_tensor=unswizzle_static_mx_down(ops["down_proj_weights_tensor"]),
+            **{
+                name: unswizzle_static_mx_gate_up(ops[name])
+                for name in ("gate_proj_weights_tensor", "up_proj_weights_tensor")
+                if ops.get(name) is not None and not (p["skip_gate_proj"] and name.startswith("gate"))
+            },
+        )
 
     def rounded(v, dtype=c):
         return v if exact else v.astype(dtype).astype(acc)
@@ -159,8 +164,15 @@ def mlp_forward(ops: Mapping[str, Any], p: Mapping[str, Any], *, exact: bool, ln
         x = rounded(x)
     n = x
     if p["normalization_type"] != NormType.NO_NORM:
-        n = rounded(fused_norm(x, p["normalization_type"], ops.get("normalization_weights_tensor"),
-                               ops.get("normalization_bias_tensor"), p["eps"]))
+        n = rounded(
+            fused_norm(
+                x,
+                p["normalization_type"],
+                ops.get("normalization_weights_tensor"),
+                ops.get("normalization_bias_tensor"),
+                p["eps"],
+            )
+        )
 
     def project(inp, in_dequant, weight, scale, bias):
         w = weight.astype(acc) if quant != QuantizationType.NONE else loaded(weight)
@@ -177,16 +189,33 @@ def mlp_forward(ops: Mapping[str, Any], p: Mapping[str, Any], *, exact: bool, ln
     if quant == QuantizationType.MX:
         return _mlp_mx(ops, p, n, project, rounded, exact), add_out
     if quantize_acts:
-        inp, in_dequant = quantize_activation(n, quant, ops["up_proj_weights_tensor"].dtype,
-                                              ops.get("gate_up_in_scale"), p["quant_clipping_bound"], rounded)
-    up = clamp(project(inp, in_dequant, ops["up_proj_weights_tensor"], ops.get("up_w_scale"),
-                       ops.get("up_proj_bias_tensor")), p["up_clamp_upper_limit"], p["up_clamp_lower_limit"])
+        inp, in_dequant = quantize_activation(
+            n,
+            quant,
+            ops["up_proj_weights_tensor"].dtype,
+            ops.get("gate_up_in_scale"),
+            p["quant_clipping_bound"],
+            rounded,
+        )
+    up = clamp(
+        project(inp, in_dequant, ops["up_proj_weights_tensor"], ops.get("up_w_scale"), ops.get("up_proj_bias_tensor")),
+        p["up_clamp_upper_limit"],
+        p["up_clamp_lower_limit"],
+    )
     if p["skip_gate_proj"]:
         inter = activation(up, p["activation_fn"])
     else:
-        gate = clamp(project(inp, in_dequant, ops["gate_proj_weights_tensor"], ops.get("gate_w_scale"),
-                             ops.get("gate_proj_bias_tensor")), p["gate_clamp_upper_limit"],
-                     p["gate_clamp_lower_limit"])
+        gate = clamp(
+            project(
+                inp,
+                in_dequant,
+                ops["gate_proj_weights_tensor"],
+                ops.get("gate_w_scale"),
+                ops.get("gate_proj_bias_tensor"),
+            ),
+            p["gate_clamp_upper_limit"],
+            p["gate_clamp_lower_limit"],
+        )
         inter = activation(gate, p["activation_fn"]) * up
     inter = rounded(inter)
 
@@ -195,8 +224,9 @@ def mlp_forward(ops: Mapping[str, Any], p: Mapping[str, Any], *, exact: bool, ln
         down = unswizzle_down(down, lnc)
     inter_dequant = 1.0
     if quantize_acts:
-        inter, inter_dequant = quantize_activation(inter, quant, down.dtype, ops.get("down_in_scale"),
-                                                   p["quant_clipping_bound"], rounded)
+        inter, inter_dequant = quantize_activation(
+            inter, quant, down.dtype, ops.get("down_in_scale"), p["quant_clipping_bound"], rounded
+        )
     out = rounded(project(inter, inter_dequant, down, ops.get("down_w_scale"), ops.get("down_proj_bias_tensor")))
     return out, add_out
 
@@ -262,21 +292,29 @@ def _mlp_mx(ops, p, n, project, rounded, exact: bool):
     """The MX TKG datapath after the norm: MXFP8 round trips of the gate/up input and of the intermediate (skipped
     when ``exact``), matmuls with the decoded MX weights, no weight-scale multiply (the scales are in the decode)."""
     fmt = p["mx_weight_dtype"]
-    gate_up = {name: decode_mx_gate_up(ops[f"{name}_proj_weights_tensor"], ops[f"{name}_w_scale"], fmt)
-               for name in (("up",) if p["skip_gate_proj"] else ("gate", "up"))}
+    gate_up = {
+        name: decode_mx_gate_up(ops[f"{name}_proj_weights_tensor"], ops[f"{name}_w_scale"], fmt)
+        for name in (("up",) if p["skip_gate_proj"] else ("gate", "up"))
+    }
     down = ops["down_proj_weights_tensor"]
     inter_size = gate_up["up"].shape[1]
     down = decode_mx_down(down, ops["down_w_scale"], fmt, inter_size)
     inp = n if exact else mx_quantize_hidden(n)
-    bias = {name: None if ops.get(f"{name}_proj_bias_tensor") is None
-            else mx_bias_vector(ops[f"{name}_proj_bias_tensor"], inter_size) for name in gate_up}
-    up = clamp(project(inp, 1.0, gate_up["up"], None, bias["up"]), p["up_clamp_upper_limit"],
-               p["up_clamp_lower_limit"])
+    bias = {
+        name: None
+        if ops.get(f"{name}_proj_bias_tensor") is None
+        else mx_bias_vector(ops[f"{name}_proj_bias_tensor"], inter_size)
+        for name in gate_up
+    }
+    up = clamp(project(inp, 1.0, gate_up["up"], None, bias["up"]), p["up_clamp_upper_limit"], p["up_clamp_lower_limit"])
     if p["skip_gate_proj"]:
         inter = activation(up, p["activation_fn"])
     else:
-        gate = clamp(project(inp, 1.0, gate_up["gate"], None, bias["gate"]), p["gate_clamp_upper_limit"],
-                     p["gate_clamp_lower_limit"])
+        gate = clamp(
+            project(inp, 1.0, gate_up["gate"], None, bias["gate"]),
+            p["gate_clamp_upper_limit"],
+            p["gate_clamp_lower_limit"],
+        )
         inter = activation(gate, p["activation_fn"]) * up
     inter = rounded(inter)
     if not exact:

@@ -54,8 +54,9 @@ class MatmulOperand:
             return f"[{f}, {k}]"
         if mode == SWIZZLED:
             return f"[{k}/4, 4*{f}] (wrapX swizzled)"
-        return (f"[{k}/4, {f}] uint32 x4 words, with `{self.scales}` [{k}/4, {f}] or packed "
-                f"[ceil({k}/2048)*128, {f}] uint8")
+        return (
+            f"[{k}/4, {f}] uint32 x4 words, with `{self.scales}` [{k}/4, {f}] or packed [ceil({k}/2048)*128, {f}] uint8"
+        )
 
 
 def free_layout(name: str) -> str:
@@ -80,13 +81,17 @@ def operand_dims(spec: MatmulOperand, call: CallInfo) -> tuple[int, int] | None:
         return None
     mode = mode_of(spec, avals, call.params)
     if mode == PREQUANTIZED and spec.swizzled is not None and call.params[spec.swizzled]:
-        raise ValueError(f"{function}: give either `{spec.scales}` (pre-quantized `{spec.name}`) or "
-                         f"{spec.swizzled}=True (pre-swizzled bfloat16), not both")
+        raise ValueError(
+            f"{function}: give either `{spec.scales}` (pre-quantized `{spec.name}`) or "
+            f"{spec.swizzled}=True (pre-swizzled bfloat16), not both"
+        )
     dtype, rows, cols = np.dtype(aval.dtype), *aval.shape
     allowed = WORD_DTYPES if mode == PREQUANTIZED else FLOAT_DTYPES
     if dtype not in allowed:
-        raise TypeError(f"{function}: argument `{spec.name}` ({mode}, layout {spec.layout_text(mode)}) must have dtype "
-                        f"in ({', '.join(map(str, allowed))}); got {dtype}")
+        raise TypeError(
+            f"{function}: argument `{spec.name}` ({mode}, layout {spec.layout_text(mode)}) must have dtype "
+            f"in ({', '.join(map(str, allowed))}); got {dtype}"
+        )
     if mode == RAW:
         f_rows, k = rows, cols
     elif mode == SWIZZLED:
@@ -94,22 +99,29 @@ def operand_dims(spec: MatmulOperand, call: CallInfo) -> tuple[int, int] | None:
     else:
         f_rows, k = cols, 4 * rows
     if f_rows != int(f_rows) or int(f_rows) % spec.f_times or k % spec.k_times:
-        raise ValueError(f"{function}: argument `{spec.name}` must have layout {spec.layout_text(mode)}; got shape "
-                         f"{tuple(aval.shape)}")
+        raise ValueError(
+            f"{function}: argument `{spec.name}` must have layout {spec.layout_text(mode)}; got shape "
+            f"{tuple(aval.shape)}"
+        )
     if mode != RAW and k % mx.BLOCK_SIZE:
-        raise ValueError(f"{function}: the contraction {spec.k_text}={k} of the {mode} `{spec.name}` (layout "
-                         f"{spec.layout_text(mode)}) must be a multiple of 32 (one MX scale per 32 elements)")
+        raise ValueError(
+            f"{function}: the contraction {spec.k_text}={k} of the {mode} `{spec.name}` (layout "
+            f"{spec.layout_text(mode)}) must be a multiple of 32 (one MX scale per 32 elements)"
+        )
     f, k = int(f_rows) // spec.f_times, int(k) // spec.k_times
     if mode == PREQUANTIZED:
         scales = avals[spec.scales]
         if np.dtype(scales.dtype) not in SCALE_DTYPES:
-            raise TypeError(f"{function}: argument `{spec.scales}` must have dtype uint8 (e8m0 scale bytes); got "
-                            f"{scales.dtype}")
+            raise TypeError(
+                f"{function}: argument `{spec.scales}` must have dtype uint8 (e8m0 scale bytes); got {scales.dtype}"
+            )
         shapes = {(mx.matmul_scale_rows(k * spec.k_times, packed), f * spec.f_times) for packed in (False, True)}
         if tuple(scales.shape) not in shapes:
-            raise ValueError(f"{function}: argument `{spec.scales}` must be [{spec.k_text}/4, {spec.f_text}] or packed "
-                             f"[ceil({spec.k_text}/2048)*128, {spec.f_text}] = one of {sorted(shapes)} for "
-                             f"`{spec.name}` {tuple(aval.shape)}; got {tuple(scales.shape)}")
+            raise ValueError(
+                f"{function}: argument `{spec.scales}` must be [{spec.k_text}/4, {spec.f_text}] or packed "
+                f"[ceil({spec.k_text}/2048)*128, {spec.f_text}] = one of {sorted(shapes)} for "
+                f"`{spec.name}` {tuple(aval.shape)}; got {tuple(scales.shape)}"
+            )
     return f, k
 
 
@@ -125,9 +137,11 @@ def bind_dims(call: CallInfo, operands, fixed: dict[str, int] | None = None) -> 
         mode = mode_of(spec, call.avals, call.params)
         for name, size in zip((spec.f, spec.k), found):
             if name in dims and dims[name] != size:
-                raise ValueError(f"{call.function}: argument `{spec.name}` must have layout {spec.layout_text(mode)} "
-                                 f"with {name}={dims[name]} (from {source[name]}); got shape "
-                                 f"{tuple(call.avals[spec.name].shape)}, i.e. {name}={size}")
+                raise ValueError(
+                    f"{call.function}: argument `{spec.name}` must have layout {spec.layout_text(mode)} "
+                    f"with {name}={dims[name]} (from {source[name]}); got shape "
+                    f"{tuple(call.avals[spec.name].shape)}, i.e. {name}={size}"
+                )
             dims.setdefault(name, size)
             source.setdefault(name, f"`{spec.name}`")
     call.dims.update(dims)  # the output layouts name these dimensions
@@ -136,9 +150,13 @@ def bind_dims(call: CallInfo, operands, fixed: dict[str, int] | None = None) -> 
 
 def bf16_operand_limits(call: CallInfo, operands) -> list[str]:
     """Both kernels load raw and pre-swizzled operands as bfloat16."""
-    wrong = [f"{spec.name} ({call.avals[spec.name].dtype})" for spec in operands
-             if call.avals.get(spec.name) is not None and mode_of(spec, call.avals, call.params) != PREQUANTIZED
-             and np.dtype(call.avals[spec.name].dtype) != jnp.dtype(jnp.bfloat16)]
+    wrong = [
+        f"{spec.name} ({call.avals[spec.name].dtype})"
+        for spec in operands
+        if call.avals.get(spec.name) is not None
+        and mode_of(spec, call.avals, call.params) != PREQUANTIZED
+        and np.dtype(call.avals[spec.name].dtype) != jnp.dtype(jnp.bfloat16)
+    ]
     return [f"the kernel loads bfloat16 operands; got {', '.join(wrong)}"] if wrong else []
 
 
@@ -146,10 +164,14 @@ def lnc2_limits(call: CallInfo, sizes: dict[str, int]) -> list[str]:
     """``run_with_lnc2`` needs LNC=2 and even ``sizes`` (the dimensions the kernel splits over the two cores)."""
     if not call.params["run_with_lnc2"]:
         return []
-    unmet = [] if call.lnc == 2 else [f"run_with_lnc2=True needs LNC=2; got LNC={call.lnc} (pass run_with_lnc2="
-                                      "False to run on one core)"]
-    return unmet + [f"{name}={size} must be even to split over the two cores"
-                     for name, size in sizes.items() if size % 2]
+    unmet = (
+        []
+        if call.lnc == 2
+        else [f"run_with_lnc2=True needs LNC=2; got LNC={call.lnc} (pass run_with_lnc2=False to run on one core)"]
+    )
+    return unmet + [
+        f"{name}={size} must be even to split over the two cores" for name, size in sizes.items() if size % 2
+    ]
 
 
 def values(spec: MatmulOperand, operands, params):

@@ -30,8 +30,12 @@ from ..quant import mx
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = jnp.bfloat16
-CLAMPS = ("linear_clamp_upper_limit", "linear_clamp_lower_limit", "non_linear_clamp_upper_limit",
-          "non_linear_clamp_lower_limit")
+CLAMPS = (
+    "linear_clamp_upper_limit",
+    "linear_clamp_lower_limit",
+    "non_linear_clamp_upper_limit",
+    "non_linear_clamp_lower_limit",
+)
 
 
 def mx_contract(a, b, a_axis: int, b_axis: int, quantize_a: bool = True, quantize_b: bool = True):
@@ -86,10 +90,12 @@ def recompute(hidden, gate_up, quantize_gate_up, checkpoints, clamps):
     if gate_pre is None or up is None:
         i = gate_up.shape[0] // 2
         projections = mx_contract(hidden, gate_up, 1, 1, True, quantize_gate_up)
-        new_gate = clamp(projections[:, :i], clamps["non_linear_clamp_upper_limit"],
-                         clamps["non_linear_clamp_lower_limit"]).astype(BF16)
-        new_up = clamp(projections[:, i:], clamps["linear_clamp_upper_limit"],
-                       clamps["linear_clamp_lower_limit"]).astype(BF16)
+        new_gate = clamp(
+            projections[:, :i], clamps["non_linear_clamp_upper_limit"], clamps["non_linear_clamp_lower_limit"]
+        ).astype(BF16)
+        new_up = clamp(
+            projections[:, i:], clamps["linear_clamp_upper_limit"], clamps["linear_clamp_lower_limit"]
+        ).astype(BF16)
         gate_pre = new_gate if gate_pre is None else gate_pre
         up = new_up if up is None else up
     if gate_act is None:
@@ -109,10 +115,12 @@ def backward(output_grad, checkpoints, down_t, gate_up_t, hidden_t, output_grad_
     gate_pre, gate_act, up, intermediate = (c.astype(jnp.float32) for c in checkpoints)
     d = mx_contract(output_grad, down_t[0], 1, 1, True, down_t[1])  # [S, I]
     d_gate_act = (silu_derivative(gate_pre).astype(BF16).astype(jnp.float32) * up).astype(BF16).astype(jnp.float32)
-    d_gate = (d * d_gate_act).astype(BF16) * inside(gate_pre, clamps["non_linear_clamp_upper_limit"],
-                                                    clamps["non_linear_clamp_lower_limit"]).astype(BF16)
-    d_up = (d * gate_act).astype(BF16) * inside(up, clamps["linear_clamp_upper_limit"],
-                                                clamps["linear_clamp_lower_limit"]).astype(BF16)
+    d_gate = (d * d_gate_act).astype(BF16) * inside(
+        gate_pre, clamps["non_linear_clamp_upper_limit"], clamps["non_linear_clamp_lower_limit"]
+    ).astype(BF16)
+    d_up = (d * gate_act).astype(BF16) * inside(
+        up, clamps["linear_clamp_upper_limit"], clamps["linear_clamp_lower_limit"]
+    ).astype(BF16)
     d_gate_up = jnp.concatenate([d_gate, d_up], axis=1)  # [S, 2I] bf16
     dx = mx_contract(d_gate_up, gate_up_t[0], 1, 1, True, gate_up_t[1]).astype(BF16)
     dw_gate_up = mx_contract(d_gate_up, hidden_t[0], 0, 1, True, hidden_t[1]).astype(BF16)  # [2I, H]

@@ -52,8 +52,10 @@ def mismatched_outputs(output_specs: Sequence[tuple[tuple[int, ...], Any]], aval
     for index, ((shape, dtype), aval) in enumerate(zip(output_specs, avals)):
         expected = (tuple(aval.shape), _storage_name(aval.dtype))
         if (tuple(shape), jax_dtype_name(dtype)) != expected:
-            found.append(f"output {index} is {tuple(shape)} {dtype} where abstract evaluation expects "
-                         f"{expected[0]} {np.dtype(aval.dtype).name}")
+            found.append(
+                f"output {index} is {tuple(shape)} {dtype} where abstract evaluation expects "
+                f"{expected[0]} {np.dtype(aval.dtype).name}"
+            )
     return found
 
 

@@ -53,8 +53,9 @@ class DryRunCompiler:
             "input_names": inputs,
             "input_specs": [[list(t.shape), t.device_dtype or t.dtype.name] for t in tensors],
             "output_names": outputs,
-            "params": {name: _json_value(value) for name, value in arguments.items()
-                       if not isinstance(value, TensorArgument)},
+            "params": {
+                name: _json_value(value) for name, value in arguments.items() if not isinstance(value, TensorArgument)
+            },
             "aliases": sorted([i, o] for i, o in aliases.items()),
         }
         return CompiledKernel(

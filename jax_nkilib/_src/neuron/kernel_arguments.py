@@ -74,13 +74,21 @@ def in_signature_order(function: Callable, arguments: Mapping[str, Any], kernel:
     except (TypeError, ValueError) as err:
         raise NkiApiError(f"cannot read the signature of {kernel}: {err}") from None
     unknown = [name for name in arguments if name not in parameters]
-    required = [name for name, p in parameters.items() if p.default is inspect.Parameter.empty
-                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in arguments]
+    required = [
+        name
+        for name, p in parameters.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and name not in arguments
+    ]
     if unknown or required:
         problems = ([f"takes no parameter {', '.join(f'`{n}`' for n in unknown)}"] if unknown else []) + (
-            [f"requires {', '.join(f'`{n}`' for n in required)}"] if required else [])
-        raise NkiApiError(f"the installed {kernel} {' and '.join(problems)}, unlike the NKI Library version jax_nkilib "
-                          f"binds (see the README's tested versions). Installed: {describe_versions()}")
+            [f"requires {', '.join(f'`{n}`' for n in required)}"] if required else []
+        )
+        raise NkiApiError(
+            f"the installed {kernel} {' and '.join(problems)}, unlike the NKI Library version jax_nkilib "
+            f"binds (see the README's tested versions). Installed: {describe_versions()}"
+        )
     return {name: arguments[name] for name in parameters if name in arguments}
 
 
@@ -100,9 +108,11 @@ def _enum_class(function: Callable, parameter: str, name: str):
             return getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
             continue
-    raise NkiApiError(f"cannot find the installed NKI Library's enum {name} for parameter `{parameter}` of "
-                      f"{getattr(function, '__qualname__', function)} (neither its annotation, its module nor "
-                      f"{ENUM_FALLBACK_MODULE} has it). Installed: {describe_versions()}")
+    raise NkiApiError(
+        f"cannot find the installed NKI Library's enum {name} for parameter `{parameter}` of "
+        f"{getattr(function, '__qualname__', function)} (neither its annotation, its module nor "
+        f"{ENUM_FALLBACK_MODULE} has it). Installed: {describe_versions()}"
+    )
 
 
 def library_enum(function: Callable, parameter: str, value: enum.Enum):
@@ -111,21 +121,25 @@ def library_enum(function: Callable, parameter: str, value: enum.Enum):
     try:
         return cls[value.name]
     except KeyError:
-        raise NkiApiError(f"the installed NKI Library's {cls.__name__} has no member {value.name} (parameter "
-                          f"`{parameter}`). Installed: {describe_versions()}") from None
+        raise NkiApiError(
+            f"the installed NKI Library's {cls.__name__} has no member {value.name} (parameter "
+            f"`{parameter}`). Installed: {describe_versions()}"
+        ) from None
 
 
 def nki_dtype(name: str, parameter: str):
     """``nki.language.<name>``: the dtype object NKI kernels allocate and compare with."""
     language = importlib.import_module("nki.language")
     if not hasattr(language, name):
-        raise NkiApiError(f"nki.language has no dtype {name} (parameter `{parameter}`). Installed: "
-                          f"{describe_versions()}")
+        raise NkiApiError(
+            f"nki.language has no dtype {name} (parameter `{parameter}`). Installed: {describe_versions()}"
+        )
     return getattr(language, name)
 
 
-def library_values(spec: KernelSpec, function: Callable, arguments: Mapping[str, Any],
-                   placeholder: Callable[[TensorArgument], Any]) -> dict[str, Any]:
+def library_values(
+    spec: KernelSpec, function: Callable, arguments: Mapping[str, Any], placeholder: Callable[[TensorArgument], Any]
+) -> dict[str, Any]:
     """``arguments`` as the library function ``function`` takes them (see the module docstring)."""
     kinds = {param.name: param.kind for param in spec.params}
     values = {}

@@ -51,8 +51,10 @@ def _split_lowering(spec: KernelSpec, primitive, plan: NeuronPlan, call: CallInf
     def split(*values):
         pieces = []
         for start in range(0, call.dims[plan.dim], width):
-            sliced = [lax.slice_in_dim(value, start, start + width, axis=axes[name]) if name in axes else value
-                      for name, value in zip(present, values)]
+            sliced = [
+                lax.slice_in_dim(value, start, start + width, axis=axes[name]) if name in axes else value
+                for name, value in zip(present, values)
+            ]
             pieces.append(primitive.bind(*sliced, present=present, **params))
         return [lax.concatenate([outs[i] for outs in pieces], axis) for i, axis in enumerate(out_axes)]
 
@@ -66,8 +68,10 @@ def _warn_once(spec: KernelSpec, site: str, unmet: list[str]) -> None:
             return
         _warned.add(key)
     filename, _, line = site.rpartition(":")
-    message = (f"{spec.public_name} at {site} lowers to the JAX reference on Neuron, not the NKI kernel: "
-               f"{'; '.join(unmet)}. Use jax_nkilib.config(on_unsupported='error') to make this an error.")
+    message = (
+        f"{spec.public_name} at {site} lowers to the JAX reference on Neuron, not the NKI kernel: "
+        f"{'; '.join(unmet)}. Use jax_nkilib.config(on_unsupported='error') to make this an error."
+    )
     if line.isdigit():
         warnings.warn_explicit(message, NeuronFallbackWarning, filename, int(line))
     else:
@@ -79,8 +83,9 @@ def emit_custom_call(ctx, operands, compiled: CompiledKernel, kernel: str = "the
     abstract evaluation."""
     mismatches = mismatched_outputs(compiled.output_specs, ctx.avals_out)
     if mismatches:
-        raise NeuronOutputMismatchError(f"{kernel} compiled to outputs that abstract evaluation does not expect: "
-                                        f"{'; '.join(mismatches)}")
+        raise NeuronOutputMismatchError(
+            f"{kernel} compiled to outputs that abstract evaluation does not expect: {'; '.join(mismatches)}"
+        )
     return compat.custom_call(
         CUSTOM_CALL_TARGET,
         result_types=[compat.ir_type(ctx, aval) for aval in ctx.avals_out],
@@ -101,8 +106,10 @@ def _with_replica_groups(spec: KernelSpec, ctx, call: CallInfo) -> CallInfo:
     for name in axis_params:
         groups = compat.replica_groups(ctx, params[name])
         if groups is None:
-            raise ValueError(f"{spec.public_name}: `{name}`={params[name]} must name axes of the jax.shard_map that "
-                             "encloses the call; the Neuron kernel needs them as rank lists")
+            raise ValueError(
+                f"{spec.public_name}: `{name}`={params[name]} must name axes of the jax.shard_map that "
+                "encloses the call; the Neuron kernel needs them as rank lists"
+            )
         params[name] = groups
     return dataclasses.replace(call, params=params)
 
@@ -120,8 +127,9 @@ def neuron_lowering_rule(spec: KernelSpec, reference_rule: Callable) -> Callable
         if plan.kind == "fallback":
             unmet = list(plan.unmet)
             if config.current_on_unsupported() == "error":
-                raise NeuronUnsupportedError(f"{spec.public_name} cannot run as the NKI kernel on Neuron: "
-                                             f"{'; '.join(unmet)}")
+                raise NeuronUnsupportedError(
+                    f"{spec.public_name} cannot run as the NKI kernel on Neuron: {'; '.join(unmet)}"
+                )
             _warn_once(spec, compat.call_site(ctx.traceback), unmet)
             return reference_rule(ctx, *operands, present=present, **params)
         compiled = active_compiler().compile(spec, _with_replica_groups(spec, ctx, call), output_avals(spec, call))

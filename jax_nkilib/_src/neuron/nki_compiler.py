@@ -78,10 +78,14 @@ def placeholder(argument: TensorArgument):
     if argument.device_dtype is None:
         return np.empty(argument.shape, dtype=argument.dtype)
     nki_tensor = probe("nki.language.tensor", "NkiTensor", f"the {argument.device_dtype} operand `{argument.name}`")
-    shared_hbm = probe("nki.language.buffers", "shared_hbm", f"the {argument.device_dtype} operand "
-                                                             f"`{argument.name}`")
-    return nki_tensor(name=argument.name, shape=tuple(argument.shape),
-                      dtype=nki_dtype(argument.device_dtype, argument.name), storage=None, buffer=shared_hbm)
+    shared_hbm = probe("nki.language.buffers", "shared_hbm", f"the {argument.device_dtype} operand `{argument.name}`")
+    return nki_tensor(
+        name=argument.name,
+        shape=tuple(argument.shape),
+        dtype=nki_dtype(argument.device_dtype, argument.name),
+        storage=None,
+        buffer=shared_hbm,
+    )
 
 
 def _output_spec(spec) -> tuple[tuple[int, ...], str]:
@@ -95,8 +99,11 @@ def kernel_inputs(spec: KernelSpec, call: CallInfo) -> tuple[Any, dict[str, Any]
     entry = import_entry_point(spec.entry_point)
     function = getattr(entry, "func", entry)  # the raw function: CompileKernel's __post_init__ writes to it
     arguments = in_signature_order(function, call_arguments(spec, call), spec.entry_point)
-    values = (adapter_values(arguments, placeholder) if is_adapter(spec)
-              else library_values(spec, function, arguments, placeholder))
+    values = (
+        adapter_values(arguments, placeholder)
+        if is_adapter(spec)
+        else library_values(spec, function, arguments, placeholder)
+    )
     return function, values, [name for name, value in arguments.items() if isinstance(value, TensorArgument)]
 
 
@@ -113,8 +120,11 @@ class NkiCompiler:
         kernel = compile_kernel(function, lnc=call.lnc, target=call.target, artifacts_dir=directory)
         nir = compile_kernel_to_nir(kernel, inputs=values, compile_opts=self._options(kernel, call, directory))
         framework_config = nir.build_config()
-        missing = [attr for attr in ("backend_config_b64", "output_specs", "operand_output_aliases",
-                                     "has_collectives") if not hasattr(framework_config, attr)]
+        missing = [
+            attr
+            for attr in ("backend_config_b64", "output_specs", "operand_output_aliases", "has_collectives")
+            if not hasattr(framework_config, attr)
+        ]
         if missing:
             raise NkiApiError(f"nki's FrameworkConfig lacks {', '.join(missing)}; this nki version is not supported")
         encoded = framework_config.backend_config_b64
@@ -136,5 +146,9 @@ class NkiCompiler:
         if own is not None:
             return own()
         compile_options = probe("nki.compiler.ncc_driver", "CompileOptions", "compiling kernels")
-        return compile_options(target=call.target, lnc=call.lnc, artifacts_dir=directory,
-                               output_path=os.path.join(directory, "kernel.neff"))
+        return compile_options(
+            target=call.target,
+            lnc=call.lnc,
+            artifacts_dir=directory,
+            output_path=os.path.join(directory, "kernel.neff"),
+        )

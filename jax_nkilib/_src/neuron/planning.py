@@ -103,5 +103,3 @@ def plan_neuron_call(spec: KernelSpec, call: CallInfo) -> NeuronPlan:
             if piece and not unmet_neuron_limits(spec, piece) and output_axes(spec, call, piece) is not None:
                 return NeuronPlan("split", unmet, dim, pieces)
     return NeuronPlan("fallback", unmet)
-
-

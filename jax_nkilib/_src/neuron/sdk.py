@@ -26,7 +26,7 @@ INSTALL_HINT = (
     "Lowering jax_nkilib kernels for the `neuron` platform needs the Neuron SDK's `nki` package, which is not "
     "installed. Install `nki`, `neuronx-cc`, `libneuronxla` and `jax-neuronx` from the Neuron SDK's own pip "
     "repository (pip install --extra-index-url https://pip.repos.neuron.amazonaws.com ...; see the README's "
-    "\"Running on Trainium\"): the packages of the same names on PyPI are empty placeholders. To inspect the "
+    '"Running on Trainium"): the packages of the same names on PyPI are empty placeholders. To inspect the '
     "lowering without the SDK, use `with jax_nkilib.neuron.dry_run(): ...`."
 )
 
@@ -52,15 +52,17 @@ def probe(module: str, name: str, needed_for: str) -> Any:
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
-        raise NkiApiError(f"the installed Neuron SDK has no `{module}.{name}` ({err}), which jax_nkilib needs for "
-                          f"{needed_for}; it supports the framework-integration API of nki >= 0.4 (Neuron SDK "
-                          f"2.30+). Installed: {describe_versions()}") from None
+        raise NkiApiError(
+            f"the installed Neuron SDK has no `{module}.{name}` ({err}), which jax_nkilib needs for "
+            f"{needed_for}; it supports the framework-integration API of nki >= 0.4 (Neuron SDK "
+            f"2.30+). Installed: {describe_versions()}"
+        ) from None
 
 
 def module_candidates(module_name: str) -> list[str]:
     """Where ``module_name`` may be installed: ``nkilib.x`` is also looked up as ``nkilib_src.nkilib.x``."""
     if module_name == "nkilib" or module_name.startswith("nkilib."):
-        return [package + module_name[len("nkilib"):] for package in LIBRARY_PACKAGES]
+        return [package + module_name[len("nkilib") :] for package in LIBRARY_PACKAGES]
     return [module_name]
 
 
@@ -80,9 +82,11 @@ def import_entry_point(entry_point: str):
     """The kernel function named by ``module:attribute``; :class:`NkiApiError` when it cannot be imported."""
     found, errors = _lookup(entry_point)
     if errors:
-        raise NkiApiError(f"cannot import the kernel entry point {entry_point} ({'; '.join(errors)}). The NKI "
-                          f"Library ships with neuronx-cc (as `nkilib`) or as the `nki-library` source tree "
-                          f"(`nkilib_src`). Installed: {describe_versions()}")
+        raise NkiApiError(
+            f"cannot import the kernel entry point {entry_point} ({'; '.join(errors)}). The NKI "
+            f"Library ships with neuronx-cc (as `nkilib`) or as the `nki-library` source tree "
+            f"(`nkilib_src`). Installed: {describe_versions()}"
+        )
     return found
 
 

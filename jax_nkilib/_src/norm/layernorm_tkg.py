@@ -55,8 +55,7 @@ def layernorm_rows(x, gamma, beta, eps: float):
     return y.astype(x.dtype)
 
 
-def reference_layernorm_tkg(input, gamma, beta=None, *, eps=1e-6, shard_on_h=False, use_heap_memory=False,
-                            lnc=1):
+def reference_layernorm_tkg(input, gamma, beta=None, *, eps=1e-6, shard_on_h=False, use_heap_memory=False, lnc=1):
     """JAX reference of ``layernorm_tkg``: ``[128, B*S, H/128]`` (order by the call's LNC degree)."""
     del shard_on_h, use_heap_memory
     return (to_kernel_order(layernorm_rows(token_rows(input), gamma, beta, eps), lnc),)
@@ -72,10 +71,12 @@ def _layernorm_tkg_vjp(kernel, operands, params, outs, cotangents):
     mean, r = layer_statistics(xw, params["eps"])
     xhat = (xw - mean) * r
     dxhat = dy * gamma.reshape(1, -1).astype(wide)
-    dx = r * (dxhat - jnp.mean(dxhat, axis=-1, keepdims=True)
-              - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True))
-    return {"input": dx.reshape(x.shape), "gamma": jnp.sum(dy * xhat, axis=0, keepdims=True),
-            "beta": None if beta is None else jnp.sum(dy, axis=0, keepdims=True)}
+    dx = r * (dxhat - jnp.mean(dxhat, axis=-1, keepdims=True) - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True))
+    return {
+        "input": dx.reshape(x.shape),
+        "gamma": jnp.sum(dy * xhat, axis=0, keepdims=True),
+        "beta": None if beta is None else jnp.sum(dy, axis=0, keepdims=True),
+    }
 
 
 def _layernorm_neuron_limits(call: CallInfo) -> list[str]:
@@ -85,8 +86,9 @@ def _layernorm_neuron_limits(call: CallInfo) -> list[str]:
     rows, h1 = call.dims["B"] * call.dims["S"], call.dims["H"] // PARTITIONS
     used = (16 * rows * h1 + PARTITIONS) * 4  # the kernel sizes its SBUF manager so
     if used > SBUF_PARTITION_BYTES:
-        unmet.append(f"SBUF capacity: (16*B*S*H/128 + 128)*4 = {used} bytes per partition exceed "
-                     f"{SBUF_PARTITION_BYTES}")
+        unmet.append(
+            f"SBUF capacity: (16*B*S*H/128 + 128)*4 = {used} bytes per partition exceed {SBUF_PARTITION_BYTES}"
+        )
     return unmet
 
 
@@ -114,10 +116,12 @@ LAYERNORM_TKG_SPEC = KernelSpec(
     mac_count=lambda call: 5 * elements(call),
     family="norm",
     catalog="1.19",
-    support={"idiomatic": "layer_norm",
-             "vjp": "JAX (hand-written from the LayerNorm formulas; no backward kernel)",
-             "notes": "output [128, B*S, H/128] in the LNC-dependent order; H % 128 == 0; one-pass variance as the "
-                      "kernel; SBUF-input variant n/a; device adapter jax_nkilib_kernels/norm.py"},
+    support={
+        "idiomatic": "layer_norm",
+        "vjp": "JAX (hand-written from the LayerNorm formulas; no backward kernel)",
+        "notes": "output [128, B*S, H/128] in the LNC-dependent order; H % 128 == 0; one-pass variance as the "
+        "kernel; SBUF-input variant n/a; device adapter jax_nkilib_kernels/norm.py",
+    },
 )
 
 

@@ -99,24 +99,43 @@ def _outputs(call: CallInfo):
         packed = ((tokens, row), affinity)
     else:
         packed = ((tokens, math.packed_row_bytes(hidden, p["pack_scales"], 0)), jnp.float8_e4m3fn)
-    every = {"norm_quant_packed": lambda: packed,
-             "expert_index": lambda: ((tokens, p["top_k"]), jnp.int32),
-             "expert_affinities": lambda: ((tokens, dims["E"]), affinity),
-             "output_residual": lambda: ((tokens, hidden), avals["residual"].dtype),
-             "norm_bf16": lambda: ((tokens, hidden), jnp.bfloat16)}
+    every = {
+        "norm_quant_packed": lambda: packed,
+        "expert_index": lambda: ((tokens, p["top_k"]), jnp.int32),
+        "expert_affinities": lambda: ((tokens, dims["E"]), affinity),
+        "output_residual": lambda: ((tokens, hidden), avals["residual"].dtype),
+        "norm_bf16": lambda: ((tokens, hidden), jnp.bfloat16),
+    }
     return [(name, *every[name]()) for name in _produced(p, present)]
 
 
 # ------------------------------------------------------------------------------------------------ reference
-def reference_rmsnorm_mx_prefill(hidden_states, gamma, router_weights=None, router_bias=None, residual=None, *, eps,
-                                 top_k, router_act_fn, n_group, topk_group, routed_scaling_factor, qmx_output_dtype,
-                                 pack_scales, pack_affinities, unpadded_hidden_size, emit_norm_bf16,
-                                 hidden_interleaved):
+def reference_rmsnorm_mx_prefill(
+    hidden_states,
+    gamma,
+    router_weights=None,
+    router_bias=None,
+    residual=None,
+    *,
+    eps,
+    top_k,
+    router_act_fn,
+    n_group,
+    topk_group,
+    routed_scaling_factor,
+    qmx_output_dtype,
+    pack_scales,
+    pack_affinities,
+    unpadded_hidden_size,
+    emit_norm_bf16,
+    hidden_interleaved,
+):
     """JAX reference: the kernel's outputs (see the module doc)."""
     del qmx_output_dtype  # checked: the one format
     x = math.prenorm_sum(hidden_states, residual, rounded=True)
-    norm = math.normalized(x, gamma, eps=eps, unpadded_hidden_size=unpadded_hidden_size,
-                           hidden_interleaved=hidden_interleaved)
+    norm = math.normalized(
+        x, gamma, eps=eps, unpadded_hidden_size=unpadded_hidden_size, hidden_interleaved=hidden_interleaved
+    )
     compute_dtype = hidden_states.dtype if router_weights is None else router_weights.dtype
     y = norm.astype(compute_dtype)
     row = math.quantized_row_bytes(y, pack_scales)
@@ -126,13 +145,21 @@ def reference_rmsnorm_mx_prefill(hidden_states, gamma, router_weights=None, rout
     else:
         if router_act_fn == RouterActFnType.NOAUX_TC:
             index = ()
-            affinities = math.router_noaux_tc(y, router_weights, router_bias, top_k=top_k, n_group=n_group,
-                                              topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
+            affinities = math.router_noaux_tc(
+                y,
+                router_weights,
+                router_bias,
+                top_k=top_k,
+                n_group=n_group,
+                topk_group=topk_group,
+                routed_scaling_factor=routed_scaling_factor,
+            )
             affinities = affinities.astype(math.NOAUX_AFFINITY_DTYPE)
         else:
             del n_group, topk_group, routed_scaling_factor  # NOAUX_TC only, as in the kernel
-            index, affinities = math.router_topk(y, router_weights, router_bias, top_k=top_k,
-                                                 softmax=router_act_fn == RouterActFnType.SOFTMAX)
+            index, affinities = math.router_topk(
+                y, router_weights, router_bias, top_k=top_k, softmax=router_act_fn == RouterActFnType.SOFTMAX
+            )
             index, affinities = (index,), affinities.astype(math.AFFINITY_DTYPE)
         if pack_affinities:
             outs += [math.with_affinities(row, affinities), *index]
@@ -150,30 +177,39 @@ def _check(call: CallInfo) -> None:
     dims, p, avals, function = call.dims, call.params, call.avals, call.function
     h = dims["H"]
     if h % math.H_BLOCK:
-        raise ValueError(f"{function}: H={h} must be a multiple of 512 (the kernel quantizes H512 tiles; pad H with "
-                         "zeros and pass unpadded_hidden_size)")
+        raise ValueError(
+            f"{function}: H={h} must be a multiple of 512 (the kernel quantizes H512 tiles; pad H with "
+            "zeros and pass unpadded_hidden_size)"
+        )
     actual = p["unpadded_hidden_size"]
     if actual is not None and not 0 < actual <= h:
         raise ValueError(f"{function}: unpadded_hidden_size must be in (0, H={h}]; got {actual}")
     if p["qmx_output_dtype"] != np.dtype(math.ELEMENT_DTYPE):
-        raise ValueError(f"{function}: qmx_output_dtype must be float8_e4m3fn (the float8_e4m3fn_x4 packing; the only "
-                         f"format bound); got {p['qmx_output_dtype']}")
+        raise ValueError(
+            f"{function}: qmx_output_dtype must be float8_e4m3fn (the float8_e4m3fn_x4 packing; the only "
+            f"format bound); got {p['qmx_output_dtype']}"
+        )
     router = avals.get("router_weights") is not None
     if avals.get("router_bias") is not None and not router:
         raise ValueError(f"{function}: router_bias [1, E] is given without router_weights [H, E]")
     if router and not 1 <= p["top_k"] <= dims["E"]:
-        raise ValueError(f"{function}: top_k must be in [1, E={dims['E']}] (experts selected per token); "
-                         f"got {p['top_k']}")
+        raise ValueError(
+            f"{function}: top_k must be in [1, E={dims['E']}] (experts selected per token); got {p['top_k']}"
+        )
     if router and _noaux(p):
         if avals.get("router_bias") is None:
-            raise ValueError(f"{function}: router_act_fn=NOAUX_TC needs router_bias [1, E] (the "
-                             "e_score_correction_bias that selects the experts)")
+            raise ValueError(
+                f"{function}: router_act_fn=NOAUX_TC needs router_bias [1, E] (the "
+                "e_score_correction_bias that selects the experts)"
+            )
         if p["n_group"] < 1 or dims["E"] % p["n_group"]:
-            raise ValueError(f"{function}: n_group must be a positive divisor of E={dims['E']} for NOAUX_TC; "
-                             f"got {p['n_group']}")
+            raise ValueError(
+                f"{function}: n_group must be a positive divisor of E={dims['E']} for NOAUX_TC; got {p['n_group']}"
+            )
         if not 1 <= p["topk_group"] <= p["n_group"]:
-            raise ValueError(f"{function}: topk_group must be in [1, n_group={p['n_group']}] for NOAUX_TC; "
-                             f"got {p['topk_group']}")
+            raise ValueError(
+                f"{function}: topk_group must be in [1, n_group={p['n_group']}] for NOAUX_TC; got {p['topk_group']}"
+            )
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
@@ -182,8 +218,9 @@ def _neuron_limits(call: CallInfo) -> list[str]:
         unmet.append(f"hidden_states must be bfloat16 or float16; got {avals['hidden_states'].dtype}")
     if avals.get("router_weights") is not None:
         if avals["router_weights"].dtype not in KERNEL_DTYPES:
-            unmet.append(f"router_weights (the compute dtype) must be bfloat16 or float16; got "
-                         f"{avals['router_weights'].dtype}")
+            unmet.append(
+                f"router_weights (the compute dtype) must be bfloat16 or float16; got {avals['router_weights'].dtype}"
+            )
         if dims["E"] > MAX_EXPERTS:
             unmet.append(f"E={dims['E']} must be <= {MAX_EXPERTS}")
         if p["top_k"] > MAX_TOP_K:
@@ -204,10 +241,16 @@ def _vjp(kernel, operands, params, outs, cotangents):
 
     def outputs(named):
         x = math.prenorm_sum(named["hidden_states"], named["residual"], rounded=False)
-        results = {"output_residual": x,
-                   "norm_bf16": math.normalized(x, named["gamma"], eps=params["eps"],
-                                                unpadded_hidden_size=params["unpadded_hidden_size"],
-                                                hidden_interleaved=params["hidden_interleaved"])}
+        results = {
+            "output_residual": x,
+            "norm_bf16": math.normalized(
+                x,
+                named["gamma"],
+                eps=params["eps"],
+                unpadded_hidden_size=params["unpadded_hidden_size"],
+                hidden_interleaved=params["hidden_interleaved"],
+            ),
+        }
         return tuple(results[name] for name in wanted_names)
 
     return pull_back(outputs, operands, names, tuple(cotangents[produced.index(name)] for name in wanted_names))
@@ -242,20 +285,29 @@ RMSNORM_MX_PREFILL_SPEC = KernelSpec(
     reference=reference_rmsnorm_mx_prefill,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"hidden_states": "B", "residual": "B", "gamma": None, "router_weights": None,
-                          "router_bias": None},
-                         outputs={"norm_quant_packed": 0, "expert_index": 0, "expert_affinities": 0,
-                                  "output_residual": 0, "norm_bf16": 0}),),
+    fold_plans=(
+        FoldPlan(
+            {"hidden_states": "B", "residual": "B", "gamma": None, "router_weights": None, "router_bias": None},
+            outputs={
+                "norm_quant_packed": 0,
+                "expert_index": 0,
+                "expert_affinities": 0,
+                "output_residual": 0,
+                "norm_bf16": 0,
+            },
+        ),
+    ),
     mac_count=lambda call: call.dims["B"] * call.dims["S"] * call.dims["H"] * (4 + call.dims.get("E", 0)),
     nondifferentiable_outputs=("norm_quant_packed", "expert_index", "expert_affinities"),
     family="norm",
     catalog="row 87",
-    support={"idiomatic": "",
-             "vjp": "JAX for output_residual and norm_bf16; the packed MX row, indices and affinities have zero "
-                    "cotangents",
-             "notes": "MXFP8 e4m3 packed rows [T, H + scales] with the reference's alternative emax, router "
-                      "SIGMOID/SOFTMAX top-K or NOAUX_TC; Neuron (Trn3): 16-bit hidden_states and router_weights, "
-                      "E <= 512, top_k <= 8"},
+    support={
+        "idiomatic": "",
+        "vjp": "JAX for output_residual and norm_bf16; the packed MX row, indices and affinities have zero cotangents",
+        "notes": "MXFP8 e4m3 packed rows [T, H + scales] with the reference's alternative emax, router "
+        "SIGMOID/SOFTMAX top-K or NOAUX_TC; Neuron (Trn3): 16-bit hidden_states and router_weights, "
+        "E <= 512, top_k <= 8",
+    },
 )
 
 rmsnorm_mx_prefill = make_kernel(RMSNORM_MX_PREFILL_SPEC, vjp=_vjp)

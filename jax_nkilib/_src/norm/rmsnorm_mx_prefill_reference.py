@@ -145,8 +145,9 @@ def normalized(x, gamma, *, eps: float, unpadded_hidden_size: int | None, hidden
 def quantized_row_bytes(y, pack_scales: bool):
     """uint8 ``[T, H + scale_region]``: the fp8 elements of ``y [T, H]`` and their scales (see the module doc)."""
     t, h = y.shape
-    elements, scales = mx.quantize_mx_along(y, axis=-1, dtype=ELEMENT_DTYPE, block=mx.BLOCK_SIZE,
-                                            emax_offset=mx.ALT_EMAX_OFFSET)
+    elements, scales = mx.quantize_mx_along(
+        y, axis=-1, dtype=ELEMENT_DTYPE, block=mx.BLOCK_SIZE, emax_offset=mx.ALT_EMAX_OFFSET
+    )
     region = jnp.zeros((t, scale_region(h, pack_scales)), jnp.uint8)
     region = region.at[:, scale_columns(h, pack_scales)].set(scales)
     return jnp.concatenate([jax.lax.bitcast_convert_type(elements, jnp.uint8), region], axis=-1)
@@ -174,8 +175,9 @@ def router_topk(y, router_weights, router_bias, *, top_k: int, softmax: bool):
     return index.astype(jnp.int32), _scatter(index, weights, logits.shape[-1])
 
 
-def router_noaux_tc(y, router_weights, router_bias, *, top_k: int, n_group: int, topk_group: int,
-                    routed_scaling_factor: float):
+def router_noaux_tc(
+    y, router_weights, router_bias, *, top_k: int, n_group: int, topk_group: int, routed_scaling_factor: float
+):
     """float32 affinities ``[T, E]``: NOAUX_TC (module doc)."""
     logits = router_logits(y, router_weights, partition_major=True)
     t, e = logits.shape

@@ -89,8 +89,9 @@ def _check(call: CallInfo) -> None:
     if dims["H"] % H_BLOCK:
         raise ValueError(f"{function}: H={dims['H']} must be a multiple of 512 (output_quant is [128, H/512, B*S])")
     if not p["hidden_dim_tp"]:
-        raise ValueError(f"{function}: hidden_dim_tp=False is not supported by the kernel (only the [H/128, 128] "
-                         "view of H)")
+        raise ValueError(
+            f"{function}: hidden_dim_tp=False is not supported by the kernel (only the [H/128, 128] view of H)"
+        )
     actual = p["hidden_actual"]
     if actual is not None and not 0 < actual <= dims["H"]:
         raise ValueError(f"{function}: hidden_actual must be in (0, H={dims['H']}]; got {actual}")
@@ -116,8 +117,14 @@ def _vjp(kernel, operands, params, outs, cotangents):
     h = operands["input"].shape[-1]
 
     def outputs(named):
-        y, x = _normalized(named["input"], named["gamma"], named["residual"], params["eps"],
-                           params["hidden_actual"] or h, rounded=False)
+        y, x = _normalized(
+            named["input"],
+            named["gamma"],
+            named["residual"],
+            params["eps"],
+            params["hidden_actual"] or h,
+            rounded=False,
+        )
         return (_kernel_layout(y),) + (() if named["residual"] is None else (x,))
 
     wanted = (cotangents[0],) + (() if operands["residual"] is None else (cotangents[3],))
@@ -128,9 +135,11 @@ def _outputs(call: CallInfo):
     """Over the ``T = B * S`` tokens: ``output [128, T, H/128]`` (input dtype), ``output_quant`` (uint32 x4 words)
     and ``output_scale`` (uint8) ``[128, H/512, T]``, and ``output_residual [T, H]`` when ``residual`` is given."""
     tokens, hidden = call.dims["B"] * call.dims["S"], call.dims["H"]
-    out = [("output", (128, tokens, hidden // 128), call.avals["input"].dtype),
-           ("output_quant", (128, hidden // 512, tokens), jnp.uint32),
-           ("output_scale", (128, hidden // 512, tokens), jnp.uint8)]
+    out = [
+        ("output", (128, tokens, hidden // 128), call.avals["input"].dtype),
+        ("output_quant", (128, hidden // 512, tokens), jnp.uint32),
+        ("output_scale", (128, hidden // 512, tokens), jnp.uint8),
+    ]
     if call.avals.get("residual") is not None:
         out.append(("output_residual", (tokens, hidden), call.avals["residual"].dtype))
     return out
@@ -154,16 +163,22 @@ RMSNORM_MX_QUANTIZE_TKG_SPEC = KernelSpec(
     reference=reference_rmsnorm_mx_quantize_tkg,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"input": "B", "residual": "B", "gamma": None},
-                         outputs={"output": 1, "output_quant": 2, "output_scale": 2, "output_residual": 0}),),
+    fold_plans=(
+        FoldPlan(
+            {"input": "B", "residual": "B", "gamma": None},
+            outputs={"output": 1, "output_quant": 2, "output_scale": 2, "output_residual": 0},
+        ),
+    ),
     mac_count=lambda call: 4 * call.dims["B"] * call.dims["S"] * call.dims["H"],
     nondifferentiable_outputs=("output_quant", "output_scale"),
     family="norm",
     catalog="1.19",
-    support={"idiomatic": "",
-             "vjp": "JAX for output and output_residual; the MX outputs have zero cotangents",
-             "notes": "MXFP8 e4m3fn x4 words as uint32, scales in the quadrant layout; Neuron (Trn3): LNC=2 only, "
-                      "B*S % 4 == 0, fp16/bf16; device adapter jax_nkilib_kernels/mxfp8.py"},
+    support={
+        "idiomatic": "",
+        "vjp": "JAX for output and output_residual; the MX outputs have zero cotangents",
+        "notes": "MXFP8 e4m3fn x4 words as uint32, scales in the quadrant layout; Neuron (Trn3): LNC=2 only, "
+        "B*S % 4 == 0, fp16/bf16; device adapter jax_nkilib_kernels/mxfp8.py",
+    },
 )
 
 rmsnorm_mx_quantize_tkg = make_kernel(RMSNORM_MX_QUANTIZE_TKG_SPEC, vjp=_vjp)

@@ -80,7 +80,6 @@ def compute_dtype(dtype):
     return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(jnp.bfloat16)
 
 
-
 def _tile(x, tile_dtype):
     """``x`` rounded to the tile dtype, returned in float32 (float64 in exact mode) for the next operation."""
     return x.astype(tile_dtype).astype(accumulation_dtype(tile_dtype))
@@ -130,9 +129,19 @@ def static_quantize(t, dequant_scale, fp8_range: float, tile_dtype):
     return jnp.clip(_tile(t * quant_scale, tile_dtype), -fp8_range, fp8_range)
 
 
-def reference_rmsnorm_quant_kernel(hidden, ln_w=None, input_dequant_scale=None, pre_norm_gamma=None, residual=None, *,
-                                   lower_bound=0.0, norm_type=NormType.RMS_NORM,
-                                   quantization_type=QuantizationType.ROW, eps=1e-6, dtype_mode=DtypeMode.NON_OCP):
+def reference_rmsnorm_quant_kernel(
+    hidden,
+    ln_w=None,
+    input_dequant_scale=None,
+    pre_norm_gamma=None,
+    residual=None,
+    *,
+    lower_bound=0.0,
+    norm_type=NormType.RMS_NORM,
+    quantization_type=QuantizationType.ROW,
+    eps=1e-6,
+    dtype_mode=DtypeMode.NON_OCP,
+):
     """JAX reference of ``rmsnorm_quant_kernel`` (the module docstring's math)."""
     out_dtype = quant_dtype(dtype_mode)
     tile_dtype = compute_dtype(hidden.dtype)
@@ -158,8 +167,9 @@ def _check(call: CallInfo) -> None:
     if p["quantization_type"] not in (QuantizationType.ROW, QuantizationType.STATIC):
         raise ValueError(f"{function}: quantization_type must be ROW or STATIC; got {p['quantization_type'].name}")
     if p["lower_bound"] < 0 or p["eps"] < 0:
-        raise ValueError(f"{function}: lower_bound and eps must be >= 0; got lower_bound={p['lower_bound']}, "
-                         f"eps={p['eps']}")
+        raise ValueError(
+            f"{function}: lower_bound and eps must be >= 0; got lower_bound={p['lower_bound']}, eps={p['eps']}"
+        )
     if p["norm_type"] == NormType.RMS_NORM and avals.get("ln_w") is None:
         raise ValueError(f"{function}: norm_type=RMS_NORM needs `ln_w` with layout [H] or [1, H]")
     if p["quantization_type"] == QuantizationType.STATIC and avals.get("input_dequant_scale") is None:
@@ -211,8 +221,13 @@ RMSNORM_QUANT_SPEC = KernelSpec(
     operands=(
         Operand.of("hidden", "B, S, H", doc="input hidden states"),
         Operand.of("ln_w", *_GAMMA, optional=True, doc="RMS norm gamma (needed with norm_type=RMS_NORM)"),
-        Operand.of("input_dequant_scale", "128, 1", dtypes=(jnp.float32,), optional=True,
-                   doc="static dequant scale, one value broadcast to [128, 1] (STATIC)"),
+        Operand.of(
+            "input_dequant_scale",
+            "128, 1",
+            dtypes=(jnp.float32,),
+            optional=True,
+            doc="static dequant scale, one value broadcast to [128, 1] (STATIC)",
+        ),
         Operand.of("pre_norm_gamma", *_GAMMA, optional=True, doc="gamma of an RMS norm before the residual add (2.32)"),
         Operand.of("residual", "B, S, H", optional=True, doc="residual added before the norm; returned (2.32)"),
     ),
@@ -221,8 +236,13 @@ RMSNORM_QUANT_SPEC = KernelSpec(
         Param("norm_type", "RMS_NORM", NormType, "RMS_NORM or NO_NORM"),
         Param("quantization_type", "ROW", QuantizationType, "ROW (per-row scale packed in the output) or STATIC"),
         Param("eps", 1e-6, float, "RMS norm epsilon (rounded to bfloat16 by the kernel)"),
-        Param("dtype_mode", "NON_OCP", DtypeMode, "FP8 E4M3 of the output: NON_OCP float8_e4m3 (240), OCP "
-              "float8_e4m3fn (448), AUTO (OCP on a trn3 platform target, resolved at trace time)"),
+        Param(
+            "dtype_mode",
+            "NON_OCP",
+            DtypeMode,
+            "FP8 E4M3 of the output: NON_OCP float8_e4m3 (240), OCP "
+            "float8_e4m3fn (448), AUTO (OCP on a trn3 platform target, resolved at trace time)",
+        ),
     ),
     outputs=(),
     output_avals=_outputs,
@@ -230,18 +250,24 @@ RMSNORM_QUANT_SPEC = KernelSpec(
     resolve_params=lambda params: dict(params, dtype_mode=resolve_dtype_mode(params["dtype_mode"], params["target"])),
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"hidden": "S", "residual": "S", "ln_w": None, "input_dequant_scale": None,
-                          "pre_norm_gamma": None}, outputs={"out": 1, "residual_out": 1}),),
+    fold_plans=(
+        FoldPlan(
+            {"hidden": "S", "residual": "S", "ln_w": None, "input_dequant_scale": None, "pre_norm_gamma": None},
+            outputs={"out": 1, "residual_out": 1},
+        ),
+    ),
     neuron_split_dims=("B", "S"),
     mac_count=lambda call: 4 * math.prod(call.avals["hidden"].shape),
     family="norm",
     catalog="1.16",
     nondifferentiable_outputs=("out",),
-    support={"idiomatic": "quantize_fp8",
-             "vjp": "JAX for residual_out; the quantized output has zero cotangents",
-             "notes": "ROW packs the float32 scale into 4 trailing FP8 bytes (little-endian); dtype_mode AUTO "
-                      "follows the platform target at trace time; Neuron: B <= 2, S <= 32768, H <= 16384; device "
-                      "adapter jax_nkilib_kernels/norm.py"},
+    support={
+        "idiomatic": "quantize_fp8",
+        "vjp": "JAX for residual_out; the quantized output has zero cotangents",
+        "notes": "ROW packs the float32 scale into 4 trailing FP8 bytes (little-endian); dtype_mode AUTO "
+        "follows the platform target at trace time; Neuron: B <= 2, S <= 32768, H <= 16384; device "
+        "adapter jax_nkilib_kernels/norm.py",
+    },
 )
 
 

@@ -51,8 +51,18 @@ def _rmsnorm_layout(hidden_dim_tp, single_core_forced, lnc):
     return 1 if hidden_dim_tp or single_core_forced else lnc
 
 
-def reference_rmsnorm_tkg(input, gamma, *, eps=1e-6, hidden_actual=None, hidden_dim_tp=False,
-                          single_core_forced=False, shard_on_h=False, use_heap_memory=False, lnc=1):
+def reference_rmsnorm_tkg(
+    input,
+    gamma,
+    *,
+    eps=1e-6,
+    hidden_actual=None,
+    hidden_dim_tp=False,
+    single_core_forced=False,
+    shard_on_h=False,
+    use_heap_memory=False,
+    lnc=1,
+):
     """JAX reference of ``rmsnorm_tkg``: ``[128, B*S, H/128]`` (order by the call's LNC degree)."""
     del shard_on_h, use_heap_memory  # same numbers and order as the default path
     y = _rmsnorm_rows(input, gamma, eps, hidden_actual or input.shape[-1])
@@ -70,7 +80,7 @@ def _rmsnorm_tkg_vjp(kernel, operands, params, outs, cotangents):
     hidden_actual = params["hidden_actual"] or x.shape[-1]
     r = rms_statistics(xw, hidden_actual, params["eps"])
     dyg = dy * gw
-    dx = r * dyg - xw * (r ** 3) * jnp.sum(dyg * xw, axis=-1, keepdims=True) / hidden_actual
+    dx = r * dyg - xw * (r**3) * jnp.sum(dyg * xw, axis=-1, keepdims=True) / hidden_actual
     dgamma = jnp.sum(dy * xw * r, axis=0, keepdims=True)
     return {"input": dx.reshape(x.shape), "gamma": dgamma}
 
@@ -81,8 +91,10 @@ def _check_rmsnorm(call: CallInfo) -> None:
     if p["hidden_actual"] is not None and not 0 < p["hidden_actual"] <= call.dims["H"]:
         raise ValueError(f"{function}: hidden_actual must be in [1, H={call.dims['H']}]; got {p['hidden_actual']}")
     if p["shard_on_h"] and (p["hidden_dim_tp"] or p["single_core_forced"]):
-        raise ValueError(f"{function}: shard_on_h cannot be combined with hidden_dim_tp or single_core_forced (the "
-                         "kernel asserts it)")
+        raise ValueError(
+            f"{function}: shard_on_h cannot be combined with hidden_dim_tp or single_core_forced (the "
+            "kernel asserts it)"
+        )
 
 
 def _sbuf_bytes(call: CallInfo, per_row_intermediates: int) -> int:
@@ -101,8 +113,10 @@ def _rmsnorm_neuron_limits(call: CallInfo) -> list[str]:
         unmet.append("shard_on_h needs LNC=2")
     used = _sbuf_bytes(call, 2)
     if used > SBUF_PARTITION_BYTES:
-        unmet.append(f"SBUF capacity: about {used} bytes per partition for B*S={call.dims['B'] * call.dims['S']}, "
-                     f"H={call.dims['H']} exceed {SBUF_PARTITION_BYTES}")
+        unmet.append(
+            f"SBUF capacity: about {used} bytes per partition for B*S={call.dims['B'] * call.dims['S']}, "
+            f"H={call.dims['H']} exceed {SBUF_PARTITION_BYTES}"
+        )
     return unmet
 
 
@@ -132,10 +146,12 @@ RMSNORM_TKG_SPEC = KernelSpec(
     mac_count=lambda call: 3 * elements(call),
     family="norm",
     catalog="1.19",
-    support={"idiomatic": "rms_norm",
-             "vjp": "JAX (hand-written from the RMSNorm formulas; no backward kernel)",
-             "notes": "output [128, B*S, H/128] in the LNC-dependent order; H % 128 == 0; SBUF-input variant n/a; "
-                      "device adapter jax_nkilib_kernels/norm.py"},
+    support={
+        "idiomatic": "rms_norm",
+        "vjp": "JAX (hand-written from the RMSNorm formulas; no backward kernel)",
+        "notes": "output [128, B*S, H/128] in the LNC-dependent order; H % 128 == 0; SBUF-input variant n/a; "
+        "device adapter jax_nkilib_kernels/norm.py",
+    },
 )
 
 

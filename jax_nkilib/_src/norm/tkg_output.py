@@ -40,7 +40,7 @@ def rows_from_tiles(tiles, n: int, hidden_dim_tp: bool = False):
         return jnp.swapaxes(tiles.reshape(t, p, n, h1 // n), 1, 2).reshape(t, p * h1)
     pieces, start = [], 0
     for width in shard_widths(h1, n):
-        pieces.append(tiles[:, :, start:start + width].reshape(t, p * width))
+        pieces.append(tiles[:, :, start : start + width].reshape(t, p * width))
         start += width
     return jnp.concatenate(pieces, axis=1)
 
@@ -53,10 +53,12 @@ def tiles_from_rows(rows, n: int, hidden_dim_tp: bool = False):
     if n == 1:
         return rows.reshape(t, PARTITIONS, h // PARTITIONS)
     if (h // PARTITIONS) % n == 0:
-        return jnp.swapaxes(rows.reshape(t, n, PARTITIONS, h // PARTITIONS // n), 1, 2).reshape(t, PARTITIONS, h // PARTITIONS)
+        return jnp.swapaxes(rows.reshape(t, n, PARTITIONS, h // PARTITIONS // n), 1, 2).reshape(
+            t, PARTITIONS, h // PARTITIONS
+        )
     pieces, start = [], 0
     for width in shard_widths(h // PARTITIONS, n):
-        pieces.append(rows[:, start * PARTITIONS:(start + width) * PARTITIONS].reshape(t, PARTITIONS, width))
+        pieces.append(rows[:, start * PARTITIONS : (start + width) * PARTITIONS].reshape(t, PARTITIONS, width))
         start += width
     return jnp.concatenate(pieces, axis=2)
 
@@ -84,8 +86,9 @@ def cotangent_rows(g, n, hidden_dim_tp=False):
 def check_hidden(call: CallInfo) -> None:
     h = call.dims["H"]
     if h % PARTITIONS:
-        raise ValueError(f"{call.function}: `input` [B, S, H] needs H % 128 == 0 (the output is [128, B*S, H/128]); "
-                         f"got H={h}")
+        raise ValueError(
+            f"{call.function}: `input` [B, S, H] needs H % 128 == 0 (the output is [128, B*S, H/128]); got H={h}"
+        )
 
 
 def shard_limits(call: CallInfo, n: int) -> list[str]:

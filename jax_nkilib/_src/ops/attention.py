@@ -35,15 +35,17 @@ def _check(q, k, v, sinks, prefix, causal, scale, sliding_window):
     if sliding_window is not None:
         sliding_window = static_int(_WHERE, "sliding_window", sliding_window, minimum=1)
         if not causal:
-            raise ValueError(f"{_WHERE}: sliding_window needs causal=True; got sliding_window={sliding_window}, "
-                             f"causal={causal}")
+            raise ValueError(
+                f"{_WHERE}: sliding_window needs causal=True; got sliding_window={sliding_window}, causal={causal}"
+            )
     if sinks is not None:
         if not hasattr(sinks, "shape"):
-            raise TypeError(f"{_WHERE}: `sinks` must be an array [heads] or [batch, heads]; got "
-                            f"{type(sinks).__name__}")
+            raise TypeError(f"{_WHERE}: `sinks` must be an array [heads] or [batch, heads]; got {type(sinks).__name__}")
         if jnp.shape(sinks) not in ((q.shape[2],), (q.shape[0], q.shape[2])):
-            raise ValueError(f"{_WHERE}: `sinks` must be [heads] or [batch, heads] = ({q.shape[2]},) or "
-                             f"{q.shape[:1] + q.shape[2:3]}; got {jnp.shape(sinks)}")
+            raise ValueError(
+                f"{_WHERE}: `sinks` must be [heads] or [batch, heads] = ({q.shape[2]},) or "
+                f"{q.shape[:1] + q.shape[2:3]}; got {jnp.shape(sinks)}"
+            )
         require_float_dtypes(_WHERE, {"sinks": sinks}, same=False)
     prior_len = None
     if prefix is not None:
@@ -52,12 +54,19 @@ def _check(q, k, v, sinks, prefix, causal, scale, sliding_window):
         k_prior, v_prior, prior_len = prefix
         for name, x in (("k_prior", k_prior), ("v_prior", v_prior)):
             if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-                raise TypeError(f"{_WHERE}: prefix {name} must be an array [batch, prior_len_max, kv_heads, "
-                                f"head_dim]; got {type(x).__name__}")
-        if jnp.shape(k_prior) != jnp.shape(v_prior) or jnp.ndim(k_prior) != 4 or \
-                (jnp.shape(k_prior)[0],) + tuple(jnp.shape(k_prior)[2:]) != (k.shape[0],) + k.shape[2:]:
-            raise ValueError(f"{_WHERE}: prefix k_prior/v_prior must be [batch, prior_len_max, kv_heads, head_dim] "
-                             f"matching k {k.shape}; got {jnp.shape(k_prior)} and {jnp.shape(v_prior)}")
+                raise TypeError(
+                    f"{_WHERE}: prefix {name} must be an array [batch, prior_len_max, kv_heads, "
+                    f"head_dim]; got {type(x).__name__}"
+                )
+        if (
+            jnp.shape(k_prior) != jnp.shape(v_prior)
+            or jnp.ndim(k_prior) != 4
+            or (jnp.shape(k_prior)[0],) + tuple(jnp.shape(k_prior)[2:]) != (k.shape[0],) + k.shape[2:]
+        ):
+            raise ValueError(
+                f"{_WHERE}: prefix k_prior/v_prior must be [batch, prior_len_max, kv_heads, head_dim] "
+                f"matching k {k.shape}; got {jnp.shape(k_prior)} and {jnp.shape(v_prior)}"
+            )
         require_nonempty(_WHERE, "k_prior", k_prior, ("batch", "prior_len_max", "kv_heads", "head_dim"))
         require_float_dtypes(_WHERE, {"q": q, "k_prior": k_prior, "v_prior": v_prior}, same=True)
         prior_len = _prior_len(prior_len, k_prior.shape[1])
@@ -69,38 +78,68 @@ def _prior_len(value, max_prior: int):
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         return static_int(_WHERE, "prefix prior_len", value, maximum=max_prior)
     if not hasattr(value, "dtype") or not jnp.issubdtype(value.dtype, jnp.integer) or jnp.size(value) != 1:
-        raise TypeError(f"{_WHERE}: prefix prior_len must be an int or an integer array of one element (possibly "
-                        f"traced); got {getattr(value, 'dtype', type(value).__name__)} "
-                        f"{getattr(value, 'shape', value)!r}")
+        raise TypeError(
+            f"{_WHERE}: prefix prior_len must be an int or an integer array of one element (possibly "
+            f"traced); got {getattr(value, 'dtype', type(value).__name__)} "
+            f"{getattr(value, 'shape', value)!r}"
+        )
     return jnp.asarray(value).astype(jnp.int32).reshape(1)
 
 
-ATTENTION_SHARDING = auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.attention", free={"b": "batch", "n": "heads"},
-    collective={"s": ("sequence", "ring attention over the mesh axis (K/V blocks travel by ppermute; q, k and v "
-                      "split alike, contiguous layout; no sliding window, sinks or prefix)")},
-    note="query and kv heads split over the same mesh axis (kv_heads divisible by its size)"))
-DECODE_ATTENTION_SHARDING = auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.decode_attention", free={"b": "batch", "n": "heads"},
-    note="with a block_table (paged caches shared by the batch) only heads shard"))
+ATTENTION_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.attention",
+        free={"b": "batch", "n": "heads"},
+        collective={
+            "s": (
+                "sequence",
+                "ring attention over the mesh axis (K/V blocks travel by ppermute; q, k and v "
+                "split alike, contiguous layout; no sliding window, sinks or prefix)",
+            )
+        },
+        note="query and kv heads split over the same mesh axis (kv_heads divisible by its size)",
+    )
+)
+DECODE_ATTENTION_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.decode_attention",
+        free={"b": "batch", "n": "heads"},
+        note="with a block_table (paged caches shared by the batch) only heads shard",
+    )
+)
 
 
 def _plan_attention(q, k, v, sinks, prefix, sliding_window):
     """The shard_map plan of :func:`attention`: batch and heads free; a sharded sequence selects ring attention."""
-    operands = [auto.ShardedArgument("q", q, "bsnd"), auto.ShardedArgument("k", k, "bsnd"), auto.ShardedArgument("v", v, "bsnd"),
-                auto.ShardedArgument("sinks", sinks, None if sinks is None else "bn"[2 - jnp.ndim(sinks):])]
+    operands = [
+        auto.ShardedArgument("q", q, "bsnd"),
+        auto.ShardedArgument("k", k, "bsnd"),
+        auto.ShardedArgument("v", v, "bsnd"),
+        auto.ShardedArgument("sinks", sinks, None if sinks is None else "bn"[2 - jnp.ndim(sinks) :]),
+    ]
     operands.append(auto.ShardedArgument("prefix", None if prefix is None else tuple(prefix), ("b_nd", "b_nd", None)))
     sharded = auto.plan(ATTENTION_SHARDING, operands)
     if sharded and "s" in sharded.axes:
         if sliding_window or sinks is not None or prefix is not None:
             axis = auto.spec_entry(sharded.axes["s"])
-            raise ValueError(f"jax_nkilib.attention: a sequence sharded over mesh axis {axis!r} runs ring attention, "
-                             "which supports no sliding_window, sinks or prefix; replicate the sequence axis")
+            raise ValueError(
+                f"jax_nkilib.attention: a sequence sharded over mesh axis {axis!r} runs ring attention, "
+                "which supports no sliding_window, sinks or prefix; replicate the sequence axis"
+            )
     return sharded
 
 
-def attention(q, k, v, *, causal: bool = True, scale: float | None = None, sliding_window: int | None = None,
-              sinks=None, prefix=None):
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    sinks=None,
+    prefix=None,
+):
     """Multi-head attention ``softmax(scale * q k^T + mask [‖ sinks]) v`` for prefill.
 
     Args:
@@ -132,13 +171,18 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None, slidi
     scale, sliding_window, prior_len = _check(q, k, v, sinks, prefix, causal, scale, sliding_window)
     sharded = _plan_attention(q, k, v, sinks, prefix, sliding_window)
     if sharded:
+
         def local(q, k, v, sinks, prefix, axes):
             if "s" in axes:
                 from .ring_attention import ring_attention
-                return ring_attention(q, k, v, axis_name=auto.spec_entry(axes["s"]), causal=causal, layout="contiguous",
-                                      scale=scale)
-            return attention(q, k, v, causal=causal, scale=scale, sliding_window=sliding_window, sinks=sinks,
-                             prefix=prefix)
+
+                return ring_attention(
+                    q, k, v, axis_name=auto.spec_entry(axes["s"]), causal=causal, layout="contiguous", scale=scale
+                )
+            return attention(
+                q, k, v, causal=causal, scale=scale, sliding_window=sliding_window, sinks=sinks, prefix=prefix
+            )
+
         return sharded.run(local, "bsnd")
     batch, seq_q, heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -153,23 +197,42 @@ def attention(q, k, v, *, causal: bool = True, scale: float | None = None, slidi
     if prefix is not None:
         k_prior, v_prior = _heads_into_batch(jnp.asarray(prefix[0])), _heads_into_batch(jnp.asarray(prefix[1]))
         prior_used_len = jnp.asarray(prior_len, jnp.int32).reshape(1)
-    out = attention_cte(q_rows, _heads_into_batch(k), _heads_into_batch(v), k_prior, v_prior, prior_used_len, sink,
-                        scale=kernel_scale, causal_mask=causal, sliding_window=sliding_window, tp_q=True, tp_k=True,
-                        tp_out=False)
+    out = attention_cte(
+        q_rows,
+        _heads_into_batch(k),
+        _heads_into_batch(v),
+        k_prior,
+        v_prior,
+        prior_used_len,
+        sink,
+        scale=kernel_scale,
+        causal_mask=causal,
+        sliding_window=sliding_window,
+        tp_q=True,
+        tp_k=True,
+        tp_out=False,
+    )
     out = jnp.transpose(out.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))
     if prefix is not None and not isinstance(prior_len, int):  # a run-time length: out of range gives NaN
         max_prior = k_prior.shape[1]
         valid = (prior_len >= 0) & (prior_len <= max_prior)
-        check_all(valid, f"{_WHERE}: prefix prior_len = {{}} is outside [0, {max_prior}] (prior_len_max); the "
-                  "output is NaN", prior_len)
+        check_all(
+            valid,
+            f"{_WHERE}: prefix prior_len = {{}} is outside [0, {max_prior}] (prior_len_max); the output is NaN",
+            prior_len,
+        )
         out = jnp.where(valid[0], out, jnp.nan)
     return out
 
 
 _DECODE = "jax_nkilib.decode_attention"
-_DECODE_AXES = {"q": ("batch", "s_new", "heads", "head_dim"), "k_new": ("batch", "s_new", "kv_heads", "head_dim"),
-                "v_new": ("batch", "s_new", "kv_heads", "head_dim"), "cache_len": ("batch",),
-                "block_table": ("batch", "max_blocks")}
+_DECODE_AXES = {
+    "q": ("batch", "s_new", "heads", "head_dim"),
+    "k_new": ("batch", "s_new", "kv_heads", "head_dim"),
+    "v_new": ("batch", "s_new", "kv_heads", "head_dim"),
+    "cache_len": ("batch",),
+    "block_table": ("batch", "max_blocks"),
+}
 
 
 def _as_arrays(named: dict) -> dict:
@@ -187,45 +250,62 @@ def _as_arrays(named: dict) -> dict:
 def _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table) -> None:
     paged = block_table is not None
     cache_layout = "[num_blocks, kv_heads, block_len, d]" if paged else "[batch, kv_heads, max_len, d]"
-    for name, x, rank in (("q", q, 4), ("k_new", k_new, 4), ("v_new", v_new, 4), ("k_cache", k_cache, 4),
-                          ("v_cache", v_cache, 4), ("cache_len", cache_len, 1)):
+    for name, x, rank in (
+        ("q", q, 4),
+        ("k_new", k_new, 4),
+        ("v_new", v_new, 4),
+        ("k_cache", k_cache, 4),
+        ("v_cache", v_cache, 4),
+        ("cache_len", cache_len, 1),
+    ):
         if x.ndim != rank:
-            raise ValueError(f"{_DECODE}: `{name}` must have rank {rank}; got {x.shape} (q [batch, s_new, heads, d], "
-                             f"k_new/v_new [batch, s_new, kv_heads, d], caches {cache_layout}, cache_len [batch])")
-    cache_axes = ("num_blocks", "kv_heads", "block_len", "head_dim") if paged else ("batch", "kv_heads", "max_len",
-                                                                                  "head_dim")
+            raise ValueError(
+                f"{_DECODE}: `{name}` must have rank {rank}; got {x.shape} (q [batch, s_new, heads, d], "
+                f"k_new/v_new [batch, s_new, kv_heads, d], caches {cache_layout}, cache_len [batch])"
+            )
+    cache_axes = (
+        ("num_blocks", "kv_heads", "block_len", "head_dim") if paged else ("batch", "kv_heads", "max_len", "head_dim")
+    )
     for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
         require_nonempty(_DECODE, name, x, _DECODE_AXES.get(name, cache_axes))
-    require_float_dtypes(_DECODE, {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache,
-                                   "v_cache": v_cache}, same=False)
+    require_float_dtypes(
+        _DECODE, {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache}, same=False
+    )
     batch, s_new, heads, d = q.shape
     if k_new.shape != v_new.shape or k_new.shape[:2] != (batch, s_new) or k_new.shape[3] != d:
-        raise ValueError(f"{_DECODE}: k_new/v_new must be [batch, s_new, kv_heads, d] matching q {q.shape}; got "
-                         f"{k_new.shape} and {v_new.shape}")
+        raise ValueError(
+            f"{_DECODE}: k_new/v_new must be [batch, s_new, kv_heads, d] matching q {q.shape}; got "
+            f"{k_new.shape} and {v_new.shape}"
+        )
     kv_heads = k_new.shape[2]
     if heads % kv_heads:
         raise ValueError(f"{_DECODE}: query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     lead = (k_cache.shape[0], kv_heads) if paged else (batch, kv_heads)
     if k_cache.shape != v_cache.shape or k_cache.shape[:2] != lead or k_cache.shape[3] != d:
-        raise ValueError(f"{_DECODE}: k_cache/v_cache must be {cache_layout} with kv_heads={kv_heads}, d={d}; got "
-                         f"{k_cache.shape} and {v_cache.shape}")
+        raise ValueError(
+            f"{_DECODE}: k_cache/v_cache must be {cache_layout} with kv_heads={kv_heads}, d={d}; got "
+            f"{k_cache.shape} and {v_cache.shape}"
+        )
     if paged:
-        if block_table.ndim != 2 or block_table.shape[0] != batch \
-                or not jnp.issubdtype(block_table.dtype, jnp.integer):
-            raise ValueError(f"{_DECODE}: `block_table` must be an integer array [batch, max_blocks] with batch="
-                             f"{batch}; got {block_table.shape} {block_table.dtype}")
+        if block_table.ndim != 2 or block_table.shape[0] != batch or not jnp.issubdtype(block_table.dtype, jnp.integer):
+            raise ValueError(
+                f"{_DECODE}: `block_table` must be an integer array [batch, max_blocks] with batch="
+                f"{batch}; got {block_table.shape} {block_table.dtype}"
+            )
         require_nonempty(_DECODE, "block_table", block_table, _DECODE_AXES["block_table"])
     max_len = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
     if max_len < 2 * s_new:
-        raise ValueError(f"{_DECODE}: the cache capacity {max_len} must leave room for the s_new={s_new} new tokens "
-                         "and the kernel's scratch tail")
+        raise ValueError(
+            f"{_DECODE}: the cache capacity {max_len} must leave room for the s_new={s_new} new tokens "
+            "and the kernel's scratch tail"
+        )
     if cache_len.shape != (batch,) or not jnp.issubdtype(cache_len.dtype, jnp.integer):
-        raise TypeError(f"{_DECODE}: `cache_len` must be an integer array [batch]; got {cache_len.shape} "
-                        f"{cache_len.dtype}")
+        raise TypeError(
+            f"{_DECODE}: `cache_len` must be an integer array [batch]; got {cache_len.shape} {cache_len.dtype}"
+        )
 
 
-def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: float | None = None,
-                     block_table=None):
+def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: float | None = None, block_table=None):
     """Attention of ``s_new`` new tokens per sequence against a KV cache with per-sequence lengths.
 
     Args:
@@ -258,25 +338,45 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
     there would reach the output on the device (per the kernel's source; not verified on Trainium). NaN in ``q`` or
     in a key or value a token sees makes that token's output NaN, as in ``jax.nn.dot_product_attention``.
     """
-    arrays = _as_arrays(dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache, cache_len=cache_len,
-                             block_table=block_table))
+    arrays = _as_arrays(
+        dict(
+            q=q,
+            k_new=k_new,
+            v_new=v_new,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            cache_len=cache_len,
+            block_table=block_table,
+        )
+    )
     q, k_new, v_new, k_cache, v_cache, cache_len, block_table = arrays.values()
     _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table)
     scale = None if scale is None else static_float(_DECODE, "scale", scale)
     cache_dims = "bn_d" if block_table is None else "_n_d"
-    sharded = auto.plan(DECODE_ATTENTION_SHARDING, [
-        auto.ShardedArgument("q", q, "bsnd"), auto.ShardedArgument("k_new", k_new, "bsnd"), auto.ShardedArgument("v_new", v_new, "bsnd"),
-        auto.ShardedArgument("k_cache", k_cache, cache_dims), auto.ShardedArgument("v_cache", v_cache, cache_dims),
-        auto.ShardedArgument("cache_len", cache_len, "b"), auto.ShardedArgument("block_table", block_table, "b_")])
+    sharded = auto.plan(
+        DECODE_ATTENTION_SHARDING,
+        [
+            auto.ShardedArgument("q", q, "bsnd"),
+            auto.ShardedArgument("k_new", k_new, "bsnd"),
+            auto.ShardedArgument("v_new", v_new, "bsnd"),
+            auto.ShardedArgument("k_cache", k_cache, cache_dims),
+            auto.ShardedArgument("v_cache", v_cache, cache_dims),
+            auto.ShardedArgument("cache_len", cache_len, "b"),
+            auto.ShardedArgument("block_table", block_table, "b_"),
+        ],
+    )
     if sharded:
         if block_table is not None and "b" in sharded.axes:
             axis = auto.spec_entry(sharded.axes["b"])
-            raise ValueError("jax_nkilib.decode_attention: with a block_table the paged caches are shared by the "
-                             f"whole batch, so the batch cannot be split over mesh axis {axis!r}; shard the heads, or "
-                             "replicate the batch")
+            raise ValueError(
+                "jax_nkilib.decode_attention: with a block_table the paged caches are shared by the "
+                f"whole batch, so the batch cannot be split over mesh axis {axis!r}; shard the heads, or "
+                "replicate the batch"
+            )
+
         def local(q, k_new, v_new, k_cache, v_cache, cache_len, block_table, axes):
-            return decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, scale=scale,
-                                    block_table=block_table)
+            return decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, scale=scale, block_table=block_table)
+
         return sharded.run(local, ("bsnd", cache_dims, cache_dims))
     batch, s_new, heads, d = q.shape
     kv_heads = k_new.shape[2]
@@ -297,12 +397,23 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
         caches = (c.reshape(-1, block_len, d) for c in (k_cache, v_cache))
         pooled = table[:, None, :] * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)[None, :, None]
         paging = dict(active_blocks_table=pooled.reshape(rows, -1).astype(jnp.uint32), block_len=block_len)
-    out = attention_tkg(queries, new_rows(k_new), new_rows(v_new), *caches, active_mask, rope_pos_ids=positions,
-                        use_pos_id=True, tp_k_prior=True, curr_sprior=capacity, **paging)
+    out = attention_tkg(
+        queries,
+        new_rows(k_new),
+        new_rows(v_new),
+        *caches,
+        active_mask,
+        rope_pos_ids=positions,
+        use_pos_id=True,
+        tp_k_prior=True,
+        curr_sprior=capacity,
+        **paging,
+    )
     out = jnp.transpose(out.reshape(batch, kv_heads, groups, d, s_new), (0, 4, 1, 2, 3)).reshape(q.shape)
     out = jnp.where(valid[:, None, None, None], out, jnp.nan)
-    return (out,) + tuple(_write_new_tokens(cache, new, lengths, table, valid)
-                          for cache, new in ((k_cache, k_new), (v_cache, v_new)))
+    return (out,) + tuple(
+        _write_new_tokens(cache, new, lengths, table, valid) for cache, new in ((k_cache, k_new), (v_cache, v_new))
+    )
 
 
 def _valid_indices(cache_len, block_table, capacity: int, s_new: int, num_blocks: int):
@@ -311,15 +422,22 @@ def _valid_indices(cache_len, block_table, capacity: int, s_new: int, num_blocks
     lengths = cache_len.astype(jnp.int32)
     max_len = capacity - 2 * s_new
     length_ok = (cache_len >= 0) & (cache_len <= max_len)
-    check_all(length_ok, f"{_DECODE}: cache_len[{{index}}] = {{}} is outside [0, {max_len}] (the capacity {capacity} "
-              f"minus 2 * s_new = {2 * s_new}: room for the new tokens and the kernel's scratch tail); that sequence "
-              "writes nothing and its output is NaN", cache_len)
+    check_all(
+        length_ok,
+        f"{_DECODE}: cache_len[{{index}}] = {{}} is outside [0, {max_len}] (the capacity {capacity} "
+        f"minus 2 * s_new = {2 * s_new}: room for the new tokens and the kernel's scratch tail); that sequence "
+        "writes nothing and its output is NaN",
+        cache_len,
+    )
     valid, table = length_ok, None
     if block_table is not None:
         entry_ok = valid_block_entries(block_table, num_blocks)
-        check_all(entry_ok, f"{_DECODE}: block_table entry (sequence, block) {{index}} is {{}}, not a block of the "
-                  f"caches (0 <= block < {num_blocks}); that sequence writes nothing and its output is NaN",
-                  block_table)
+        check_all(
+            entry_ok,
+            f"{_DECODE}: block_table entry (sequence, block) {{index}} is {{}}, not a block of the "
+            f"caches (0 <= block < {num_blocks}); that sequence writes nothing and its output is NaN",
+            block_table,
+        )
         valid = valid & jnp.all(entry_ok, axis=1)
         table = jnp.where(entry_ok, block_table, 0).astype(jnp.int32)
     return jnp.where(valid, lengths, 0), table, valid

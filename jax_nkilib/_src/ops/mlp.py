@@ -20,8 +20,10 @@ from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale
 from ..sharding import auto
 
 ACTIVATIONS = {
-    "silu": ActFnType.SiLU, "swish": ActFnType.SiLU,  # jax.nn.swish is SiLU
-    "gelu": ActFnType.GELU, "gelu_tanh": ActFnType.GELU_Tanh_Approx,
+    "silu": ActFnType.SiLU,
+    "swish": ActFnType.SiLU,  # jax.nn.swish is SiLU
+    "gelu": ActFnType.GELU,
+    "gelu_tanh": ActFnType.GELU_Tanh_Approx,
     "gelu_sigmoid": ActFnType.Swish,  # the kernel's "Swish": x * sigmoid(1.702 x)
     "relu": ActFnType.ReLU,
 }
@@ -40,8 +42,10 @@ def _weight(name, w, ndim=None):
         return w
     w = _array(name, w, ndim, fp8=True)
     if jnp.dtype(w.dtype) in (jnp.dtype(jnp.float8_e4m3), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
-        raise TypeError(f"{_WHERE}: `{name}` is a raw FP8 array; pass FP8 weights with their scales as "
-                        "jax_nkilib.quantize_weight_fp8(w, mode=...) (a QuantizedWeight)")
+        raise TypeError(
+            f"{_WHERE}: `{name}` is a raw FP8 array; pass FP8 weights with their scales as "
+            "jax_nkilib.quantize_weight_fp8(w, mode=...) (a QuantizedWeight)"
+        )
     return w
 
 
@@ -53,9 +57,10 @@ def _quantization(w_gate, w_up, w_down) -> QuantizationType:
         return QuantizationType.NONE
     modes = {w.mode for w in given.values() if isinstance(w, QuantizedWeight)}
     if len(quantized) != len(given) or len(modes) != 1:
-        raise ValueError(f"{_WHERE}: quantized weights must be all of {', '.join(given)}, with one mode; got "
-                         + ", ".join(f"{name}: {w.mode if isinstance(w, QuantizedWeight) else 'float'}"
-                                     for name, w in given.items()))
+        raise ValueError(
+            f"{_WHERE}: quantized weights must be all of {', '.join(given)}, with one mode; got "
+            + ", ".join(f"{name}: {w.mode if isinstance(w, QuantizedWeight) else 'float'}" for name, w in given.items())
+        )
     (mode,) = modes
     if mode == "static" and w_gate is not None:
         _same_input_scale(w_gate.input_scale, w_up.input_scale)
@@ -67,8 +72,10 @@ def _same_input_scale(a, b) -> None:
     if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):  # traced: w_up's is used
         return
     if np.asarray(a) != np.asarray(b):
-        raise ValueError(f"{_WHERE}: w_gate and w_up (mode='static') must share one input_scale (the kernel's "
-                         f"gate_up_in_scale); got {float(np.asarray(a))} and {float(np.asarray(b))}")
+        raise ValueError(
+            f"{_WHERE}: w_gate and w_up (mode='static') must share one input_scale (the kernel's "
+            f"gate_up_in_scale); got {float(np.asarray(a))} and {float(np.asarray(b))}"
+        )
 
 
 def _data(w):
@@ -80,8 +87,11 @@ def _scales(quant, w_gate, w_up, w_down) -> dict:
     STATIC ``[128, 1]`` weight scales and the gate/up (``w_up``'s) and down input scales."""
     if quant == QuantizationType.NONE:
         return {}
-    out = {"gate_w_scale": None if w_gate is None else scale_tile(w_gate), "up_w_scale": scale_tile(w_up),
-           "down_w_scale": scale_tile(w_down)}
+    out = {
+        "gate_w_scale": None if w_gate is None else scale_tile(w_gate),
+        "up_w_scale": scale_tile(w_up),
+        "down_w_scale": scale_tile(w_down),
+    }
     if quant == QuantizationType.STATIC:
         out.update(gate_up_in_scale=input_scale_tile(w_up), down_in_scale=input_scale_tile(w_down))
     return out
@@ -109,33 +119,70 @@ def _output_dtype(value):
     except TypeError:
         dtype = None
     if dtype is None or dtype not in FLOAT_DTYPES:  # (np.dtype == None compares to float64)
-        raise TypeError(f"{_WHERE}: `output_dtype` must be None or one of float32, bfloat16, float16, float64; got "
-                        f"{value!r}")
+        raise TypeError(
+            f"{_WHERE}: `output_dtype` must be None or one of float32, bfloat16, float16, float64; got {value!r}"
+        )
     return dtype
 
 
-MLP_SHARDING = auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.mlp", free=auto.LEADING,
-    collective={"i": ("intermediate", "Megatron: w_gate/w_up split by columns, w_down by rows; local MLPs + one "
-                      "all-reduce (psum), then down_bias")},
-    note="tokens may take the other kernel path (TKG <= 96 local tokens); quantized weights must be replicated"))
+MLP_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.mlp",
+        free=auto.LEADING,
+        collective={
+            "i": (
+                "intermediate",
+                "Megatron: w_gate/w_up split by columns, w_down by rows; local MLPs + one "
+                "all-reduce (psum), then down_bias",
+            )
+        },
+        note="tokens may take the other kernel path (TKG <= 96 local tokens); quantized weights must be replicated",
+    )
+)
 
 
-def _plan_mlp(x, w_gate, w_up, w_down, norm_weight, norm_bias, residual, gate_bias, up_bias, down_bias, *,
-              quantized: bool):
+def _plan_mlp(
+    x, w_gate, w_up, w_down, norm_weight, norm_bias, residual, gate_bias, up_bias, down_bias, *, quantized: bool
+):
     rows = auto.leading(x.ndim - 1, _WHERE) + "h"
     hi, ih = (None, None) if quantized else ("hi", "ih")  # quantized weights must be replicated
-    return auto.plan(MLP_SHARDING, [
-        auto.ShardedArgument("x", x, rows), auto.ShardedArgument("w_gate", w_gate, hi),
-        auto.ShardedArgument("w_up", w_up, hi), auto.ShardedArgument("w_down", w_down, ih),
-        auto.ShardedArgument("norm_weight", norm_weight, "h"), auto.ShardedArgument("norm_bias", norm_bias, "h"),
-        auto.ShardedArgument("residual", residual, rows), auto.ShardedArgument("gate_bias", gate_bias, "i"),
-        auto.ShardedArgument("up_bias", up_bias, "i"), auto.ShardedArgument("down_bias", down_bias, "h")])
+    return auto.plan(
+        MLP_SHARDING,
+        [
+            auto.ShardedArgument("x", x, rows),
+            auto.ShardedArgument("w_gate", w_gate, hi),
+            auto.ShardedArgument("w_up", w_up, hi),
+            auto.ShardedArgument("w_down", w_down, ih),
+            auto.ShardedArgument("norm_weight", norm_weight, "h"),
+            auto.ShardedArgument("norm_bias", norm_bias, "h"),
+            auto.ShardedArgument("residual", residual, rows),
+            auto.ShardedArgument("gate_bias", gate_bias, "i"),
+            auto.ShardedArgument("up_bias", up_bias, "i"),
+            auto.ShardedArgument("down_bias", down_bias, "h"),
+        ],
+    )
 
 
-def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None = None, norm_weight=None,
-        norm_bias=None, eps: float = 1e-6, residual=None, return_residual: bool = False, gate_bias=None,
-        up_bias=None, down_bias=None, gate_clamp=None, up_clamp=None, output_dtype=None):
+def mlp(
+    x,
+    w_gate,
+    w_up,
+    w_down,
+    *,
+    activation: str = "silu",
+    norm: str | None = None,
+    norm_weight=None,
+    norm_bias=None,
+    eps: float = 1e-6,
+    residual=None,
+    return_residual: bool = False,
+    gate_bias=None,
+    up_bias=None,
+    down_bias=None,
+    gate_clamp=None,
+    up_clamp=None,
+    output_dtype=None,
+):
     """A transformer MLP on ``x [..., hidden]``::
 
         s = x + residual                     (when ``residual`` is given)
@@ -174,37 +221,81 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
         raise ValueError(f"{_WHERE}: `x` [..., hidden] needs hidden >= 1; got shape {tuple(x.shape)}")
     hidden_in, inter = _weight("w_up", w_up, 2).shape
     if hidden_in != hidden or inter == 0:
-        raise ValueError(f"{_WHERE}: `w_up` must have layout [hidden, inter] with hidden={hidden} and inter >= 1; got "
-                         f"{tuple(w_up.shape)}")
+        raise ValueError(
+            f"{_WHERE}: `w_up` must have layout [hidden, inter] with hidden={hidden} and inter >= 1; got "
+            f"{tuple(w_up.shape)}"
+        )
     if w_gate is not None and _weight("w_gate", w_gate, 2).shape != (hidden, inter):
-        raise ValueError(f"{_WHERE}: `w_gate` must have layout [hidden, inter] = {(hidden, inter)}; got "
-                         f"{tuple(w_gate.shape)}")
+        raise ValueError(
+            f"{_WHERE}: `w_gate` must have layout [hidden, inter] = {(hidden, inter)}; got {tuple(w_gate.shape)}"
+        )
     if _weight("w_down", w_down, 2).shape != (inter, hidden):
-        raise ValueError(f"{_WHERE}: `w_down` must have layout [inter, hidden] = ({inter}, {hidden}); got "
-                         f"{tuple(w_down.shape)}")
+        raise ValueError(
+            f"{_WHERE}: `w_down` must have layout [inter, hidden] = ({inter}, {hidden}); got {tuple(w_down.shape)}"
+        )
     quant = _quantization(w_gate, w_up, w_down)
     eps = static_float(_WHERE, "eps", eps, minimum=0.0)
     return_residual = static_bool(_WHERE, "return_residual", return_residual)
     (gate_low, gate_high), (up_low, up_high) = _clamp("gate_clamp", gate_clamp), _clamp("up_clamp", up_clamp)
     output_dtype = _output_dtype(output_dtype)
-    sharded = _plan_mlp(x, w_gate, w_up, w_down, norm_weight, norm_bias, residual, gate_bias, up_bias, down_bias,
-                        quantized=quant != QuantizationType.NONE)
+    sharded = _plan_mlp(
+        x,
+        w_gate,
+        w_up,
+        w_down,
+        norm_weight,
+        norm_bias,
+        residual,
+        gate_bias,
+        up_bias,
+        down_bias,
+        quantized=quant != QuantizationType.NONE,
+    )
     if sharded:
-        flags = dict(activation=activation, norm=norm, eps=eps, return_residual=return_residual, gate_clamp=gate_clamp,
-                     up_clamp=up_clamp, output_dtype=output_dtype)
+        flags = dict(
+            activation=activation,
+            norm=norm,
+            eps=eps,
+            return_residual=return_residual,
+            gate_clamp=gate_clamp,
+            up_clamp=up_clamp,
+            output_dtype=output_dtype,
+        )
 
         def local(x, w_gate, w_up, w_down, norm_weight, norm_bias, residual, gate_bias, up_bias, down_bias, axes):
             if "i" not in axes:
-                return mlp(x, w_gate, w_up, w_down, norm_weight=norm_weight, norm_bias=norm_bias, residual=residual,
-                           gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, **flags)
+                return mlp(
+                    x,
+                    w_gate,
+                    w_up,
+                    w_down,
+                    norm_weight=norm_weight,
+                    norm_bias=norm_bias,
+                    residual=residual,
+                    gate_bias=gate_bias,
+                    up_bias=up_bias,
+                    down_bias=down_bias,
+                    **flags,
+                )
             # Megatron: gate/up column-parallel, down row-parallel; one all-reduce, then the down bias
-            outs = mlp(x, w_gate, w_up, w_down, norm_weight=norm_weight, norm_bias=norm_bias, residual=residual,
-                       gate_bias=gate_bias, up_bias=up_bias, **flags)
+            outs = mlp(
+                x,
+                w_gate,
+                w_up,
+                w_down,
+                norm_weight=norm_weight,
+                norm_bias=norm_bias,
+                residual=residual,
+                gate_bias=gate_bias,
+                up_bias=up_bias,
+                **flags,
+            )
             out = outs[0] if return_residual else outs
             out = jax.lax.psum(out, axes["i"])
             if down_bias is not None:
                 out = out + jnp.asarray(down_bias).astype(out.dtype)
             return (out, outs[1]) if return_residual else out
+
         rows = auto.leading(x.ndim - 1) + "h"
         return sharded.run(local, (rows, rows) if return_residual else rows)
     if activation not in ACTIVATIONS:
@@ -225,9 +316,12 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
     if w_gate is None and (gate_bias is not None or gate_clamp is not None):
         raise ValueError(f"{_WHERE}: `gate_bias` and `gate_clamp` need `w_gate` (w_gate=None computes act(n w_up))")
 
-    for name, value, size, what in (("gate_bias", gate_bias, inter, "inter"), ("up_bias", up_bias, inter, "inter"),
-                                    ("down_bias", down_bias, hidden, "hidden"),
-                                    ("norm_bias", norm_bias, hidden, "hidden")):
+    for name, value, size, what in (
+        ("gate_bias", gate_bias, inter, "inter"),
+        ("up_bias", up_bias, inter, "inter"),
+        ("down_bias", down_bias, hidden, "hidden"),
+        ("norm_bias", norm_bias, hidden, "hidden"),
+    ):
         _vector(name, value, size, what)
     if x.size == 0:  # no tokens: nothing for a kernel to compute
         out = jnp.zeros(x.shape, output_dtype or x.dtype)
@@ -236,8 +330,10 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
     shape3 = (math.prod(lead[:-1]), lead[-1], hidden) if lead else (1, 1, hidden)
     tokens = math.prod(shape3[:2])
     if quant != QuantizationType.NONE and not is_tkg(tokens, False) and down_bias is not None:
-        raise ValueError(f"{_WHERE}: `down_bias` with quantized weights needs the TKG path (<= {TKG_TOKEN_THRESHOLD} "
-                         f"tokens): the kernel's CTE path has no FP8 down-projection bias; got {tokens} tokens")
+        raise ValueError(
+            f"{_WHERE}: `down_bias` with quantized weights needs the TKG path (<= {TKG_TOKEN_THRESHOLD} "
+            f"tokens): the kernel's CTE path has no FP8 down-projection bias; got {tokens} tokens"
+        )
     operands = {
         "hidden_tensor": x.reshape(shape3),
         "gate_proj_weights_tensor": _data(w_up if w_gate is None else w_gate),  # unread with skip_gate_proj
@@ -252,10 +348,18 @@ def mlp(x, w_gate, w_up, w_down, *, activation: str = "silu", norm: str | None =
         **_scales(quant, w_gate, w_up, w_down),
     }
     params = mlp_kernel.params(
-        store_fused_add_result=return_residual, activation_fn=ACTIVATIONS[activation], normalization_type=norm_type,
-        output_dtype=output_dtype, eps=eps, skip_gate_proj=w_gate is None, gate_clamp_upper_limit=gate_high,
-        gate_clamp_lower_limit=gate_low, up_clamp_upper_limit=up_high, up_clamp_lower_limit=up_low,
-        quantization_type=quant)
+        store_fused_add_result=return_residual,
+        activation_fn=ACTIVATIONS[activation],
+        normalization_type=norm_type,
+        output_dtype=output_dtype,
+        eps=eps,
+        skip_gate_proj=w_gate is None,
+        gate_clamp_upper_limit=gate_high,
+        gate_clamp_lower_limit=gate_low,
+        up_clamp_upper_limit=up_high,
+        up_clamp_lower_limit=up_low,
+        quantization_type=quant,
+    )
     outs = mlp_kernel.call(operands, params)
     outs = tuple(out.reshape(x.shape) for out in outs)
     return outs if return_residual else outs[0]

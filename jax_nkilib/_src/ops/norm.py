@@ -44,8 +44,10 @@ def _check_norm_args(where: str, x, params) -> int:
             continue
         array_argument(where, name, value)
         if tuple(value.shape) != (hidden,):
-            raise ValueError(f"{where}: `{name}` must have layout [H] = ({hidden},) for x of shape {tuple(x.shape)}; "
-                             f"got {tuple(value.shape)}")
+            raise ValueError(
+                f"{where}: `{name}` must have layout [H] = ({hidden},) for x of shape {tuple(x.shape)}; "
+                f"got {tuple(value.shape)}"
+            )
     return hidden
 
 
@@ -53,26 +55,35 @@ def _norm_call(kernel, x, vectors, params):
     """Run a TKG norm kernel on ``x [..., H]`` (tokens as ``B``, ``S = 1``) and return ``[..., H]``."""
     hidden = x.shape[-1]
     tokens = math.prod(x.shape[:-1])
-    operands = {"input": x.reshape(tokens, 1, hidden), **{k: None if v is None else v.reshape(1, hidden)
-                                                           for k, v in vectors.items()}}
+    operands = {
+        "input": x.reshape(tokens, 1, hidden),
+        **{k: None if v is None else v.reshape(1, hidden) for k, v in vectors.items()},
+    }
     (tiles,) = kernel.call(operands, params)  # [128, tokens, H/128]
     return from_kernel_order(tiles, params["lnc"]).reshape(x.shape)
 
 
 RMS_NORM_SHARDING = auto.register_rule(auto.ShardingRule("jax_nkilib.rms_norm", free=auto.LEADING))
 LAYER_NORM_SHARDING = auto.register_rule(auto.ShardingRule("jax_nkilib.layer_norm", free=auto.LEADING))
-auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.dequantize_fp8", free={"*": "every axis"}, note="pure JAX: explicit shardings propagate through "
-    "jnp (no kernel, no shard_map)"))
-QUANTIZE_FP8_SHARDING = auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.quantize_fp8", free=auto.LEADING, note="a static scale is replicated"))
+auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.dequantize_fp8",
+        free={"*": "every axis"},
+        note="pure JAX: explicit shardings propagate through jnp (no kernel, no shard_map)",
+    )
+)
+QUANTIZE_FP8_SHARDING = auto.register_rule(
+    auto.ShardingRule("jax_nkilib.quantize_fp8", free=auto.LEADING, note="a static scale is replicated")
+)
 
 
 def _plan_rows(rule, x, **per_hidden):
     """Plan a row-wise op on ``x [..., H]``: rows shard freely; ``[H]`` operands (and a scalar scale) replicate."""
     operands = [auto.ShardedArgument("x", x, auto.leading(x.ndim - 1) + "h")]
-    operands += [auto.ShardedArgument(name, value, None if value is None or jnp.ndim(value) == 0 else "h")
-                 for name, value in per_hidden.items()]
+    operands += [
+        auto.ShardedArgument(name, value, None if value is None or jnp.ndim(value) == 0 else "h")
+        for name, value in per_hidden.items()
+    ]
     return auto.plan(rule, operands)
 
 
@@ -134,8 +145,9 @@ def layer_norm(x, weight=None, bias=None, *, eps: float = 1e-6):
     bias = None if bias is None else jnp.asarray(bias)
     sharded = _plan_rows(LAYER_NORM_SHARDING, x, weight=weight, bias=bias)
     if sharded:
-        return sharded.run(lambda x, weight, bias, axes: layer_norm(x, weight, bias, eps=eps),
-                           auto.leading(x.ndim - 1) + "h")
+        return sharded.run(
+            lambda x, weight, bias, axes: layer_norm(x, weight, bias, eps=eps), auto.leading(x.ndim - 1) + "h"
+        )
     if x.size == 0:
         return jnp.zeros(x.shape, x.dtype)
     x = _minus_row_mean(x)
@@ -184,7 +196,8 @@ def _require_scale(where: str, scale) -> None:
     if isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, (bool, np.bool_)):
         return
     if not (hasattr(scale, "shape") and hasattr(scale, "dtype")) or not (
-            jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+        jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)
+    ):
         got = f"{scale.dtype} array" if hasattr(scale, "dtype") else type(scale).__name__
         raise TypeError(f"{where}: `scale` must be a float array or a Python number; got {got}")
 
@@ -228,8 +241,10 @@ def quantize_fp8(x, *, mode: str = "row", scale=None, dtype=jnp.float8_e4m3):
     sharded = _plan_rows(QUANTIZE_FP8_SHARDING, x, scale=scale)
     if sharded:
         rows = auto.leading(x.ndim - 1)
-        return sharded.run(lambda x, scale, axes: quantize_fp8(x, mode=mode, scale=scale, dtype=dtype),
-                           (rows + "h", rows + "_" if mode == "row" else None))
+        return sharded.run(
+            lambda x, scale, axes: quantize_fp8(x, mode=mode, scale=scale, dtype=dtype),
+            (rows + "h", rows + "_" if mode == "row" else None),
+        )
     if x.size == 0:
         return jnp.zeros(x.shape, dtype), (jnp.zeros(x.shape[:-1] + (1,), jnp.float32) if scale is None else scale)
     if mode == "row":
@@ -239,8 +254,9 @@ def quantize_fp8(x, *, mode: str = "row", scale=None, dtype=jnp.float8_e4m3):
     if dtype not in _KERNEL_MODES:
         return _quantize_in_jax(x, mode, scale, dtype)
     rows = x.reshape(1, -1, hidden)
-    params = rmsnorm_quant_kernel.params(norm_type=NormType.NO_NORM, quantization_type=QuantizationType.STATIC,
-                                         dtype_mode=_KERNEL_MODES[dtype])
+    params = rmsnorm_quant_kernel.params(
+        norm_type=NormType.NO_NORM, quantization_type=QuantizationType.STATIC, dtype_mode=_KERNEL_MODES[dtype]
+    )
     in_scale = jnp.broadcast_to(scale, (PARTITIONS, 1))
     (out,) = rmsnorm_quant_kernel.call({"hidden": rows, "input_dequant_scale": in_scale}, params)
     return out.reshape(x.shape), scale
@@ -251,12 +267,13 @@ def _quantize_rows(x, dtype):
     if dtype not in _KERNEL_MODES:
         return _quantize_in_jax(x, "row", None, dtype)
     hidden = x.shape[-1]
-    params = rmsnorm_quant_kernel.params(norm_type=NormType.NO_NORM, quantization_type=QuantizationType.ROW,
-                                         dtype_mode=_KERNEL_MODES[dtype])
+    params = rmsnorm_quant_kernel.params(
+        norm_type=NormType.NO_NORM, quantization_type=QuantizationType.ROW, dtype_mode=_KERNEL_MODES[dtype]
+    )
     (out,) = rmsnorm_quant_kernel.call({"hidden": x.reshape(1, -1, hidden)}, params)
     raw = jax.lax.bitcast_convert_type(out, jnp.uint8)  # slice bytes: FP8 copies may canonicalize NaN codes
     q = jax.lax.bitcast_convert_type(raw[..., :hidden], out.dtype)
-    return q.reshape(x.shape), scale_from_bytes(raw[..., hidden:hidden + SCALE_BYTES]).reshape(x.shape[:-1] + (1,))
+    return q.reshape(x.shape), scale_from_bytes(raw[..., hidden : hidden + SCALE_BYTES]).reshape(x.shape[:-1] + (1,))
 
 
 def _quantize_in_jax(x, mode, scale, dtype):
@@ -289,6 +306,8 @@ def dequantize_fp8(q, scale, dtype=jnp.float32):
     try:
         jnp.broadcast_shapes(jnp.shape(scale), q.shape)
     except ValueError:
-        raise ValueError(f"{where}: `scale` of shape {jnp.shape(scale)} does not broadcast against q of shape "
-                         f"{tuple(q.shape)} (row scales are [..., 1])") from None
+        raise ValueError(
+            f"{where}: `scale` of shape {jnp.shape(scale)} does not broadcast against q of shape "
+            f"{tuple(q.shape)} (row scales are [..., 1])"
+        ) from None
     return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)

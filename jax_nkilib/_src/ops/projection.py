@@ -41,8 +41,10 @@ def _weight(where: str, w, layout: str):
         return w
     w = _array(where, "w", w, layout, 2)
     if w.dtype.itemsize == 1:
-        raise TypeError(f"{where}: `w` is a raw FP8 array; pass FP8 weights with their scales as "
-                        "jax_nkilib.quantize_weight_fp8(w, mode=...) (a QuantizedWeight)")
+        raise TypeError(
+            f"{where}: `w` is a raw FP8 array; pass FP8 weights with their scales as "
+            "jax_nkilib.quantize_weight_fp8(w, mode=...) (a QuantizedWeight)"
+        )
     return w
 
 
@@ -51,17 +53,24 @@ def _quantization(where: str, w, tkg: bool, path: str) -> QuantizationType:
     if not isinstance(w, QuantizedWeight):
         return QuantizationType.NONE
     if w.mode == "row" and not tkg:
-        raise ValueError(f"{where}: mode='row' weights run only on the kernel's TKG path ({path}); this call takes "
-                         "the CTE path, which supports mode='static' only")
+        raise ValueError(
+            f"{where}: mode='row' weights run only on the kernel's TKG path ({path}); this call takes "
+            "the CTE path, which supports mode='static' only"
+        )
     return QuantizationType.ROW if w.mode == "row" else QuantizationType.STATIC
 
 
 # ------------------------------------------------------------------------------------------- output projection
-OUTPUT_PROJECTION_SHARDING = auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.output_projection", free={"b": "batch", "s": "sequence", "h": "hidden (w's columns)"},
-    collective={"n": ("heads (the contraction)", "row-parallel: local projections + one all-reduce (psum), then "
-                      "the bias")},
-    note="a QuantizedWeight must be replicated"))
+OUTPUT_PROJECTION_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.output_projection",
+        free={"b": "batch", "s": "sequence", "h": "hidden (w's columns)"},
+        collective={
+            "n": ("heads (the contraction)", "row-parallel: local projections + one all-reduce (psum), then the bias")
+        },
+        note="a QuantizedWeight must be replicated",
+    )
+)
 
 
 def output_projection(attn, w, bias=None):
@@ -81,22 +90,33 @@ def output_projection(attn, w, bias=None):
     attn = _array(where, "attn", attn, "[batch, seq, heads, head_dim]", 4, activation=True)
     batch, seq, heads, d = attn.shape
     if heads * d == 0:
-        raise ValueError(f"{where}: `attn` [batch, seq, heads, head_dim] needs heads >= 1 and head_dim >= 1; got "
-                         f"shape {tuple(attn.shape)}")
+        raise ValueError(
+            f"{where}: `attn` [batch, seq, heads, head_dim] needs heads >= 1 and head_dim >= 1; got "
+            f"shape {tuple(attn.shape)}"
+        )
     w = _weight(where, w, "[heads * head_dim, hidden]")
     if w.shape[0] != heads * d:
-        raise ValueError(f"{where}: `w` must be [heads * head_dim, hidden] = [{heads * d}, hidden] for attn "
-                         f"{tuple(attn.shape)}; got {tuple(w.shape)}")
+        raise ValueError(
+            f"{where}: `w` must be [heads * head_dim, hidden] = [{heads * d}, hidden] for attn "
+            f"{tuple(attn.shape)}; got {tuple(w.shape)}"
+        )
     hidden = w.shape[1]
-    sharded = auto.plan(OUTPUT_PROJECTION_SHARDING, [
-        auto.ShardedArgument("attn", attn, "bsnd"), auto.ShardedArgument("w", w, None if isinstance(w, QuantizedWeight) else "nh"),
-        auto.ShardedArgument("bias", bias, None if bias is None else "h")])
+    sharded = auto.plan(
+        OUTPUT_PROJECTION_SHARDING,
+        [
+            auto.ShardedArgument("attn", attn, "bsnd"),
+            auto.ShardedArgument("w", w, None if isinstance(w, QuantizedWeight) else "nh"),
+            auto.ShardedArgument("bias", bias, None if bias is None else "h"),
+        ],
+    )
     if sharded:
+
         def local(attn, w, bias, axes):
             if "n" not in axes:
                 return output_projection(attn, w, bias)
             out = jax.lax.psum(output_projection(attn, w), axes["n"])  # row-parallel: partial sums over heads
             return out if bias is None else out + jnp.asarray(bias).astype(out.dtype)
+
         return sharded.run(local, "bsh")
     if batch * seq * hidden == 0:  # no tokens or no outputs: nothing for a kernel to compute
         _row(where, "bias", bias, hidden, attn.dtype)
@@ -121,21 +141,31 @@ def output_projection(attn, w, bias=None):
 def _cache_arrays(where, kv_cache, batch, seq, kv_heads, d, positions):
     if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2):
         raise TypeError(f"{where}: `kv_cache` must be (k_cache, v_cache), each [batch, max_len, kv_heads, head_dim]")
-    k_cache, v_cache = (_array(where, name, c, "[batch, max_len, kv_heads, head_dim]", 4)
-                        for name, c in zip(("k_cache", "v_cache"), kv_cache))
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype or k_cache.shape[0] != batch or \
-            k_cache.shape[2:] != (kv_heads, d):
-        raise ValueError(f"{where}: k_cache and v_cache must both be [batch={batch}, max_len, kv_heads={kv_heads}, "
-                         f"head_dim={d}] of one dtype; got {tuple(k_cache.shape)} {k_cache.dtype} and "
-                         f"{tuple(v_cache.shape)} {v_cache.dtype}")
+    k_cache, v_cache = (
+        _array(where, name, c, "[batch, max_len, kv_heads, head_dim]", 4)
+        for name, c in zip(("k_cache", "v_cache"), kv_cache)
+    )
+    if (
+        k_cache.shape != v_cache.shape
+        or k_cache.dtype != v_cache.dtype
+        or k_cache.shape[0] != batch
+        or k_cache.shape[2:] != (kv_heads, d)
+    ):
+        raise ValueError(
+            f"{where}: k_cache and v_cache must both be [batch={batch}, max_len, kv_heads={kv_heads}, "
+            f"head_dim={d}] of one dtype; got {tuple(k_cache.shape)} {k_cache.dtype} and "
+            f"{tuple(v_cache.shape)} {v_cache.dtype}"
+        )
     if positions is None:
         if k_cache.shape[1] < seq:
             raise ValueError(f"{where}: the caches hold {k_cache.shape[1]} positions, fewer than the {seq} tokens")
         return k_cache, v_cache, None
     positions = jnp.asarray(positions)
     if positions.shape != (batch, seq) or not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"{where}: `cache_positions` must be an integer array [batch, seq] = ({batch}, {seq}); got "
-                         f"{positions.shape} {positions.dtype}")
+        raise ValueError(
+            f"{where}: `cache_positions` must be an integer array [batch, seq] = ({batch}, {seq}); got "
+            f"{positions.shape} {positions.dtype}"
+        )
     max_len = k_cache.shape[1]
     inside = (positions >= 0) & (positions < max_len)
     slots = jnp.where(inside, jnp.arange(batch, dtype=jnp.int32)[:, None] * max_len + positions, -1)
@@ -149,12 +179,16 @@ def _scales(where, kv_scale):
         raise TypeError(f"{where}: `kv_scale` must be (k_scale, v_scale), two scalars")
     scales = []
     for name, scale in zip(("k_scale", "v_scale"), kv_scale):
-        if not (isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool) or
-                hasattr(scale, "dtype") and (jnp.issubdtype(scale.dtype, jnp.floating)
-                                             or jnp.issubdtype(scale.dtype, jnp.integer))):
+        if not (
+            isinstance(scale, (int, float, np.integer, np.floating))
+            and not isinstance(scale, bool)
+            or hasattr(scale, "dtype")
+            and (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer))
+        ):
             raise TypeError(f"{where}: `kv_scale` entries must be float scalars; {name} is {type(scale).__name__}")
-        check_positive_finite(where, "kv_scale", scale, f"{name}, a cache dequantization scale: the cache stores "
-                              f"{name[0]} / {name}")
+        check_positive_finite(
+            where, "kv_scale", scale, f"{name}, a cache dequantization scale: the cache stores {name[0]} / {name}"
+        )
         scale = jnp.asarray(scale, jnp.float32)
         if scale.size != 1:
             raise ValueError(f"{where}: `kv_scale` entries must be scalars; {name} has shape {scale.shape}")
@@ -162,10 +196,14 @@ def _scales(where, kv_scale):
     return tuple(scales)
 
 
-QKV_PROJECTION_SHARDING = auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.qkv_projection", free={"b": "batch", "s": "sequence", "n": "heads"},
-    note="heads shard when w is given as (w_q, w_k, w_v) (column-parallel; num_q_heads and num_kv_heads divisible "
-         "by the mesh axis size); not the sequence with kv_cache"))
+QKV_PROJECTION_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.qkv_projection",
+        free={"b": "batch", "s": "sequence", "n": "heads"},
+        note="heads shard when w is given as (w_q, w_k, w_v) (column-parallel; num_q_heads and num_kv_heads divisible "
+        "by the mesh axis size); not the sequence with kv_cache",
+    )
+)
 
 
 def _head_counts(where: str, num_q_heads, num_kv_heads) -> tuple[int, int]:
@@ -181,56 +219,106 @@ def _head_counts(where: str, num_q_heads, num_kv_heads) -> tuple[int, int]:
 def _split_weights(where: str, w, bias, hidden: int, num_q_heads: int, num_kv_heads: int):
     """Validate ``w = (w_q, w_k, w_v)`` (and a matching ``bias`` triple) against the head counts: ``w_q [hidden,
     num_q_heads * head_dim]``, ``w_k`` and ``w_v [hidden, num_kv_heads * head_dim]`` with one head_dim."""
-    if len(w) != 3 or not all(hasattr(part, "shape") and hasattr(part, "dtype") and jnp.ndim(part) == 2
-                              for part in w):
+    if len(w) != 3 or not all(hasattr(part, "shape") and hasattr(part, "dtype") and jnp.ndim(part) == 2 for part in w):
         raise TypeError(f"{where}: a split `w` must be (w_q, w_k, w_v), float arrays [hidden, heads * head_dim]")
     if bias is not None and not (isinstance(bias, (tuple, list)) and len(bias) == 3):
         raise TypeError(f"{where}: with a split `w`, `bias` must be (b_q, b_k, b_v) or None")
     w_q, w_k, w_v = w
     d = w_q.shape[1] // num_q_heads
     expected = {"w_q": (hidden, num_q_heads * d), "w_k": (hidden, num_kv_heads * d), "w_v": (hidden, num_kv_heads * d)}
-    if w_q.shape[1] % num_q_heads or d == 0 or any(tuple(part.shape) != expected[name]
-                                                   for name, part in zip(expected, w)):
+    if (
+        w_q.shape[1] % num_q_heads
+        or d == 0
+        or any(tuple(part.shape) != expected[name] for name, part in zip(expected, w))
+    ):
         got = ", ".join(f"{name} {tuple(part.shape)}" for name, part in zip(expected, w))
-        raise ValueError(f"{where}: a split `w` must be w_q [hidden, num_q_heads * head_dim] and w_k, w_v [hidden, "
-                         f"num_kv_heads * head_dim] with one head_dim >= 1 (hidden={hidden}, num_q_heads={num_q_heads}, "
-                         f"num_kv_heads={num_kv_heads}); got {got}")
+        raise ValueError(
+            f"{where}: a split `w` must be w_q [hidden, num_q_heads * head_dim] and w_k, w_v [hidden, "
+            f"num_kv_heads * head_dim] with one head_dim >= 1 (hidden={hidden}, num_q_heads={num_q_heads}, "
+            f"num_kv_heads={num_kv_heads}); got {got}"
+        )
     if bias is not None:
-        for name, part, size in zip(("b_q", "b_k", "b_v"), bias, (num_q_heads * d, num_kv_heads * d,
-                                                                   num_kv_heads * d)):
+        for name, part, size in zip(("b_q", "b_k", "b_v"), bias, (num_q_heads * d, num_kv_heads * d, num_kv_heads * d)):
             if part is not None and jnp.shape(part) not in ((size,), (1, size)):
-                raise ValueError(f"{where}: `bias` {name} must be [{size}] (heads * head_dim with head_dim={d}); got "
-                                 f"shape {jnp.shape(part)}")
+                raise ValueError(
+                    f"{where}: `bias` {name} must be [{size}] (heads * head_dim with head_dim={d}); got "
+                    f"shape {jnp.shape(part)}"
+                )
         if any(part is None for part in bias):
-            bias = tuple(jnp.zeros((size,), w_q.dtype) if part is None else part
-                         for part, size in zip(bias, (num_q_heads * d, num_kv_heads * d, num_kv_heads * d)))
+            bias = tuple(
+                jnp.zeros((size,), w_q.dtype) if part is None else part
+                for part, size in zip(bias, (num_q_heads * d, num_kv_heads * d, num_kv_heads * d))
+            )
     return tuple(jnp.asarray(part) for part in w), None if bias is None else tuple(jnp.asarray(b) for b in bias)
 
 
-def _sharded_qkv(sharded, x, w, bias, norm_weight, norm_bias, rope, kv_cache, cache_positions, kv_scale, *,
-                 num_q_heads: int, num_kv_heads: int, **flags):
+def _sharded_qkv(
+    sharded,
+    x,
+    w,
+    bias,
+    norm_weight,
+    norm_bias,
+    rope,
+    kv_cache,
+    cache_positions,
+    kv_scale,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    **flags,
+):
     """Run :func:`qkv_projection` on local shards: batch and tokens split freely; heads split with ``w``'s
     columns (each shard projects its own query and kv heads)."""
     where = "jax_nkilib.qkv_projection"
     parts = sharded.axis_size("n")
     if num_q_heads % parts or num_kv_heads % parts:
-        raise ValueError(f"{where}: {num_q_heads} query and {num_kv_heads} kv heads cannot be split evenly over mesh "
-                         f"axis {sharded.axes['n']} of size {parts}")
+        raise ValueError(
+            f"{where}: {num_q_heads} query and {num_kv_heads} kv heads cannot be split evenly over mesh "
+            f"axis {sharded.axes['n']} of size {parts}"
+        )
     if kv_cache is not None and "s" in sharded.axes:
-        raise ValueError(f"{where}: the sequence is split over mesh axis {sharded.axes['s']}, but the kv_cache write "
-                         "needs every token of a sequence on one device; replicate the sequence axis")
+        raise ValueError(
+            f"{where}: the sequence is split over mesh axis {sharded.axes['s']}, but the kv_cache write "
+            "needs every token of a sequence on one device; replicate the sequence axis"
+        )
 
     def local(x, w, bias, norm_weight, norm_bias, rope, kv_cache, cache_positions, kv_scale, axes):
-        return qkv_projection(x, w, num_q_heads=num_q_heads // parts, num_kv_heads=num_kv_heads // parts, bias=bias,
-                              norm_weight=norm_weight, norm_bias=norm_bias, rope=rope, kv_cache=kv_cache,
-                              cache_positions=cache_positions, kv_scale=kv_scale, **flags)
+        return qkv_projection(
+            x,
+            w,
+            num_q_heads=num_q_heads // parts,
+            num_kv_heads=num_kv_heads // parts,
+            bias=bias,
+            norm_weight=norm_weight,
+            norm_bias=norm_bias,
+            rope=rope,
+            kv_cache=kv_cache,
+            cache_positions=cache_positions,
+            kv_scale=kv_scale,
+            **flags,
+        )
+
     cache_dims = "bsnd" if kv_cache is None else "b_nd"
     return sharded.run(local, ("bsnd", cache_dims, cache_dims))
 
 
-def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm: str | None = None,
-                   norm_weight=None, norm_bias=None, eps: float = 1e-6, rope=None, kv_cache=None,
-                   cache_positions=None, kv_scale=None):
+def qkv_projection(
+    x,
+    w,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    bias=None,
+    norm: str | None = None,
+    norm_weight=None,
+    norm_bias=None,
+    eps: float = 1e-6,
+    rope=None,
+    kv_cache=None,
+    cache_positions=None,
+    kv_scale=None,
+):
     """Query, key and value heads of ``x [batch, seq, hidden]``: ``norm(x) @ w (+ bias)``, split into heads, with
     RoPE on the query and key heads.
 
@@ -276,24 +364,47 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
     split = isinstance(w, (tuple, list))
     if split:
         w, bias = _split_weights(where, w, bias, hidden, num_q_heads, num_kv_heads)
-    sharded = auto.plan(QKV_PROJECTION_SHARDING, [
-        auto.ShardedArgument("x", x, "bsh"),
-        auto.ShardedArgument("w", w, ("hn",) * 3 if split else None if isinstance(w, QuantizedWeight) else "hf"),
-        auto.ShardedArgument("bias", bias, ("n",) * 3 if split else "f"), auto.ShardedArgument("norm_weight", norm_weight, "h"),
-        auto.ShardedArgument("norm_bias", norm_bias, "h"), auto.ShardedArgument("rope", rope, ("bs_", "bs_")),
-        auto.ShardedArgument("kv_cache", kv_cache, ("b_nd", "b_nd")), auto.ShardedArgument("cache_positions", cache_positions, "bs"),
-        auto.ShardedArgument("kv_scale", kv_scale)])
+    sharded = auto.plan(
+        QKV_PROJECTION_SHARDING,
+        [
+            auto.ShardedArgument("x", x, "bsh"),
+            auto.ShardedArgument("w", w, ("hn",) * 3 if split else None if isinstance(w, QuantizedWeight) else "hf"),
+            auto.ShardedArgument("bias", bias, ("n",) * 3 if split else "f"),
+            auto.ShardedArgument("norm_weight", norm_weight, "h"),
+            auto.ShardedArgument("norm_bias", norm_bias, "h"),
+            auto.ShardedArgument("rope", rope, ("bs_", "bs_")),
+            auto.ShardedArgument("kv_cache", kv_cache, ("b_nd", "b_nd")),
+            auto.ShardedArgument("cache_positions", cache_positions, "bs"),
+            auto.ShardedArgument("kv_scale", kv_scale),
+        ],
+    )
     if sharded:
-        return _sharded_qkv(sharded, x, w, bias, norm_weight, norm_bias, rope, kv_cache, cache_positions, kv_scale,
-                            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, norm=norm, eps=eps)
+        return _sharded_qkv(
+            sharded,
+            x,
+            w,
+            bias,
+            norm_weight,
+            norm_bias,
+            rope,
+            kv_cache,
+            cache_positions,
+            kv_scale,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            norm=norm,
+            eps=eps,
+        )
     if split:
         w = jnp.concatenate(w, axis=1)
         bias = None if bias is None else jnp.concatenate(bias)
     w = _weight(where, w, "[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]")
     heads = num_q_heads + 2 * num_kv_heads
     if w.shape[0] != hidden or w.shape[1] % heads or w.shape[1] == 0:
-        raise ValueError(f"{where}: `w` must be [hidden={hidden}, (num_q_heads + 2 * num_kv_heads) * head_dim] with "
-                         f"{heads} heads and head_dim >= 1; got {tuple(w.shape)}")
+        raise ValueError(
+            f"{where}: `w` must be [hidden={hidden}, (num_q_heads + 2 * num_kv_heads) * head_dim] with "
+            f"{heads} heads and head_dim >= 1; got {tuple(w.shape)}"
+        )
     d = w.shape[1] // heads
     norm_type = norm_type_of(where, norm)
     gamma = _row(where, "norm_weight", norm_weight, hidden, x.dtype)
@@ -307,24 +418,38 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
     if norm == "layer" and gamma is None:
         gamma = jnp.ones((1, hidden), x.dtype)
     quant = _quantization(where, w, uses_tkg(batch, seq, rope is not None), "seq <= 96, batch * seq <= 128, no rope")
-    operands = {"input": x, "bias": _row(where, "bias", bias, w.shape[1], x.dtype),
-                "gamma_norm_weights": gamma, "layer_norm_bias": beta}
+    operands = {
+        "input": x,
+        "bias": _row(where, "bias", bias, w.shape[1], x.dtype),
+        "gamma_norm_weights": gamma,
+        "layer_norm_bias": beta,
+    }
     if quant == QuantizationType.NONE:
         operands["fused_qkv_weights"] = w.astype(x.dtype)
     else:  # FP8: STATIC takes one weight scale per Q/K/V segment (all equal here), ROW one per column
         tile = scale_tile(w)
-        operands.update(fused_qkv_weights=fp8_data(w),
-                        qkv_w_scale=jnp.broadcast_to(tile, (128, 3)) if quant == QuantizationType.STATIC else tile,
-                        qkv_in_scale=input_scale_tile(w) if quant == QuantizationType.STATIC else None)
-    flags = dict(fused_norm_type=norm_type, norm_eps=float(eps), d_head=d, num_q_heads=num_q_heads,
-                 num_kv_heads=num_kv_heads, quantization_type=quant)
+        operands.update(
+            fused_qkv_weights=fp8_data(w),
+            qkv_w_scale=jnp.broadcast_to(tile, (128, 3)) if quant == QuantizationType.STATIC else tile,
+            qkv_in_scale=input_scale_tile(w) if quant == QuantizationType.STATIC else None,
+        )
+    flags = dict(
+        fused_norm_type=norm_type,
+        norm_eps=float(eps),
+        d_head=d,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        quantization_type=quant,
+    )
     if rope is not None:
         if not (isinstance(rope, (tuple, list)) and len(rope) == 2):
             raise TypeError(f"{where}: `rope` must be (cos, sin), each [batch, seq, head_dim]")
         cos, sin = (_array(where, name, t, "[batch, seq, head_dim]", 3) for name, t in zip(("cos", "sin"), rope))
         if cos.shape != (batch, seq, d) or sin.shape != (batch, seq, d):
-            raise ValueError(f"{where}: rope tables must be [batch, seq, head_dim] = ({batch}, {seq}, {d}); got "
-                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+            raise ValueError(
+                f"{where}: rope tables must be [batch, seq, head_dim] = ({batch}, {seq}, {d}); got "
+                f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+            )
         if d % 2:
             raise ValueError(f"{where}: `rope` rotates halves of each head: head_dim must be even; got head_dim={d}")
         operands.update(cos_cache=cos.astype(x.dtype), sin_cache=sin.astype(x.dtype))
@@ -334,13 +459,19 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
         if cache_positions is not None or kv_scale is not None:
             raise ValueError(f"{where}: cache_positions and kv_scale need kv_cache")
         if batch * seq == 0:  # no tokens: nothing for a kernel to compute
-            return (jnp.zeros((batch, seq, num_q_heads, d), x.dtype), jnp.zeros((batch, seq, num_kv_heads, d), x.dtype),
-                    jnp.zeros((batch, seq, num_kv_heads, d), x.dtype))
+            return (
+                jnp.zeros((batch, seq, num_q_heads, d), x.dtype),
+                jnp.zeros((batch, seq, num_kv_heads, d), x.dtype),
+                jnp.zeros((batch, seq, num_kv_heads, d), x.dtype),
+            )
         (out,) = qkv.call(operands, qkv.params(**flags))
         out = out.astype(x.dtype)  # STATIC on the CTE path returns bfloat16
-        q, k, v = out[..., :q_dim], out[..., q_dim:q_dim + kv_dim], out[..., q_dim + kv_dim:]
-        return (q.reshape(batch, seq, num_q_heads, d), k.reshape(batch, seq, num_kv_heads, d),
-                v.reshape(batch, seq, num_kv_heads, d))
+        q, k, v = out[..., :q_dim], out[..., q_dim : q_dim + kv_dim], out[..., q_dim + kv_dim :]
+        return (
+            q.reshape(batch, seq, num_q_heads, d),
+            k.reshape(batch, seq, num_kv_heads, d),
+            v.reshape(batch, seq, num_kv_heads, d),
+        )
     k_cache, v_cache, slots = _cache_arrays(where, kv_cache, batch, seq, num_kv_heads, d, cache_positions)
     k_scale, v_scale = _scales(where, kv_scale)
     if batch * seq == 0:  # no tokens: the caches are unchanged
@@ -359,8 +490,13 @@ def qkv_projection(x, w, *, num_q_heads: int, num_kv_heads: int, bias=None, norm
         q = out[..., :q_dim]
         bounds = kv_bounds(k_cache.dtype, None, None)
         acc = jnp.promote_types(out.dtype, jnp.float32)
-        k_new, v_new = (jax.lax.stop_gradient(write_cache(cache, quantize_kv(part.astype(acc), scale, cache.dtype,
-                                                                              bounds, acc), slots))
-                        for cache, part, scale in ((flat[0], out[..., q_dim:q_dim + kv_dim], k_scale),
-                                                   (flat[1], out[..., q_dim + kv_dim:], v_scale)))
+        k_new, v_new = (
+            jax.lax.stop_gradient(
+                write_cache(cache, quantize_kv(part.astype(acc), scale, cache.dtype, bounds, acc), slots)
+            )
+            for cache, part, scale in (
+                (flat[0], out[..., q_dim : q_dim + kv_dim], k_scale),
+                (flat[1], out[..., q_dim + kv_dim :], v_scale),
+            )
+        )
     return q.reshape(batch, seq, num_q_heads, d), k_new.reshape(shape), v_new.reshape(shape)

@@ -81,16 +81,29 @@ def _quantize_with_kernel(rows, name: str):
     return data, scale_bytes(scales).T
 
 
-QUANTIZE_MX_SHARDING = auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.quantize_mx", free={**auto.LEADING, "q": "quantized axis"}, granule={"q": mx.BLOCK_SIZE},
-    note="a shard of the quantized axis must hold whole blocks"))
-DEQUANTIZE_MX_SHARDING = auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.dequantize_mx", free={**auto.LEADING, "q": "quantized axis"},
-    note="a shard of the quantized axis must hold whole blocks"))
-MXFP8_MATMUL_SHARDING = auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.mxfp8_matmul", free={**auto.LEADING, "n": "output features"},
-    collective={"k": ("contraction", "local MXFP8 matmuls + all-reduce (psum); shards hold whole 32-blocks")},
-    granule={"k": mx.BLOCK_SIZE}))
+QUANTIZE_MX_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.quantize_mx",
+        free={**auto.LEADING, "q": "quantized axis"},
+        granule={"q": mx.BLOCK_SIZE},
+        note="a shard of the quantized axis must hold whole blocks",
+    )
+)
+DEQUANTIZE_MX_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.dequantize_mx",
+        free={**auto.LEADING, "q": "quantized axis"},
+        note="a shard of the quantized axis must hold whole blocks",
+    )
+)
+MXFP8_MATMUL_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.mxfp8_matmul",
+        free={**auto.LEADING, "n": "output features"},
+        collective={"k": ("contraction", "local MXFP8 matmuls + all-reduce (psum); shards hold whole 32-blocks")},
+        granule={"k": mx.BLOCK_SIZE},
+    )
+)
 
 
 def _dims_with_blocks(ndim: int, axis: int, where: str, operand: str) -> str:
@@ -116,8 +129,9 @@ def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32):
         raise TypeError(f"{where}: `block` must be a positive int; got {block!r}")
     length = x.shape[axis]
     if length % block:
-        raise ValueError(f"{where}: the quantized axis {axis} of `x` (shape {tuple(x.shape)}) must be a multiple of "
-                         f"block={block}")
+        raise ValueError(
+            f"{where}: the quantized axis {axis} of `x` (shape {tuple(x.shape)}) must be a multiple of block={block}"
+        )
     dims = _dims_with_blocks(x.ndim, axis, where, "x")
     sharded = auto.plan(QUANTIZE_MX_SHARDING, [auto.ShardedArgument("x", x, dims)], granule={"q": block})
     if sharded:
@@ -141,21 +155,29 @@ def dequantize_mx(data, scales, *, axis: int = -1, dtype=jnp.float32):
     consecutive elements along ``axis`` whose size is the ratio of the two arrays' sizes there). ``scales`` are
     uint8 biased exponents (or ``float8_e8m0fnu``)."""
     where = "jax_nkilib.dequantize_mx"
-    data, scales = (array_argument(where, name, value, dtypes=None)
-                    for name, value in (("data", data), ("scales", scales)))
+    data, scales = (
+        array_argument(where, name, value, dtypes=None) for name, value in (("data", data), ("scales", scales))
+    )
     _fp8_name(where, "data.dtype", data.dtype)
     if scales.dtype not in (jnp.uint8, jnp.float8_e8m0fnu):
         raise TypeError(f"{where}: `scales` must be uint8 biased exponents (or float8_e8m0fnu); got {scales.dtype}")
     axis = _axis(where, axis, data.ndim)
-    expected = data.shape[:axis] + data.shape[axis + 1:]
-    if (scales.ndim != data.ndim or scales.shape[:axis] + scales.shape[axis + 1:] != expected
-            or scales.shape[axis] == 0 or data.shape[axis] % scales.shape[axis]):
-        raise ValueError(f"{where}: `scales` must have the shape of `data` {tuple(data.shape)} with axis {axis} "
-                         f"divided by the block size; got {tuple(scales.shape)}")
+    expected = data.shape[:axis] + data.shape[axis + 1 :]
+    if (
+        scales.ndim != data.ndim
+        or scales.shape[:axis] + scales.shape[axis + 1 :] != expected
+        or scales.shape[axis] == 0
+        or data.shape[axis] % scales.shape[axis]
+    ):
+        raise ValueError(
+            f"{where}: `scales` must have the shape of `data` {tuple(data.shape)} with axis {axis} "
+            f"divided by the block size; got {tuple(scales.shape)}"
+        )
     dims = _dims_with_blocks(data.ndim, axis, where, "data")
     # equal shards of data and scales along the quantized axis hold whole blocks
-    sharded = auto.plan(DEQUANTIZE_MX_SHARDING,
-                        [auto.ShardedArgument("data", data, dims), auto.ShardedArgument("scales", scales, dims)])
+    sharded = auto.plan(
+        DEQUANTIZE_MX_SHARDING, [auto.ShardedArgument("data", data, dims), auto.ShardedArgument("scales", scales, dims)]
+    )
     if sharded:
         return sharded.run(lambda data, scales, axes: dequantize_mx(data, scales, axis=axis, dtype=dtype), dims)
     return mx.dequantize_mx_along(data, scale_bytes(scales), axis).astype(dtype)
@@ -173,19 +195,25 @@ def mxfp8_matmul(x, w, *, float8_dtype=jnp.float8_e4m3fn):
     x, w = array_argument(where, "x", x), array_argument(where, "w", w)
     name = _fp8_name(where, "float8_dtype", float8_dtype)
     if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"{where}: `x` must have layout [..., K] and `w` [K, N] with the same K; got shapes "
-                         f"{tuple(x.shape)} and {tuple(w.shape)}")
+        raise ValueError(
+            f"{where}: `x` must have layout [..., K] and `w` [K, N] with the same K; got shapes "
+            f"{tuple(x.shape)} and {tuple(w.shape)}"
+        )
     rows_dims = auto.leading(x.ndim - 1, where)
-    sharded = auto.plan(MXFP8_MATMUL_SHARDING, [auto.ShardedArgument("x", x, rows_dims + "k"), auto.ShardedArgument("w", w, "kn")])
+    sharded = auto.plan(
+        MXFP8_MATMUL_SHARDING, [auto.ShardedArgument("x", x, rows_dims + "k"), auto.ShardedArgument("w", w, "kn")]
+    )
     if sharded:
+
         def local(x, w, axes):
             out = mxfp8_matmul(x, w, float8_dtype=float8_dtype)
             return jax.lax.psum(out, axes["k"]) if "k" in axes else out
+
         return sharded.run(local, rows_dims + "n")
     dtype = jnp.result_type(x.dtype, w.dtype)
-    params = matmul_mxfp8.params(lhs_is_swizzled=False, rhs_is_swizzled=False, float8_dtype=name,
-                                 output_dtype=dtype)
+    params = matmul_mxfp8.params(lhs_is_swizzled=False, rhs_is_swizzled=False, float8_dtype=name, output_dtype=dtype)
     rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-    (out,) = matmul_mxfp8.call({"lhs": rows.astype(dtype), "rhs": w.T.astype(dtype), "lhs_scales": None,
-                                "rhs_scales": None}, params)
+    (out,) = matmul_mxfp8.call(
+        {"lhs": rows.astype(dtype), "rhs": w.T.astype(dtype), "lhs_scales": None, "rhs_scales": None}, params
+    )
     return out.reshape(*x.shape[:-1], w.shape[1])

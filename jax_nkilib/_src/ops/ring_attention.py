@@ -84,6 +84,7 @@ class _Ring:
 class _Piece:
     """Queries ``[q_start, q_stop)`` against keys ``[k_start, k_stop)`` (local indices) under a static rule:
     none, or causal with query index shifted by ``q_base`` (``key <= query + q_base``)."""
+
     q_start: int
     q_stop: int
     k_start: int
@@ -92,8 +93,12 @@ class _Piece:
     q_base: int = 0
 
     def rule(self) -> MaskRule:
-        return MaskRule(n_queries=self.q_stop - self.q_start, n_active=self.k_stop - self.k_start,
-                        causal=self.causal, q_base=self.q_base)
+        return MaskRule(
+            n_queries=self.q_stop - self.q_start,
+            n_active=self.k_stop - self.k_start,
+            causal=self.causal,
+            q_base=self.q_base,
+        )
 
 
 def _plan(ring: _Ring, length: int, t: int) -> tuple:
@@ -126,11 +131,19 @@ def _forward_piece(piece, q, k, v, scale):
     if piece is None:
         empty = (jnp.zeros(q.shape, acc), jnp.full(q.shape[:3], -jnp.inf, acc), jnp.zeros(q.shape[:3], acc))
         return tuple(varying_like(x, q, k, v) for x in empty)
-    out, row_max, row_sum = attention_forward(q[:, :, piece.q_start:piece.q_stop], k[:, piece.k_start:piece.k_stop],
-                                              v[:, piece.k_start:piece.k_stop], piece.rule(), scale)
+    out, row_max, row_sum = attention_forward(
+        q[:, :, piece.q_start : piece.q_stop],
+        k[:, piece.k_start : piece.k_stop],
+        v[:, piece.k_start : piece.k_stop],
+        piece.rule(),
+        scale,
+    )
     before, after = piece.q_start, length - piece.q_stop
-    return (_pad_rows(out, 2, before, after), _pad_rows(row_max, 2, before, after, -jnp.inf),
-            _pad_rows(row_sum, 2, before, after))
+    return (
+        _pad_rows(out, 2, before, after),
+        _pad_rows(row_max, 2, before, after, -jnp.inf),
+        _pad_rows(row_sum, 2, before, after),
+    )
 
 
 def _backward_piece(piece, q, k, v, out, dy, lse, scale):
@@ -140,8 +153,9 @@ def _backward_piece(piece, q, k, v, out, dy, lse, scale):
         zeros = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
         return tuple(varying_like(x, q, k, v, out, dy, lse) for x in zeros)
     rows, keys = slice(piece.q_start, piece.q_stop), slice(piece.k_start, piece.k_stop)
-    dq, dk, dv, _ = attention_backward(q[:, :, rows], k[:, keys], v[:, keys], out[:, :, rows], dy[:, :, rows],
-                                       lse[:, :, rows], piece.rule(), scale)
+    dq, dk, dv, _ = attention_backward(
+        q[:, :, rows], k[:, keys], v[:, keys], out[:, :, rows], dy[:, :, rows], lse[:, :, rows], piece.rule(), scale
+    )
     q_pad, k_pad = (piece.q_start, q.shape[2] - piece.q_stop), (piece.k_start, k.shape[1] - piece.k_stop)
     return _pad_rows(dq, 2, *q_pad), _pad_rows(dk, 1, *k_pad), _pad_rows(dv, 1, *k_pad)
 
@@ -170,8 +184,11 @@ def _merge(state, part):
     new_max = jnp.maximum(max_a, max_b)
     safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
     scale_a, scale_b = jnp.exp(max_a - safe_max), jnp.exp(max_b - safe_max)
-    return (numerator * scale_a[..., None] + out_b * (sum_b * scale_b)[..., None], new_max,
-            sum_a * scale_a + sum_b * scale_b)
+    return (
+        numerator * scale_a[..., None] + out_b * (sum_b * scale_b)[..., None],
+        new_max,
+        sum_a * scale_a + sum_b * scale_b,
+    )
 
 
 def _ring_steps(ring: _Ring, step, carry, blocks, shifted):
@@ -212,7 +229,8 @@ def _ring_backward(ring: _Ring, residuals, dy):
     rank = lax.axis_index(lax_axis(ring.axis_names))
     dy = dy.astype(q.dtype)
     compute = lambda piece, k_block, v_block: _backward_piece(  # noqa: E731
-        piece, q, k_block, v_block, out, dy, lse, ring.scale)
+        piece, q, k_block, v_block, out, dy, lse, ring.scale
+    )
     shifted = lambda blocks: tuple(_shift(ring, x, -1) for x in blocks)  # noqa: E731
     following = shifted((k, v)) if ring.size > 1 else None
     dq, dk_acc, dv_acc = _step(ring, 0, rank, compute, k, v, direction=-1)
@@ -236,8 +254,10 @@ def _ring_attention(ring: _Ring, q, k, v):
 
 def _ring_attention_fwd(ring: _Ring, q, k, v):
     out, lse = _ring_forward(ring, q, k, v)
-    residuals = tuple(checkpoint_name(x, f"ring_attention.{name}")
-                      for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
+    residuals = tuple(
+        checkpoint_name(x, f"ring_attention.{name}")
+        for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))
+    )
     return out, residuals
 
 
@@ -254,12 +274,21 @@ def _check(q, k, v, causal, layout, scale) -> float | None:
     return None if scale is None else static_float(_WHERE, "scale", scale)
 
 
-auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.ring_attention", free={},
-    collective={"s": ("sequence", "inside jax.shard_map, over axis_name: K/V blocks travel a ppermute ring, "
-                      "partials merge by log-sum-exp; the backward is a ring too")},
-    note="a shard_map building block (zigzag, striped or contiguous layout); jax_nkilib.attention selects it for "
-         "a sharded sequence"))
+auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.ring_attention",
+        free={},
+        collective={
+            "s": (
+                "sequence",
+                "inside jax.shard_map, over axis_name: K/V blocks travel a ppermute ring, "
+                "partials merge by log-sum-exp; the backward is a ring too",
+            )
+        },
+        note="a shard_map building block (zigzag, striped or contiguous layout); jax_nkilib.attention selects it for "
+        "a sharded sequence",
+    )
+)
 
 
 def ring_attention(q, k, v, *, axis_name, causal: bool = True, layout: str = "zigzag", scale: float | None = None):

@@ -24,11 +24,15 @@ def _rope_argument_errors(x, cos, sin) -> None:
     if head_dim % 2:
         raise ValueError(f"{where}: head_dim (last axis of `x`) must be even; got {head_dim}")
     if cos.shape != sin.shape or cos.dtype != sin.dtype:
-        raise ValueError(f"{where}: `cos` and `sin` must have the same shape and dtype; got {tuple(cos.shape)} "
-                         f"{cos.dtype} and {tuple(sin.shape)} {sin.dtype}")
+        raise ValueError(
+            f"{where}: `cos` and `sin` must have the same shape and dtype; got {tuple(cos.shape)} "
+            f"{cos.dtype} and {tuple(sin.shape)} {sin.dtype}"
+        )
     if cos.ndim not in (2, 3) or cos.shape[-2:] != (seq, head_dim // 2):
-        raise ValueError(f"{where}: `cos` and `sin` must have layout [seq, head_dim/2] or [batch, seq, head_dim/2] "
-                         f"= (..., {seq}, {head_dim // 2}) for x of shape {tuple(x.shape)}; got {tuple(cos.shape)}")
+        raise ValueError(
+            f"{where}: `cos` and `sin` must have layout [seq, head_dim/2] or [batch, seq, head_dim/2] "
+            f"= (..., {seq}, {head_dim // 2}) for x of shape {tuple(x.shape)}; got {tuple(cos.shape)}"
+        )
     if cos.ndim == 3 and cos.shape[0] != 1:
         lead = tuple(x.shape[:-3])
         try:
@@ -36,12 +40,15 @@ def _rope_argument_errors(x, cos, sin) -> None:
         except ValueError:
             fits = False
         if not fits:
-            raise ValueError(f"{where}: the batch axis of `cos` ({cos.shape[0]}) does not broadcast against the "
-                             f"leading axes {lead} of `x`")
+            raise ValueError(
+                f"{where}: the batch axis of `cos` ({cos.shape[0]}) does not broadcast against the "
+                f"leading axes {lead} of `x`"
+            )
 
 
-ROPE_SHARDING = auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.rope", free={**auto.LEADING, "s": "sequence", "n": "heads"}))
+ROPE_SHARDING = auto.register_rule(
+    auto.ShardingRule("jax_nkilib.rope", free={**auto.LEADING, "s": "sequence", "n": "heads"})
+)
 
 
 def rope(x, cos, sin, *, interleaved: bool = False):
@@ -64,8 +71,14 @@ def rope(x, cos, sin, *, interleaved: bool = False):
         return x
     lead_dims = auto.leading(x.ndim - 3)
     table_dims = ("_" if cos.shape[0] == 1 else lead_dims[-1:]) + "s_" if cos.ndim == 3 else "s_"
-    sharded = auto.plan(ROPE_SHARDING, [auto.ShardedArgument("x", x, lead_dims + "snd"), auto.ShardedArgument("cos", cos, table_dims),
-                                        auto.ShardedArgument("sin", sin, table_dims)])
+    sharded = auto.plan(
+        ROPE_SHARDING,
+        [
+            auto.ShardedArgument("x", x, lead_dims + "snd"),
+            auto.ShardedArgument("cos", cos, table_dims),
+            auto.ShardedArgument("sin", sin, table_dims),
+        ],
+    )
     if sharded:
         return sharded.run(lambda x, cos, sin, axes: rope(x, cos, sin, interleaved=interleaved), lead_dims + "snd")
     *lead, seq, heads, head_dim = x.shape

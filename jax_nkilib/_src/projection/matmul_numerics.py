@@ -43,8 +43,9 @@ def quantize(x, fp8_dtype, bound: float | None = None):
 
 def contract(subscripts: str, x, w, acc):
     """``einsum`` accumulated in ``acc`` at full precision (FP8 operands are exact in ``acc``)."""
-    return jnp.einsum(subscripts, x.astype(acc), w.astype(acc), precision=lax.Precision.HIGHEST,
-                      preferred_element_type=acc)
+    return jnp.einsum(
+        subscripts, x.astype(acc), w.astype(acc), precision=lax.Precision.HIGHEST, preferred_element_type=acc
+    )
 
 
 # The projections' VJP rule: the reference differentiated in the floating, non-FP8 operands.

@@ -28,8 +28,19 @@ NOT_BOUND_FORMATS = {
 }
 
 
-def project(attention, subscripts: str, weight, bias, *, quantization_type, input_scale=None, weight_scale=None,
-            fp8_dtype=None, bound=None, round_scaled_input=False):
+def project(
+    attention,
+    subscripts: str,
+    weight,
+    bias,
+    *,
+    quantization_type,
+    input_scale=None,
+    weight_scale=None,
+    fp8_dtype=None,
+    bound=None,
+    round_scaled_input=False,
+):
     """The projection in the attention's dtype; ``subscripts`` contracts ``attention`` with ``weight [n, d, h]``."""
     io = attention.dtype
     acc = accumulation_dtype(io)
@@ -66,24 +77,37 @@ def check_formats(call: CallInfo, attention: str, allowed: tuple) -> None:
     """Quantization type, weight dtype and the presence of scales for the call's ``quantization_type``."""
     avals, function, qtype = call.avals, call.function, call.params["quantization_type"]
     if qtype in NOT_BOUND_FORMATS:
-        raise ValueError(f"{function}: quantization_type={qtype.name}: {NOT_BOUND_FORMATS[qtype]} is not bound in "
-                         f"jax_nkilib (its packed format and the hardware MX quantizer are not emulated); use NONE, "
-                         f"{', '.join(q.name for q in allowed if q != QuantizationType.NONE)}")
+        raise ValueError(
+            f"{function}: quantization_type={qtype.name}: {NOT_BOUND_FORMATS[qtype]} is not bound in "
+            f"jax_nkilib (its packed format and the hardware MX quantizer are not emulated); use NONE, "
+            f"{', '.join(q.name for q in allowed if q != QuantizationType.NONE)}"
+        )
     if qtype not in allowed:
-        raise ValueError(f"{function}: quantization_type={qtype.name} is not supported by this kernel; use "
-                         f"{' or '.join(q.name for q in allowed)}")
+        raise ValueError(
+            f"{function}: quantization_type={qtype.name} is not supported by this kernel; use "
+            f"{' or '.join(q.name for q in allowed)}"
+        )
     weight = jnp.dtype(avals["weight"].dtype)
     if qtype == QuantizationType.NONE:
         if weight != jnp.dtype(avals[attention].dtype):
-            raise TypeError(f"{function}: `weight` must have the dtype of `{attention}` ({avals[attention].dtype}) "
-                            f"without quantization; got {weight}")
+            raise TypeError(
+                f"{function}: `weight` must have the dtype of `{attention}` ({avals[attention].dtype}) "
+                f"without quantization; got {weight}"
+            )
     elif weight not in FP8_WEIGHT_DTYPES:
-        raise TypeError(f"{function}: quantization_type={qtype.name} needs FP8 weights (float8_e4m3 or "
-                        f"float8_e4m3fn); got `weight` of dtype {weight}")
-    elif jnp.dtype(avals[attention].dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
-                                                     jnp.dtype(jnp.float16)):
-        raise TypeError(f"{function}: quantized projections take float32, bfloat16 or float16 `{attention}`; got "
-                        f"{avals[attention].dtype}")
+        raise TypeError(
+            f"{function}: quantization_type={qtype.name} needs FP8 weights (float8_e4m3 or "
+            f"float8_e4m3fn); got `weight` of dtype {weight}"
+        )
+    elif jnp.dtype(avals[attention].dtype) not in (
+        jnp.dtype(jnp.float32),
+        jnp.dtype(jnp.bfloat16),
+        jnp.dtype(jnp.float16),
+    ):
+        raise TypeError(
+            f"{function}: quantized projections take float32, bfloat16 or float16 `{attention}`; got "
+            f"{avals[attention].dtype}"
+        )
 
 
 def require_scales(call: CallInfo, needed: tuple[str, ...], scale_names: tuple[str, ...]) -> None:
@@ -94,5 +118,6 @@ def require_scales(call: CallInfo, needed: tuple[str, ...], scale_names: tuple[s
         if name in needed and not given:
             raise ValueError(f"{call.function}: quantization_type={qtype} requires `{name}`")
         if name not in needed and given:
-            raise ValueError(f"{call.function}: `{name}` is only used with quantized weights; got it with "
-                             f"quantization_type={qtype}")
+            raise ValueError(
+                f"{call.function}: `{name}` is only used with quantized weights; got it with quantization_type={qtype}"
+            )

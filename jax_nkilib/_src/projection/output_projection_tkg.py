@@ -31,16 +31,33 @@ def transposed_out(out, lnc: int):
     return jnp.transpose(out.reshape(tokens, lnc, 128, hidden // (lnc * 128)), (2, 1, 3, 0))
 
 
-def reference_output_projection_tkg(attention, weight, bias=None, weight_scale=None, input_scale=None, *,
-                                    quantization_type=QuantizationType.NONE, TRANSPOSE_OUT=False, OUT_IN_SB=False,
-                                    lnc=1):
+def reference_output_projection_tkg(
+    attention,
+    weight,
+    bias=None,
+    weight_scale=None,
+    input_scale=None,
+    *,
+    quantization_type=QuantizationType.NONE,
+    TRANSPOSE_OUT=False,
+    OUT_IN_SB=False,
+    lnc=1,
+):
     """JAX reference on the attention's kernel layout ``[D, B, N, S]``."""
     del OUT_IN_SB
     d, _, n, _ = attention.shape
-    out = project(attention, "dbns,ndh->bsh", weight.reshape(n, d, weight.shape[1]), bias,
-                  quantization_type=quantization_type, input_scale=input_scale, weight_scale=weight_scale,
-                  fp8_dtype=weight.dtype, bound=fp8_max(weight.dtype) if weight.dtype in FP8_WEIGHT_DTYPES else None,
-                  round_scaled_input=True)
+    out = project(
+        attention,
+        "dbns,ndh->bsh",
+        weight.reshape(n, d, weight.shape[1]),
+        bias,
+        quantization_type=quantization_type,
+        input_scale=input_scale,
+        weight_scale=weight_scale,
+        fp8_dtype=weight.dtype,
+        bound=fp8_max(weight.dtype) if weight.dtype in FP8_WEIGHT_DTYPES else None,
+        round_scaled_input=True,
+    )
     out = out.reshape(-1, out.shape[-1])
     return (transposed_out(out, lnc) if TRANSPOSE_OUT else out,)
 
@@ -48,8 +65,10 @@ def reference_output_projection_tkg(attention, weight, bias=None, weight_scale=N
 def _check(call: CallInfo) -> None:
     dims, p, function = call.dims, call.params, call.function
     if dims["ND"] != dims["N"] * dims["D"]:
-        raise ValueError(f"{function}: `weight` must be [N * D, H] = [{dims['N'] * dims['D']}, H] for attention "
-                         f"[D={dims['D']}, B, N={dims['N']}, S]; got {dims['ND']} rows")
+        raise ValueError(
+            f"{function}: `weight` must be [N * D, H] = [{dims['N'] * dims['D']}, H] for attention "
+            f"[D={dims['D']}, B, N={dims['N']}, S]; got {dims['ND']} rows"
+        )
     allowed = (QuantizationType.NONE, QuantizationType.STATIC, QuantizationType.ROW)
     check_formats(call, "attention", allowed)
     qtype = p["quantization_type"]
@@ -58,14 +77,20 @@ def _check(call: CallInfo) -> None:
     if call.avals.get("weight_scale") is not None:
         expected = dims["H"] if qtype == QuantizationType.ROW else 1
         if dims["WS"] != expected:
-            raise ValueError(f"{function}: `weight_scale` must be [128, {'H' if expected > 1 else 1}] = [128, "
-                             f"{expected}] for quantization_type={qtype.name}; got [128, {dims['WS']}]")
+            raise ValueError(
+                f"{function}: `weight_scale` must be [128, {'H' if expected > 1 else 1}] = [128, "
+                f"{expected}] for quantization_type={qtype.name}; got [128, {dims['WS']}]"
+            )
     if p["OUT_IN_SB"]:
-        raise ValueError(f"{function}: OUT_IN_SB=True leaves the output in SBUF for a kernel that fuses this one; a "
-                         "JAX call returns HBM arrays, so it must be False")
+        raise ValueError(
+            f"{function}: OUT_IN_SB=True leaves the output in SBUF for a kernel that fuses this one; a "
+            "JAX call returns HBM arrays, so it must be False"
+        )
     if p["TRANSPOSE_OUT"] and dims["H"] % (128 * call.lnc):
-        raise ValueError(f"{function}: TRANSPOSE_OUT gives [128, LNC, H / LNC / 128, B * S]: H={dims['H']} must be "
-                         f"a multiple of 128 * LNC = {128 * call.lnc}")
+        raise ValueError(
+            f"{function}: TRANSPOSE_OUT gives [128, LNC, H / LNC / 128, B * S]: H={dims['H']} must be "
+            f"a multiple of 128 * LNC = {128 * call.lnc}"
+        )
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
@@ -104,8 +129,9 @@ OUTPUT_PROJECTION_TKG_SPEC = KernelSpec(
         Operand.of("attention", "D, B, N, S", doc="attention output, head dim first"),
         Operand.of("weight", "ND, H", dtypes=FLOAT_DTYPES + FP8_WEIGHT_DTYPES, doc="[N * D, H]; FP8 for STATIC/ROW"),
         Operand.of("bias", "1, H", optional=True),
-        Operand.of("weight_scale", "128, WS", dtypes=(jnp.float32,), optional=True,
-                   doc="[128, 1] (STATIC) or [128, H] (ROW)"),
+        Operand.of(
+            "weight_scale", "128, WS", dtypes=(jnp.float32,), optional=True, doc="[128, 1] (STATIC) or [128, H] (ROW)"
+        ),
         Operand.of("input_scale", "128, 1", dtypes=(jnp.float32,), optional=True, doc="STATIC input scale"),
     ),
     params=(
@@ -119,15 +145,19 @@ OUTPUT_PROJECTION_TKG_SPEC = KernelSpec(
     reference_takes_lnc=True,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"attention": "B", **_UNBATCHED}, outputs={"out": 0}, when=lambda c: not _transposed(c)),
-                FoldPlan({"attention": "B", **_UNBATCHED}, outputs={"out": 3}, when=_transposed)),
+    fold_plans=(
+        FoldPlan({"attention": "B", **_UNBATCHED}, outputs={"out": 0}, when=lambda c: not _transposed(c)),
+        FoldPlan({"attention": "B", **_UNBATCHED}, outputs={"out": 3}, when=_transposed),
+    ),
     mac_count=lambda call: call.dims["B"] * call.dims["S"] * call.dims["ND"] * call.dims["H"],
     family="projection",
     catalog="1.14",
-    support={"idiomatic": "output_projection",
-             "vjp": "JAX (differentiates the reference; FP8 operands get no cotangent)",
-             "notes": "NONE, FP8 STATIC and ROW; TRANSPOSE_OUT shape follows the LNC degree; OUT_IN_SB rejected. "
-                      "Neuron: B*S <= 128, D <= 128, H % LNC == 0"},
+    support={
+        "idiomatic": "output_projection",
+        "vjp": "JAX (differentiates the reference; FP8 operands get no cotangent)",
+        "notes": "NONE, FP8 STATIC and ROW; TRANSPOSE_OUT shape follows the LNC degree; OUT_IN_SB rejected. "
+        "Neuron: B*S <= 128, D <= 128, H % LNC == 0",
+    },
 )
 
 output_projection_tkg = make_kernel(OUTPUT_PROJECTION_TKG_SPEC, vjp=differentiable_vjp)

@@ -64,13 +64,13 @@ def _rope(t, cos, sin, heads: int, d: int, store, acc):
     """RoPE on the first ``heads`` heads of ``t [B, S, I]`` with the kernel's per-operation rounding."""
     batch, seq, width = t.shape
     half = d // 2
-    rotated = t[..., :heads * d].reshape(batch, seq, heads, d)
+    rotated = t[..., : heads * d].reshape(batch, seq, heads, d)
     c = rounded(cos.astype(acc), store, acc)[:, :, None, :]
     s = rounded(sin[..., :half].astype(acc), store, acc)[:, :, None, :]
     x1, x2 = rotated[..., :half], rotated[..., half:]
     swapped = jnp.concatenate([-rounded(x2 * s, store, acc), rounded(x1 * s, store, acc)], axis=-1)
     out = rounded(rounded(rotated * c, store, acc) + swapped, store, acc)
-    return jnp.concatenate([out.reshape(batch, seq, heads * d), t[..., heads * d:]], axis=-1)
+    return jnp.concatenate([out.reshape(batch, seq, heads * d), t[..., heads * d :]], axis=-1)
 
 
 def unswizzle_4h(x):
@@ -124,13 +124,43 @@ def kv_bounds(kv_dtype, fp8_max_value, fp8_min_value):
     return (-high if fp8_min_value is None else fp8_min_value), high
 
 
-def reference_qkv(input, fused_qkv_weights, bias=None, qkv_w_scale=None, qkv_in_scale=None, mlp_prev=None,
-                  attention_prev=None, gamma_norm_weights=None, layer_norm_bias=None, cos_cache=None,
-                  sin_cache=None, k_cache=None, v_cache=None, k_scale=None, v_scale=None, slot_mapping=None, *,
-                  tkg=False, output_layout=QKVOutputLayout.BSD, quantization_type=QuantizationType.NONE,
-                  fused_residual_add=False, fused_norm_type=NormType.NO_NORM, norm_eps=1e-6, hidden_actual=None,
-                  fused_rope=False, d_head=None, num_q_heads=None, num_kv_heads=None, fp8_max=None, fp8_min=None,
-                  kv_dtype=None, use_block_kv=False, block_size=None, is_h_dim_4h_transposed=False, **unused):
+def reference_qkv(
+    input,
+    fused_qkv_weights,
+    bias=None,
+    qkv_w_scale=None,
+    qkv_in_scale=None,
+    mlp_prev=None,
+    attention_prev=None,
+    gamma_norm_weights=None,
+    layer_norm_bias=None,
+    cos_cache=None,
+    sin_cache=None,
+    k_cache=None,
+    v_cache=None,
+    k_scale=None,
+    v_scale=None,
+    slot_mapping=None,
+    *,
+    tkg=False,
+    output_layout=QKVOutputLayout.BSD,
+    quantization_type=QuantizationType.NONE,
+    fused_residual_add=False,
+    fused_norm_type=NormType.NO_NORM,
+    norm_eps=1e-6,
+    hidden_actual=None,
+    fused_rope=False,
+    d_head=None,
+    num_q_heads=None,
+    num_kv_heads=None,
+    fp8_max=None,
+    fp8_min=None,
+    kv_dtype=None,
+    use_block_kv=False,
+    block_size=None,
+    is_h_dim_4h_transposed=False,
+    **unused,
+):
     """JAX reference of ``qkv`` on the path ``tkg`` selects; returns the kernel's outputs (module docstring)."""
     del unused, block_size  # block_size equals the cache's block axis (checked)
     io = jnp.dtype(input.dtype)
@@ -147,14 +177,14 @@ def reference_qkv(input, fused_qkv_weights, bias=None, qkv_w_scale=None, qkv_in_
         fused_hidden = x.astype(io)
     x = rounded(x, store, acc)
     if fused_norm_type != NormType.NO_NORM:
-        x = rounded(fused_norm(x, fused_norm_type, gamma_norm_weights, layer_norm_bias, norm_eps, hidden_actual), store,
-                    acc)
+        x = rounded(
+            fused_norm(x, fused_norm_type, gamma_norm_weights, layer_norm_bias, norm_eps, hidden_actual), store, acc
+        )
     seg = None
     if quantization_type == QuantizationType.STATIC:
         seg = (num_q_heads * d, num_kv_heads * d, num_kv_heads * d)
     out_store = jnp.dtype(jnp.bfloat16) if quantization_type == QuantizationType.STATIC and not tkg else store
-    t = _project(x, fused_qkv_weights, bias, quantization_type, qkv_w_scale, qkv_in_scale, seg, out_store, io, tkg,
-                 acc)
+    t = _project(x, fused_qkv_weights, bias, quantization_type, qkv_w_scale, qkv_in_scale, seg, out_store, io, tkg, acc)
     if fused_rope:
         t = _rope(t, cos_cache, sin_cache, num_q_heads + num_kv_heads, d, out_store, acc)
     if k_scale is not None:  # the fused KV-cache write
@@ -162,8 +192,8 @@ def reference_qkv(input, fused_qkv_weights, bias=None, qkv_w_scale=None, qkv_in_
         kv = jnp.dtype(io if kv_dtype is None else kv_dtype)
         bounds = kv_bounds(kv, fp8_max, fp8_min)
         slots = slot_mapping if use_block_kv else None
-        k_new = quantize_kv(t[..., q_dim:q_dim + kv_dim], k_scale, kv, bounds, acc)
-        v_new = quantize_kv(t[..., q_dim + kv_dim:], v_scale, kv, bounds, acc)
+        k_new = quantize_kv(t[..., q_dim : q_dim + kv_dim], k_scale, kv, bounds, acc)
+        v_new = quantize_kv(t[..., q_dim + kv_dim :], v_scale, kv, bounds, acc)
         return t[..., :q_dim].astype(io), write_cache(k_cache, k_new, slots), write_cache(v_cache, v_new, slots)
     out_dtype = out_store if not tkg and quantization_type == QuantizationType.STATIC else io
     out = t.astype(out_dtype)

@@ -2,13 +2,14 @@
 ``static_quantization``, ``row_quantization`` and ``pre_combine_dequant_scales``.
 
 The library functions work on SBUF tiles (the MLP and MoE token-generation kernels call them); the device adapters in
-``jax_nkilib_kernels/quant.py`` load the HBM operands into SBUF, call them and store the results. Tensors are tiles ``[P, F]``
-(``P`` the partition axis). Arithmetic is float32 (float64 for float64 inputs); ``h(.)`` rounds to ``hidden_state``'s
-dtype, ``fp8(.)`` casts to an FP8 format rounding to nearest even; ``M(d)`` is the format's largest finite value
-(240 for ``float8_e4m3``, Trainium2's E4M3; 448 for ``float8_e4m3fn``; 57344 for ``float8_e5m2``: the library's
-``get_max_positive_value_for_dtype``). Scales are float32 (``pre_combine_dequant_scales`` also takes float64 on
-CPU). ``hidden_state`` may be bfloat16 (what the kernels document), float16 or float32 on Neuron, and float64 on
-CPU (the reference computes it in float64; Neuron lowers the reference for it)::
+``jax_nkilib_kernels/quant.py`` load the HBM operands into SBUF, call them and store the results. Tensors are tiles
+``[P, F]`` (``P`` the partition axis). Arithmetic is float32 (float64 for float64 inputs); ``h(.)`` rounds to
+``hidden_state``'s dtype, ``fp8(.)`` casts to an FP8 format rounding to nearest even; ``M(d)`` is the format's
+largest finite value (240 for ``float8_e4m3``, Trainium2's E4M3; 448 for ``float8_e4m3fn``; 57344 for
+``float8_e5m2``: the library's ``get_max_positive_value_for_dtype``). Scales are float32
+(``pre_combine_dequant_scales`` also takes float64 on CPU). ``hidden_state`` may be bfloat16 (what the kernels
+document), float16 or float32 on Neuron, and float64 on CPU (the reference computes it in float64; Neuron lowers the
+reference for it)::
 
     static_quantization(hidden_state [P, F], input_dequant_scale [P, 1], quant_scale=None [P, 1], dtype)
         s = quant_scale if given else 1 / input_dequant_scale          (per partition)
@@ -148,23 +149,29 @@ def _row_outputs(call: CallInfo):
     ``dequant_scale`` ``[P, 1]`` or ``[P0, BxS, 1]``."""
     hidden = call.avals["hidden_state"]
     fp8 = _tokens(call) and call.params["output_dtype"] is not None
-    return [("quantized", hidden.shape, call.params["output_dtype"] if fp8 else hidden.dtype),
-            ("dequant_scale", hidden.shape[:-1] + (1,), jnp.float32)]
+    return [
+        ("quantized", hidden.shape, call.params["output_dtype"] if fp8 else hidden.dtype),
+        ("dequant_scale", hidden.shape[:-1] + (1,), jnp.float32),
+    ]
 
 
 def _require_rank(function, operands, params):
     hidden = operands["hidden_state"]
     if jnp.ndim(hidden) not in (2, 3):
-        raise ValueError(f"{function}: argument `hidden_state` must have layout [P, F] or [P0, BxS, F0] (rank 2 or "
-                         f"3); got shape {jnp.shape(hidden)}")
+        raise ValueError(
+            f"{function}: argument `hidden_state` must have layout [P, F] or [P0, BxS, F0] (rank 2 or "
+            f"3); got shape {jnp.shape(hidden)}"
+        )
     return operands, params
 
 
 def _combine_check(call: CallInfo) -> None:
     dtypes = {name: np.dtype(aval.dtype) for name, aval in call.avals.items()}
     if len(set(dtypes.values())) > 1:
-        raise TypeError(f"{call.function}: `input_dequant_scale` and `weight_dequant_scale` must have the same dtype "
-                        f"(float32); got {dtypes['input_dequant_scale']} and {dtypes['weight_dequant_scale']}")
+        raise TypeError(
+            f"{call.function}: `input_dequant_scale` and `weight_dequant_scale` must have the same dtype "
+            f"(float32); got {dtypes['input_dequant_scale']} and {dtypes['weight_dequant_scale']}"
+        )
 
 
 def _combine_limits(call: CallInfo) -> list[str]:
@@ -182,17 +189,24 @@ def _zero_cotangents(kernel, operands, params, outs, cotangents):
 
 
 # ---------------------------------------------------------------------------------------------------------- specs
-_DTYPE = Param("dtype", "float8_e4m3fn", "dtype", "FP8 format: its largest value M bounds the scaling",
-               normalizer=_fp8_dtype)
-_OUTPUT_DTYPE = Param("output_dtype", None, "dtype", "rank 3: clip to +-M(output_dtype) and return FP8 "
-                      "(ignored by rank 2, as in the kernel)", normalizer=_optional_fp8_dtype)
+_DTYPE = Param(
+    "dtype", "float8_e4m3fn", "dtype", "FP8 format: its largest value M bounds the scaling", normalizer=_fp8_dtype
+)
+_OUTPUT_DTYPE = Param(
+    "output_dtype",
+    None,
+    "dtype",
+    "rank 3: clip to +-M(output_dtype) and return FP8 (ignored by rank 2, as in the kernel)",
+    normalizer=_optional_fp8_dtype,
+)
 _HIDDEN_DOC = "tile to quantize (the kernel documents bfloat16)"
 _ROW_SUPPORT = {
     "idiomatic": "",
     "vjp": "none (quantized values and scales have zero cotangents)",
     "notes": "rank 2 [P, F] quantizes rows and returns hidden's dtype (output_dtype ignored, as in the kernel); rank "
-             "3 [P0, BxS, F0] quantizes tokens across P0 and F0, FP8 with output_dtype; MINVAL = 1e-6 assumed (constants.py not available); Neuron: P <= 128 (split along "
-             "P / BxS beyond it), SBUF capacity; device adapter jax_nkilib_kernels/quant.py",
+    "3 [P0, BxS, F0] quantizes tokens across P0 and F0, FP8 with output_dtype; MINVAL = 1e-6 assumed "
+    "(constants.py not available); Neuron: P <= 128 (split along "
+    "P / BxS beyond it), SBUF capacity; device adapter jax_nkilib_kernels/quant.py",
 }
 
 STATIC_QUANTIZATION_SPEC = KernelSpec(
@@ -201,42 +215,61 @@ STATIC_QUANTIZATION_SPEC = KernelSpec(
     operands=(
         Operand.of("hidden_state", "P, F", doc=_HIDDEN_DOC),
         Operand.of("input_dequant_scale", "P, 1", dtypes=SCALE_DTYPES, doc="per-partition dequant scale (returned)"),
-        Operand.of("quant_scale", "P, 1", dtypes=SCALE_DTYPES, optional=True,
-                   doc="pre-computed 1 / input_dequant_scale (used as given)"),
+        Operand.of(
+            "quant_scale",
+            "P, 1",
+            dtypes=SCALE_DTYPES,
+            optional=True,
+            doc="pre-computed 1 / input_dequant_scale (used as given)",
+        ),
     ),
     params=(_DTYPE,),
     outputs=(),
-    output_avals=lambda call: [("quantized", call.shape("P, F"), call.params["dtype"]),
-                               ("input_dequant_scale_out", call.shape("P, 1"), call.avals["input_dequant_scale"].dtype)],
+    output_avals=lambda call: [
+        ("quantized", call.shape("P, F"), call.params["dtype"]),
+        ("input_dequant_scale_out", call.shape("P, 1"), call.avals["input_dequant_scale"].dtype),
+    ],
     reference=reference_static_quantization,
     neuron_limits=_static_limits,
-    fold_plans=(FoldPlan(dict.fromkeys(("hidden_state", "input_dequant_scale", "quant_scale"), "P"),
-                         outputs={"quantized": 0, "input_dequant_scale_out": 0}),),
+    fold_plans=(
+        FoldPlan(
+            dict.fromkeys(("hidden_state", "input_dequant_scale", "quant_scale"), "P"),
+            outputs={"quantized": 0, "input_dequant_scale_out": 0},
+        ),
+    ),
     neuron_split_dims=("P", "F"),
     mac_count=lambda call: 2 * call.dims["P"] * call.dims["F"],
     family="quant",
     catalog="row 86",
     nondifferentiable_outputs=("quantized",),
-    support={"idiomatic": "",
-             "vjp": "identity for the passed-through input_dequant_scale; quantized has zero cotangents",
-             "notes": "per-partition scales [P, 1]; the product is rounded to hidden's dtype before the clip; Neuron: "
-                      "P <= 128 (split along P or F beyond it), SBUF capacity; device adapter jax_nkilib_kernels/quant.py"},
+    support={
+        "idiomatic": "",
+        "vjp": "identity for the passed-through input_dequant_scale; quantized has zero cotangents",
+        "notes": "per-partition scales [P, 1]; the product is rounded to hidden's dtype before the clip; Neuron: "
+        "P <= 128 (split along P or F beyond it), SBUF capacity; device adapter jax_nkilib_kernels/quant.py",
+    },
 )
 
 ROW_QUANTIZATION_SPEC = KernelSpec(
     name="row_quantization",
     entry_point=f"{ENTRY_MODULE}:row_quantization",
-    operands=(Operand.of("hidden_state", "P, F", "P0, BxS, F0",
-                         doc=_HIDDEN_DOC + "; one row per partition, or token t is [:, t, :]"),),
+    operands=(
+        Operand.of(
+            "hidden_state", "P, F", "P0, BxS, F0", doc=_HIDDEN_DOC + "; one row per partition, or token t is [:, t, :]"
+        ),
+    ),
     params=(_DTYPE, _OUTPUT_DTYPE),
     outputs=(),
     output_avals=_row_outputs,
     reference=reference_row_quantization,
     prepare=_require_rank,
     neuron_limits=_row_limits,
-    fold_plans=(FoldPlan({"hidden_state": "P"}, outputs={"quantized": 0, "dequant_scale": 0},
-                         when=lambda call: not _tokens(call)),
-                FoldPlan({"hidden_state": "BxS"}, outputs={"quantized": 1, "dequant_scale": 1}, when=_tokens)),
+    fold_plans=(
+        FoldPlan(
+            {"hidden_state": "P"}, outputs={"quantized": 0, "dequant_scale": 0}, when=lambda call: not _tokens(call)
+        ),
+        FoldPlan({"hidden_state": "BxS"}, outputs={"quantized": 1, "dequant_scale": 1}, when=_tokens),
+    ),
     neuron_split_dims=("P", "BxS"),
     mac_count=lambda call: 3 * math.prod(call.avals["hidden_state"].shape),
     family="quant",
@@ -262,13 +295,14 @@ PRE_COMBINE_DEQUANT_SCALES_SPEC = KernelSpec(
     mac_count=lambda call: call.dims["P"] * call.dims["F_w"],
     family="quant",
     catalog="row 86",
-    support={"idiomatic": "",
-             "vjp": "JAX (differentiates the product)",
-             "notes": "float32 (float64 on CPU only); Neuron: P <= 128 (split beyond it), SBUF capacity; device "
-                      "adapter jax_nkilib_kernels/quant.py"},
+    support={
+        "idiomatic": "",
+        "vjp": "JAX (differentiates the product)",
+        "notes": "float32 (float64 on CPU only); Neuron: P <= 128 (split beyond it), SBUF capacity; device "
+        "adapter jax_nkilib_kernels/quant.py",
+    },
 )
 
 static_quantization = make_kernel(STATIC_QUANTIZATION_SPEC, vjp=_passthrough_cotangent)
 row_quantization = make_kernel(ROW_QUANTIZATION_SPEC, vjp=_zero_cotangents)
 pre_combine_dequant_scales = make_kernel(PRE_COMBINE_DEQUANT_SCALES_SPEC, vjp=reference_vjp)
-

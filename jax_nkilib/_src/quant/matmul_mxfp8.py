@@ -61,8 +61,16 @@ DGT_TILE_K = 512  # raw operands are loaded (and wrapX-swizzled) in K tiles of 5
 PACKED_TILE_K = 512
 F_BY_K_TILE = 512  # the backward's K-by-F operands need F % 512
 TILE_LIMITS = {"tile_k": (128, 512), "tile_m": (32, 128), "tile_n": (32, 8192)}  # (multiple of, at most)
-TILE_FIELDS = ("tile_m", "tile_k", "tile_n", "TILES_IN_BLOCK_M", "TILES_IN_BLOCK_N", "TILES_IN_BLOCK_K",
-               "TILES_IN_LOAD_M", "TILES_IN_LOAD_N")
+TILE_FIELDS = (
+    "tile_m",
+    "tile_k",
+    "tile_n",
+    "TILES_IN_BLOCK_M",
+    "TILES_IN_BLOCK_N",
+    "TILES_IN_BLOCK_K",
+    "TILES_IN_LOAD_M",
+    "TILES_IN_LOAD_N",
+)
 _HIGHEST = lax.Precision.HIGHEST
 _SIDES = ("lhs", "rhs")
 
@@ -120,8 +128,11 @@ def tile_shape(value, where: str):
     """``None`` or a ``(tile_k, tile_other)`` pair of positive ints (the kernel's logical matmul tile)."""
     if value is None:
         return None
-    if (isinstance(value, (tuple, list)) and len(value) == 2
-            and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in value)):
+    if (
+        isinstance(value, (tuple, list))
+        and len(value) == 2
+        and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
         return tuple(int(v) for v in value)
     raise TypeError(f"{where} must be None or a (tile_k, tile) pair of positive ints; got {value!r}")
 
@@ -131,8 +142,11 @@ def tile_config(value, where: str):
     ``(field, value)`` pairs, hashable)."""
     if value is None:
         return None
-    if not isinstance(value, Mapping) or not set(value) <= set(TILE_FIELDS) or not all(
-            isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in value.values()):
+    if (
+        not isinstance(value, Mapping)
+        or not set(value) <= set(TILE_FIELDS)
+        or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in value.values())
+    ):
         raise TypeError(f"{where} must be None or a mapping of {TILE_FIELDS} to positive ints; got {value!r}")
     return tuple(sorted((key, int(v)) for key, v in value.items()))
 
@@ -142,13 +156,13 @@ def _check_tiling(function: str, fields: Mapping[str, int | None], where: str = 
     for name, (multiple, largest) in TILE_LIMITS.items():
         size = fields.get(name)
         if size is not None and (size % multiple or size > largest):
-            raise ValueError(f"{function}: {where}{name}={size} must be a multiple of {multiple} and at most "
-                             f"{largest}")
+            raise ValueError(f"{function}: {where}{name}={size} must be a multiple of {multiple} and at most {largest}")
     for axis in ("M", "N"):
         block, load = fields.get(f"TILES_IN_BLOCK_{axis}"), fields.get(f"TILES_IN_LOAD_{axis}")
         if block is not None and load is not None and block % load:
-            raise ValueError(f"{function}: {where}TILES_IN_BLOCK_{axis}={block} must be a multiple of "
-                             f"TILES_IN_LOAD_{axis}={load}")
+            raise ValueError(
+                f"{function}: {where}TILES_IN_BLOCK_{axis}={block} must be a multiple of TILES_IN_LOAD_{axis}={load}"
+            )
     for name in TILE_FIELDS:
         value = fields.get(name)
         if value is not None and value <= 0:
@@ -166,9 +180,19 @@ def _forward_tiling(params) -> dict[str, int | None]:
 
 
 # ---------------------------------------------------------------------------------------------- matmul_mxfp8
-def reference_matmul_mxfp8(lhs, rhs, lhs_scales=None, rhs_scales=None, *, float8_dtype="float8_e5m2",
-                           output_dtype=jnp.bfloat16, lhs_is_swizzled=True, rhs_is_swizzled=True,
-                           quant_scheme="wrapX", **knobs):
+def reference_matmul_mxfp8(
+    lhs,
+    rhs,
+    lhs_scales=None,
+    rhs_scales=None,
+    *,
+    float8_dtype="float8_e5m2",
+    output_dtype=jnp.bfloat16,
+    lhs_is_swizzled=True,
+    rhs_is_swizzled=True,
+    quant_scheme="wrapX",
+    **knobs,
+):
     """JAX reference of ``matmul_mxfp8``: ``(out [M, N],)`` (see the module doc)."""
     del knobs  # tiling, loop orders, LNC, spill_reload, use_scale_packing (read from the scales' shape)
     a, a_quantized = logical_operand(lhs, lhs_scales, lhs_is_swizzled, quant_scheme)
@@ -189,27 +213,36 @@ def _check_operand(call: CallInfo, side: str) -> None:
     free = "M" if side == "lhs" else "N"
     if scales is not None:
         if not swizzled:
-            raise ValueError(f"{function}: a pre-quantized `{side}` (given `{side}_scales`) is always in the swizzled "
-                             f"layout [K/4, 4*{free}]; {side}_is_swizzled must be True")
+            raise ValueError(
+                f"{function}: a pre-quantized `{side}` (given `{side}_scales`) is always in the swizzled "
+                f"layout [K/4, 4*{free}]; {side}_is_swizzled must be True"
+            )
         if np.dtype(aval.dtype) != fp8:
-            raise TypeError(f"{function}: pre-quantized `{side}` must hold {params['float8_dtype']} elements "
-                            f"(float8_dtype); got {aval.dtype}")
+            raise TypeError(
+                f"{function}: pre-quantized `{side}` must hold {params['float8_dtype']} elements "
+                f"(float8_dtype); got {aval.dtype}"
+            )
     elif np.dtype(aval.dtype) not in FLOAT_DTYPES:
-        raise TypeError(f"{function}: `{side}` has dtype {aval.dtype}; fp8 data needs its `{side}_scales`, else give "
-                        f"a float matrix")
+        raise TypeError(
+            f"{function}: `{side}` has dtype {aval.dtype}; fp8 data needs its `{side}_scales`, else give a float matrix"
+        )
     if swizzled:
         rows, cols = aval.shape
         if cols % 4 or rows % 8:
-            raise ValueError(f"{function}: swizzled `{side}` must have layout [K/4, 4*{free}] with K a multiple of 32 "
-                             f"(one MX scale per 32 elements); got shape {tuple(aval.shape)}")
+            raise ValueError(
+                f"{function}: swizzled `{side}` must have layout [K/4, 4*{free}] with K a multiple of 32 "
+                f"(one MX scale per 32 elements); got shape {tuple(aval.shape)}"
+            )
     if scales is not None:
         k, cols = _operand_k(call, side), aval.shape[1] // 4
         packing = params["use_scale_packing"]
         expected = (mx.matmul_scale_rows(k, packing), cols)
         if tuple(scales.shape) != expected:
             form = "packed [ceil(K/2048)*128" if packing else "[K/4"
-            raise ValueError(f"{function}: argument `{side}_scales` must have layout {form}, {free}] = {expected} for "
-                             f"`{side}` {tuple(aval.shape)} (use_scale_packing={packing}); got {tuple(scales.shape)}")
+            raise ValueError(
+                f"{function}: argument `{side}_scales` must have layout {form}, {free}] = {expected} for "
+                f"`{side}` {tuple(aval.shape)} (use_scale_packing={packing}); got {tuple(scales.shape)}"
+            )
 
 
 def _check_matmul(call: CallInfo) -> None:
@@ -218,8 +251,10 @@ def _check_matmul(call: CallInfo) -> None:
     _check_tiling(call.function, _forward_tiling(call.params))
     lhs_tile, rhs_tile = call.params["lhs_matmul_tile_shape_logical"], call.params["rhs_matmul_tile_shape_logical"]
     if lhs_tile is not None and rhs_tile is not None and lhs_tile[0] != rhs_tile[0]:
-        raise ValueError(f"{call.function}: lhs_matmul_tile_shape_logical and rhs_matmul_tile_shape_logical must have "
-                         f"the same tile_k; got {lhs_tile[0]} and {rhs_tile[0]}")
+        raise ValueError(
+            f"{call.function}: lhs_matmul_tile_shape_logical and rhs_matmul_tile_shape_logical must have "
+            f"the same tile_k; got {lhs_tile[0]} and {rhs_tile[0]}"
+        )
 
 
 def _matmul_neuron_limits(call: CallInfo) -> list[str]:
@@ -248,16 +283,25 @@ def _straight_through_vjp(kernel, operands, params, outs, cotangents):
     """dlhs, drhs by ``matmul_mxfp8_backward`` on the raw (or dequantized) operands in K order (see the module doc)."""
     ops, (g,) = operands, cotangents
     scheme = params["quant_scheme"]
-    values = {side: logical_operand(ops[side], ops[f"{side}_scales"], params[f"{side}_is_swizzled"], scheme)
-              for side in _SIDES}
+    values = {
+        side: logical_operand(ops[side], ops[f"{side}_scales"], params[f"{side}_is_swizzled"], scheme)
+        for side in _SIDES
+    }
     raw = [side for side in _SIDES if not values[side][1]]
     if not raw:
         return {}
     dtype = jnp.result_type(*(ops[side].dtype for side in raw))
-    bwd_params = matmul_mxfp8_backward.params(float8_dtype=params["float8_dtype"], output_dtype=dtype,
-                                              spill_reload=params["spill_reload"])
-    dx, dw = matmul_mxfp8_backward.call({"output_grad": g, "weights": values["rhs"][0].astype(dtype),
-                                         "input_activation": values["lhs"][0].astype(dtype)}, bwd_params)
+    bwd_params = matmul_mxfp8_backward.params(
+        float8_dtype=params["float8_dtype"], output_dtype=dtype, spill_reload=params["spill_reload"]
+    )
+    dx, dw = matmul_mxfp8_backward.call(
+        {
+            "output_grad": g,
+            "weights": values["rhs"][0].astype(dtype),
+            "input_activation": values["lhs"][0].astype(dtype),
+        },
+        bwd_params,
+    )
     grads = {}
     for side, grad in (("lhs", dx), ("rhs", dw)):
         if side in raw:
@@ -287,14 +331,34 @@ MATMUL_MXFP8_SPEC = KernelSpec(
     name="matmul_mxfp8",
     entry_point="jax_nkilib_kernels.quant:matmul_mxfp8",
     operands=(
-        Operand.switched("lhs", _SWIZZLE_FLAGS, _LHS, dtypes=OPERAND_DTYPES,
-                         doc="[K/4, 4M] swizzled (Kq = K/4, M4 = 4M) or raw [M, K]; fp8 when pre-quantized"),
-        Operand.switched("rhs", _SWIZZLE_FLAGS, _RHS, dtypes=OPERAND_DTYPES,
-                         doc="[K/4, 4N] swizzled (N4 = 4N) or raw [N, K]; fp8 when pre-quantized"),
-        Operand.of("lhs_scales", "lhs_srows, lhs_scols", dtypes=SCALE_DTYPES, optional=True,
-                   doc="e8m0 scales of a pre-quantized lhs: [K/4, M] or packed [ceil(K/2048)*128, M]"),
-        Operand.of("rhs_scales", "rhs_srows, rhs_scols", dtypes=SCALE_DTYPES, optional=True,
-                   doc="e8m0 scales of a pre-quantized rhs: [K/4, N] or packed [ceil(K/2048)*128, N]"),
+        Operand.switched(
+            "lhs",
+            _SWIZZLE_FLAGS,
+            _LHS,
+            dtypes=OPERAND_DTYPES,
+            doc="[K/4, 4M] swizzled (Kq = K/4, M4 = 4M) or raw [M, K]; fp8 when pre-quantized",
+        ),
+        Operand.switched(
+            "rhs",
+            _SWIZZLE_FLAGS,
+            _RHS,
+            dtypes=OPERAND_DTYPES,
+            doc="[K/4, 4N] swizzled (N4 = 4N) or raw [N, K]; fp8 when pre-quantized",
+        ),
+        Operand.of(
+            "lhs_scales",
+            "lhs_srows, lhs_scols",
+            dtypes=SCALE_DTYPES,
+            optional=True,
+            doc="e8m0 scales of a pre-quantized lhs: [K/4, M] or packed [ceil(K/2048)*128, M]",
+        ),
+        Operand.of(
+            "rhs_scales",
+            "rhs_srows, rhs_scols",
+            dtypes=SCALE_DTYPES,
+            optional=True,
+            doc="e8m0 scales of a pre-quantized rhs: [K/4, N] or packed [ceil(K/2048)*128, N]",
+        ),
     ),
     params=(
         Param("TILES_IN_BLOCK_M", None, int, "matmul tiles per block along M (performance only)"),
@@ -302,15 +366,25 @@ MATMUL_MXFP8_SPEC = KernelSpec(
         Param("TILES_IN_BLOCK_K", None, int, "matmul tiles per block along K (performance only)"),
         Param("TILES_IN_LOAD_M", None, int, "tiles per DMA along M; divides TILES_IN_BLOCK_M"),
         Param("TILES_IN_LOAD_N", None, int, "tiles per DMA along N; divides TILES_IN_BLOCK_N"),
-        Param("lhs_matmul_tile_shape_logical", None, doc="(tile_k, tile_m): tile_k % 128, <= 512; tile_m % 32, <= 128",
-              normalizer=tile_shape),
-        Param("rhs_matmul_tile_shape_logical", None, doc="(tile_k, tile_n): tile_n % 32, <= 8192",
-              normalizer=tile_shape),
+        Param(
+            "lhs_matmul_tile_shape_logical",
+            None,
+            doc="(tile_k, tile_m): tile_k % 128, <= 512; tile_m % 32, <= 128",
+            normalizer=tile_shape,
+        ),
+        Param(
+            "rhs_matmul_tile_shape_logical", None, doc="(tile_k, tile_n): tile_n % 32, <= 8192", normalizer=tile_shape
+        ),
         Param("block_loop_order", "mnk", ("mnk",), "block loop order (the kernel implements 'mnk' only)"),
         Param("tile_loop_order", "mnk", TILE_LOOP_ORDERS, "tile loop order within a block"),
         Param("float8_dtype", "float8_e5m2", doc="element format of the quantized operands", normalizer=float8_name),
-        Param("output_dtype", None, "dtype", "output dtype (None: bfloat16, the kernel's default)",
-              normalizer=dtype_or_bfloat16),
+        Param(
+            "output_dtype",
+            None,
+            "dtype",
+            "output dtype (None: bfloat16, the kernel's default)",
+            normalizer=dtype_or_bfloat16,
+        ),
         Param("run_with_lnc2", FOLLOW_LNC, bool, "split over two logical cores (default: LNC degree > 1)"),
         Param("lnc_2_shard_rhs", None, bool, "with LNC2 split N (True) or M (False); None: the larger"),
         Param("use_scale_packing", False, bool, "pre-quantized scales are packed [ceil(K/2048)*128, F]"),
@@ -320,31 +394,38 @@ MATMUL_MXFP8_SPEC = KernelSpec(
         Param("quant_scheme", "wrapX", SCHEMES, "the K swizzle: 'wrapX' or '1x32' (32 consecutive K per scale)"),
     ),
     outputs=(),
-    output_avals=lambda call: [("out", call.shape(_OUT[tuple(call.params[flag] for flag in _SWIZZLE_FLAGS)]),
-                                call.params["output_dtype"])],
+    output_avals=lambda call: [
+        ("out", call.shape(_OUT[tuple(call.params[flag] for flag in _SWIZZLE_FLAGS)]), call.params["output_dtype"])
+    ],
     reference=reference_matmul_mxfp8,
     check=_check_matmul,
     neuron_limits=_matmul_neuron_limits,
     fold_plans=(
         FoldPlan({"lhs": "M"}, outputs={"out": 0}, when=_swizzled("lhs", False)),  # rows of a raw lhs are independent
-        FoldPlan({"lhs": "M4", "lhs_scales": "lhs_scols"}, outputs={"out": 0},  # M is in 4M (major)
-                 when=_swizzled("lhs", True)),
+        FoldPlan(
+            {"lhs": "M4", "lhs_scales": "lhs_scols"},
+            outputs={"out": 0},  # M is in 4M (major)
+            when=_swizzled("lhs", True),
+        ),
         FoldPlan({"rhs": "N"}, outputs={"out": 1}, when=_swizzled("rhs", False)),
         FoldPlan({"rhs": "N4", "rhs_scales": "rhs_scols"}, outputs={"out": 1}, when=_swizzled("rhs", True)),
     ),
     mac_count=_matmul_mac_count,
     family="quant",
     catalog="row 65",
-    support={"idiomatic": "mxfp8_matmul",
-             "vjp": "kernel: matmul_mxfp8_backward (straight-through quantization)",
-             "notes": "Trn3; Neuron: bfloat16 operands, raw operands K % 128 == 0 (tile_k 512), uint8 scales, "
-                      "float32/bfloat16 output, run_with_lnc2 needs LNC=2; not yet run on Trainium"},
+    support={
+        "idiomatic": "mxfp8_matmul",
+        "vjp": "kernel: matmul_mxfp8_backward (straight-through quantization)",
+        "notes": "Trn3; Neuron: bfloat16 operands, raw operands K % 128 == 0 (tile_k 512), uint8 scales, "
+        "float32/bfloat16 output, run_with_lnc2 needs LNC=2; not yet run on Trainium",
+    },
 )
 
 
 # ------------------------------------------------------------------------------------- matmul_mxfp8_backward
-def reference_matmul_mxfp8_backward(output_grad, weights, input_activation, *, float8_dtype="float8_e5m2",
-                                    output_dtype=jnp.bfloat16, **knobs):
+def reference_matmul_mxfp8_backward(
+    output_grad, weights, input_activation, *, float8_dtype="float8_e5m2", output_dtype=jnp.bfloat16, **knobs
+):
     """JAX reference of ``matmul_mxfp8_backward``: ``(input_grad [M, K], weight_grad [N, K])``."""
     del knobs
     dtype = FP8_NAMES[float8_dtype]
@@ -359,9 +440,11 @@ _BACKWARD_SWIZZLE_FLAGS = ("output_grad_is_swizzled", "weights_is_swizzled", "in
 def _check_backward(call: CallInfo) -> None:
     for flag in _BACKWARD_SWIZZLE_FLAGS:
         if call.params[flag]:
-            raise ValueError(f"{call.function}: {flag}=True is not supported by the kernel: it reads its operands "
-                             f"K-by-F (output_grad for dW, weights, input_activation), which cannot be pre-swizzled; "
-                             f"give the raw [M, N], [N, K], [M, K] matrices")
+            raise ValueError(
+                f"{call.function}: {flag}=True is not supported by the kernel: it reads its operands "
+                f"K-by-F (output_grad for dW, weights, input_activation), which cannot be pre-swizzled; "
+                f"give the raw [M, N], [N, K], [M, K] matrices"
+            )
     for config in ("input_grad_config", "weight_grad_config"):
         fields = dict(call.params[config] or ())
         _check_tiling(call.function, fields, f"{config}: ")
@@ -372,9 +455,11 @@ def _backward_neuron_limits(call: CallInfo) -> list[str]:
     for name in ("output_grad", "weights", "input_activation"):
         if call.avals[name].dtype != jnp.bfloat16:
             unmet.append(f"{name} must be bfloat16; got {call.avals[name].dtype}")
-    for dim, multiple, why in (("M", MIN_K, "contraction of dW"), ("N", F_BY_K_TILE, "contraction of dX and free "
-                                                                                     "dimension of a K-by-F load"),
-                               ("K", F_BY_K_TILE, "free dimension of a K-by-F load")):
+    for dim, multiple, why in (
+        ("M", MIN_K, "contraction of dW"),
+        ("N", F_BY_K_TILE, "contraction of dX and free dimension of a K-by-F load"),
+        ("K", F_BY_K_TILE, "free dimension of a K-by-F load"),
+    ):
         if dims[dim] % multiple:
             unmet.append(f"{dim}={dims[dim]} must be a multiple of {multiple} ({why})")
     if np.dtype(params["output_dtype"]) not in NEURON_OUTPUT_DTYPES:
@@ -393,14 +478,21 @@ MATMUL_MXFP8_BACKWARD_SPEC = KernelSpec(
         Operand.of("input_activation", "M, K", doc="X"),
     ),
     params=(
-        Param("input_grad_config", None, doc="tiling fields of the dX matmul (performance only)",
-              normalizer=tile_config),
-        Param("weight_grad_config", None, doc="tiling fields of the dW matmul (performance only)",
-              normalizer=tile_config),
+        Param(
+            "input_grad_config", None, doc="tiling fields of the dX matmul (performance only)", normalizer=tile_config
+        ),
+        Param(
+            "weight_grad_config", None, doc="tiling fields of the dW matmul (performance only)", normalizer=tile_config
+        ),
         Param("tile_loop_order", "mnk", TILE_LOOP_ORDERS, "tile loop order within a block"),
         Param("float8_dtype", "float8_e5m2", doc="element format of the quantized operands", normalizer=float8_name),
-        Param("output_dtype", None, "dtype", "dtype of dX and dW (None: bfloat16, the kernel's default)",
-              normalizer=dtype_or_bfloat16),
+        Param(
+            "output_dtype",
+            None,
+            "dtype",
+            "dtype of dX and dW (None: bfloat16, the kernel's default)",
+            normalizer=dtype_or_bfloat16,
+        ),
         Param("run_with_lnc2", FOLLOW_LNC, bool, "split over two logical cores (default: LNC degree > 1)"),
         Param("lnc_2_shard_rhs", True, bool, "with LNC2 split the rhs free dimension (K)"),
         Param("use_scale_packing", False, bool, "packed scales (pre-quantized operands; not bound)"),
@@ -410,23 +502,29 @@ MATMUL_MXFP8_BACKWARD_SPEC = KernelSpec(
         Param("input_is_swizzled", False, bool, "must be False (the kernel cannot use it)"),
     ),
     outputs=(),
-    output_avals=lambda call: [("input_grad", call.shape("M, K"), call.params["output_dtype"]),
-                               ("weight_grad", call.shape("N, K"), call.params["output_dtype"])],
+    output_avals=lambda call: [
+        ("input_grad", call.shape("M, K"), call.params["output_dtype"]),
+        ("weight_grad", call.shape("N, K"), call.params["output_dtype"]),
+    ],
     reference=reference_matmul_mxfp8_backward,
     check=_check_backward,
     neuron_limits=_backward_neuron_limits,
     # K is free in both outputs: a vmapped axis folds into it
-    fold_plans=(FoldPlan({"output_grad": None, "weights": "K", "input_activation": "K"},
-                         outputs={"input_grad": 1, "weight_grad": 1}),),
+    fold_plans=(
+        FoldPlan(
+            {"output_grad": None, "weights": "K", "input_activation": "K"}, outputs={"input_grad": 1, "weight_grad": 1}
+        ),
+    ),
     mac_count=lambda call: 2 * call.dims["M"] * call.dims["N"] * call.dims["K"],
     family="quant",
     catalog="row 66",
-    support={"idiomatic": "mxfp8_matmul (reverse mode)",
-             "vjp": "none (it is the backward)",
-             "notes": "Trn3; Neuron: bfloat16 operands, M % 128, N % 512, K % 512, run_with_lnc2 needs LNC=2; "
-                      "pre-quantized and pre-swizzled operands not bound; not yet run on Trainium"},
+    support={
+        "idiomatic": "mxfp8_matmul (reverse mode)",
+        "vjp": "none (it is the backward)",
+        "notes": "Trn3; Neuron: bfloat16 operands, M % 128, N % 512, K % 512, run_with_lnc2 needs LNC=2; "
+        "pre-quantized and pre-swizzled operands not bound; not yet run on Trainium",
+    },
 )
 
 matmul_mxfp8_backward = make_kernel(MATMUL_MXFP8_BACKWARD_SPEC)
 matmul_mxfp8 = make_kernel(MATMUL_MXFP8_SPEC, vjp=_straight_through_vjp)
-

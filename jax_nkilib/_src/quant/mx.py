@@ -70,8 +70,11 @@ def _biased_exponent(x):
 
 
 def _format(dtype, function: str) -> tuple[float, int]:
-    _require(jnp.dtype(dtype) in FORMATS, function, f"the element format must be one of "
-             f"{', '.join(str(d) for d in FORMATS)}; got {dtype}")
+    _require(
+        jnp.dtype(dtype) in FORMATS,
+        function,
+        f"the element format must be one of {', '.join(str(d) for d in FORMATS)}; got {dtype}",
+    )
     return FORMATS[jnp.dtype(dtype)]
 
 
@@ -115,8 +118,11 @@ def _dequantize(elements, scales):
 def _tile_shape(x, function: str) -> tuple[int, int]:
     _require(x.ndim >= 2, function, f"expected a [..., P, F] array; got shape {x.shape}")
     p, f = x.shape[-2:]
-    _require(p % BLOCK_PARTITIONS == 0 and f % BLOCK_FREE == 0, function,
-             f"[..., P, F] needs P % 8 == 0 and F % 4 == 0 (blocks of 8 partitions x 4 free elements); got {x.shape}")
+    _require(
+        p % BLOCK_PARTITIONS == 0 and f % BLOCK_FREE == 0,
+        function,
+        f"[..., P, F] needs P % 8 == 0 and F % 4 == 0 (blocks of 8 partitions x 4 free elements); got {x.shape}",
+    )
     return p, f
 
 
@@ -144,8 +150,11 @@ def dequantize_mx(elements, scales):
     p, f = _tile_shape(elements, "dequantize_mx")
     _format(elements.dtype, "dequantize_mx")
     _require(scales.dtype == jnp.uint8, "dequantize_mx", f"scales must be uint8; got {scales.dtype}")
-    _require(scales.shape == elements.shape[:-2] + (p // 8, f // 4), "dequantize_mx",
-             f"scales must be [..., P // 8, F // 4] = {elements.shape[:-2] + (p // 8, f // 4)}; got {scales.shape}")
+    _require(
+        scales.shape == elements.shape[:-2] + (p // 8, f // 4),
+        "dequantize_mx",
+        f"scales must be [..., P // 8, F // 4] = {elements.shape[:-2] + (p // 8, f // 4)}; got {scales.shape}",
+    )
     blocks = elements.reshape(*elements.shape[:-2], p // 8, 8, f // 4, 4)
     return _dequantize(blocks, scales[..., :, None, :, None]).reshape(elements.shape)
 
@@ -167,8 +176,11 @@ def mx_round_trip(x, axis: int = -1, dtype=ELEMENT_DTYPE):
 
 def _words(words, function: str):
     words = jnp.asarray(words)
-    _require(words.dtype in (jnp.dtype(_U32), jnp.dtype(_I32), jnp.dtype(jnp.float32)), function,
-             f"expected 32-bit words (uint32, int32 or float32 bit patterns); got {words.dtype}")
+    _require(
+        words.dtype in (jnp.dtype(_U32), jnp.dtype(_I32), jnp.dtype(jnp.float32)),
+        function,
+        f"expected 32-bit words (uint32, int32 or float32 bit patterns); got {words.dtype}",
+    )
     return words if words.dtype == _U32 else lax.bitcast_convert_type(words, _U32)
 
 
@@ -177,8 +189,11 @@ def pack_x4(elements):
     """uint32 words ``[..., n]`` from fp8 or uint8 bytes ``[..., 4n]``: element ``4w + j`` in byte ``j`` of word
     ``w`` (bits 8j..8j+7), the ``float8_e4m3fn_x4`` layout."""
     elements = jnp.asarray(elements)
-    _require(elements.ndim >= 1 and elements.shape[-1] % 4 == 0 and elements.dtype.itemsize == 1, "pack_x4",
-             f"expected 1-byte elements [..., 4n]; got {elements.dtype} {elements.shape}")
+    _require(
+        elements.ndim >= 1 and elements.shape[-1] % 4 == 0 and elements.dtype.itemsize == 1,
+        "pack_x4",
+        f"expected 1-byte elements [..., 4n]; got {elements.dtype} {elements.shape}",
+    )
     codes = elements if elements.dtype == jnp.uint8 else lax.bitcast_convert_type(elements, jnp.uint8)
     codes = codes.reshape(*codes.shape[:-1], -1, 4).astype(_U32)
     return codes[..., 0] | (codes[..., 1] << 8) | (codes[..., 2] << 16) | (codes[..., 3] << 24)
@@ -219,8 +234,11 @@ def scales_to_quadrants(scales):
     """Dense scales ``[..., P // 8, F]`` -> partition layout ``[..., P, F]`` (P % 32 == 0): the 4 scale rows of each
     32-partition quadrant at its partitions 0..3 and zeros elsewhere, where ``nisa.quantize_mx`` writes them."""
     scales = jnp.asarray(scales)
-    _require(scales.ndim >= 2 and scales.shape[-2] % 4 == 0, "scales_to_quadrants",
-             f"expected [..., P // 8, F] with P % 32 == 0; got {scales.shape}")
+    _require(
+        scales.ndim >= 2 and scales.shape[-2] % 4 == 0,
+        "scales_to_quadrants",
+        f"expected [..., P // 8, F] with P % 32 == 0; got {scales.shape}",
+    )
     rows, f = scales.shape[-2:]
     grouped = scales.reshape(*scales.shape[:-2], rows // 4, 4, f)
     padded = jnp.pad(grouped, [(0, 0)] * (grouped.ndim - 2) + [(0, QUADRANT - 4), (0, 0)])
@@ -231,11 +249,15 @@ def scales_to_quadrants(scales):
 def scales_from_quadrants(scales):
     """Inverse of :func:`scales_to_quadrants` (rows 4..31 of each quadrant are ignored)."""
     scales = jnp.asarray(scales)
-    _require(scales.ndim >= 2 and scales.shape[-2] % QUADRANT == 0, "scales_from_quadrants",
-             f"expected [..., P, F] with P % 32 == 0; got {scales.shape}")
+    _require(
+        scales.ndim >= 2 and scales.shape[-2] % QUADRANT == 0,
+        "scales_from_quadrants",
+        f"expected [..., P, F] with P % 32 == 0; got {scales.shape}",
+    )
     p, f = scales.shape[-2:]
     return scales.reshape(*scales.shape[:-2], p // QUADRANT, QUADRANT, f)[..., :4, :].reshape(
-        *scales.shape[:-2], p // 8, f)
+        *scales.shape[:-2], p // 8, f
+    )
 
 
 def _block_operand(x, contraction: str, function: str):
@@ -259,8 +281,11 @@ def encode_mx_block(x, contraction: str = "d_head", dtype=ELEMENT_DTYPE):
     _require(x.ndim >= 2, "encode_mx_block", f"expected a [..., T, D] block; got shape {x.shape}")
     operand = _block_operand(x, contraction, "encode_mx_block")
     n, c = operand.shape[-2:]
-    _require(c % (4 * QUADRANT) == 0 and n % 4 == 0, "encode_mx_block",
-             f"contraction size {c} must be a multiple of 128 and the other size {n} of 4; got block {x.shape}")
+    _require(
+        c % (4 * QUADRANT) == 0 and n % 4 == 0,
+        "encode_mx_block",
+        f"contraction size {c} must be a multiple of 128 and the other size {n} of 4; got block {x.shape}",
+    )
     elements, scales = quantize_mx(swizzle_mx(operand), dtype)  # [C // 4, 4N], [C // 32, N]
     words = jnp.concatenate([pack_x4(elements), scales_to_quadrants(pack_x4(scales))], axis=-1)
     return lax.bitcast_convert_type(words, jnp.float32)
@@ -272,8 +297,11 @@ def decode_mx_block(block, contraction: str = "d_head", dtype=ELEMENT_DTYPE):
     or int32 words); ``contraction`` and ``dtype`` as given to the encoder."""
     words = _words(block, "decode_mx_block")
     _block_operand(words, contraction, "decode_mx_block")
-    _require(words.ndim >= 2 and words.shape[-1] % 5 == 0 and words.shape[-2] % QUADRANT == 0, "decode_mx_block",
-             f"expected a [..., C // 4, N + N // 4] block with C % 128 == 0; got {words.shape}")
+    _require(
+        words.ndim >= 2 and words.shape[-1] % 5 == 0 and words.shape[-2] % QUADRANT == 0,
+        "decode_mx_block",
+        f"expected a [..., C // 4, N + N // 4] block with C % 128 == 0; got {words.shape}",
+    )
     n = words.shape[-1] * 4 // 5
     elements = unpack_x4(words[..., :n], dtype)  # [C // 4, 4N]
     scales = unpack_x4(scales_from_quadrants(words[..., n:]), jnp.uint8)  # [C // 32, N]
@@ -301,8 +329,9 @@ PACKED_SCALE_GROUP = 2048  # K elements per 128-row group of packed scales
 
 def wrapx_tiles(k: int) -> tuple[tuple[int, int], ...]:
     """``(start, size)`` of the wrapX swizzle tiles along a contraction of ``k`` (``k % 32 == 0``)."""
-    _require(k > 0 and k % BLOCK_SIZE == 0, "wrapx_tiles",
-             f"the contraction must be a positive multiple of 32; got {k}")
+    _require(
+        k > 0 and k % BLOCK_SIZE == 0, "wrapx_tiles", f"the contraction must be a positive multiple of 32; got {k}"
+    )
     tiles, start = [], 0
     while k - start >= WRAP_TILE:
         tiles.append((start, WRAP_TILE))
@@ -420,9 +449,12 @@ def dequantize_matmul_operand(words, scales, dtype=ELEMENT_DTYPE):
     rows, f = words.shape[-2:]
     k = 4 * rows
     packed = scales.shape[-2] != k // 4
-    _require(scales.shape[-2] == matmul_scale_rows(k, packed) and scales.shape[-1] == f, "dequantize_matmul_operand",
-             f"scales must be [K/4, F] = {(k // 4, f)} or packed [ceil(K/2048)*128, F] = "
-             f"{(matmul_scale_rows(k, True), f)}; got {scales.shape}")
+    _require(
+        scales.shape[-2] == matmul_scale_rows(k, packed) and scales.shape[-1] == f,
+        "dequantize_matmul_operand",
+        f"scales must be [K/4, F] = {(k // 4, f)} or packed [ceil(K/2048)*128, F] = "
+        f"{(matmul_scale_rows(k, True), f)}; got {scales.shape}",
+    )
     dense = jnp.take(scales, _scale_row_index(k, packed), axis=-2)  # [K/32, F]
     elements = unpack_x4(words, dtype)  # [K/4, 4F]
     return unswizzle_wrapx(dequantize_mx(elements, dense))
@@ -430,8 +462,9 @@ def dequantize_matmul_operand(words, scales, dtype=ELEMENT_DTYPE):
 
 # ------------------------------------------------------------------ plain layout: blocks of consecutive elements
 @functools.partial(jax.jit, static_argnames=("axis", "dtype", "block", "emax_offset"))
-def quantize_mx_along(x, axis: int = -1, dtype=ELEMENT_DTYPE, block: int = BLOCK_SIZE,
-                      emax_offset: int = ALT_EMAX_OFFSET):
+def quantize_mx_along(
+    x, axis: int = -1, dtype=ELEMENT_DTYPE, block: int = BLOCK_SIZE, emax_offset: int = ALT_EMAX_OFFSET
+):
     """MX-quantize ``x`` in blocks of ``block`` consecutive elements along ``axis`` (its size a multiple of
     ``block``): ``(elements, scales)``, the fp8 ``elements`` of ``x``'s shape and uint8 ``scales`` of ``x``'s shape
     with ``axis`` divided by ``block``. The module's rule with emax minus ``emax_offset`` (default: the alternative
@@ -439,8 +472,11 @@ def quantize_mx_along(x, axis: int = -1, dtype=ELEMENT_DTYPE, block: int = BLOCK
     _format(dtype, "quantize_mx_along")
     x = jnp.moveaxis(jnp.asarray(x).astype(jnp.float32), axis, -1)
     n = x.shape[-1]
-    _require(block > 0 and n % block == 0, "quantize_mx_along",
-             f"the quantized axis (size {n}) must be a multiple of the block size {block}")
+    _require(
+        block > 0 and n % block == 0,
+        "quantize_mx_along",
+        f"the quantized axis (size {n}) must be a multiple of the block size {block}",
+    )
     elements, scales = _quantize_blocks(x.reshape(*x.shape[:-1], n // block, block), dtype, emax_offset)
     return jnp.moveaxis(elements.reshape(x.shape), -1, axis), jnp.moveaxis(scales[..., 0], -1, axis)
 
@@ -453,9 +489,12 @@ def dequantize_mx_along(elements, scales, axis: int = -1):
     _format(elements.dtype, "dequantize_mx_along")
     _require(scales.dtype == jnp.uint8, "dequantize_mx_along", f"scales must be uint8; got {scales.dtype}")
     e, s = jnp.moveaxis(elements, axis, -1), jnp.moveaxis(scales, axis, -1)
-    _require(e.shape[:-1] == s.shape[:-1] and s.shape[-1] > 0 and e.shape[-1] % s.shape[-1] == 0,
-             "dequantize_mx_along", f"scales {scales.shape} must be the elements' shape {elements.shape} with the "
-             f"axis {axis} divided by the block size")
+    _require(
+        e.shape[:-1] == s.shape[:-1] and s.shape[-1] > 0 and e.shape[-1] % s.shape[-1] == 0,
+        "dequantize_mx_along",
+        f"scales {scales.shape} must be the elements' shape {elements.shape} with the "
+        f"axis {axis} divided by the block size",
+    )
     blocks = e.reshape(*s.shape, e.shape[-1] // s.shape[-1])
     return jnp.moveaxis(_dequantize(blocks, s[..., None]).reshape(e.shape), -1, axis)
 
@@ -465,9 +504,11 @@ def dequantize_mx_along(elements, scales, axis: int = -1):
 # magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; largest 6, emax 2). MXFP8 x4 words are 32-bit (see :func:`pack_x4`).
 FP4_DTYPE = jnp.float4_e2m1fn
 _FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-X4_WORD_DTYPES = {jnp.dtype(jnp.float8_e4m3fn): (jnp.dtype(_U32), jnp.dtype(_I32)),
-                  jnp.dtype(jnp.float8_e5m2): (jnp.dtype(_U32), jnp.dtype(_I32)),
-                  jnp.dtype(FP4_DTYPE): (jnp.dtype(jnp.uint16),)}
+X4_WORD_DTYPES = {
+    jnp.dtype(jnp.float8_e4m3fn): (jnp.dtype(_U32), jnp.dtype(_I32)),
+    jnp.dtype(jnp.float8_e5m2): (jnp.dtype(_U32), jnp.dtype(_I32)),
+    jnp.dtype(FP4_DTYPE): (jnp.dtype(jnp.uint16),),
+}
 
 
 @jax.jit
@@ -504,4 +545,3 @@ def decode_x4_weight(words, scales, dtype=ELEMENT_DTYPE):
         elements = unpack_x4(words, dtype).reshape(*words.shape, 4).astype(jnp.float32)
     scales = jnp.repeat(jnp.asarray(scales), BLOCK_PARTITIONS, axis=0)
     return _dequantize(elements, scales[..., None])
-

@@ -80,12 +80,15 @@ def _outputs(call: CallInfo):
     ``enable_scale_packing``; ``quantized_data_hbm [K/4, 4F]`` in ``return_fp8_dtype``."""
     k, f = call.dims["K"], call.dims["F"]
     rows = mx.matmul_scale_rows(k, True) if call.params["enable_scale_packing"] else k // 4
-    return [("quantized_scales_hbm", (rows, f), SCALE_DTYPE),
-            ("quantized_data_hbm", (k // 4, 4 * f), call.params["return_fp8_dtype"])]
+    return [
+        ("quantized_scales_hbm", (rows, f), SCALE_DTYPE),
+        ("quantized_data_hbm", (k // 4, 4 * f), call.params["return_fp8_dtype"]),
+    ]
 
 
-def reference_quantize_block_mxfp8_kernel(src_tensor, *, return_fp8_dtype, run_with_lnc2=False,
-                                          enable_scale_packing=True):
+def reference_quantize_block_mxfp8_kernel(
+    src_tensor, *, return_fp8_dtype, run_with_lnc2=False, enable_scale_packing=True
+):
     """JAX reference: ``(quantized_scales_hbm, quantized_data_hbm)`` (see the module doc)."""
     del run_with_lnc2  # how the two cores split F; no numeric effect
     dtype = FP8_NAMES[return_fp8_dtype]
@@ -96,8 +99,10 @@ def reference_quantize_block_mxfp8_kernel(src_tensor, *, return_fp8_dtype, run_w
 def _check(call: CallInfo) -> None:
     require_fp8_name(call, "return_fp8_dtype")
     if call.dims["K"] % mx.BLOCK_SIZE:
-        raise ValueError(f"{call.function}: argument `src_tensor` must have layout [F, K] with K a multiple of 32 "
-                         f"(one MX scale per 32 elements); got K={call.dims['K']}")
+        raise ValueError(
+            f"{call.function}: argument `src_tensor` must have layout [F, K] with K a multiple of 32 "
+            f"(one MX scale per 32 elements); got K={call.dims['K']}"
+        )
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
@@ -125,8 +130,13 @@ QUANTIZE_BLOCK_MXFP8_SPEC = KernelSpec(
     entry_point="nkilib.experimental.quantize_mxfp8.quantize_mxfp8:quantize_block_mxfp8_kernel",
     operands=(Operand.of("src_tensor", "F, K", dtypes=FLOAT_DTYPES, doc="matrix to quantize along K (bfloat16)"),),
     params=(
-        Param("return_fp8_dtype", None, doc="element format: 'float8_e4m3fn' or 'float8_e5m2'", required=True,
-              normalizer=float8_name),
+        Param(
+            "return_fp8_dtype",
+            None,
+            doc="element format: 'float8_e4m3fn' or 'float8_e5m2'",
+            required=True,
+            normalizer=float8_name,
+        ),
         Param("run_with_lnc2", FOLLOW_LNC, bool, "split F over two logical cores (default: LNC degree > 1)"),
         Param("enable_scale_packing", True, bool, "packed scales [ceil(K/2048)*128, F] instead of [K/4, F]"),
     ),
@@ -135,16 +145,22 @@ QUANTIZE_BLOCK_MXFP8_SPEC = KernelSpec(
     reference=reference_quantize_block_mxfp8_kernel,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan({"src_tensor": "F"},  # F merges into the columns of both outputs
-                         outputs={"quantized_scales_hbm": 1, "quantized_data_hbm": 1}),),
+    fold_plans=(
+        FoldPlan(
+            {"src_tensor": "F"},  # F merges into the columns of both outputs
+            outputs={"quantized_scales_hbm": 1, "quantized_data_hbm": 1},
+        ),
+    ),
     mac_count=lambda call: math.prod(call.avals["src_tensor"].shape),
     family="quant",
     catalog="row 84",
     nondifferentiable_outputs=("quantized_scales_hbm", "quantized_data_hbm"),
-    support={"idiomatic": "quantize_mx",
-             "vjp": "none (quantized outputs)",
-             "notes": "Trn3; Neuron: bfloat16 src, K % 128 == 0, F % 8 == 0, run_with_lnc2 needs LNC=2 and F >= 512; "
-                      "scale rows the kernel does not write are 0 here (undefined on Neuron)"},
+    support={
+        "idiomatic": "quantize_mx",
+        "vjp": "none (quantized outputs)",
+        "notes": "Trn3; Neuron: bfloat16 src, K % 128 == 0, F % 8 == 0, run_with_lnc2 needs LNC=2 and F >= 512; "
+        "scale rows the kernel does not write are 0 here (undefined on Neuron)",
+    },
 )
 
 quantize_block_mxfp8_kernel = make_kernel(QUANTIZE_BLOCK_MXFP8_SPEC, vjp=_zero_cotangents)

@@ -71,8 +71,9 @@ class QuantizedWeight:
 
 
 def _scalar(value, name: str, where: str):
-    floats = hasattr(value, "dtype") and (jnp.issubdtype(value.dtype, jnp.floating)
-                                          or jnp.issubdtype(value.dtype, jnp.integer))
+    floats = hasattr(value, "dtype") and (
+        jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)
+    )
     if not (floats or isinstance(value, (int, float, np.integer, np.floating))) or isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{where}: `{name}` must be a positive float scalar; got {type(value).__name__}")
     check_positive_finite(where, name, value, "the activation's per-tensor scale")
@@ -96,17 +97,24 @@ def quantize_weight_fp8(w, mode: str = "row", dtype=jnp.float8_e4m3, *, input_sc
         raise ValueError(f"{where}: `mode` must be 'row' or 'static'; got {mode!r}")
     if np.dtype(dtype) not in FP8_WEIGHT_DTYPES:
         raise TypeError(f"{where}: `dtype` must be float8_e4m3 or float8_e4m3fn; got {np.dtype(dtype)}")
-    if not (hasattr(w, "shape") and hasattr(w, "dtype")) or not jnp.issubdtype(w.dtype, jnp.floating) or \
-            jnp.dtype(w.dtype) in FP8_WEIGHT_DTYPES or w.ndim != 2:
+    if (
+        not (hasattr(w, "shape") and hasattr(w, "dtype"))
+        or not jnp.issubdtype(w.dtype, jnp.floating)
+        or jnp.dtype(w.dtype) in FP8_WEIGHT_DTYPES
+        or w.ndim != 2
+    ):
         got = f"{w.dtype} {tuple(w.shape)}" if hasattr(w, "shape") else type(w).__name__
         raise TypeError(f"{where}: `w` must be a float (not FP8) array [in, out]; got {got}")
     if mode == "row" and input_scale is not None:
-        raise ValueError(f"{where}: `input_scale` is for mode='static' (row-quantized activations carry their own "
-                         "scales)")
+        raise ValueError(
+            f"{where}: `input_scale` is for mode='static' (row-quantized activations carry their own scales)"
+        )
     if mode == "static":
         if input_scale is None:
-            raise ValueError(f"{where}: mode='static' needs `input_scale`, the activation's per-tensor scale (the "
-                             "kernels quantize activations as clip(a / input_scale, +-240)), e.g. max|a| / 240")
+            raise ValueError(
+                f"{where}: mode='static' needs `input_scale`, the activation's per-tensor scale (the "
+                "kernels quantize activations as clip(a / input_scale, +-240)), e.g. max|a| / 240"
+            )
         input_scale = _scalar(input_scale, "input_scale", where)
     w32 = jnp.asarray(w).astype(jnp.promote_types(w.dtype, jnp.float32))
     finite = jnp.where(jnp.isfinite(w32), jnp.abs(w32), 0)  # a NaN or inf takes no part in its scale
@@ -137,8 +145,9 @@ def check_weight(where: str, name: str, w: QuantizedWeight, shape: tuple[int, in
     if w.mode == "static":
         s = w.input_scale
         if s is None or not hasattr(s, "dtype") or jnp.dtype(s.dtype) != jnp.float32 or tuple(s.shape) != ():
-            raise ValueError(f"{where}: `{name}` has mode='static' and needs input_scale as a float32 scalar; got "
-                             f"{s!r}")
+            raise ValueError(
+                f"{where}: `{name}` has mode='static' and needs input_scale as a float32 scalar; got {s!r}"
+            )
         check_positive_finite(where, f"{name}.input_scale", s, "the activation's per-tensor scale")
 
 

@@ -43,7 +43,6 @@ ROPE_HEAD_SIZES = (64, 128)
 ROPE_HF_SEQ_TILE = 128
 
 
-
 def _rotate_pairs(a, b, cos_a, sin_a, cos_b, sin_b, out_dtype, transpose=False):
     """``(a*cos_a - b*sin_a, b*cos_b + a*sin_b)`` (or its transpose), rounding each product and sum to out_dtype."""
     compute = accumulation_dtype(out_dtype)
@@ -82,8 +81,9 @@ def reference_rope(x_in, cos, sin, *, lnc_shard=False, contiguous_layout=True, r
 def _rope_check(call: CallInfo) -> None:
     cos, sin = call.avals["cos"], call.avals["sin"]
     if cos.dtype != sin.dtype:
-        raise TypeError(f"{call.function}: arguments `cos` and `sin` must have the same dtype; got {cos.dtype} and "
-                        f"{sin.dtype}")
+        raise TypeError(
+            f"{call.function}: arguments `cos` and `sin` must have the same dtype; got {cos.dtype} and {sin.dtype}"
+        )
 
 
 def _rope_neuron_limits(call: CallInfo) -> list[str]:
@@ -96,8 +96,10 @@ def _rope_neuron_limits(call: CallInfo) -> list[str]:
     itemsize = jnp.dtype(call.avals["x_in"].dtype).itemsize
     per_program = dims["B"] * dims["n_heads"] * (dims["S"] // programs)
     if per_program * itemsize > ROPE_SBUF_BYTES:
-        unmet.append(f"SBUF capacity: B*n_heads*S per program = {per_program} elements of {itemsize} bytes exceeds "
-                     f"{ROPE_SBUF_BYTES // itemsize}")
+        unmet.append(
+            f"SBUF capacity: B*n_heads*S per program = {per_program} elements of {itemsize} bytes exceeds "
+            f"{ROPE_SBUF_BYTES // itemsize}"
+        )
     return unmet
 
 
@@ -136,9 +138,11 @@ ROPE_SPEC = KernelSpec(
     mac_count=lambda call: 2 * math.prod(call.avals["x_in"].shape),
     family="rope",
     catalog="1.6",
-    support={"idiomatic": "rope",
-             "vjp": "kernel for dx (RoPE with -sin); JAX for dcos, dsin",
-             "notes": "Neuron: d_head 64 or 128; B*n_heads*S per program <= 73728 bf16 (36864 f32)"},
+    support={
+        "idiomatic": "rope",
+        "vjp": "kernel for dx (RoPE with -sin); JAX for dcos, dsin",
+        "notes": "Neuron: d_head 64 or 128; B*n_heads*S per program <= 73728 bf16 (36864 f32)",
+    },
 )
 
 RoPE = make_kernel(ROPE_SPEC, vjp=_rope_vjp)
@@ -156,8 +160,16 @@ def _rotate_half(x, cos, sin, backward):
     seq, half = x.shape[2], x.shape[3] // 2
     cos, sin = cos[..., :seq, :], sin[..., :seq, :]
     cos, sin = (t[None, None] if t.ndim == 2 else t[:, None] for t in (cos, sin))
-    first, second = _rotate_pairs(x[..., :half], x[..., half:], cos[..., :half], sin[..., :half], cos[..., half:],
-                                  sin[..., half:], x.dtype, transpose=backward)
+    first, second = _rotate_pairs(
+        x[..., :half],
+        x[..., half:],
+        cos[..., :half],
+        sin[..., :half],
+        cos[..., half:],
+        sin[..., half:],
+        x.dtype,
+        transpose=backward,
+    )
     return jnp.concatenate([first, second], axis=-1)
 
 
@@ -175,19 +187,26 @@ def _rope_hf_check(call: CallInfo) -> None:
         raise ValueError(f"{function}: give either `cos` and `sin` or `rope_cache`, not both")
     if not has_cache and not (has_cos and has_sin):
         missing = "`sin`" if has_cos else "`cos`" if has_sin else "`cos` and `sin` (or `rope_cache`)"
-        raise ValueError(f"{function}: missing {missing}; rope_hf needs cos and sin [(B), S_rope, D] or rope_cache "
-                         "[(B), S_rope, 2*D]")
+        raise ValueError(
+            f"{function}: missing {missing}; rope_hf needs cos and sin [(B), S_rope, D] or rope_cache "
+            "[(B), S_rope, 2*D]"
+        )
     if has_cos and (avals["cos"].shape != avals["sin"].shape or avals["cos"].dtype != avals["sin"].dtype):
-        raise ValueError(f"{function}: `cos` and `sin` must have the same shape and dtype; got "
-                         f"{avals['cos'].shape} {avals['cos'].dtype} and {avals['sin'].shape} {avals['sin'].dtype}")
+        raise ValueError(
+            f"{function}: `cos` and `sin` must have the same shape and dtype; got "
+            f"{avals['cos'].shape} {avals['cos'].dtype} and {avals['sin'].shape} {avals['sin'].dtype}"
+        )
     if avals["q"].dtype != avals["k"].dtype:
-        raise TypeError(f"{function}: `q` and `k` must have the same dtype; got {avals['q'].dtype} and "
-                        f"{avals['k'].dtype}")
+        raise TypeError(
+            f"{function}: `q` and `k` must have the same dtype; got {avals['q'].dtype} and {avals['k'].dtype}"
+        )
     if call.dims["D"] % 2:
         raise ValueError(f"{function}: head_dim D must be even (halves are rotated); got D={call.dims['D']}")
     if call.dims["S_rope"] < call.dims["S"]:
-        raise ValueError(f"{function}: the tables have S_rope={call.dims['S_rope']} positions, fewer than the "
-                         f"sequence length S={call.dims['S']} of `q` and `k`")
+        raise ValueError(
+            f"{function}: the tables have S_rope={call.dims['S_rope']} positions, fewer than the "
+            f"sequence length S={call.dims['S']} of `q` and `k`"
+        )
 
 
 def _rope_hf_neuron_limits(call: CallInfo) -> list[str]:
@@ -232,15 +251,18 @@ ROPE_HF_SPEC = KernelSpec(
     neuron_limits=_rope_hf_neuron_limits,
     fold_plans=(
         FoldPlan({"q": "Hq", "k": "Hk"}, outputs=("Hq", "Hk")),  # tables shared: fold into heads
-        FoldPlan(dict.fromkeys(("q", "k", "cos", "sin", "rope_cache"), "B"), outputs=("B", "B"),
-                 when=_tables_have_batch),
+        FoldPlan(
+            dict.fromkeys(("q", "k", "cos", "sin", "rope_cache"), "B"), outputs=("B", "B"), when=_tables_have_batch
+        ),
     ),
     mac_count=lambda call: 2 * (math.prod(call.avals["q"].shape) + math.prod(call.avals["k"].shape)),
     family="rope",
     catalog="1.7",
-    support={"idiomatic": "",
-             "vjp": "kernel for dq, dk (rope_hf backward flag); JAX for the tables",
-             "notes": "Neuron: S % (128*LNC) == 0; device adapter jax_nkilib_kernels/rope.py"},
+    support={
+        "idiomatic": "",
+        "vjp": "kernel for dq, dk (rope_hf backward flag); JAX for the tables",
+        "notes": "Neuron: S % (128*LNC) == 0; device adapter jax_nkilib_kernels/rope.py",
+    },
 )
 
 rope_hf = make_kernel(ROPE_HF_SPEC, vjp=_rope_hf_vjp)

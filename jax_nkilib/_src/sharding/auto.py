@@ -45,6 +45,7 @@ class ShardingRule:
       granule: letter -> the multiple a shard's size must have along that dimension (e.g. MX blocks of 32).
       note: anything else a user should know (shown in the table).
     """
+
     op: str
     free: Mapping[str, str]
     collective: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
@@ -67,13 +68,20 @@ def leading(count: int, op: str | None = None, operand: str = "x") -> str:
     caller in the error for too many."""
     if count > len(LEADING):
         where = f"{op}: `{operand}` has" if op else "got"
-        raise ValueError(f"{where} {count} leading axes; at most {len(LEADING)} are supported (reshape the leading "
-                         "axes together)")
+        raise ValueError(
+            f"{where} {count} leading axes; at most {len(LEADING)} are supported (reshape the leading axes together)"
+        )
     return "".join(map(str, range(count)))
 
 
-_OTHER_NAMES = {"d": "head_dim", "h": "hidden", "k": "contraction", "c": "cache length", "e": "features",
-                "f": "fused q|k|v columns (pass w as (w_q, w_k, w_v) to shard the heads)"}
+_OTHER_NAMES = {
+    "d": "head_dim",
+    "h": "hidden",
+    "k": "contraction",
+    "c": "cache length",
+    "e": "features",
+    "f": "fused q|k|v columns (pass w as (w_q, w_k, w_v) to shard the heads)",
+}
 RULES: dict[str, ShardingRule] = {}
 
 
@@ -84,9 +92,10 @@ def register_rule(rule: ShardingRule) -> ShardingRule:
 
 @dataclasses.dataclass(frozen=True)
 class ShardedArgument:
-    """An argument of an idiomatic op, for the sharding planner: ``value`` (an array, ``None`` or a pytree of arrays) and ``dims``, one letter per
-    axis (``None``: every leaf must be replicated; a letter ``'_'`` names an axis that never shards). For a tuple
-    ``value``, ``dims`` may be a tuple giving each element's dims."""
+    """An argument of an idiomatic op, for the sharding planner: ``value`` (an array, ``None`` or a pytree of
+    arrays) and ``dims``, one letter per axis (``None``: every leaf must be replicated; a letter ``'_'`` names an
+    axis that never shards). For a tuple ``value``, ``dims`` may be a tuple giving each element's dims."""
+
     name: str
     value: Any
     dims: str | tuple | None = None
@@ -118,8 +127,9 @@ def _explicit_axes(x) -> tuple[Any, tuple] | None:
     if not explicit:
         return None
     entries = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-    axes = tuple(() if e is None else tuple(a for a in ((e,) if isinstance(e, str) else e) if a in explicit)
-                 for e in entries)
+    axes = tuple(
+        () if e is None else tuple(a for a in ((e,) if isinstance(e, str) else e) if a in explicit) for e in entries
+    )
     return mesh, axes
 
 
@@ -131,6 +141,7 @@ class Plan:
     with those axes made Auto (``jax.sharding.auto_axes``), where it plans again: ``axes`` is then empty (the body
     sees whole values) and ``split`` holds the split the outputs keep.
     """
+
     rule: ShardingRule
     mesh: Any
     axes: Mapping[str, tuple[str, ...]]
@@ -162,7 +173,7 @@ class Plan:
         def local(*local_leaves):
             values, start = [], 0
             for treedef, count in treedefs:
-                values.append(jax.tree.unflatten(treedef, local_leaves[start:start + count]))
+                values.append(jax.tree.unflatten(treedef, local_leaves[start : start + count]))
                 start += count
             return body(*values, axes=self.axes)
 
@@ -171,10 +182,11 @@ class Plan:
         out_specs = jax.tree.map(self.spec, out_dims, is_leaf=lambda d: d is None or isinstance(d, str))
         used = {name for mesh_axes in self.axes.values() for name in mesh_axes}  # other explicit axes stay explicit
         # a replicated operand of a split dimension is sliced locally (no communication)
-        leaves = [jax.sharding.reshard(leaf, NamedSharding(self.mesh, spec)) if _needs_reshard(leaf, spec) else leaf
-                  for leaf, spec in zip(leaves, in_specs)]
-        sharded = jax.shard_map(local, mesh=self.mesh, in_specs=tuple(in_specs), out_specs=out_specs,
-                                axis_names=used)
+        leaves = [
+            jax.sharding.reshard(leaf, NamedSharding(self.mesh, spec)) if _needs_reshard(leaf, spec) else leaf
+            for leaf, spec in zip(leaves, in_specs)
+        ]
+        sharded = jax.shard_map(local, mesh=self.mesh, in_specs=tuple(in_specs), out_specs=out_specs, axis_names=used)
         try:
             return sharded(*leaves)
         except ValueError as err:
@@ -183,7 +195,8 @@ class Plan:
             raise NotImplementedError(
                 f"jax_nkilib: jax.vmap over an axis that is split over an explicit mesh axis needs jax>=0.8 (JAX "
                 f"{jax.__version__} cannot vmap the jax.shard_map this op plans); replicate the mapped axis first "
-                "(jax.sharding.reshard) or map over an unsharded axis.") from err
+                "(jax.sharding.reshard) or map over an unsharded axis."
+            ) from err
 
     def _run_unmapped(self, local: Callable[..., Any], leaves: list, out_dims) -> Any:
         """Run ``local`` (the body, with no axes) on whole values with the vmapped axes Auto.
@@ -196,11 +209,15 @@ class Plan:
         under ``jax.jit``: an eager ``jax.shard_map`` inside ``auto_axes`` under ``vmap`` rejects its inputs.
         """
         # on the context mesh (auto_axes wants the two equal), else on the operands' (jit sets no context mesh)
-        placed = (lambda spec: spec) if not jax.sharding.get_abstract_mesh().empty else \
-            (lambda spec: NamedSharding(self.mesh, spec))
+        placed = (
+            (lambda spec: spec)
+            if not jax.sharding.get_abstract_mesh().empty
+            else (lambda spec: NamedSharding(self.mesh, spec))
+        )
         split = dataclasses.replace(self, axes=self.split)
-        out_sharding = jax.tree.map(lambda dims: placed(split.spec(dims)), out_dims,
-                                    is_leaf=lambda d: d is None or isinstance(d, str))
+        out_sharding = jax.tree.map(
+            lambda dims: placed(split.spec(dims)), out_dims, is_leaf=lambda d: d is None or isinstance(d, str)
+        )
         return jax.jit(jax.sharding.auto_axes(local, axes=self.mapped, out_sharding=out_sharding))(*leaves)
 
 
@@ -208,7 +225,7 @@ def _needs_reshard(leaf, spec: P) -> bool:
     found = _explicit_axes(leaf)
     current = () if found is None else tuple(spec_entry(axes) for axes in found[1])
     wanted = tuple(spec) + (None,) * (len(current) - len(spec))
-    return current != wanted[:len(current)] if current else any(entry is not None for entry in spec)
+    return current != wanted[: len(current)] if current else any(entry is not None for entry in spec)
 
 
 def spec_entry(axes: tuple[str, ...]):
@@ -218,7 +235,9 @@ def spec_entry(axes: tuple[str, ...]):
     return axes[0] if len(axes) == 1 else axes
 
 
-def plan(rule: ShardingRule, operands: Sequence[ShardedArgument], *, granule: Mapping[str, int] | None = None) -> Plan | None:
+def plan(
+    rule: ShardingRule, operands: Sequence[ShardedArgument], *, granule: Mapping[str, int] | None = None
+) -> Plan | None:
     """The ``shard_map`` plan for these operands, or ``None`` when nothing is sharded over explicit mesh axes (and
     no enclosing ``jax.vmap`` maps over one: then the plan runs the op with those axes Auto, see :class:`Plan`).
 
@@ -248,12 +267,14 @@ def plan(rule: ShardingRule, operands: Sequence[ShardedArgument], *, granule: Ma
                     raise ValueError(
                         f"{where}: `{label}` is sharded along axis {position} ({name}) over mesh axis "
                         f"{spec_entry(mesh_axes)!r}; {where} shards only {_supported(rule)}. Replicate that axis first "
-                        "(e.g. jax.sharding.reshard) or call the op inside jax.shard_map on local shards.")
+                        "(e.g. jax.sharding.reshard) or call the op inside jax.shard_map on local shards."
+                    )
                 if axes.setdefault(letter, mesh_axes) != mesh_axes:
                     raise ValueError(
                         f"{where}: {rule.dimension_name(letter)} is split over mesh axis "
                         f"{spec_entry(axes[letter])!r} in `{owner[letter]}` but over {spec_entry(mesh_axes)!r} in "
-                        f"`{label}`; shard them alike")
+                        f"`{label}`; shard them alike"
+                    )
                 owner.setdefault(letter, label)
     mapped = compat.vmapped_explicit_axes(mesh) if mesh is not None else ()
     if mesh is None or not (axes or mapped):
@@ -270,7 +291,8 @@ def plan(rule: ShardingRule, operands: Sequence[ShardedArgument], *, granule: Ma
             if used.setdefault(name, letter) != letter:
                 raise ValueError(
                     f"{where}: mesh axis {name!r} splits both {rule.dimension_name(used[name])} and "
-                    f"{rule.dimension_name(letter)}; one mesh axis can shard only one of them")
+                    f"{rule.dimension_name(letter)}; one mesh axis can shard only one of them"
+                )
     result = Plan(rule, mesh, dict(axes), tuple(operands))
     for operand in operands:
         for _, leaf, dims in operand.leaves():
@@ -282,7 +304,8 @@ def plan(rule: ShardingRule, operands: Sequence[ShardedArgument], *, granule: Ma
                         f"{where}: `{operand.name}` axis {position} ({rule.dimension_name(letter)}) has size "
                         f"{leaf.shape[position]}, which {parts} shards over mesh axis "
                         f"{spec_entry(axes[letter])!r} cannot split into equal parts"
-                        + (f" of a multiple of {granule[letter]}" if letter in granule else ""))
+                        + (f" of a multiple of {granule[letter]}" if letter in granule else "")
+                    )
     if mapped:
         return Plan(rule, mesh, {}, tuple(operands), mapped=mapped, split=dict(axes))
     return result

@@ -54,8 +54,9 @@ def _check(function: str, x, w, axis, axis_arg: str):
     if x.ndim < 2:
         raise ValueError(f"{function}: `x` must have layout [..., tokens, ..., K] (rank >= 2); got shape {x.shape}")
     if x.shape[-1] != w.shape[0]:
-        raise ValueError(f"{function}: the contraction dimensions differ: x [..., K={x.shape[-1]}] but "
-                         f"w [K={w.shape[0]}, N]")
+        raise ValueError(
+            f"{function}: the contraction dimensions differ: x [..., K={x.shape[-1]}] but w [K={w.shape[0]}, N]"
+        )
     if not isinstance(axis, int) or isinstance(axis, bool):
         raise TypeError(f"{function}: `{axis_arg}` must be an int; got {axis!r}")
     if not -x.ndim <= axis < x.ndim:
@@ -121,8 +122,9 @@ def _weight_grad_ring(travelling, local, names, axis, travelling_first):
 
     def step(total, block, source):
         mine = lax.dynamic_slice_in_dim(local, source * rows, rows, axis)
-        return total + (_contract_leading(block, mine, acc) if travelling_first
-                        else _contract_leading(mine, block, acc))
+        return total + (
+            _contract_leading(block, mine, acc) if travelling_first else _contract_leading(mine, block, acc)
+        )
 
     sizes = (travelling.shape[-1], local.shape[-1])
     zero = compat.varying_like(jnp.zeros(sizes if travelling_first else sizes[::-1], acc), local, travelling)
@@ -174,16 +176,34 @@ _matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter
 
 
 # ------------------------------------------------------------------------------------------------------ public
-auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.all_gather_matmul", free={},
-    collective={"m": ("gather_axis of x", "inside jax.shard_map, over axis_name: a ppermute ring overlapping the "
-                      "gather with the matmul (n-1 permutes)")},
-    note="a shard_map building block: call it on local shards with axis_name"))
-auto.register_rule(auto.ShardingRule(
-    "jax_nkilib.matmul_reduce_scatter", free={},
-    collective={"k": ("contraction", "inside jax.shard_map, over axis_name: a ring of partial sums (n-1 permutes) "
-                      "scattered along scatter_axis")},
-    note="a shard_map building block: call it on local shards with axis_name"))
+auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.all_gather_matmul",
+        free={},
+        collective={
+            "m": (
+                "gather_axis of x",
+                "inside jax.shard_map, over axis_name: a ppermute ring overlapping the "
+                "gather with the matmul (n-1 permutes)",
+            )
+        },
+        note="a shard_map building block: call it on local shards with axis_name",
+    )
+)
+auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.matmul_reduce_scatter",
+        free={},
+        collective={
+            "k": (
+                "contraction",
+                "inside jax.shard_map, over axis_name: a ring of partial sums (n-1 permutes) "
+                "scattered along scatter_axis",
+            )
+        },
+        note="a shard_map building block: call it on local shards with axis_name",
+    )
+)
 
 
 def all_gather_matmul(x, w, *, axis_name, gather_axis: int = 0):
@@ -221,8 +241,10 @@ def matmul_reduce_scatter(x, w, *, axis_name, scatter_axis: int = 0):
     names, n = bound_axis("matmul_reduce_scatter", axis_name)
     x, w, axis = _check("matmul_reduce_scatter", x, w, scatter_axis, "scatter_axis")
     if x.shape[axis] % n:
-        raise ValueError(f"matmul_reduce_scatter: x's scatter_axis {axis} has size {x.shape[axis]}, which does not "
-                         f"divide over the {n} ranks of axis {axis_name!r}")
+        raise ValueError(
+            f"matmul_reduce_scatter: x's scatter_axis {axis} has size {x.shape[axis]}, which does not "
+            f"divide over the {n} ranks of axis {axis_name!r}"
+        )
     return _matmul_reduce_scatter(x, w, names, axis)
 
 

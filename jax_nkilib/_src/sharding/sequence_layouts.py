@@ -37,8 +37,10 @@ def check_layout(layout, where: str) -> None:
 def check_local_length(layout: str, local_len: int, where: str, what: str = "the local sequence length") -> None:
     """``ValueError`` unless ``local_len`` tokens per shard suit ``layout`` (zigzag needs two equal chunks)."""
     if layout == "zigzag" and local_len % 2:
-        raise ValueError(f"{where}: the zigzag layout needs an even number of tokens per shard (two chunks of L/2); "
-                         f"got {what} {local_len}")
+        raise ValueError(
+            f"{where}: the zigzag layout needs an even number of tokens per shard (two chunks of L/2); "
+            f"got {what} {local_len}"
+        )
 
 
 def _check_axis_size(axis_size, where: str) -> int:
@@ -90,8 +92,7 @@ def _permutation(layout: str, axis_size: int, length: int, where: str) -> np.nda
 
 def _seq_axis(x, seq_axis, where: str) -> int:
     x = array_argument(where, "x", x, dtypes=None)
-    if isinstance(seq_axis, bool) or not isinstance(seq_axis, (int, np.integer)) or \
-            not -x.ndim <= seq_axis < x.ndim:
+    if isinstance(seq_axis, bool) or not isinstance(seq_axis, (int, np.integer)) or not -x.ndim <= seq_axis < x.ndim:
         raise ValueError(f"{where}: `seq_axis` must be an axis of x (rank {x.ndim}); got {seq_axis!r}")
     return int(seq_axis) % x.ndim
 
@@ -108,6 +109,7 @@ def _gather(x, perm: np.ndarray, axis: int, layout: str):
 def _permute(x, perm: np.ndarray, axis: int):
     """:func:`_take` whose reverse mode gathers with the inverse permutation instead of scattering (JAX 0.7 cannot
     transpose the gather of an unsharded array into a sharded cotangent)."""
+
     @jax.custom_vjp
     def permute(value):
         return _take(value, perm, axis)

@@ -89,10 +89,15 @@ def _report(kernel, eqn, context: str) -> KernelCallReport:
     if plan.kind == "fallback" and config.current_on_unsupported() == "error":
         neuron = "error: " + "; ".join(plan.unmet)
     return KernelCallReport(
-        kernel=spec.name, entry_point=spec.entry_point,
+        kernel=spec.name,
+        entry_point=spec.entry_point,
         inputs=tuple((n, tuple(a.shape), np.dtype(a.dtype).name) for n, a in call.avals.items()),
         outputs=tuple((tuple(a.shape), np.dtype(a.dtype).name) for a in output_avals(spec, call)),
-        params={p.name: params[p.name] for p in spec.params}, lnc=params["lnc"], context=context, neuron=neuron)
+        params={p.name: params[p.name] for p in spec.params},
+        lnc=params["lnc"],
+        context=context,
+        neuron=neuron,
+    )
 
 
 def _walk(jaxpr: Jaxpr, context: str, reports: list) -> None:

@@ -44,7 +44,10 @@ def _describe_vmap(spec) -> str:
 def _bound_row(entry, name: str, kernel) -> KernelSupport:
     spec = kernel.spec
     return KernelSupport(
-        kernel=name, catalog_row=entry.row, family=entry.family, status="bound",
+        kernel=name,
+        catalog_row=entry.row,
+        family=entry.family,
+        status="bound",
         layer1=spec.public_name,
         idiomatic=", ".join(f"jax_nkilib.{op}" for op in spec.support.get("idiomatic", "").split(", ") if op),
         vjp=spec.support.get("vjp", "custom_vjp" if kernel.vjp else "not differentiable"),
@@ -65,28 +68,41 @@ def support_matrix() -> list[KernelSupport]:
                 rows.append(_bound_row(entry, name, bound[name]))
             else:
                 planned = f" (planned in issue {entry.issue})" if entry.issue else ""
-                rows.append(KernelSupport(kernel=name, catalog_row=entry.row, family=entry.family,
-                                          status=NOT_BOUND + planned))
+                rows.append(
+                    KernelSupport(kernel=name, catalog_row=entry.row, family=entry.family, status=NOT_BOUND + planned)
+                )
     return rows
 
 
 def markdown_table(rows: list[KernelSupport] | None = None) -> str:
     rows = support_matrix() if rows is None else rows
     bound = [row for row in rows if row.status == "bound"]
-    header = ["| kernel | row | layer 1 | layer 2 | reverse mode | vmap | shard_map | Neuron | notes |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    lines = [f"| `{r.kernel}` | {r.catalog_row} | `{r.layer1}` | {r.idiomatic or '—'} | {r.vjp} | {r.vmap} | "
-             f"{r.shard_map} | {r.neuron} | {r.notes} |" for r in bound]
+    header = [
+        "| kernel | row | layer 1 | layer 2 | reverse mode | vmap | shard_map | Neuron | notes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines = [
+        f"| `{r.kernel}` | {r.catalog_row} | `{r.layer1}` | {r.idiomatic or '—'} | {r.vjp} | {r.vmap} | "
+        f"{r.shard_map} | {r.neuron} | {r.notes} |"
+        for r in bound
+    ]
     pending = [row for row in rows if row.status != "bound"]
-    summary = (f"\n{len(bound)} of {len(rows)} catalog kernels are bound. Not bound yet: "
-               + ", ".join(f"`{r.kernel}`" for r in pending) + ".")
+    summary = (
+        f"\n{len(bound)} of {len(rows)} catalog kernels are bound. Not bound yet: "
+        + ", ".join(f"`{r.kernel}`" for r in pending)
+        + "."
+    )
     return "\n".join(header + lines) + "\n" + summary + "\n\n" + sharding_table()
 
 
 def sharding_table() -> str:
     """The idiomatic ops' automatic sharding (``jax_nkilib._src.sharding.auto``), one row per op."""
-    header = ["Automatic sharding of the idiomatic ops (explicit mesh axes; see \"Sharding\" below):", "",
-              "| op | sharded with no communication | sharded with a collective | notes |", "|---|---|---|---|"]
+    header = [
+        'Automatic sharding of the idiomatic ops (explicit mesh axes; see "Sharding" below):',
+        "",
+        "| op | sharded with no communication | sharded with a collective | notes |",
+        "|---|---|---|---|",
+    ]
     lines = []
     for name in sorted(RULES):
         rule = RULES[name]
