@@ -176,5 +176,6 @@ def test_jit_vmap_and_vmap_of_grad():
     _, _, _, (kp, vp) = make(s_prior=4)
     out = jax.vmap(lambda n: attention_cte(q, kt, v, kernel_layout(kp, False), vp, n))(used)
     ok = allowed_mask(16, 4, 16, prior_used=3, causal=True)
-    assert_close(out[1], attention_rows(q, jnp.concatenate([kp, k], 1), jnp.concatenate([vp, v], 1), ok, 1.0)[0],
-                 jnp.float32)
+    assert_close(
+        out[1], attention_rows(q, jnp.concatenate([kp, k], 1), jnp.concatenate([vp, v], 1), ok, 1.0)[0], jnp.float32
+    )

@@ -103,8 +103,9 @@ def test_runtime_prior_under_jit():
     )
     for prior in (0, 4, 16):
         p = jnp.array([[prior]], jnp.int32)
-        assert_close(fn(q, p), segmented_cte_oracle(q, k_cache, v_cache, tables, p, block_size=BLOCK, num_q_heads=4),
-                     jnp.float64)
+        assert_close(
+            fn(q, p), segmented_cte_oracle(q, k_cache, v_cache, tables, p, block_size=BLOCK, num_q_heads=4), jnp.float64
+        )
 
 
 def test_neuron_lowering():

@@ -71,8 +71,10 @@ def main():
     from jax_nkilib._src.tools.arg_specs import arg_spec
 
     _, _, heads, head_dim = arg_spec("attention.realistic").shapes()[0].shape
-    print(f"seq    time ratio  memory ratio   (jax_nkilib / jax.nn.dot_product_attention; {heads} heads, "
-          f"head_dim {head_dim})")
+    print(
+        f"seq    time ratio  memory ratio   (jax_nkilib / jax.nn.dot_product_attention; {heads} heads, "
+        f"head_dim {head_dim})"
+    )
     for seq in map(int, opts.seqs.split(",")):
         ours, theirs = in_child("jax_nkilib", seq, heads, head_dim), in_child("xla", seq, heads, head_dim)
         if "error" in theirs:

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_nkilib  # noqa: E402
 from jax_nkilib._src.ops.ring_attention import ring_attention  # noqa: E402
+from jax_nkilib._src.sharding.sequence_layouts import from_ring_layout, to_ring_layout  # noqa: E402
 from jax_nkilib._src.tools.arg_specs import arg_spec  # noqa: E402
 
 DEVICES = 8

@@ -29,8 +29,9 @@ def params(*selectors):
     """pytest params over the small specs that have every one of ``selectors`` (attribute names). A spec's checks
     run in one xdist worker (``--dist loadgroup``), so they share its compiled functions."""
     chosen = [s for s in SPECS if all(getattr(s, attr) for attr in selectors)]
-    return pytest.mark.parametrize("spec", [pytest.param(s, id=s.name, marks=pytest.mark.xdist_group(s.name))
-                                            for s in chosen])
+    return pytest.mark.parametrize(
+        "spec", [pytest.param(s, id=s.name, marks=pytest.mark.xdist_group(s.name)) for s in chosen]
+    )
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
@@ -86,8 +87,10 @@ def bits(x):
 def stacked(spec, axes, n=N):
     """Operands for vmap: those with an axis in ``axes`` stacked from ``n`` seeds along it, the rest seed 0's."""
     per_seed = [spec.args(seed) for seed in range(n)]
-    return tuple(a if axis is None else jnp.stack([p[i] for p in per_seed], axis)
-                 for i, (a, axis) in enumerate(zip(per_seed[0], axes)))
+    return tuple(
+        a if axis is None else jnp.stack([p[i] for p in per_seed], axis)
+        for i, (a, axis) in enumerate(zip(per_seed[0], axes))
+    )
 
 
 def loop(fn, args, axes, n=N):
@@ -184,8 +187,9 @@ def test_inside_shard_map_on_8_devices(spec):
             spec(*(a[: a.shape[0] // mesh.size] if a.ndim else a for a in args))
         return
     sharded = jax.jit(jax.shard_map(spec, mesh=mesh, in_specs=sharding.in_specs, out_specs=sharding.out_specs))
-    placed = tuple(a if a is None else jax.device_put(a, NamedSharding(mesh, s))
-                   for a, s in zip(args, sharding.in_specs))
+    placed = tuple(
+        a if a is None else jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, sharding.in_specs)
+    )
     assert_same(sharded(*placed), jitted(spec)(*args))
     if spec.grad:
         argnums = tuple(spec.operands.index(name) for name in spec.grad)
@@ -226,9 +230,15 @@ def test_every_bound_kernel_has_arg_specs():
 
 def test_every_public_kernel_and_op_has_arg_specs():
     tools = {"config", "current_lnc", "explain", "neuron_hlo", "support_matrix"}
-    public = [f"jax_nkilib.nki.{name}" for name in jax_nkilib.nki.__all__
-              if callable(getattr(jax_nkilib.nki, name)) and not isinstance(getattr(jax_nkilib.nki, name), type)]
-    public += [f"jax_nkilib.{name}" for name in jax_nkilib.__all__ if name not in tools
-               and callable(getattr(jax_nkilib, name)) and not isinstance(getattr(jax_nkilib, name), type)]
+    public = [
+        f"jax_nkilib.nki.{name}"
+        for name in jax_nkilib.nki.__all__
+        if callable(getattr(jax_nkilib.nki, name)) and not isinstance(getattr(jax_nkilib.nki, name), type)
+    ]
+    public += [
+        f"jax_nkilib.{name}"
+        for name in jax_nkilib.__all__
+        if name not in tools and callable(getattr(jax_nkilib, name)) and not isinstance(getattr(jax_nkilib, name), type)
+    ]
     covered = {spec.fn_name for spec in SPECS}
     assert sorted(set(public) - covered) == [], "public functions without arg specs (see tests/conformance/README.md)"

@@ -93,8 +93,11 @@ def test_odd_shards_take_the_remainder_in_the_last_shard():
 
 def test_gradients_at_lnc2_without_beta_and_with_hidden_actual():
     """LNC 2 changes the layout, not the math; the conformance suite checks the defaults (LNC 1, second order)."""
-    x, gamma, beta = random((2, 3, 256), jnp.float64, 5), random((1, 256), jnp.float64, 6), \
-        random((1, 256), jnp.float64, 7)
+    x, gamma, beta = (
+        random((2, 3, 256), jnp.float64, 5),
+        random((1, 256), jnp.float64, 6),
+        random((1, 256), jnp.float64, 7),
+    )
     for lnc, order in ((1, 2), (2, 1)):
         with jax_nkilib.config(lnc=lnc):
             check_grads(lambda a, g: rmsnorm_tkg(a, g, hidden_actual=200), (x, gamma), order=order, modes=["rev"])

@@ -101,8 +101,10 @@ def test_not_differentiable_and_dequantize_is():
 def test_vmap_over_the_static_scale():
     x = random((4, 6, 48), jnp.float32, 2)
     per_scale = jax.vmap(lambda s: jax_nkilib.quantize_fp8(x, mode="static", scale=s)[0])(jnp.array([0.02, 0.04]))
-    np.testing.assert_array_equal(np.asarray(per_scale[1]).view(np.uint8),
-                                  np.asarray(jax_nkilib.quantize_fp8(x, mode="static", scale=0.04)[0]).view(np.uint8))
+    np.testing.assert_array_equal(
+        np.asarray(per_scale[1]).view(np.uint8),
+        np.asarray(jax_nkilib.quantize_fp8(x, mode="static", scale=0.04)[0]).view(np.uint8),
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3, jnp.float8_e4m3fn])

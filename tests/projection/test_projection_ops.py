@@ -78,16 +78,34 @@ def test_output_projection_neuron_lowering(seq, kernel, transposes):
     assert ops.count("stablehlo.transpose") == transposes and set(ops) <= {"stablehlo.transpose", "stablehlo.reshape"}
 
 
-@pytest.mark.parametrize("args, error, fragment", [
-    ((jnp.zeros((2, 3, 4)), jnp.zeros((4, 5))), ValueError, "`attn` must be [batch, seq, heads, head_dim]"),
-    ((jnp.zeros((2, 3, 2, 4)), jnp.zeros((7, 5))), ValueError, "`w` must be [heads * head_dim, hidden] = [8, hidden]"),
-    ((jnp.zeros((2, 3, 2, 4), jnp.int32), jnp.zeros((8, 5))), TypeError, "`attn` [batch, seq, heads, head_dim] must"),
-    ((jnp.zeros((2, 3, 2, 4)), jnp.zeros((8, 5)), jnp.zeros((4,))), ValueError, "`bias` must be [5]"),
-    (([1.0], jnp.zeros((8, 5))), TypeError, "`attn` must be an array"),
-    ((jnp.zeros((2, 3, 2, 4), jnp.float8_e4m3), jnp.zeros((8, 5))), TypeError,
-     "output_projection: `attn` [batch, seq, heads, head_dim] must have a floating dtype (float32, bfloat16"),
-    ((jnp.zeros((2, 3, 0, 4)), jnp.zeros((0, 5))), ValueError, "`attn` [batch, seq, heads, head_dim] needs heads >= 1"),
-])
+@pytest.mark.parametrize(
+    "args, error, fragment",
+    [
+        ((jnp.zeros((2, 3, 4)), jnp.zeros((4, 5))), ValueError, "`attn` must be [batch, seq, heads, head_dim]"),
+        (
+            (jnp.zeros((2, 3, 2, 4)), jnp.zeros((7, 5))),
+            ValueError,
+            "`w` must be [heads * head_dim, hidden] = [8, hidden]",
+        ),
+        (
+            (jnp.zeros((2, 3, 2, 4), jnp.int32), jnp.zeros((8, 5))),
+            TypeError,
+            "`attn` [batch, seq, heads, head_dim] must",
+        ),
+        ((jnp.zeros((2, 3, 2, 4)), jnp.zeros((8, 5)), jnp.zeros((4,))), ValueError, "`bias` must be [5]"),
+        (([1.0], jnp.zeros((8, 5))), TypeError, "`attn` must be an array"),
+        (
+            (jnp.zeros((2, 3, 2, 4), jnp.float8_e4m3), jnp.zeros((8, 5))),
+            TypeError,
+            "output_projection: `attn` [batch, seq, heads, head_dim] must have a floating dtype (float32, bfloat16",
+        ),
+        (
+            (jnp.zeros((2, 3, 0, 4)), jnp.zeros((0, 5))),
+            ValueError,
+            "`attn` [batch, seq, heads, head_dim] needs heads >= 1",
+        ),
+    ],
+)
 def test_output_projection_bad_inputs(args, error, fragment):
     with pytest.raises(error) as info:
         output_projection(*args)

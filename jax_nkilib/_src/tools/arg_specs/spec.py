@@ -14,7 +14,8 @@ the module of that name in this package; they register themselves with :func:`re
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
