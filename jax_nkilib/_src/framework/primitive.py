@@ -104,6 +104,17 @@ def _present(operands: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(name for name, value in operands.items() if value is not None)
 
 
+def _docstring(spec: KernelSpec) -> str:
+    """The public function's docstring, from its spec: tensors with their layouts, flags with their defaults."""
+    tensors = "\n".join(f"  {op.name}: {op.layout_text}{' (optional)' if op.optional else ''}" for op in spec.operands)
+    flags = "\n".join(f"  {param.name}={param.default!r}" for param in spec.params if param.to_kernel)
+    where = f" (nkilib_catalog.md {spec.catalog})" if spec.catalog else ""
+    return (
+        f"The NKI Library kernel ``{spec.name}``{where}: tensors positional in the kernel's order, flags by "
+        f"keyword; returns the kernel's output(s).\n\nTensors:\n{tensors}\n\nFlags:\n{flags or '  none'}\n"
+    )
+
+
 class Kernel:
     """A layer-1 kernel function: ``kernel(*tensors, **flags)`` returns the kernel's output(s)."""
 
@@ -117,6 +128,7 @@ class Kernel:
         self.__name__ = spec.name
         self.__qualname__ = spec.name
         self.__module__ = "jax_nkilib.nki"
+        self.__doc__ = _docstring(spec)
 
     # ----------------------------------------------------------------------------------------------- public call
     def __call__(self, *args, **kwargs):
