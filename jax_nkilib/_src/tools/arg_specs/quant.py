@@ -76,7 +76,7 @@ register(
         ("hidden_state",),
         lambda rng: (spread(rng, (4, 16, 6)),),
         kwargs={"output_dtype": _E4M3},
-        kernels=("row_quantization_3d",),
+        kernels=("row_quantization",),
         sharding=Sharding(_DATA, (P(None, "data"),), (P(None, "data"), P(None, "data"))),
         neuron=lambda rng: (spread(rng, (128, 4, 128), jnp.bfloat16),),
     ),
