@@ -36,8 +36,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from ..framework import compat
-from ..framework.mesh_axes import lax_axis
+from ..framework.mesh_axes import bound_axis_size, lax_axis
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from .attention_segmented_cte import CACHE_DTYPES, unpack_token_pairs
@@ -122,7 +121,7 @@ def _check(call: CallInfo) -> None:
     require_params(call, ("group_size", "block_size", "seg_size"), positive=True)
     if p["replica_groups"] is None:
         raise ValueError(f"{function}: `replica_groups` is required: the mesh axis name(s) of the KV-parallel group")
-    size = compat.bound_axis_size(p["replica_groups"])
+    size = bound_axis_size(p["replica_groups"])
     if size is not None and size != p["group_size"]:
         raise ValueError(
             f"{function}: group_size={p['group_size']} but the replica group {p['replica_groups']} has {size} ranks"

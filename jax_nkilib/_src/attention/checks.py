@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from ..framework.arguments import is_array
 from ..framework.spec import FLOAT_DTYPES, FP8_DTYPES, CallInfo
 
 QKV_LAYOUT = "[batch, seq, heads, head_dim]"
@@ -51,7 +52,7 @@ def check_qkv_layout(where: str, q, k, v, *, same_seq: bool = False, kind: str =
     agree (batch, head_dim, and ``heads % kv_heads == 0``; with ``same_seq`` also the sequence length) and no axis
     is empty; ``TypeError`` unless they share one floating dtype."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")) or x.ndim != 4:
+        if not is_array(x) or x.ndim != 4:
             raise ValueError(
                 f"{where}: `{name}` must be {kind} {QKV_LAYOUT}; got {getattr(x, 'shape', type(x).__name__)}"
             )

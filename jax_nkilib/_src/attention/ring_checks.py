@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..framework import compat
+from ..framework.mesh_axes import bound_axis_size
 from ..framework.platform import before_trn2
 from ..framework.spec import CallInfo
 
@@ -17,7 +17,7 @@ def require_ring(call: CallInfo, groups: str, workers: str) -> None:
         )
     if p[workers] < 1:
         raise ValueError(f"{function}: `{workers}` must be >= 1; got {p[workers]}")
-    size = compat.bound_axis_size(p[groups])
+    size = bound_axis_size(p[groups])
     if size is not None and size != p[workers]:
         raise ValueError(f"{function}: {workers}={p[workers]} but the replica group {p[groups]} has {size} ranks")
 

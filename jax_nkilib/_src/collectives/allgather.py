@@ -36,9 +36,8 @@ import jax
 import numpy as np
 from jax import lax
 
-from ..framework import compat
 from ..framework.hardware import GEMM_STATIONARY_MAX, PARTITIONS, SBUF_PARTITION_BYTES
-from ..framework.mesh_axes import lax_axis
+from ..framework.mesh_axes import bound_axis_size, lax_axis
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
 from .ring import gather_matmul as gather_matmul_ring
@@ -103,7 +102,7 @@ def _check_group(call: CallInfo) -> None:
         raise ValueError(f"{function}: `replica_groups` is required: the mesh axis name(s) of the ranks that gather")
     if p["tp_degree"] is None or p["tp_degree"] <= 0:
         raise ValueError(f"{function}: `tp_degree` is required: a positive int, the number of ranks that gather")
-    size = compat.bound_axis_size(p["replica_groups"])
+    size = bound_axis_size(p["replica_groups"])
     if size is not None and size != p["tp_degree"]:
         raise ValueError(
             f"{function}: tp_degree={p['tp_degree']} but the replica group {p['replica_groups']} has {size} ranks"

@@ -34,8 +34,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from ..framework import compat
-from ..framework.mesh_axes import lax_axis
+from ..framework.mesh_axes import bound_axis_size, lax_axis
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param, enum_member
 from .hbm_collectives import global_rank, marking_varying, mesh_axes, require_replica_group
@@ -75,7 +74,7 @@ def _check(call: CallInfo) -> None:
     groups = p["gqa_group_size"]
     if groups is None or groups <= 0:
         raise ValueError(f"{function}: `gqa_group_size` is required and must be positive; got {groups!r}")
-    size = compat.bound_axis_size(require_replica_group(function, p))
+    size = bound_axis_size(require_replica_group(function, p))
     if size is not None and size != groups:
         raise ValueError(
             f"{function}: gqa_group_size={groups} but the replica group {p['replica_group']} has {size} ranks"
@@ -92,7 +91,7 @@ def _check(call: CallInfo) -> None:
             f"{call.avals['gathered_buf'].dtype}"
         )
     if call.avals.get("rank_id_in") is None:
-        ranks = compat.bound_axis_size(mesh_axes(function))
+        ranks = bound_axis_size(mesh_axes(function))
         if dims["R"] < ranks:
             raise ValueError(
                 f"{function}: iota_workers [1, R] needs an entry for each of the {ranks} ranks of the "

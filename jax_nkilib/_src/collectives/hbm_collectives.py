@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..framework import compat
-from ..framework.mesh_axes import lax_axis
+from ..framework.mesh_axes import bound_axis_size, lax_axis
 from ..framework.primitive import Kernel, Vjp, make_kernel, reference_vjp
 from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, Prepare
 
@@ -132,7 +132,7 @@ def reference_dma_copy_rank_id(in_tensor, rank_id_lookup):
 def check_group(call: CallInfo, with_num_ranks: bool = False) -> int:
     """The group size; ``num_ranks``, when the kernel takes it, must equal it."""
     p, function = call.params, call.function
-    size = compat.bound_axis_size(require_replica_group(function, p))
+    size = bound_axis_size(require_replica_group(function, p))
     if with_num_ranks:
         if p["num_ranks"] is None or p["num_ranks"] <= 0:
             raise ValueError(f"{function}: `num_ranks` is required and must be positive; got {p['num_ranks']!r}")
@@ -164,7 +164,7 @@ def _check_all_to_all(call: CallInfo) -> None:
 
 
 def _check_rank_table(call: CallInfo) -> None:
-    ranks = compat.bound_axis_size(mesh_axes(call.function))
+    ranks = bound_axis_size(mesh_axes(call.function))
     if call.avals.get("rank_id_lookup") is not None and call.dims["R_lookup"] < ranks:
         raise ValueError(
             f"{call.function}: rank_id_lookup [1, R] needs an entry for each of the {ranks} ranks; "

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..framework import compat
-from ..framework.mesh_axes import lax_axis
+from ..framework.mesh_axes import bound_axis_size, lax_axis
 from ..framework.spec import accumulation_dtype
 
 
@@ -46,7 +46,7 @@ def common_dtype(x, w):
 def gather_matmul(x, w, names: tuple[str, ...], axis: int):
     """``all_gather(x, axis, tiled=True) @ w`` by the ring: each rank multiplies the ``x`` block in hand, then passes
     it on. Output in ``x``'s dtype."""
-    n = compat.bound_axis_size(names)
+    n = bound_axis_size(names)
     out_dtype = x.dtype
     x, w, acc = common_dtype(x, w)
     rows = x.shape[axis]

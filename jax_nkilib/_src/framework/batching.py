@@ -8,7 +8,7 @@ runs under ``lax.map`` over the vmapped axis with the unbatched operands closed 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax.numpy as jnp
 from jax import lax
@@ -64,9 +64,15 @@ def _axis(spec: KernelSpec, name: str, dim: str | int, call: CallInfo) -> int:
 
 def check_fold_plans(spec: KernelSpec) -> None:
     """At kernel creation: every output dimension a fold plan names by token is a token of that plain output's
-    layout (an output the ``output_avals`` hook computes has no layout: its axis must be an int)."""
+    layout (an output the ``output_avals`` hook computes has no layout: its axis must be an int), and plans that list
+    output dimensions in order list one per plain output."""
     layouts = {output.name: output.layout for output in spec.outputs}
     for plan in spec.fold_plans:
+        if not isinstance(plan.outputs, Mapping) and len(plan.outputs) != len(spec.outputs):
+            raise AssertionError(
+                f"{spec.name}: a fold plan gives {len(plan.outputs)} output dimensions in order for "
+                f"{len(spec.outputs)} plain outputs (computed outputs are named: outputs={{name: axis}})"
+            )
         for name, dim in plan.output_dims(spec.outputs).items():
             if isinstance(dim, int):
                 continue

@@ -350,16 +350,6 @@ def custom_call(
     return [hlo.get_tuple_element(op.result, index) for index in range(len(result_types))]
 
 
-def bound_axis_size(names: tuple[str, ...]) -> int | None:
-    """The size of the named (mesh) axes in the current trace, or ``None`` when one is not bound here."""
-    from .mesh_axes import lax_axis  # mesh_axes builds on this module
-
-    try:
-        return int(jax.lax.axis_size(lax_axis(names)))
-    except (NameError, ValueError, KeyError):
-        return None
-
-
 def replica_groups(ctx, names: tuple[str, ...]) -> list[list[int]] | None:
     """Rank lists of the groups that communicate over mesh axes ``names`` inside the enclosing ``shard_map``.
 

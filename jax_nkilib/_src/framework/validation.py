@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from . import compat, config
+from .arguments import is_array
 from .layout import LayoutMismatch, bind_layouts
 from .spec import FOLLOW_LNC, CallInfo, KernelSpec, switch_key
 
@@ -59,7 +60,7 @@ def split_arguments(spec: KernelSpec, args: tuple, kwargs: dict) -> tuple[dict, 
                     f"{function}: missing required tensor argument `{operand.name}` with layout {operand.layout_text}"
                 )
             operands[operand.name] = None
-        elif not (hasattr(value, "shape") and hasattr(value, "dtype")):
+        elif not is_array(value):
             raise TypeError(
                 f"{function}: argument `{operand.name}` must be an array with layout "
                 f"{operand.layout_text}; got {type(value).__name__}"

@@ -18,12 +18,11 @@ from ..framework.hardware import PARTITIONS, SBUF_PARTITION_BYTES
 from ..framework.primitive import make_kernel
 from ..framework.spec import CallInfo, KernelSpec, Operand, Param, accumulation_dtype
 from .tkg_output import (
-    TKG_FOLD_PLANS,
+    TKG_SPEC_FIELDS,
     check_hidden,
     cotangent_rows,
     elements,
     shard_limits,
-    tkg_outputs,
     to_kernel_order,
     token_rows,
 )
@@ -93,7 +92,6 @@ def _layernorm_neuron_limits(call: CallInfo) -> list[str]:
 
 
 LAYERNORM_TKG_SPEC = KernelSpec(
-    reference_takes_lnc=True,
     name="layernorm_tkg",
     entry_point="jax_nkilib_kernels.norm:layernorm_tkg",
     operands=(
@@ -106,16 +104,11 @@ LAYERNORM_TKG_SPEC = KernelSpec(
         Param("shard_on_h", False, bool, "LNC=2: split H across the cores (2.32; same output)"),
         Param("use_heap_memory", False, bool, "SBUF heap instead of stack allocation (no numeric effect)"),
     ),
-    outputs=(),
-    output_avals=tkg_outputs,
     reference=reference_layernorm_tkg,
     check=check_hidden,
     neuron_limits=_layernorm_neuron_limits,
-    fold_plans=TKG_FOLD_PLANS,
-    neuron_split_dims=("B",),
     mac_count=lambda call: 5 * elements(call),
-    family="norm",
-    catalog="1.19",
+    **TKG_SPEC_FIELDS,
     support={
         "idiomatic": "layer_norm",
         "vjp": "JAX (hand-written from the LayerNorm formulas; no backward kernel)",

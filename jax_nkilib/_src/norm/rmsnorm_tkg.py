@@ -19,12 +19,11 @@ from ..framework.hardware import PARTITIONS, SBUF_PARTITION_BYTES
 from ..framework.primitive import make_kernel
 from ..framework.spec import CallInfo, KernelSpec, Operand, Param, accumulation_dtype
 from .tkg_output import (
-    TKG_FOLD_PLANS,
+    TKG_SPEC_FIELDS,
     check_hidden,
     cotangent_rows,
     elements,
     shard_limits,
-    tkg_outputs,
     to_kernel_order,
     token_rows,
 )
@@ -121,7 +120,6 @@ def _rmsnorm_neuron_limits(call: CallInfo) -> list[str]:
 
 
 RMSNORM_TKG_SPEC = KernelSpec(
-    reference_takes_lnc=True,
     name="rmsnorm_tkg",
     entry_point="jax_nkilib_kernels.norm:rmsnorm_tkg",
     operands=(
@@ -136,16 +134,11 @@ RMSNORM_TKG_SPEC = KernelSpec(
         Param("shard_on_h", False, bool, "LNC=2: split H instead of B*S across the cores (same output)"),
         Param("use_heap_memory", False, bool, "SBUF heap instead of stack allocation (no numeric effect)"),
     ),
-    outputs=(),
-    output_avals=tkg_outputs,
     reference=reference_rmsnorm_tkg,
     check=_check_rmsnorm,
     neuron_limits=_rmsnorm_neuron_limits,
-    fold_plans=TKG_FOLD_PLANS,
-    neuron_split_dims=("B",),
     mac_count=lambda call: 3 * elements(call),
-    family="norm",
-    catalog="1.19",
+    **TKG_SPEC_FIELDS,
     support={
         "idiomatic": "rms_norm",
         "vjp": "JAX (hand-written from the RMSNorm formulas; no backward kernel)",

@@ -107,6 +107,19 @@ def tkg_outputs(call: CallInfo):
 TKG_FOLD_PLANS = (FoldPlan({"input": "B", "gamma": None, "beta": None}, outputs={"out": 1}),)
 
 
+# The KernelSpec fields both TKG norm kernels share: the transposed output, its fold plan, the split along B, the
+# LNC-dependent output order, the catalog entry.
+TKG_SPEC_FIELDS = dict(
+    reference_takes_lnc=True,
+    outputs=(),
+    output_avals=tkg_outputs,
+    fold_plans=TKG_FOLD_PLANS,
+    neuron_split_dims=("B",),
+    family="norm",
+    catalog="1.19",
+)
+
+
 def elements(call: CallInfo) -> int:
     """The number of input elements (for the MAC-count estimates)."""
     return math.prod(call.avals["input"].shape)

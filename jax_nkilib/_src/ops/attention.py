@@ -11,7 +11,7 @@ import numpy as np
 from ..attention.attention_cte import attention_cte
 from ..attention.attention_tkg import attention_tkg, valid_block_entries
 from ..attention.checks import check_qkv_layout, require_float_dtypes, require_nonempty
-from ..framework.arguments import array_argument
+from ..framework.arguments import array_argument, is_array
 from ..framework.runtime_checks import check_all
 from ..framework.validation import static_float, static_int
 from ..sharding import auto
@@ -53,7 +53,7 @@ def _check(q, k, v, sinks, prefix, causal, scale, sliding_window):
             raise TypeError(f"{_WHERE}: `prefix` must be (k_prior, v_prior, prior_len)")
         k_prior, v_prior, prior_len = prefix
         for name, x in (("k_prior", k_prior), ("v_prior", v_prior)):
-            if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            if not is_array(x):
                 raise TypeError(
                     f"{_WHERE}: prefix {name} must be an array [batch, prior_len_max, kv_heads, "
                     f"head_dim]; got {type(x).__name__}"

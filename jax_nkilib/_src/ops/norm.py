@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..framework.arguments import array_argument
+from ..framework.arguments import array_argument, is_array
 from ..framework.common_types import DtypeMode, NormType, QuantizationType
 from ..framework.hardware import PARTITIONS
 from ..framework.spec import FP8_DTYPES, accumulation_dtype
@@ -195,7 +195,7 @@ def _require_scale(where: str, scale) -> None:
     """A scale is a Python number or a float (or int) array; checked before any ``jnp.asarray``."""
     if isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, (bool, np.bool_)):
         return
-    if not (hasattr(scale, "shape") and hasattr(scale, "dtype")) or not (
+    if not is_array(scale) or not (
         jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)
     ):
         got = f"{scale.dtype} array" if hasattr(scale, "dtype") else type(scale).__name__

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..framework.arguments import array_argument
+from ..framework.arguments import array_argument, is_array
 from ..framework.common_types import NormType, QuantizationType
 from ..framework.validation import check_positive_finite, require_static, static_float
 from ..norm.fused_norm import norm_type_of
@@ -219,7 +219,7 @@ def _head_counts(where: str, num_q_heads, num_kv_heads) -> tuple[int, int]:
 def _split_weights(where: str, w, bias, hidden: int, num_q_heads: int, num_kv_heads: int):
     """Validate ``w = (w_q, w_k, w_v)`` (and a matching ``bias`` triple) against the head counts: ``w_q [hidden,
     num_q_heads * head_dim]``, ``w_k`` and ``w_v [hidden, num_kv_heads * head_dim]`` with one head_dim."""
-    if len(w) != 3 or not all(hasattr(part, "shape") and hasattr(part, "dtype") and jnp.ndim(part) == 2 for part in w):
+    if len(w) != 3 or not all(is_array(part) and jnp.ndim(part) == 2 for part in w):
         raise TypeError(f"{where}: a split `w` must be (w_q, w_k, w_v), float arrays [hidden, heads * head_dim]")
     if bias is not None and not (isinstance(bias, (tuple, list)) and len(bias) == 3):
         raise TypeError(f"{where}: with a split `w`, `bias` must be (b_q, b_k, b_v) or None")

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..framework.arguments import is_array
 from ..framework.validation import check_positive_finite
 from .fp8 import FP8_WEIGHT_DTYPES, fp8_max, saturate
 
@@ -98,7 +99,7 @@ def quantize_weight_fp8(w, mode: str = "row", dtype=jnp.float8_e4m3, *, input_sc
     if np.dtype(dtype) not in FP8_WEIGHT_DTYPES:
         raise TypeError(f"{where}: `dtype` must be float8_e4m3 or float8_e4m3fn; got {np.dtype(dtype)}")
     if (
-        not (hasattr(w, "shape") and hasattr(w, "dtype"))
+        not is_array(w)
         or not jnp.issubdtype(w.dtype, jnp.floating)
         or jnp.dtype(w.dtype) in FP8_WEIGHT_DTYPES
         or w.ndim != 2

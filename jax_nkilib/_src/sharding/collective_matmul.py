@@ -40,7 +40,7 @@ from ..collectives.allgather import allgather_compute_matmul
 from ..collectives.ring import common_dtype, contract_last, gather_matmul, shift, visit_ring
 from ..framework import compat
 from ..framework.arguments import array_argument
-from ..framework.mesh_axes import bound_axis, lax_axis
+from ..framework.mesh_axes import bound_axis, bound_axis_size, lax_axis
 from ..framework.spec import accumulation_dtype
 from . import auto
 
@@ -87,14 +87,14 @@ def _gathered_product(x, w, names, axis):
     devices = _mesh_devices()
     if x.ndim != 2 or axis != 0 or x.dtype != w.dtype or devices is None:
         return gather_matmul(x, w, names, axis)
-    n = compat.bound_axis_size(names)
+    n = bound_axis_size(names)
     out = allgather_compute_matmul(x, w, tp_degree=n, num_groups=devices // n, replica_groups=names)
     return out.reshape(n * x.shape[0], w.shape[1])
 
 
 def _matmul_scatter(x, w, names, axis):
     """``psum_scatter(x @ w, axis, tiled=True)`` by a ring of float32 partial sums; output in ``x``'s dtype."""
-    n = compat.bound_axis_size(names)
+    n = bound_axis_size(names)
     out_dtype = x.dtype
     x, w, acc = common_dtype(x, w)
     rows = x.shape[axis] // n
@@ -114,7 +114,7 @@ def _weight_grad_ring(travelling, local, names, axis, travelling_first):
     """``dw``: the sum over ranks ``b`` of ``contract(rank b's travelling block, local block b)`` over every axis
     but the last (operands in that order when ``travelling_first``, else swapped). ``travelling`` goes round the
     ring; ``local`` is sliced along ``axis`` at each block's source rank."""
-    n = compat.bound_axis_size(names)
+    n = bound_axis_size(names)
     rows = travelling.shape[axis]
     dtype = jnp.promote_types(local.dtype, travelling.dtype)
     acc = accumulation_dtype(dtype)
