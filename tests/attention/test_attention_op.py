@@ -122,12 +122,17 @@ def test_vmap_and_nested_vmap_of_the_queries():
 
 @pytest.mark.parametrize("axis, spec", [("data", P("data")), ("model", P(None, None, "model"))])
 def test_batch_or_head_sharded_gradients_need_no_collective(axis, spec):
-    # values and gradients inside shard_map vs unsharded: the conformance specs attention and attention.heads_sharded
+    # values inside shard_map vs unsharded: the conformance specs attention and attention.heads_sharded; gradients
+    # too for the batch-sharded one (attention)
     mesh = mesh_1d(axis)
     q, k, v = qkv(batch=8, heads=8, kv_heads=8) if axis == "data" else qkv(heads=16, kv_heads=8)
     args = shard(mesh, (spec,) * 3, q, k, v)
     fn = jax.shard_map(jax_nkilib.attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     grad_fn = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2)))
+    if axis == "model":
+        unsharded = jax.grad(lambda *a: jnp.sum(jax_nkilib.attention(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
+        for got, want in zip(grad_fn(*args), unsharded):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     compiled = grad_fn.lower(*args).compile().as_text()
     assert "all-reduce" not in compiled and "all-gather" not in compiled
 
