@@ -1,4 +1,5 @@
-"""jax_nkilib.attention: JAX layouts, GQA/MQA, sliding window, sinks, prefix cache; gradients; vmap; shard_map."""
+"""jax_nkilib.attention: JAX layouts, GQA/MQA, sliding window, sinks, prefix cache; gradients; vmap; shard_map
+without collectives (jit, check_grads of causal GQA, vmap of grad, shard_map values: tests/conformance)."""
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,7 @@ def test_rows_without_keys_are_zero_not_nan():
     assert np.all(np.isfinite(grads))
 
 
-@pytest.mark.parametrize("name", ["causal_gqa", "window", "sinks", "mha_rect"])
+@pytest.mark.parametrize("name", ["window", "sinks", "mha_rect"])  # causal GQA: the conformance spec attention
 def test_gradients_float64(name):
     shape_kw, call_kw = CONFIGS[name]
     q, k, v = qkv(
@@ -107,7 +108,8 @@ def test_float32_gradients_against_oracle_gradients():
 
 
 @pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
-def test_vmap_nested_and_vmap_of_grad():
+def test_vmap_and_nested_vmap_of_the_queries():
+    # vmap of grad: the conformance spec attention
     q, k, v = qkv()
     qs = jnp.stack([q, -q])
     out = jax.vmap(jax_nkilib.attention, in_axes=(0, None, None))(qs, k, v)
@@ -116,26 +118,22 @@ def test_vmap_nested_and_vmap_of_grad():
         qs[:, :, None], k[:, None], v[:, None]
     )
     assert_close(nested[:, :, 0], np.stack([idiomatic_attention(x, k, v) for x in (q, -q)]), jnp.float32)
-    loss = lambda a, b: jnp.sum(jax_nkilib.attention(a, b, v) ** 2)  # noqa: E731
-    grads = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None))(qs, k)
-    for i in range(2):
-        for got, want in zip(grads, jax.grad(loss, argnums=(0, 1))(qs[i], k)):
-            np.testing.assert_allclose(got[i], want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("axis, spec", [("data", P("data")), ("model", P(None, None, "model"))])
-def test_batch_or_head_sharded_inside_shard_map(axis, spec):
+def test_batch_or_head_sharded_gradients_need_no_collective(axis, spec):
+    # values inside shard_map vs unsharded: the conformance specs attention and attention.heads_sharded; gradients
+    # too for the batch-sharded one (attention)
     mesh = mesh_1d(axis)
     q, k, v = qkv(batch=8, heads=8, kv_heads=8) if axis == "data" else qkv(heads=16, kv_heads=8)
     args = shard(mesh, (spec,) * 3, q, k, v)
     fn = jax.shard_map(jax_nkilib.attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-    assert_close(jax.jit(fn)(*args), idiomatic_attention(q, k, v), jnp.float32)
     grad_fn = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2)))
-    for got, want in zip(
-        grad_fn(*args), jax.grad(lambda *a: jnp.sum(jax_nkilib.attention(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
-    ):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    compiled = jax.jit(grad_fn).lower(*args).compile().as_text()
+    if axis == "model":
+        unsharded = jax.grad(lambda *a: jnp.sum(jax_nkilib.attention(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
+        for got, want in zip(grad_fn(*args), unsharded):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    compiled = grad_fn.lower(*args).compile().as_text()
     assert "all-reduce" not in compiled and "all-gather" not in compiled
 
 

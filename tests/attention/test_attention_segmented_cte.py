@@ -128,7 +128,6 @@ def test_neuron_lowering():
     "kwargs, fragment",
     [
         (dict(prior_seg_size=8, num_q_heads=4), "missing required parameter `block_size`"),
-        (dict(block_size=8, prior_seg_size=8, num_q_heads=4), "does not match the caches' block axis"),
         (dict(block_size=BLOCK, prior_seg_size=6, num_q_heads=4), "multiple of block_size"),
         (dict(block_size=BLOCK, prior_seg_size=8, num_q_heads=3), "bs * num_q_heads"),
         (dict(block_size=BLOCK, prior_seg_size=8, num_q_heads=4, kvp_group_size=2), "attention_kv_parallel"),

@@ -353,7 +353,6 @@ def _fp8_caches(pr):
     "case, error, fragment",
     [
         ("defaults", ValueError, "d_head=64 does not match the caches' last axis (8)"),
-        ("block_size", ValueError, "block_size=8 does not match v_cache's block axis (4)"),
         ("num_q_heads", ValueError, "num_q_heads=2 does not match sink's second axis (4)"),
         ("gqa", ValueError, "num_q_heads=3 must be a multiple of num_kv_heads=2"),
         ("odd_d", ValueError, "d_head=5 must be even"),
@@ -375,8 +374,8 @@ def test_bad_inputs(case, error, fragment):
     pr = problem(n_q=3 if case == "gqa" else 4, d=5 if case == "odd_d" else 8, max_blocks=1 if case == "tables" else 6)
     flags = {} if case == "defaults" else flags_of(pr)
     args, extra = list(args_of(pr, 4)), []
-    if case in ("block_size", "num_q_heads"):
-        flags[case] = {"block_size": 8, "num_q_heads": 2}[case]
+    if case == "num_q_heads":
+        flags[case] = 2
     if case == "columns":
         args[1], args[10] = jnp.zeros((16, 72), jnp.float32), jnp.zeros((1, 72), jnp.float32)
     if case == "window":

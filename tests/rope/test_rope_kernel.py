@@ -1,4 +1,5 @@
-"""jax_nkilib.nki.RoPE: forward against the float64 oracle, jit, vmap, gradients, shard_map."""
+"""jax_nkilib.nki.RoPE: forward against the float64 oracle, vmap folding, oracle gradients, explain inside shard_map,
+named residuals (jit, vmap, check_grads, shard_map, lowering: tests/conformance)."""
 
 import chex
 import jax
@@ -95,15 +96,9 @@ def test_vmap_folds_shared_tables_into_heads():
 
 
 @pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
-def test_vmap_of_grad_and_jacrev():
+def test_jacrev_is_the_oracle_jacobian():
+    # vmap of grad: the conformance specs RoPE and RoPE.split_halves
     x, cos, sin = inputs((4, 1, 2, 3), jnp.float64)
-    loss = lambda a, c, s: jnp.sum(RoPE(a, c, s) ** 3)  # noqa: E731
-    xs = jnp.stack([x, 2 * x])
-    grads = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, None, None))(xs, cos, sin)
-    for i in range(2):
-        expected = jax.grad(loss, argnums=(0, 1, 2))(xs[i], cos, sin)
-        for got, want in zip(grads, expected):
-            np.testing.assert_allclose(got[i], want, rtol=1e-12)
     jac = jax.jacrev(RoPE)(x, cos, sin)
     oracle_jac = np.stack([rope_oracle(e.reshape(x.shape), cos, sin).ravel() for e in np.eye(x.size)], axis=1).reshape(
         x.shape + x.shape
@@ -118,14 +113,12 @@ def test_input_gradient_is_rotation_by_minus_sin():
     np.testing.assert_allclose(vjp(g)[0], rope_oracle(g, cos, -sin), atol=1e-12)
 
 
-def test_inside_shard_map_on_8_devices():
+def test_explain_inside_shard_map_reports_the_per_device_shard():
+    # values and gradients inside shard_map along B: the conformance spec RoPE
     mesh = mesh_1d()
     x, cos, sin = inputs((64, 8, 2, 16))
     spec_x, spec_t = P(None, "data", None, None), P(None, "data", None)
     x, cos, sin = shard(mesh, (spec_x, spec_t, spec_t), x, cos, sin)
-    sharded = jax.jit(jax.shard_map(RoPE, mesh=mesh, in_specs=(spec_x, spec_t, spec_t), out_specs=spec_x))
-    out = sharded(x, cos, sin)
-    assert_close(out, rope_oracle(x, cos, sin), jnp.float32)
     report = jax_nkilib.explain(
         jax.shard_map(RoPE, mesh=mesh, in_specs=(spec_x, spec_t, spec_t), out_specs=spec_x), x, cos, sin
     )
