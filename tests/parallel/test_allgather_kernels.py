@@ -7,9 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from jax.test_util import check_grads
 
 import jax_nkilib
 from jax_nkilib._src.collectives.allgather import (
@@ -27,7 +25,7 @@ from jax_nkilib.neuron import NeuronFallbackWarning, NeuronUnsupportedError
 from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text, operations
 from tests.support.numerics import assert_close, assert_no_worse_than_plain, f64
-from tests.support.sharding import make_mesh, mesh_1d, place, reshard
+from tests.support.sharding import make_mesh, mesh_1d, place
 from tests.support.sharding import run_sharded as run
 
 TP, M, K, N = 8, 3, 5, 2  # odd per-rank sizes
@@ -100,63 +98,8 @@ def test_on_a_4x2_mesh_over_each_axis():
     )
 
 
-# ---------------------------------------------------------------------------------------------------------- vmap
-def test_vmap_folds_or_maps_inside_shard_map():
-    mesh = mesh_1d("tp")
-    lhs = random((3, TP * M, K), jnp.float32, 7)
-    out = run(jax.vmap(fg), mesh, (P(None, "tp"),), P(None, "tp"), lhs)  # fold into K
-    np.testing.assert_array_equal(
-        f64(out).reshape(3, TP, TP, M, K), np.broadcast_to(f64(lhs).reshape(3, 1, TP, M, K), (3, TP, TP, M, K))
-    )
-    rhs = random((2, K, TP * N), jnp.float32, 8)
-    single = random((TP * M, K), jnp.float32, 9)
-    out = run(
-        jax.vmap(fgcc, in_axes=(None, 0)), mesh, (P("tp"), P(None, None, "tp")), P(None, None, None, "tp"), single, rhs
-    )  # rhs-only batch folds into N
-    assert_close(
-        out, np.einsum("mk,bkn->bmn", f64(single), f64(rhs)).reshape(2, TP, M, TP * N), jnp.float32, reduction=K
-    )
-    lhs2 = random((2, TP * M, K), jnp.float32, 10)
-    out = run(jax.vmap(fgcc), mesh, (P(None, "tp"), P(None, None, "tp")), P(None, None, None, "tp"), lhs2, rhs)
-    assert_close(
-        out, np.einsum("bmk,bkn->bmn", f64(lhs2), f64(rhs)).reshape(2, TP, M, TP * N), jnp.float32, reduction=K
-    )  # lhs batch: lax.map
-    inp = random((2, 3, 4, TP), jnp.float32, 11)  # nested vmap of sb2sb (folds into H twice)
-    out = run(jax.vmap(jax.vmap(sb2sb)), mesh, (P(None, None, None, "tp"),), P(None, None, "tp"), inp)
-    np.testing.assert_array_equal(
-        f64(out).reshape(2, 3, TP, 4, TP, 1), np.broadcast_to(f64(inp).reshape(2, 3, 1, 4, TP, 1), (2, 3, TP, 4, TP, 1))
-    )
-
-
 # ----------------------------------------------------------------------------------------------------- gradients
-def _differentiable(fn, mesh, in_specs, out_spec):
-    body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec)
-    return lambda *args: body(*(reshard(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)))
-
-
-@pytest.mark.parametrize("name", ["fg", "fgcc", "sb2sb", "sb2sb_tiled"])
-def test_gradients(name):
-    mesh = mesh_1d("tp")
-    fn, args, specs, out_spec = {
-        "fg": (fg, (random((TP * 2, 3), jnp.float64),), (P("tp"),), P("tp")),
-        "fgcc": (
-            fgcc,
-            (random((TP, 3), jnp.float64), random((3, TP * 2), jnp.float64, 1)),
-            (P("tp"), P(None, "tp")),
-            P(None, None, "tp"),
-        ),
-        "sb2sb": (sb2sb, (random((2, TP * 2), jnp.float64),), (P(None, "tp"),), P("tp")),
-        "sb2sb_tiled": (
-            functools.partial(sb2sb, tiled=True),
-            (random((2, TP), jnp.float64),),
-            (P(None, "tp"),),
-            P("tp"),
-        ),
-    }[name]
-    check_grads(jax.jit(_differentiable(fn, mesh, specs, out_spec)), place(mesh, specs, *args), order=1, modes=["rev"])
-
-
-def test_fgcc_gradient_oracle_and_vmap_of_grad():
+def test_fgcc_gradient_oracle():
     mesh = mesh_1d("tp")
     lhs, rhs, c = (
         random((TP * M, K), jnp.float64, 12),
@@ -172,18 +115,6 @@ def test_fgcc_gradient_oracle_and_vmap_of_grad():
     flat = f64(c).reshape(TP * M, TP * N)
     assert_close(dx, flat @ f64(rhs).T, jnp.float64, reduction=TP * N)
     assert_close(dw, f64(lhs).T @ flat, jnp.float64, reduction=TP * M)
-    scales = jnp.asarray([1.0, -2.0], jnp.float64)
-
-    def per_example(x, w, s):  # d/d rhs of <s * fgcc(lhs, rhs), C> for each s
-        return jax.vmap(lambda s1: jax.grad(lambda w1: jnp.vdot(fgcc(x, w1) * s1, c_local(w1)))(w))(s)
-
-    def c_local(w1):
-        del w1
-        return jnp.ones((TP, M, N), jnp.float64)
-
-    out = run(per_example, mesh, (P("tp"), P(None, "tp"), P()), P(None, None, "tp"), lhs, rhs, scales)
-    want = f64(lhs).T @ np.ones((TP * M, TP * N))
-    assert_close(out, np.stack([s * want for s in (1.0, -2.0)]), jnp.float64, reduction=TP * M)
 
 
 # ------------------------------------------------------------------------------------------------ Neuron lowering
@@ -327,11 +258,6 @@ def test_bad_inputs(kernel, flags, error, fragment):
     with pytest.raises(error) as info:
         jax.jit(body)(lhs, rhs)
     assert fragment in str(info.value)
-
-
-def test_outside_shard_map_names_the_missing_axis():
-    with pytest.raises(ValueError, match="inside jax.shard_map"):
-        fg(jnp.ones((M, K)))
 
 
 def test_lnc2_grid_and_row_split_limit():

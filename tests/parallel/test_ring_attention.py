@@ -158,13 +158,14 @@ def test_odd_local_lengths_mqa_mha_and_scale(layout, seq, kv_heads):
 @pytest.mark.parametrize(
     "layout,causal",
     [
-        _slow_unless(("zigzag", True), ("contiguous", False))(layout, causal)
+        _slow_unless(("contiguous", False))(layout, causal)
         for layout in LAYOUTS
         for causal in (True, False)
+        if (layout, causal) != ("zigzag", True)  # the default: the ring_attention arg spec's check_grads
     ],
 )
 def test_check_grads_float64(layout, causal):
-    """On inputs already in the ring layout (the layout permutation is a plain gather, not under test here)."""
+    """On inputs already in the ring layout (the layout permutation is a plain gather, not under test here); GQA."""
     mesh, spec = mesh_1d("cp"), P(None, "cp")
     q, k, v = (
         to_ring_layout(x, layout=layout, axis_size=N)
@@ -205,25 +206,24 @@ def test_vmap_over_a_leading_axis_and_vmap_of_grad():
         assert_close(dq[i], want_dq, jnp.float32, reduction=32, ops=8)
 
 
-def test_vmap_with_shared_keys_and_nested_vmap():
-    """``in_axes=(0, None, None)`` (several query sets against one K/V) and a vmap inside a vmap."""
+def test_vmap_of_the_queries_alone():
+    """``in_axes=(0, None, None)``: several query sets against one K/V."""
     mesh, layout = mesh_1d("cp"), "zigzag"
-    q, _, _ = qkv(batch=1, seq=32, lead=(2, 2))
+    q, _, _ = qkv(batch=1, seq=32, lead=(2,))
     _, k, v = qkv(batch=1, seq=32)
     attend = functools.partial(ring_attention, axis_name="cp", layout=layout)
     shared = jax.shard_map(
-        jax.vmap(jax.vmap(attend, in_axes=(0, None, None)), in_axes=(0, None, None)),
+        jax.vmap(attend, in_axes=(0, None, None)),
         mesh=mesh,
-        in_specs=(P(None, None, None, "cp"), P(None, "cp"), P(None, "cp")),
-        out_specs=P(None, None, None, "cp"),
+        in_specs=(P(None, None, "cp"), P(None, "cp"), P(None, "cp")),
+        out_specs=P(None, None, "cp"),
     )
-    ring_q = to_ring_layout(q, layout=layout, axis_size=N, seq_axis=3)
+    ring_q = to_ring_layout(q, layout=layout, axis_size=N, seq_axis=2)
     ring_k, ring_v = (to_ring_layout(x, layout=layout, axis_size=N) for x in (k, v))
-    placed = shard(mesh, (P(None, None, None, "cp"), P(None, "cp"), P(None, "cp")), ring_q, ring_k, ring_v)
-    out = from_ring_layout(jax.jit(shared)(*placed), layout=layout, axis_size=N, seq_axis=3)
+    placed = shard(mesh, (P(None, None, "cp"), P(None, "cp"), P(None, "cp")), ring_q, ring_k, ring_v)
+    out = from_ring_layout(jax.jit(shared)(*placed), layout=layout, axis_size=N, seq_axis=2)
     for i in range(2):
-        for j in range(2):
-            assert_close(out[i, j], oracle(q[i, j], k, v, causal=True), jnp.float32, reduction=32)
+        assert_close(out[i], oracle(q[i], k, v, causal=True), jnp.float32, reduction=32)
 
 
 @pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
@@ -259,13 +259,6 @@ def test_ring_over_a_tuple_of_axes():
     q, k, v = qkv()
     out = jax.jit(global_ring(mesh, ("x", "y"), "zigzag"))(q, k, v)
     assert_close(out, oracle(q, k, v, causal=True), jnp.float32, reduction=64)
-
-
-@pytest.mark.slow  # op-by-op dispatch of the ring
-def test_eager_call_without_jit():
-    q, k, v = qkv(seq=32)
-    out = global_ring(mesh_1d("cp"), "cp", "zigzag", causal=True)(q, k, v)
-    assert_close(out, oracle(q, k, v, causal=True), jnp.float32, reduction=32)
 
 
 def test_nan_propagates_like_jax_nn_and_is_never_zeroed():
@@ -483,8 +476,3 @@ def test_bad_inputs_raise_at_trace_time(change, kw, error, fragment):
     k = k.astype(change.get("dtype_k", k.dtype))
     with pytest.raises(error, match=re.escape(fragment)):
         _in_shard_map(q, k, v, **kw)
-
-
-def test_outside_shard_map_names_the_axis():
-    with pytest.raises(ValueError, match="inside jax.shard_map"):
-        ring_attention(*qkv(), axis_name="cp")

@@ -249,44 +249,6 @@ def test_ring_over_two_mesh_axes():
     assert_close(out.reshape(B * H, -1, D), oracle_for(q, k, v, **MODES["striped"])[0], jnp.float32, reduction=48)
 
 
-def test_vmap_partial_and_nested():
-    q, k, v = problem(6, b=2)
-    mesh = mesh_1d("cp")
-    call = functools.partial(ring_attention_spmd_fwd, replica_groups="cp", num_workers=NW, use_causal_mask=True)
-    specs = (SEQ_LAST, SEQ_LAST, SEQ_MID)
-    batched_spec = lambda s: P(None, *s)  # noqa: E731
-    # vmap over a leading axis of q only (k, v shared): each slice is its own ring attention
-    qs = jnp.stack([seq_last(q), seq_last(q) * 0.5])
-    body = lambda q_, k_, v_: jax.vmap(call, in_axes=(0, None, None))(q_, k_, v_)  # noqa: E731
-    out = run(
-        body,
-        qs,
-        seq_last(k),
-        v,
-        in_specs=(batched_spec(SEQ_LAST),) + specs[1:],
-        out_specs=batched_spec(SEQ_MID),
-        mesh=mesh,
-    )
-    for i, scale in enumerate((1.0, 0.5)):
-        want, _, _ = oracle_for(q * scale, k, v, **MODES["causal"])
-        assert_close(out[i].reshape(-1, 48, D), want, jnp.float32, reduction=48)
-    # nested vmap over two leading axes of every operand
-    nested = lambda *xs: jax.vmap(jax.vmap(call))(*xs)  # noqa: E731
-    stack = lambda x: jnp.broadcast_to(x, (2, 3) + x.shape)  # noqa: E731
-    two = lambda s: P(None, None, *s)  # noqa: E731
-    out = run(
-        nested,
-        stack(seq_last(q)),
-        stack(seq_last(k)),
-        stack(v),
-        in_specs=tuple(two(s) for s in specs),
-        out_specs=two(SEQ_MID),
-        mesh=mesh,
-    )
-    want, _, _ = oracle_for(q, k, v, **MODES["causal"])
-    assert_close(out[1, 2].reshape(-1, 48, D), want, jnp.float32, reduction=48)
-
-
 # ------------------------------------------------------------------------------------------------ backward
 def loss_fn(flags, mesh, specs, dy):
     call = functools.partial(ring_attention_spmd_fwd, replica_groups="cp", num_workers=NW, **flags)
@@ -400,22 +362,12 @@ def test_unpermute_matches_oracle(dtype):
     np.testing.assert_array_equal(f64(out), unpermute_oracle(x, NW))
 
 
-def test_unpermute_on_4x2_mesh_vmap_and_grad():
+def test_unpermute_on_4x2_mesh():
     mesh = make_mesh((4, 2), ("cp", "tp"))
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 4 * 8, 4)))
     call = functools.partial(ring_attention_unpermute, replica_groups="cp", num_workers=4)
-    spec = P("tp", "cp")
-    out = run(call, x, in_specs=spec, out_specs=spec, mesh=mesh)
+    out = run(call, x, in_specs=P("tp", "cp"), out_specs=P("tp", "cp"), mesh=mesh)
     np.testing.assert_array_equal(np.asarray(out), unpermute_oracle(x, 4))
-    xs = jnp.stack([x, -x])
-    out = run(jax.vmap(call), xs, in_specs=P(None, "tp", "cp"), out_specs=P(None, "tp", "cp"), mesh=mesh)
-    np.testing.assert_array_equal(np.asarray(out[1]), -unpermute_oracle(x, 4))
-
-    def loss(y):
-        body = jax.shard_map(call, mesh=mesh, in_specs=spec, out_specs=spec)
-        return jnp.sum(body(reshard(y, NamedSharding(mesh, spec))) ** 2 * jnp.arange(32.0)[None, :, None])
-
-    check_grads(jax.jit(loss), (x,), order=1, modes=["rev"], atol=1e-6, rtol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ Neuron
@@ -573,12 +525,6 @@ def test_forward_bad_operands():
         )
     with pytest.raises(ValueError, match=r"\[b\*h, S, 1\]"):
         run(striped, seq_last(q), seq_last(k), v, lo[:1], hi[:1], in_specs=specs + (P(), P()), out_specs=SEQ_MID)
-
-
-def test_outside_shard_map_names_the_missing_axis():
-    q, k, v = problem(12, nw=1)
-    with pytest.raises(ValueError, match="inside jax.shard_map"):
-        ring_attention_spmd_fwd(seq_last(q), seq_last(k), v, replica_groups="cp", num_workers=NW)
 
 
 def test_backward_and_unpermute_bad_inputs():
