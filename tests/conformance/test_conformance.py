@@ -183,8 +183,9 @@ def test_inside_shard_map_on_8_devices(spec):
     sharding, args = spec.sharding, spec.args()
     mesh = mesh_of(spec)
     if sharding.collective:
-        with pytest.raises((NameError, ValueError), match="|".join(sharding.axis_names)):
+        with pytest.raises((NameError, ValueError), match="|".join(sharding.axis_names)) as info:
             spec(*(a[: a.shape[0] // mesh.size] if a.ndim else a for a in args))
+        assert "shard_map" in str(info.value), "the error should say to call it inside jax.shard_map"
         return
     sharded = jax.jit(jax.shard_map(spec, mesh=mesh, in_specs=sharding.in_specs, out_specs=sharding.out_specs))
     placed = tuple(
