@@ -223,13 +223,13 @@ def test_grad_of_vmap():
     assert_close(f64(summed), f64(per_example[0]) + f64(per_example[1]), jnp.bfloat16, reduction=2)
 
 
-def test_inside_shard_map():
+def test_rhs_gradient_inside_shard_map_is_the_oracle_sum():
+    """The replicated rhs's gradient against the oracle (values and gradients against the unsharded call are the
+    conformance suite's: arg spec matmul_mxfp8)."""
     mesh = mesh_1d()
     lhs, rhs = operands(m=32, n=16, k=256)
     call = lambda a, b: matmul_mxfp8(a, b, output_dtype=jnp.float32, **RAW)  # noqa: E731
     fn = jax.shard_map(call, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
-    out = jax.jit(fn)(*shard(mesh, (P("data"), P()), lhs, rhs))
-    same(out, call(lhs, rhs), 256)
     grad = jax.jit(jax.grad(lambda a, b: jnp.sum(fn(a, b)), argnums=1))(*shard(mesh, (P("data"), P()), lhs, rhs))
     check(grad, oracle_backward(np.ones((32, 16)), rhs, lhs)[1], jnp.bfloat16, 8)
 
