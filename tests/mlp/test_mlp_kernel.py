@@ -315,15 +315,14 @@ def test_optimized_down_layout_follows_lnc():
         assert_close(out, plain, jnp.float32, reduction=512)
 
 
-def test_jit_and_vmap():
+def test_jit_of_the_tkg_norm_and_vmap_of_the_cte_fused_add():
+    """The variants no arg spec covers (jit, vmap and nested vmap of the plain TKG and the RMS-norm CTE paths are the
+    conformance suite's: arg specs mlp, mlp.rms_norm_cte)."""
     x, wg, wu, wd = problem(dtype=jnp.float32)
     fn = jax.jit(lambda a, g: mlp(a, wg, wu, wd, g, normalization_type="RMS_NORM"))
     gamma = random((1, 48), jnp.float32, 3) + 1
     assert_close(fn(x, gamma), mlp_oracle(x, wg, wu, wd, norm="rms", gamma=gamma)[0], jnp.float32, reduction=48)
     xs = jnp.stack([x, -x, 2 * x])
-    batched = jax.vmap(lambda a: mlp(a, wg, wu, wd), in_axes=0)(xs)  # TKG: per element (lax.map)
-    for k in range(3):
-        assert_close(batched[k], mlp_oracle(xs[k], wg, wu, wd)[0], jnp.float32, reduction=48)
     cte = jax.vmap(
         lambda a, f: mlp(a, wg, wu, wd, fused_add_tensor=f, force_cte_mode=True, store_fused_add_result=True)
     )(xs, -xs)  # CTE: folded into B
@@ -331,14 +330,10 @@ def test_jit_and_vmap():
     assert_close(
         cte[0][2], mlp_oracle(xs[2], wg, wu, wd, fused_add=-xs[2], force_cte=True)[0], jnp.bfloat16, reduction=48
     )
-    nested = jax.vmap(jax.vmap(lambda a, w: mlp(a, wg, w, wd), in_axes=(0, None)), in_axes=(None, 0))(
-        xs, jnp.stack([wu, 2 * wu])
-    )
-    assert_close(nested[1, 2], mlp_oracle(xs[2], wg, 2 * wu, wd)[0], jnp.float32, reduction=48)
 
 
+# the plain TKG configuration is the conformance suite's (arg spec mlp)
 CHECK_GRADS = [
-    dict(),
     dict(norm="layer", bias=True),
     dict(norm="rms", fused_add=True, store=True),
     dict(act="GELU", clamps=True),
@@ -395,11 +390,7 @@ def test_gradients_float64(config):
     check_grads(fn, args, order=1, modes=["rev"])
 
 
-def test_vmap_of_grad_and_fp8_scale_gradient():
-    x, wg, wu, wd = problem(dtype=jnp.float64)
-    grads = jax.vmap(jax.grad(lambda a: jnp.sum(mlp(a, wg, wu, wd) ** 2)))(jnp.stack([x, 2 * x]))
-    single = jax.grad(lambda a: jnp.sum(mlp(a, wg, wu, wd) ** 2))(2 * x)
-    assert_close(grads[1], single, jnp.float64)
+def test_fp8_scale_gradient():
     xq, (wgq, wuq, wdq), scales = _fp8_problem("row")
     loss = lambda a, s: jnp.sum(
         mlp(a, wgq, wuq, wdq, quantization_type="ROW", **dict(scales, up_w_scale=s)).astype(jnp.float32)  # noqa
@@ -408,12 +399,10 @@ def test_vmap_of_grad_and_fp8_scale_gradient():
     assert dx.dtype == jnp.bfloat16 and bool(jnp.any(ds[0] != 0)) and not bool(jnp.any(ds[1:] != 0))
 
 
-def test_shard_map_batch_and_tensor_parallel():
+def test_shard_map_tensor_parallel():
+    """I sharded over the devices (sharding the batch is the conformance suite's: arg spec mlp)."""
     mesh = mesh_1d("d")
     x, wg, wu, wd = problem(b=8, s=2, h=48, i=64, dtype=jnp.float32)
-    specs = (P("d"), P(), P(), P())
-    sharded = jax.jit(jax.shard_map(lambda *a: mlp(*a), mesh=mesh, in_specs=specs, out_specs=P("d")))
-    assert_close(sharded(*shard(mesh, specs, x, wg, wu, wd)), mlp_oracle(x, wg, wu, wd)[0], jnp.float32, reduction=64)
 
     def tensor_parallel(x_, wg_, wu_, wd_, gamma_):  # I sharded: each device's partial down projection, then psum
         return jax.lax.psum(mlp(x_, wg_, wu_, wd_, gamma_, normalization_type="RMS_NORM"), "d")

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
@@ -15,7 +14,6 @@ from tests.mlp_mxfp8.test_mlp_mxfp8_forward import assert_matches, oracle_forwar
 from tests.mlp_mxfp8.test_mx_operands import oracle_quantize_operand, oracle_round_trip, oracle_swizzle
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text
 from tests.support.numerics import f64
-from tests.support.sharding import mesh_1d, shard
 
 BF16 = ml_dtypes.bfloat16
 NAMES = ("gate_pre", "gate_act", "up", "intermediate")
@@ -174,30 +172,6 @@ def test_forward_vjp_is_the_backward_kernel_and_approximates_the_gradient():
         lambda a: jnp.sum(mlp_forward_mxfp8_nki(a, gate_up, down, save_up=True)[1].astype(jnp.float32))
     )(x)
     assert not np.any(np.asarray(with_checkpoint, np.float32))
-
-
-@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
-def test_vmap_of_grad_and_shard_map():
-    dy, x, gate_up, down, _ = backward_problem(s=64, h=128, i=32, seed=5)
-    g = dy.astype(jnp.float32)
-    loss = lambda a, b, c, t: jnp.sum(mlp_forward_mxfp8_nki(a, b, c).astype(jnp.float32) * t)  # noqa: E731
-    grad = jax.grad(loss, argnums=(0, 1, 2))
-    per_shard = jax.jit(jax.vmap(grad, in_axes=(0, None, None, 0)))(
-        x.reshape(8, 8, 128), gate_up, down, g.reshape(8, 8, 128)
-    )
-    for got, want in zip(per_shard, grad(x[24:32], gate_up, down, g[24:32])):
-        np.testing.assert_array_equal(np.asarray(got[3], np.float32), np.asarray(want, np.float32))
-    mesh = mesh_1d()
-    specs = (P("data"), P(), P(), P("data"))
-    # the replicated weights' gradients are summed over the devices (the transpose of their broadcast)
-    sharded = jax.jit(jax.shard_map(grad, mesh=mesh, in_specs=specs, out_specs=(P("data"), P(), P())))(
-        *shard(mesh, specs, x, gate_up, down, g)
-    )
-    dx = np.asarray(per_shard[0], np.float32).reshape(64, 128)
-    np.testing.assert_array_equal(np.asarray(sharded[0], np.float32), dx)
-    for index in (1, 2):
-        want = np.asarray(per_shard[index], np.float32).sum(axis=0)
-        np.testing.assert_allclose(np.asarray(sharded[index], np.float32), want, atol=2e-2 * np.abs(want).max())
 
 
 def test_neuron_lowering():

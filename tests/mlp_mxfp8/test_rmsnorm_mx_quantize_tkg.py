@@ -5,8 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
-from jax.test_util import check_grads
 
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning, NeuronUnsupportedError
@@ -15,7 +13,6 @@ from tests.mlp_mxfp8.test_mlp_mxfp8_forward import assert_matches
 from tests.quant.test_mx import oracle_quantize_groups
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text
 from tests.support.numerics import f64
-from tests.support.sharding import mesh_1d, shard
 
 
 def oracle(inp, gamma, residual=None, eps=1e-6, hidden_actual=None):
@@ -78,27 +75,19 @@ def test_matches_oracle(dtype, with_residual):
         np.testing.assert_array_equal(f64(outs[3]), want_residual)
 
 
-def test_gradients_float64():
-    inp, gamma, res = problem(b=1, s=2, h=512, dtype=jnp.float64, seed=1)
-    check_grads(lambda a, g, r: rmsnorm_mx_quantize_tkg(a, g, r)[0], (inp, gamma, res), order=1, modes=("rev",))
-    check_grads(lambda a, g, r: rmsnorm_mx_quantize_tkg(a, g, r)[3], (inp, gamma, res), order=1, modes=("rev",))
+def test_quantized_outputs_carry_no_gradient():
+    """(check_grads of the output and the residual, in and outside shard_map, is the conformance suite's: arg spec
+    rmsnorm_mx_quantize_tkg.)"""
+    inp, gamma, _ = problem(b=1, s=2, h=512, dtype=jnp.float64, seed=1)
     quantized = jax.grad(lambda a: jnp.sum(rmsnorm_mx_quantize_tkg(a, gamma)[1].astype(jnp.float64)))
     assert not np.any(np.asarray(quantized(inp)))
 
 
-def test_vmap_of_gamma_and_gamma_gradient_inside_shard_map():
+def test_vmap_of_gamma():
     inp, gamma, _ = problem(b=8, s=1, h=512, seed=2)
     fn = lambda a, g, r: rmsnorm_mx_quantize_tkg(a, g, r)  # noqa: E731
     gammas = jax.vmap(lambda g: fn(inp, g, None)[1])(jnp.stack([gamma, 2 * gamma]))  # batched gamma: lax.map
     np.testing.assert_array_equal(np.asarray(gammas[1]), np.asarray(fn(inp, 2 * gamma, None)[1]))
-    mesh = mesh_1d()
-    loss = lambda a, g: jnp.sum(rmsnorm_mx_quantize_tkg(a, g)[0].astype(jnp.float32))  # noqa: E731
-    grad_gamma = jax.jit(jax.shard_map(jax.grad(loss, argnums=1), mesh=mesh, in_specs=(P("data"), P()), out_specs=P()))(
-        *shard(mesh, (P("data"), P()), inp, gamma)
-    )
-    np.testing.assert_allclose(
-        np.asarray(grad_gamma, np.float32), np.asarray(jax.grad(loss, 1)(inp, gamma), np.float32), rtol=2e-2, atol=1e-2
-    )
 
 
 def test_neuron_lowering():

@@ -87,7 +87,9 @@ def test_bf16_error_is_that_of_a_plain_bf16_computation():
     assert_no_worse_than_plain(jax_nkilib.layer_norm(x, w), plain, layer_oracle(x, w), factor=3.0)
 
 
-@pytest.mark.parametrize("shape, lnc, order", [((2, 3, 128), 1, 2), ((2, 256), 2, 1), ((3, 40), 1, 1)])
+# LNC 2 and odd H (padded rms_norm, plain-JAX layer_norm) with and without a weight; the conformance suite (arg specs
+# rms_norm, layer_norm) checks LNC 1 with H % 128 == 0 at second order
+@pytest.mark.parametrize("shape, lnc, order", [((2, 256), 2, 1), ((3, 40), 1, 1)])
 def test_gradients_float64(shape, lnc, order):
     x, w, b = random(shape, jnp.float64, 5), random(shape[-1:], jnp.float64, 6), random(shape[-1:], jnp.float64, 7)
     with jax_nkilib.config(lnc=lnc):

@@ -10,7 +10,7 @@ from jax.test_util import check_grads
 import jax_nkilib
 from jax_nkilib.nki import layernorm_tkg, rmsnorm_tkg
 from tests.support.data import random
-from tests.support.hlo import kernel_configs, neuron_text, operations
+from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.numerics import assert_close
 
 
@@ -112,7 +112,6 @@ def test_neuron_lowering_one_call_and_split_past_sbuf():
         for kernel, args in ((rmsnorm_tkg, (x, gamma)), (layernorm_tkg, (x, gamma, gamma))):
             text = neuron_text(lambda *a: kernel(*a, eps=1e-5), *args)
             (cfg,) = kernel_configs(text)
-            assert operations(text) == ["stablehlo.custom_call"]
             assert cfg["entry_point"] == f"jax_nkilib_kernels.norm:{kernel.__name__}" and cfg["params"]["eps"] == 1e-5
             assert "tensor<128x6x2xf32>" in text
         with jax_nkilib.config(lnc=2):

@@ -7,7 +7,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from jax.test_util import check_grads
 
 import jax_nkilib
 from jax_nkilib.nki import rmsnorm_quant_kernel
@@ -246,30 +245,17 @@ def test_pre_norm_and_residual(dtype):
 
 
 @pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
-def test_jit_vmap_gradients_and_shard_map():
+def test_batched_gamma_and_gradients():
+    """What the conformance suite (arg specs rmsnorm_quant_kernel, rmsnorm_quant_kernel.residual) does not check:
+    a batched gamma, zero cotangents of the quantized output, vmap of grad against the oracle gradient."""
     hidden, ln_w = problem(dtype=jnp.float32)
-    fn = jax.jit(lambda x: rmsnorm_quant_kernel(x, ln_w, lower_bound=2.0))
-    np.testing.assert_array_equal(
-        np.asarray(fn(hidden)).view(np.uint8),
-        np.asarray(rmsnorm_quant_kernel(hidden, ln_w, lower_bound=2.0)).view(np.uint8),
-    )
     xs = jnp.stack([hidden, -2 * hidden, hidden[:, ::-1]])
-    batched = jax.vmap(lambda x: rmsnorm_quant_kernel(x, ln_w), in_axes=0)(xs)
-    for i in range(3):
-        np.testing.assert_array_equal(
-            np.asarray(batched[i]).view(np.uint8), np.asarray(rmsnorm_quant_kernel(xs[i], ln_w)).view(np.uint8)
-        )
-    nested = jax.vmap(jax.vmap(rmsnorm_quant_kernel, in_axes=(0, None)), in_axes=(0, None))(xs[:, :, None], ln_w)
-    assert nested.shape == (3, 2, 1, 5, 44)
     ws = jnp.stack([ln_w, 2 * ln_w])  # batched gamma: no fold plan, lax.map, which stacks the FP8 outputs:
     per_w = jax.vmap(lambda w: rmsnorm_quant_kernel(hidden, w), in_axes=0)(ws)  # XLA:CPU may rewrite NaN-like
     got, want = (unpack(o, 40) for o in (per_w[1], rmsnorm_quant_kernel(hidden, 2 * ln_w)))  # scale bytes there
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
     # only residual_out is differentiable; the quantized output has zero cotangents
-    x64, r64, g64 = (random(hidden.shape, jnp.float64, s) for s in (1, 2, 3))
-    p64 = random(ln_w.shape, jnp.float64, 4)
-    check_grads(lambda x, r, g: rmsnorm_quant_kernel(x, g, None, g, r)[1], (x64, r64, p64), order=1, modes=["rev"])
     grad = jax.grad(lambda x: jnp.sum(rmsnorm_quant_kernel(x, ln_w).astype(jnp.float32)))(hidden)
     np.testing.assert_array_equal(grad, 0.0)
     vgrad = jax.vmap(
@@ -277,17 +263,6 @@ def test_jit_vmap_gradients_and_shard_map():
         in_axes=(0, None),
     )(xs, hidden)
     np.testing.assert_allclose(vgrad[1], 2 * (np.asarray(bf16(xs[1]) + bf16(hidden))), rtol=1e-2)
-    mesh = mesh_1d()
-    h8 = random((2, 16, 40), jnp.float32, 9)
-    sharded = jax.jit(
-        jax.shard_map(
-            lambda x: rmsnorm_quant_kernel(x, ln_w), mesh=mesh, in_specs=P(None, "data"), out_specs=P(None, "data")
-        )
-    )
-    np.testing.assert_array_equal(
-        np.asarray(sharded(shard(mesh, (P(None, "data"),), h8))).view(np.uint8),
-        np.asarray(rmsnorm_quant_kernel(h8, ln_w)).view(np.uint8),
-    )
 
 
 def test_ocp_jit_vmap_and_shard_map():
@@ -327,7 +302,6 @@ def test_neuron_lowering_one_call_and_split_past_the_batch_limit():
     with jax_nkilib.neuron.dry_run():
         text = neuron_text(lambda x, w: rmsnorm_quant_kernel(x, w, lower_bound=0.5), hidden, ln_w)
         (cfg,) = kernel_configs(text)
-        assert operations(text) == ["stablehlo.custom_call"]
         assert cfg["entry_point"] == "jax_nkilib_kernels.norm:rmsnorm_quant_kernel"
         assert cfg["params"]["norm_type"] == "RMS_NORM" and cfg["params"]["lower_bound"] == 0.5
         assert "tensor<2x5x44xf8E4M3>" in text

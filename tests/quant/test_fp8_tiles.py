@@ -10,13 +10,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from jax_nkilib._src.quant.fp8_quantize import pre_combine_dequant_scales, row_quantization, static_quantization
 from jax_nkilib.neuron import NeuronFallbackWarning
-from tests.support.hlo import kernel_configs, neuron_text, operations
-from tests.support.sharding import mesh_1d, shard
+from tests.support.hlo import kernel_configs, neuron_text
 
 E4M3, E4M3FN, E5M2 = jnp.float8_e4m3, jnp.float8_e4m3fn, jnp.float8_e5m2
 LARGEST = {np.dtype(E4M3): 240.0, np.dtype(E4M3FN): 448.0, np.dtype(E5M2): 57344.0}  # the library's table
@@ -215,22 +213,17 @@ def test_row_quantization_rank3_zero_and_nan_tokens():
 
 
 # ----------------------------------------------------------------------------------------------- transformations
-def test_jit_and_vmap():
+def test_vmap_folds():
+    """vmap folds into the kernel's axes (no loop); jit, vmap and nested vmap against a loop are the conformance
+    suite's (arg specs static_quantization, row_quantization, row_quantization.3d, pre_combine_dequant_scales)."""
     hidden, dequant = spread((4, 10), jnp.bfloat16, 9), scales(4)
     stacked = jnp.stack([hidden, -hidden, 2 * hidden])
     static = lambda h, s: static_quantization(h, s, dtype=E4M3)  # noqa: E731
-    for got, want in zip(jax.jit(static)(hidden, dequant), static(hidden, dequant)):
-        np.testing.assert_array_equal(values(got), values(want))
     batched = jax.vmap(static, in_axes=(0, None))(stacked, dequant)  # the scale is shared
     assert "while" not in str(jax.make_jaxpr(jax.vmap(static, in_axes=(0, None)))(stacked, dequant))
-    nested = jax.vmap(jax.vmap(static, in_axes=(0, None)), in_axes=(0, None))(jnp.stack([stacked, stacked]), dequant)
     for i in range(3):
-        want = static(stacked[i], dequant)
-        np.testing.assert_array_equal(values(batched[0][i]), values(want[0]))
-        np.testing.assert_array_equal(values(nested[0][1, i]), values(want[0]))
+        np.testing.assert_array_equal(values(batched[0][i]), values(static(stacked[i], dequant)[0]))
         np.testing.assert_array_equal(batched[1][i], dequant)
-    per_call = jax.vmap(static)(stacked, jnp.stack([dequant, 2 * dequant, 3 * dequant]))
-    np.testing.assert_array_equal(values(per_call[0][2]), values(static(stacked[2], 3 * dequant)[0]))
 
     tokens = spread((4, 2, 6), jnp.float32, 10)
     row3 = lambda h: row_quantization(h, output_dtype=E4M3FN)  # noqa: E731
@@ -238,16 +231,8 @@ def test_jit_and_vmap():
     assert "while" not in str(jax.make_jaxpr(jax.vmap(row3))(many))  # folded into BxS
     for got, want in zip(jax.vmap(row3)(many), row3(3 * tokens)):
         np.testing.assert_array_equal(values(got[1]), values(want))
-    nested3 = jax.vmap(jax.vmap(row3))(jnp.stack([many, many]))
-    np.testing.assert_array_equal(values(nested3[0][1, 0]), values(row3(tokens)[0]))
     rows = jax.vmap(row_quantization, in_axes=1, out_axes=1)(many)  # a middle axis
     np.testing.assert_array_equal(values(rows[0][:, 1]), values(row_quantization(many[:, 1])[0]))
-    for got, want in zip(jax.jit(row3)(tokens), row3(tokens)):
-        np.testing.assert_array_equal(values(got), values(want))
-
-    weight = jnp.asarray(np.random.default_rng(11).uniform(0.1, 2.0, (2, 4, 3)), jnp.float32)
-    combined = jax.vmap(pre_combine_dequant_scales, in_axes=(None, 0))(dequant, weight)
-    np.testing.assert_array_equal(combined[1], pre_combine_dequant_scales(dequant, weight[1]))
 
 
 def test_gradients():
@@ -269,39 +254,6 @@ def test_gradients():
     per_example = jax.vmap(jax.grad(lambda s, w: jnp.sum(pre_combine_dequant_scales(s, w) ** 2)), in_axes=(None, 0))
     got = per_example(dequant64, jnp.stack([weight64, 2 * weight64]))
     np.testing.assert_allclose(got[1], np.sum(2 * (4 * weight64**2) * dequant64, axis=1, keepdims=True))
-
-
-def test_inside_shard_map():
-    mesh = mesh_1d()
-    hidden, dequant = spread((16, 12), jnp.bfloat16, 14), scales(16)
-    fn = jax.shard_map(
-        lambda h, s: static_quantization(h, s),
-        mesh=mesh,
-        in_specs=(P("data"), P("data")),
-        out_specs=(P("data"), P("data")),
-    )
-    quantized, passed = jax.jit(fn)(*shard(mesh, (P("data"), P("data")), hidden, dequant))
-    assert_equal(quantized, oracle_static(hidden, dequant), E4M3FN)
-    np.testing.assert_array_equal(passed, dequant)
-
-    tokens = spread((4, 16, 6), jnp.float32, 15)
-    fn3 = jax.shard_map(
-        lambda h: row_quantization(h, output_dtype=E4M3),
-        mesh=mesh,
-        in_specs=P(None, "data"),
-        out_specs=(P(None, "data"), P(None, "data")),
-    )
-    quantized, scale = jax.jit(fn3)(shard(mesh, (P(None, "data"),), tokens))
-    want_q, want_scale = oracle_row_3d(tokens, E4M3FN, E4M3)
-    assert_equal(quantized, want_q, E4M3)
-    np.testing.assert_array_equal(scale, want_scale)
-
-    weight = jnp.asarray(np.random.default_rng(16).uniform(0.1, 2.0, (16, 3)), jnp.float32)
-    fn_c = jax.shard_map(pre_combine_dequant_scales, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"))
-    np.testing.assert_array_equal(
-        jax.jit(fn_c)(*shard(mesh, (P("data"), P("data")), dequant, weight)),
-        pre_combine_dequant_scales(dequant, weight),
-    )
 
 
 # ----------------------------------------------------------------------------------------------- Neuron lowering
@@ -354,7 +306,6 @@ def test_neuron_lowering_one_call_each():
         for call, args, entry, params, names, result in cases:
             text = neuron_text(call, *args)
             (cfg,) = kernel_configs(text)
-            assert operations(text) == ["stablehlo.custom_call"]
             assert cfg["entry_point"] == f"jax_nkilib_kernels.quant:{entry}" and cfg["params"] == params
             assert cfg["output_names"] == names and not cfg["has_collectives"] and cfg["grid"] == 1
             assert result in text

@@ -160,19 +160,15 @@ def test_tiling_knobs_do_not_change_the_result():
     np.testing.assert_array_equal(np.asarray(tuned, np.float32), np.asarray(base, np.float32))
 
 
-def test_jit_and_vmap():
+def test_vmap_folds():
+    """vmap of one operand folds into M (raw) or into the 4N columns (swizzled); jit, vmap of both and nested vmap
+    against a loop are the conformance suite's (arg spec matmul_mxfp8)."""
     lhs, rhs = operands(m=8, n=16, k=256)
     call = lambda a, b: matmul_mxfp8(a, b, output_dtype=jnp.float32, **RAW)  # noqa: E731
-    np.testing.assert_array_equal(np.asarray(jax.jit(call)(lhs, rhs)), np.asarray(call(lhs, rhs)))
     lhs3 = jnp.stack([lhs, -2 * lhs, lhs[::-1]])
     batched = jax.vmap(call, in_axes=(0, None))(lhs3, rhs)
     assert "while" not in str(jax.make_jaxpr(jax.vmap(call, in_axes=(0, None)))(lhs3, rhs))  # folded into M
     same(batched[1], call(lhs3[1], rhs), 256)
-    rhs3 = jnp.stack([rhs, rhs * 0.5])
-    both = jax.vmap(call)(lhs3[:2], rhs3)  # both batched: lax.map
-    same(both[1], call(lhs3[1], rhs3[1]), 256)
-    nested = jax.vmap(jax.vmap(call, in_axes=(None, 0)), in_axes=(0, None))(lhs3, rhs3)
-    same(nested[2, 1], call(lhs3[2], rhs3[1]), 256)
     # swizzled operands fold into their 4M / 4N columns
     lhs_sw, rhs_sw = (jnp.asarray(oracle_swizzle(f64(a)), jnp.bfloat16) for a in (lhs, rhs))
     swizzled = lambda a, b: matmul_mxfp8(a, b, output_dtype=jnp.float32)  # noqa: E731
@@ -216,25 +212,24 @@ def oracle_unswizzle(swizzled, k, scheme="wrapX"):
 
 
 @pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
-def test_vmap_of_grad_and_grad_of_vmap():
+def test_grad_of_vmap():
+    """The rhs gradient of a vmapped loss is the sum of the per-example ones (vmap of grad is the conformance
+    suite's: arg spec matmul_mxfp8)."""
     lhs, rhs = operands(m=8, n=16, k=128)
     loss = lambda a, b: jnp.sum(matmul_mxfp8(a, b, output_dtype=jnp.float32, **RAW) ** 2)  # noqa: E731
     lhs3 = jnp.stack([lhs, 3 * lhs])
-    per_example = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None))(lhs3, rhs)
-    for i in range(2):
-        for got, want in zip(per_example, jax.grad(loss, argnums=(0, 1))(lhs3[i], rhs)):
-            np.testing.assert_array_equal(np.asarray(got[i], np.float32), np.asarray(want, np.float32))
+    per_example = [jax.grad(loss, argnums=1)(lhs3[i], rhs) for i in range(2)]
     summed = jax.grad(lambda a, b: jnp.sum(jax.vmap(loss, in_axes=(0, None))(a, b)), argnums=1)(lhs3, rhs)
-    assert_close(f64(summed), f64(per_example[1][0]) + f64(per_example[1][1]), jnp.bfloat16, reduction=2)
+    assert_close(f64(summed), f64(per_example[0]) + f64(per_example[1]), jnp.bfloat16, reduction=2)
 
 
-def test_inside_shard_map():
+def test_rhs_gradient_inside_shard_map_is_the_oracle_sum():
+    """The replicated rhs's gradient against the oracle (values and gradients against the unsharded call are the
+    conformance suite's: arg spec matmul_mxfp8)."""
     mesh = mesh_1d()
     lhs, rhs = operands(m=32, n=16, k=256)
     call = lambda a, b: matmul_mxfp8(a, b, output_dtype=jnp.float32, **RAW)  # noqa: E731
     fn = jax.shard_map(call, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
-    out = jax.jit(fn)(*shard(mesh, (P("data"), P()), lhs, rhs))
-    same(out, call(lhs, rhs), 256)
     grad = jax.jit(jax.grad(lambda a, b: jnp.sum(fn(a, b)), argnums=1))(*shard(mesh, (P("data"), P()), lhs, rhs))
     check(grad, oracle_backward(np.ones((32, 16)), rhs, lhs)[1], jnp.bfloat16, 8)
 
@@ -260,28 +255,16 @@ def test_backward_matches_oracle(shape, fmt):
     np.testing.assert_array_equal(np.asarray(dx16, np.float32), np.asarray(dx.astype(jnp.bfloat16), np.float32))
 
 
-def test_backward_jit_vmap_and_shard_map():
+def test_backward_vmap_of_the_weights_folds():
+    """vmap of the weights alone folds into K; jit, vmap of all operands and shard_map are the conformance suite's
+    (arg spec matmul_mxfp8_backward)."""
     dy, w, x = spread((16, 8), 1, jnp.bfloat16), spread((8, 64), 2, jnp.bfloat16), spread((16, 64), 3, jnp.bfloat16)
     call = lambda a, b, c: matmul_mxfp8_backward(a, b, c, output_dtype=jnp.float32)  # noqa: E731
-    eager = call(dy, w, x)
-    for got, want in zip(jax.jit(call)(dy, w, x), eager):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     ws = jnp.stack([w, -w, 2 * w])
     batched = jax.vmap(call, in_axes=(None, 0, None))(dy, ws, x)  # K is free: folded
     assert "while" not in str(jax.make_jaxpr(jax.vmap(call, in_axes=(None, 0, None)))(dy, ws, x))
-    dys = jnp.stack([dy, dy[::-1], dy * 4])
-    mapped = jax.vmap(call, in_axes=(0, 0, None))(dys, ws, x)
     for got, want in zip(batched, call(dy, ws[2], x)):
         same(got[2], want, 16)
-    for got, want in zip(mapped, call(dys[1], ws[1], x)):
-        same(got[1], want, 16)
-    mesh = mesh_1d()
-    fn = jax.shard_map(
-        call, mesh=mesh, in_specs=(P(), P(None, "data"), P(None, "data")), out_specs=(P(None, "data"), P(None, "data"))
-    )  # K sharded: every product is local
-    got = jax.jit(fn)(*shard(mesh, (P(), P(None, "data"), P(None, "data")), dy, w, x))
-    for out, want in zip(got, eager):
-        same(out, want, 16)
 
 
 # --------------------------------------------------------------------------------------------- Neuron lowering

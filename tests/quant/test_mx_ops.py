@@ -6,15 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from jax_nkilib._src.quant import mx
-from tests.quant.test_matmul_mxfp8 import check, f64, oracle_backward, same
+from tests.quant.test_matmul_mxfp8 import check, f64, oracle_backward
 from tests.quant.test_mx import codes, oracle_biased_exponent, oracle_dequantize
 from tests.quant.test_quantize_mxfp8 import FORMATS, oracle_mx_matmul, spread
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text
-from tests.support.sharding import mesh_1d, shard
 
 DTYPES = {"float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 
@@ -138,23 +136,12 @@ def test_dequantize_dtype_and_e8m0_scales():
     )
 
 
-def test_quantize_transformations():
+def test_quantized_outputs_carry_no_gradient():
+    """(jit, vmap and shard_map of quantize_mx are the conformance suite's: arg spec quantize_mx.)"""
     x = spread((4, 3, 512), 6, jnp.bfloat16)
     call = lambda a: jax_nkilib.quantize_mx(a, axis=-1)  # noqa: E731
-    eager = call(x)
-    for got, want in zip(jax.jit(call)(x), eager):
-        np.testing.assert_array_equal(codes(got), codes(want))
-    for got, want in zip(jax.vmap(call, in_axes=1)(x), eager):
-        np.testing.assert_array_equal(codes(got), codes(jnp.moveaxis(want, 1, 0)))
     grad = jax.grad(lambda a: jnp.sum(jax_nkilib.dequantize_mx(*call(a))))(x.astype(jnp.float32))
-    assert not np.any(np.asarray(grad))  # quantized outputs carry no gradient
-    mesh = mesh_1d()
-    fn = jax.shard_map(call, mesh=mesh, in_specs=P(None, None, None), out_specs=(P(), P()))
-    for got, want in zip(jax.jit(fn)(x), eager):
-        np.testing.assert_array_equal(codes(got), codes(want))
-    fn = jax.shard_map(lambda a: call(a), mesh=mesh_1d("data", 4), in_specs=P("data"), out_specs=(P("data"),) * 2)
-    for got, want in zip(jax.jit(fn)(shard(mesh_1d("data", 4), (P("data"),), x)), eager):
-        np.testing.assert_array_equal(codes(got), codes(want))
+    assert not np.any(np.asarray(grad))
 
 
 # -------------------------------------------------------------------------------------------- mxfp8_matmul
@@ -180,30 +167,6 @@ def test_mxfp8_matmul_gradients_are_straight_through():
     # close to the exact gradients of the unquantized product (MX error, not a different function)
     exact_dx = f64(g).reshape(15, 40) @ f64(w).T
     assert np.max(np.abs(f64(dx).reshape(15, 64) - exact_dx)) <= 0.3 * np.max(np.abs(exact_dx))
-
-
-@pytest.mark.slow  # heavy (several compiled transformations): run with `pytest -m slow`
-def test_mxfp8_matmul_transformations():
-    x, w = spread((4, 2, 64), 12, jnp.bfloat16), spread((64, 16), 13, jnp.bfloat16)
-    fn = lambda a, b: jax_nkilib.mxfp8_matmul(a, b).astype(jnp.float32)  # noqa: E731
-    eager = fn(x, w)
-    same(jax.jit(fn)(x, w), eager, 64)
-    same(jax.vmap(fn, in_axes=(0, None))(x, w), eager, 64)
-    ws = jnp.stack([w, 2 * w])
-    same(jax.vmap(fn, in_axes=(None, 0))(x, ws)[1], fn(x, ws[1]), 64)
-    loss = lambda a, b: jnp.sum(fn(a, b) ** 2)  # noqa: E731
-    per_example = jax.vmap(jax.grad(loss, argnums=1), in_axes=(0, None))(x, w)
-    same(per_example[3], jax.grad(loss, argnums=1)(x[3], w), 8)
-    mesh = mesh_1d()
-    x8 = spread((8, 2, 64), 14, jnp.bfloat16)
-    sharded = jax.shard_map(fn, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
-    same(jax.jit(sharded)(*shard(mesh, (P("data"), P()), x8, w)), fn(x8, w), 64)
-    grads = jax.jit(jax.grad(lambda a, b: jnp.sum(sharded(a, b)), argnums=(0, 1)))(
-        *shard(mesh, (P("data"), P()), x8, w)
-    )
-    want = jax.grad(lambda a, b: jnp.sum(fn(a, b)), argnums=(0, 1))(x8, w)
-    same(grads[0], want[0], 16)
-    check(grads[1], f64(want[1]), jnp.bfloat16, 8)  # dw: per-device sums of bf16 partials
 
 
 def test_neuron_lowering():

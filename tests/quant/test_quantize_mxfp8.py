@@ -10,14 +10,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
 from jax_nkilib.nki import quantize_block_mxfp8_kernel
 from tests.quant.test_mx import codes, oracle_biased_exponent, oracle_dequantize
 from tests.support.hlo import kernel_configs, neuron_text
-from tests.support.sharding import mesh_1d, shard
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 FORMATS = {"float8_e4m3fn": (E4M3, 448.0, 7), "float8_e5m2": (E5M2, 57344.0, 14)}  # (type, largest, alt emax)
@@ -182,24 +180,6 @@ def test_vmap_folds_and_zero_gradients():
     assert "while" not in str(jax.make_jaxpr(jax.vmap(call))(stacked))  # folded into F, no loop
     grad = jax.grad(lambda s: jnp.sum(call(s)[1].astype(jnp.float32)))(src.astype(jnp.float32))
     assert not np.any(np.asarray(grad))
-
-
-def test_inside_shard_map():
-    mesh = mesh_1d()
-    src = spread((64, 640), 3)
-    fn = jax.shard_map(
-        lambda s: quantize_block_mxfp8_kernel(s, return_fp8_dtype="float8_e4m3fn"),
-        mesh=mesh,
-        in_specs=P("data"),
-        out_specs=(P(None, "data"), P(None, "data")),
-    )
-    scales, data = (np.asarray(out) for out in jax.jit(fn)(shard(mesh, (P("data"),), src)))
-    # each device quantizes its 8 rows: the outputs' columns are F, so the shards concatenate along columns
-    for device in range(8):
-        rows = slice(8 * device, 8 * device + 8)
-        assert_outputs(
-            scales[:, rows], data[:, 32 * device : 32 * device + 32], np.asarray(src)[rows], "float8_e4m3fn", True
-        )
 
 
 def test_neuron_lowering():
