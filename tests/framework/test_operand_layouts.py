@@ -61,3 +61,16 @@ def test_check_operand_layouts_checks_arrays_and_dtypes():
     with pytest.raises(TypeError, match="`scale`"):
         check_operand_layouts("op", layouts, x=x, scale=scale)
     assert check_operand_layouts("op", layouts, dtypes={"scale": None}, x=x, scale=scale) == {"H": 4}
+
+
+def test_check_operand_layouts_starts_from_known_dims():
+    layouts = {"cos": "batch, seq, head_dim", "sin": "batch, seq, head_dim"}
+    table = jnp.zeros((2, 3, 4))
+    known = {"batch": 2, "seq": 3, "head_dim": 4}
+    assert check_operand_layouts("op", layouts, known=known, cos=table, sin=table) == known
+    with pytest.raises(
+        ValueError, match=r"op: `cos` must have layout \[batch, seq, head_dim\]: dimension 2 \(head_dim\)"
+    ):
+        check_operand_layouts("op", layouts, known={**known, "head_dim": 8}, cos=table, sin=table)
+    dims, _ = bind_layouts([("t", (3, 4), (Layout.parse("S, D/2"),))], known={"D": 8})
+    assert dims == {"D": 8, "S": 3}

@@ -106,13 +106,15 @@ class LayoutMismatch(Exception):
 
 def bind_layouts(
     shapes: Sequence[tuple[str, tuple[int, ...], Sequence[Layout]]],
+    known: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, int], dict[str, Layout]]:
     """Match each operand's shape against its layouts, binding named dimensions.
 
-    ``shapes`` lists ``(operand name, shape, accepted layouts)`` in argument order. Returns the bound dimension
-    sizes and the layout chosen for each operand; raises :class:`LayoutMismatch` naming the first offending operand.
+    ``shapes`` lists ``(operand name, shape, accepted layouts)`` in argument order; ``known`` gives sizes bound
+    before any operand (dimensions that static arguments fix). Returns the bound dimension sizes and the layout
+    chosen for each operand; raises :class:`LayoutMismatch` naming the first offending operand.
     """
-    dims: dict[str, int] = {}
+    dims: dict[str, int] = dict(known or {})
     chosen: dict[str, Layout] = {}
     for name, shape, layouts in shapes:
         by_rank = [layout for layout in layouts if layout.fits(len(shape))]

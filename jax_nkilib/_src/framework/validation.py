@@ -181,6 +181,7 @@ def check_operand_layouts(
     *,
     dtypes: str | None | Mapping[str, str | None] = "kernel",
     positive: tuple[str, ...] = (),
+    known: Mapping[str, int] | None = None,
     **operands,
 ) -> dict[str, int]:
     """Check an idiomatic op's array operands against their layouts and return the bound dimension sizes.
@@ -189,7 +190,8 @@ def check_operand_layouts(
     ``operands`` gives the values by the same names, in argument order (``None``: an absent optional operand,
     skipped). Each present value must be an array (``TypeError``, see :func:`~.arguments.array_argument`; ``dtypes``
     is its dtype rule, one for all or one per operand name), then the shapes must match the layouts, binding named
-    dimensions in argument order; the dimensions named in ``positive`` must be >= 1. A mismatch is a ``ValueError``
+    dimensions in argument order after those ``known`` gives (sizes the op already knows, e.g. from static arguments);
+    the dimensions named in ``positive`` must be >= 1. A mismatch is a ``ValueError``
     "``where: `name` must have layout [..., H]...; got shape (...)``".
     """
     present = {name: value for name, value in operands.items() if value is not None}
@@ -201,13 +203,15 @@ def check_operand_layouts(
         layout = " or ".join(str(option) for option in parsed)
         shapes.append((name, tuple(array_argument(where, name, value, layout=layout, dtypes=rule).shape), parsed))
     try:
-        dims, chosen = bind_layouts(shapes)
+        dims, chosen = bind_layouts(shapes, known)
     except LayoutMismatch as err:
         raise ValueError(f"{where}: `{err.operand}` {err.reason}") from None
     for dim in positive:
-        if dims.get(dim) == 0:
-            name, shape, _ = next(entry for entry in shapes if any(d.name == dim for d in chosen[entry[0]].dims))
-            raise ValueError(f"{where}: `{name}` must have layout {chosen[name]} with {dim} >= 1; got shape {shape}")
+        for name, shape, _ in shapes if dims.get(dim) == 0 else ():
+            if any(token.name == dim for token in chosen[name].dims):
+                raise ValueError(
+                    f"{where}: `{name}` must have layout {chosen[name]} with {dim} >= 1; got shape {shape}"
+                )
     return dims
 
 
