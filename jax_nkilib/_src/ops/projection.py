@@ -135,6 +135,7 @@ def output_projection(attn, w, bias=None):
 def _cache_arrays(where, kv_cache, batch, seq, kv_heads, d, positions):
     if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2):
         raise TypeError(f"{where}: `kv_cache` must be (k_cache, v_cache), each [batch, max_len, kv_heads, head_dim]")
+    positions = None if positions is None else jnp.asarray(positions)  # a nested list of ints is fine too
     cache = "batch, max_len, kv_heads, head_dim"
     known = {"batch": batch, "seq": seq, "kv_heads": kv_heads, "head_dim": d}
     dims = check_operand_layouts(
@@ -153,7 +154,6 @@ def _cache_arrays(where, kv_cache, batch, seq, kv_heads, d, positions):
         if k_cache.shape[1] < seq:
             raise ValueError(f"{where}: the caches hold {k_cache.shape[1]} positions, fewer than the {seq} tokens")
         return k_cache, v_cache, None
-    positions = jnp.asarray(positions)
     if not jnp.issubdtype(positions.dtype, jnp.integer):
         raise ValueError(f"{where}: `cache_positions` must be an integer array [batch, seq]; got {positions.dtype}")
     max_len = dims["max_len"]
