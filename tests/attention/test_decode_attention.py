@@ -63,8 +63,12 @@ def test_neuron_lowering_is_the_tkg_kernel():
 @pytest.mark.parametrize(
     "change, error, fragment",
     [
-        (lambda a: (a[0][0],) + a[1:], ValueError, "`q` must have rank 4"),
-        (lambda a: a[:3] + (a[3][:, :1], a[4][:, :1]) + a[5:], ValueError, "k_cache/v_cache must be [batch, kv_heads"),
+        (lambda a: (a[0][0],) + a[1:], ValueError, "`q` must have layout [batch, s_new, heads, head_dim] (rank 4)"),
+        (
+            lambda a: a[:3] + (a[3][:, :1], a[4][:, :1]) + a[5:],
+            ValueError,
+            "`k_cache` must have layout [batch, kv_heads",
+        ),
         (lambda a: a[:3] + (a[3][:, :, :3], a[4][:, :, :3]) + a[5:], ValueError, "must leave room"),
         (lambda a: a[:5] + (jnp.zeros(2),), TypeError, "`cache_len` must be an integer array"),
         # issue 11: checked before jnp.asarray, the user's argument and axis named (not the kernel's)
@@ -72,8 +76,16 @@ def test_neuron_lowering_is_the_tkg_kernel():
         (lambda a: a[:5] + ("3",), TypeError, "`cache_len` must be an array; got str"),
         (lambda a: a[:1] + (a[1].astype(jnp.int32),) + a[2:], TypeError, "`k_new` must have a floating dtype"),
         (lambda a: a[:3] + (a[3].astype(jnp.int8),) + a[4:], TypeError, "`k_cache` must have a floating dtype"),
-        (lambda a: tuple(x[:0] for x in a), ValueError, "`q` has batch = 0"),
-        (lambda a: (a[0][:, :, :0],) + a[1:], ValueError, "`q` has heads = 0"),
+        (
+            lambda a: tuple(x[:0] for x in a),
+            ValueError,
+            "`q` must have layout [batch, s_new, heads, head_dim] with batch >= 1",
+        ),
+        (
+            lambda a: (a[0][:, :, :0],) + a[1:],
+            ValueError,
+            "`q` must have layout [batch, s_new, heads, head_dim] with heads >= 1",
+        ),
     ],
 )
 def test_bad_inputs(change, error, fragment):

@@ -75,7 +75,11 @@ def test_output_projection_neuron_lowering(seq, kernel, transposes):
 @pytest.mark.parametrize(
     "args, error, fragment",
     [
-        ((jnp.zeros((2, 3, 4)), jnp.zeros((4, 5))), ValueError, "`attn` must be [batch, seq, heads, head_dim]"),
+        (
+            (jnp.zeros((2, 3, 4)), jnp.zeros((4, 5))),
+            ValueError,
+            "`attn` must have layout [batch, seq, heads, head_dim]",
+        ),
         (
             (jnp.zeros((2, 3, 2, 4)), jnp.zeros((7, 5))),
             ValueError,
@@ -86,7 +90,7 @@ def test_output_projection_neuron_lowering(seq, kernel, transposes):
             TypeError,
             "`attn` [batch, seq, heads, head_dim] must",
         ),
-        ((jnp.zeros((2, 3, 2, 4)), jnp.zeros((8, 5)), jnp.zeros((4,))), ValueError, "`bias` must be [5]"),
+        ((jnp.zeros((2, 3, 2, 4)), jnp.zeros((8, 5)), jnp.zeros((4,))), ValueError, "`bias` must have layout [hidden]"),
         (([1.0], jnp.zeros((8, 5))), TypeError, "`attn` must be an array"),
         (
             (jnp.zeros((2, 3, 2, 4), jnp.float8_e4m3), jnp.zeros((8, 5))),
@@ -96,7 +100,7 @@ def test_output_projection_neuron_lowering(seq, kernel, transposes):
         (
             (jnp.zeros((2, 3, 0, 4)), jnp.zeros((0, 5))),
             ValueError,
-            "`attn` [batch, seq, heads, head_dim] needs heads >= 1",
+            "`attn` must have layout [batch, seq, heads, head_dim] with heads >= 1",
         ),
     ],
 )
@@ -264,18 +268,18 @@ def test_qkv_projection_neuron_lowering():
         (dict(norm="batch"), ValueError, "`norm` must be None, 'rms' or 'layer'"),
         (dict(norm_weight=jnp.ones(8)), ValueError, "norm_weight/norm_bias need norm='rms' or 'layer'"),
         (dict(norm="rms", norm_bias=jnp.ones(8)), ValueError, "norm_bias needs norm='layer'"),
-        (dict(bias=jnp.ones(5)), ValueError, "`bias` must be [32]"),
+        (dict(bias=jnp.ones(5)), ValueError, "`bias` must have layout [qkv_dim]"),
         (dict(rope=jnp.ones((2, 3, 4))), TypeError, "`rope` must be (cos, sin)"),
         (
             dict(rope=(jnp.ones((2, 3, 2)), jnp.ones((2, 3, 2)))),
             ValueError,
-            "rope tables must be [batch, seq, head_dim]",
+            "`cos` must have layout [batch, seq, head_dim]",
         ),
         (dict(kv_cache=jnp.ones(3)), TypeError, "`kv_cache` must be (k_cache, v_cache)"),
         (
             dict(kv_cache=(jnp.ones((2, 8, 2, 4)), jnp.ones((2, 8, 1, 4)))),
             ValueError,
-            "k_cache and v_cache must both be",
+            "`v_cache` must have layout [batch, max_len, kv_heads, head_dim]",
         ),
         (dict(kv_cache=(jnp.ones((2, 2, 2, 4)),) * 2), ValueError, "the caches hold 2 positions, fewer than the 3"),
         (

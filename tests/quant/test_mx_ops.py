@@ -214,7 +214,7 @@ BAD = [
     (
         lambda: jax_nkilib.mxfp8_matmul(jnp.zeros((4, 64)), jnp.zeros((32, 8))),
         ValueError,
-        r"`x` must have layout \[..., K\] and `w` \[K, N\]",
+        r"`w` must have layout \[K, N\]",
     ),
     (
         lambda: jax_nkilib.mxfp8_matmul(jnp.zeros((4, 64)), jnp.zeros((64, 8)), float8_dtype="e4m3"),
@@ -224,7 +224,7 @@ BAD = [
     (
         lambda: jax_nkilib.mxfp8_matmul(jnp.zeros((4, 64)), jnp.zeros((64, 8), jnp.int32)),
         TypeError,
-        "`w` must have a floating dtype",
+        r"`w` \[K, N\] must have a floating dtype",
     ),
     (
         lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64), jnp.float8_e4m3fn)),

@@ -68,8 +68,9 @@ TI = jnp.zeros((5, 4))
 IDIOMATIC = [
     ((XI[0, 0], TI, TI), ValueError, ["jax_nkilib.rope", "[..., seq, heads, head_dim]"]),
     ((XI[..., :7], TI, TI), ValueError, ["head_dim", "even", "7"]),
-    ((XI, TI[:4], TI[:4]), ValueError, ["`cos` and `sin`", "[seq, head_dim/2]", "(4, 4)"]),
-    ((XI, TI, TI[:, :3]), ValueError, ["same shape and dtype"]),
+    ((XI, TI[:4], TI[:4]), ValueError, ["`cos`", "[seq, head_dim/2]", "(4, 4)"]),
+    ((XI, TI, TI[:, :3]), ValueError, ["`sin`", "[seq, head_dim/2]", "(5, 3)"]),
+    ((XI, TI, TI[None]), ValueError, ["same shape and dtype"]),
     ((XI.astype(jnp.int32), TI, TI), TypeError, ["`x`", "floating"]),
     ((XI, jnp.zeros((3, 5, 4)), jnp.zeros((3, 5, 4))), ValueError, ["batch axis of `cos` (3)", "(2,)"]),
     ((XI, np.zeros((5, 4)).tolist(), TI), TypeError, ["`cos` must be an array"]),

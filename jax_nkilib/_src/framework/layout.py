@@ -5,9 +5,13 @@ A layout is a comma-separated list of dimension tokens, e.g. ``"d_head, B, n_hea
 * a name (``S``): the first operand that uses it binds it, every later use must agree;
 * ``name/k`` (``d_head/2``): this dimension times ``k`` must equal ``name``;
 * ``k*name`` (``2*D``): this dimension must equal ``k`` times ``name``;
-* an integer (``128``): a fixed size.
+* an integer (``128``): a fixed size;
+* ``...``, only as the first token (``"..., H"``): any number (zero or more) of leading dimensions, of any sizes,
+  bound to nothing; the named tokens after it match the trailing dimensions. The idiomatic ops declare their JAX
+  layouts this way (``x [..., H]``); kernel layouts have fixed ranks.
 
-An operand may accept several layouts of different ranks (``"B, S, D"`` or ``"S, D"``); the rank picks one.
+An operand may accept several layouts of different ranks (``"B, S, D"`` or ``"S, D"``); the rank picks one (the
+first layout that fits: a ``...`` layout fits every rank at least the number of its other tokens).
 """
 
 from __future__ import annotations
@@ -58,21 +62,37 @@ def parse_dim(token: str) -> Dim:
     raise ValueError(f"invalid layout token {token!r}")
 
 
+ELLIPSIS = "..."
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     text: str
-    dims: tuple[Dim, ...]
+    dims: tuple[Dim, ...]  # the tokens after a leading ``...``, if any
+    leading: bool = False  # a leading ``...``: any number of unnamed leading dimensions
 
     @classmethod
     def parse(cls, text: str) -> Layout:
-        return cls(text, tuple(parse_dim(token) for token in text.split(",")))
+        tokens = [token.strip() for token in text.split(",")]
+        leading = tokens[0] == ELLIPSIS
+        if ELLIPSIS in tokens[leading:]:
+            raise ValueError(f"invalid layout {text!r}: `...` may only be the first token")
+        return cls(text, tuple(parse_dim(token) for token in tokens[leading:]), leading)
 
     @property
     def rank(self) -> int:
+        """The number of named (or fixed) dimensions: the rank, or with a leading ``...`` the least rank."""
         return len(self.dims)
 
+    def fits(self, ndim: int) -> bool:
+        """Whether a shape of rank ``ndim`` can have this layout."""
+        return ndim >= self.rank if self.leading else ndim == self.rank
+
+    def describe_rank(self) -> str:
+        return f">= {self.rank}" if self.leading else str(self.rank)
+
     def __str__(self) -> str:
-        return "[" + ", ".join(dim.text for dim in self.dims) + "]"
+        return "[" + ", ".join(([ELLIPSIS] if self.leading else []) + [dim.text for dim in self.dims]) + "]"
 
 
 class LayoutMismatch(Exception):
@@ -86,30 +106,33 @@ class LayoutMismatch(Exception):
 
 def bind_layouts(
     shapes: Sequence[tuple[str, tuple[int, ...], Sequence[Layout]]],
+    known: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, int], dict[str, Layout]]:
     """Match each operand's shape against its layouts, binding named dimensions.
 
-    ``shapes`` lists ``(operand name, shape, accepted layouts)`` in argument order. Returns the bound dimension
-    sizes and the layout chosen for each operand; raises :class:`LayoutMismatch` naming the first offending operand.
+    ``shapes`` lists ``(operand name, shape, accepted layouts)`` in argument order; ``known`` gives sizes bound
+    before any operand (dimensions that static arguments fix). Returns the bound dimension sizes and the layout
+    chosen for each operand; raises :class:`LayoutMismatch` naming the first offending operand.
     """
-    dims: dict[str, int] = {}
+    dims: dict[str, int] = dict(known or {})
     chosen: dict[str, Layout] = {}
     for name, shape, layouts in shapes:
-        by_rank = [layout for layout in layouts if layout.rank == len(shape)]
+        by_rank = [layout for layout in layouts if layout.fits(len(shape))]
         if not by_rank:
             accepted = " or ".join(str(layout) for layout in layouts)
-            ranks = " or ".join(str(layout.rank) for layout in layouts)
+            ranks = " or ".join(layout.describe_rank() for layout in layouts)
             raise LayoutMismatch(
                 name, f"must have layout {accepted} (rank {ranks}); got rank {len(shape)} with shape {tuple(shape)}"
             )
         layout = by_rank[0]
         chosen[name] = layout
-        for dim, size in zip(layout.dims, shape):
+        for dim, size in zip(layout.dims, _trailing(layout, shape)):
             if dim.binds and dim.name not in dims:
                 dims[dim.name] = int(size)
     for name, shape, _ in shapes:
         layout = chosen[name]
-        for position, (dim, size) in enumerate(zip(layout.dims, shape)):
+        skipped = len(shape) - layout.rank  # the dimensions a leading ``...`` covers
+        for position, (dim, size) in enumerate(zip(layout.dims, _trailing(layout, shape)), skipped):
             expected = dim.expected(dims)
             if expected is None and dim.name is not None and dim.name in dims:
                 raise LayoutMismatch(
@@ -123,3 +146,8 @@ def bind_layouts(
                     f"{expected} given {context}; got shape {tuple(shape)}",
                 )
     return dims, chosen
+
+
+def _trailing(layout: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The dimensions of ``shape`` that ``layout``'s tokens name (all but those a leading ``...`` covers)."""
+    return tuple(shape[len(shape) - layout.rank :])

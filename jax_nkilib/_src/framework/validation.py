@@ -14,8 +14,8 @@ import jax
 import numpy as np
 
 from . import compat, config
-from .arguments import is_array
-from .layout import LayoutMismatch, bind_layouts
+from .arguments import array_argument, is_array
+from .layout import Layout, LayoutMismatch, bind_layouts
 from .spec import FOLLOW_LNC, CallInfo, KernelSpec, switch_key
 
 
@@ -161,12 +161,58 @@ def operand_layout(spec: KernelSpec, name: str, call: CallInfo):
     aval = call.avals.get(name)
     if aval is None:
         return None
-    return next(layout for layout in spec.operand(name).layouts_for(call.params) if layout.rank == aval.ndim)
+    return next(layout for layout in spec.operand(name).layouts_for(call.params) if layout.fits(aval.ndim))
 
 
 def output_avals(spec: KernelSpec, call: CallInfo) -> list:
     """The present outputs' abstract values."""
     return [aval for _, aval in kernel_outputs(spec, call)]
+
+
+# ---- array arguments of idiomatic ops
+# An idiomatic op declares its operands' JAX layouts in the kernels' layout grammar (a leading ``...`` for any
+# leading batch axes) and checks them in one call, which binds the named dimensions across the operands.
+
+
+def check_operand_layouts(
+    where: str,
+    layouts: Mapping[str, str | tuple[str, ...]],
+    /,
+    *,
+    dtypes: str | None | Mapping[str, str | None] = "kernel",
+    positive: tuple[str, ...] = (),
+    known: Mapping[str, int] | None = None,
+    **operands,
+) -> dict[str, int]:
+    """Check an idiomatic op's array operands against their layouts and return the bound dimension sizes.
+
+    ``layouts`` maps each operand name to a layout (``"..., H"``) or a tuple of accepted layouts of different ranks;
+    ``operands`` gives the values by the same names, in argument order (``None``: an absent optional operand,
+    skipped). Each present value must be an array (``TypeError``, see :func:`~.arguments.array_argument`; ``dtypes``
+    is its dtype rule, one for all or one per operand name), then the shapes must match the layouts, binding named
+    dimensions in argument order after those ``known`` gives (sizes the op already knows, e.g. from static arguments);
+    the dimensions named in ``positive`` must be >= 1. A mismatch is a ``ValueError``
+    "``where: `name` must have layout [..., H]...; got shape (...)``".
+    """
+    present = {name: value for name, value in operands.items() if value is not None}
+    shapes = []
+    for name, value in present.items():
+        texts = layouts[name]
+        parsed = tuple(Layout.parse(text) for text in ((texts,) if isinstance(texts, str) else texts))
+        rule = dtypes.get(name, "kernel") if isinstance(dtypes, Mapping) else dtypes
+        layout = " or ".join(str(option) for option in parsed)
+        shapes.append((name, tuple(array_argument(where, name, value, layout=layout, dtypes=rule).shape), parsed))
+    try:
+        dims, chosen = bind_layouts(shapes, known)
+    except LayoutMismatch as err:
+        raise ValueError(f"{where}: `{err.operand}` {err.reason}") from None
+    for dim in positive:
+        for name, shape, _ in shapes if dims.get(dim) == 0 else ():
+            if any(token.name == dim for token in chosen[name].dims):
+                raise ValueError(
+                    f"{where}: `{name}` must have layout {chosen[name]} with {dim} >= 1; got shape {shape}"
+                )
+    return dims
 
 
 # ---- static values of idiomatic ops

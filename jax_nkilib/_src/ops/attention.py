@@ -10,10 +10,10 @@ import numpy as np
 
 from ..attention.attention_cte import attention_cte
 from ..attention.attention_tkg import attention_tkg, valid_block_entries
-from ..attention.checks import check_qkv_layout, require_float_dtypes, require_nonempty
-from ..framework.arguments import array_argument, is_array
+from ..attention.checks import check_qkv_layout, require_float_dtypes
+from ..framework.arguments import array_argument
 from ..framework.runtime_checks import check_all
-from ..framework.validation import static_float, static_int
+from ..framework.validation import check_operand_layouts, static_float, static_int
 from ..sharding import auto
 
 _WHERE = "jax_nkilib.attention"
@@ -38,36 +38,24 @@ def _check(q, k, v, sinks, prefix, causal, scale, sliding_window):
             raise ValueError(
                 f"{_WHERE}: sliding_window needs causal=True; got sliding_window={sliding_window}, causal={causal}"
             )
-    if sinks is not None:
-        if not hasattr(sinks, "shape"):
-            raise TypeError(f"{_WHERE}: `sinks` must be an array [heads] or [batch, heads]; got {type(sinks).__name__}")
-        if jnp.shape(sinks) not in ((q.shape[2],), (q.shape[0], q.shape[2])):
-            raise ValueError(
-                f"{_WHERE}: `sinks` must be [heads] or [batch, heads] = ({q.shape[2]},) or "
-                f"{q.shape[:1] + q.shape[2:3]}; got {jnp.shape(sinks)}"
-            )
-        require_float_dtypes(_WHERE, {"sinks": sinks}, same=False)
+    batch, _, heads, head_dim = q.shape
+    check_operand_layouts(
+        _WHERE, {"sinks": ("heads", "batch, heads")}, known={"batch": batch, "heads": heads}, sinks=sinks
+    )
     prior_len = None
     if prefix is not None:
         if not (isinstance(prefix, (tuple, list)) and len(prefix) == 3):
             raise TypeError(f"{_WHERE}: `prefix` must be (k_prior, v_prior, prior_len)")
         k_prior, v_prior, prior_len = prefix
-        for name, x in (("k_prior", k_prior), ("v_prior", v_prior)):
-            if not is_array(x):
-                raise TypeError(
-                    f"{_WHERE}: prefix {name} must be an array [batch, prior_len_max, kv_heads, "
-                    f"head_dim]; got {type(x).__name__}"
-                )
-        if (
-            jnp.shape(k_prior) != jnp.shape(v_prior)
-            or jnp.ndim(k_prior) != 4
-            or (jnp.shape(k_prior)[0],) + tuple(jnp.shape(k_prior)[2:]) != (k.shape[0],) + k.shape[2:]
-        ):
-            raise ValueError(
-                f"{_WHERE}: prefix k_prior/v_prior must be [batch, prior_len_max, kv_heads, head_dim] "
-                f"matching k {k.shape}; got {jnp.shape(k_prior)} and {jnp.shape(v_prior)}"
-            )
-        require_nonempty(_WHERE, "k_prior", k_prior, ("batch", "prior_len_max", "kv_heads", "head_dim"))
+        check_operand_layouts(
+            _WHERE,
+            dict.fromkeys(("k_prior", "v_prior"), "batch, prior_len_max, kv_heads, head_dim"),
+            dtypes=None,  # q's dtype, below
+            positive=("prior_len_max",),
+            known={"batch": batch, "kv_heads": k.shape[2], "head_dim": head_dim},
+            k_prior=k_prior,
+            v_prior=v_prior,
+        )
         require_float_dtypes(_WHERE, {"q": q, "k_prior": k_prior, "v_prior": v_prior}, same=True)
         prior_len = _prior_len(prior_len, k_prior.shape[1])
     return scale, sliding_window, prior_len
@@ -226,13 +214,6 @@ def attention(
 
 
 _DECODE = "jax_nkilib.decode_attention"
-_DECODE_AXES = {
-    "q": ("batch", "s_new", "heads", "head_dim"),
-    "k_new": ("batch", "s_new", "kv_heads", "head_dim"),
-    "v_new": ("batch", "s_new", "kv_heads", "head_dim"),
-    "cache_len": ("batch",),
-    "block_table": ("batch", "max_blocks"),
-}
 
 
 def _as_arrays(named: dict) -> dict:
@@ -249,60 +230,52 @@ def _as_arrays(named: dict) -> dict:
 
 def _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table) -> None:
     paged = block_table is not None
-    cache_layout = "[num_blocks, kv_heads, block_len, d]" if paged else "[batch, kv_heads, max_len, d]"
-    for name, x, rank in (
-        ("q", q, 4),
-        ("k_new", k_new, 4),
-        ("v_new", v_new, 4),
-        ("k_cache", k_cache, 4),
-        ("v_cache", v_cache, 4),
-        ("cache_len", cache_len, 1),
-    ):
-        if x.ndim != rank:
-            raise ValueError(
-                f"{_DECODE}: `{name}` must have rank {rank}; got {x.shape} (q [batch, s_new, heads, d], "
-                f"k_new/v_new [batch, s_new, kv_heads, d], caches {cache_layout}, cache_len [batch])"
-            )
-    cache_axes = (
-        ("num_blocks", "kv_heads", "block_len", "head_dim") if paged else ("batch", "kv_heads", "max_len", "head_dim")
+    cache = "num_blocks, kv_heads, block_len, head_dim" if paged else "batch, kv_heads, max_len, head_dim"
+    layouts = {
+        "q": "batch, s_new, heads, head_dim",
+        "k_new": "batch, s_new, kv_heads, head_dim",
+        "v_new": "batch, s_new, kv_heads, head_dim",
+        "k_cache": cache,
+        "v_cache": cache,
+        "cache_len": "batch",
+        "block_table": "batch, max_blocks",
+    }
+    operands = dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache)
+    dims = check_operand_layouts(
+        _DECODE,
+        layouts,
+        dtypes=None,  # float operands: below; cache_len and block_table: integers
+        positive=(
+            "batch",
+            "s_new",
+            "heads",
+            "head_dim",
+            "kv_heads",
+            "max_len",
+            "num_blocks",
+            "block_len",
+            "max_blocks",
+        ),
+        **operands,
+        cache_len=cache_len,
+        block_table=block_table,
     )
-    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)):
-        require_nonempty(_DECODE, name, x, _DECODE_AXES.get(name, cache_axes))
-    require_float_dtypes(
-        _DECODE, {"q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache}, same=False
-    )
-    batch, s_new, heads, d = q.shape
-    if k_new.shape != v_new.shape or k_new.shape[:2] != (batch, s_new) or k_new.shape[3] != d:
-        raise ValueError(
-            f"{_DECODE}: k_new/v_new must be [batch, s_new, kv_heads, d] matching q {q.shape}; got "
-            f"{k_new.shape} and {v_new.shape}"
-        )
-    kv_heads = k_new.shape[2]
+    require_float_dtypes(_DECODE, operands, same=False)
+    s_new, heads, kv_heads = dims["s_new"], dims["heads"], dims["kv_heads"]
     if heads % kv_heads:
         raise ValueError(f"{_DECODE}: query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
-    lead = (k_cache.shape[0], kv_heads) if paged else (batch, kv_heads)
-    if k_cache.shape != v_cache.shape or k_cache.shape[:2] != lead or k_cache.shape[3] != d:
+    if paged and not jnp.issubdtype(block_table.dtype, jnp.integer):
         raise ValueError(
-            f"{_DECODE}: k_cache/v_cache must be {cache_layout} with kv_heads={kv_heads}, d={d}; got "
-            f"{k_cache.shape} and {v_cache.shape}"
+            f"{_DECODE}: `block_table` must be an integer array [batch, max_blocks]; got {block_table.dtype}"
         )
-    if paged:
-        if block_table.ndim != 2 or block_table.shape[0] != batch or not jnp.issubdtype(block_table.dtype, jnp.integer):
-            raise ValueError(
-                f"{_DECODE}: `block_table` must be an integer array [batch, max_blocks] with batch="
-                f"{batch}; got {block_table.shape} {block_table.dtype}"
-            )
-        require_nonempty(_DECODE, "block_table", block_table, _DECODE_AXES["block_table"])
-    max_len = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    max_len = dims["max_blocks"] * dims["block_len"] if paged else dims["max_len"]
     if max_len < 2 * s_new:
         raise ValueError(
             f"{_DECODE}: the cache capacity {max_len} must leave room for the s_new={s_new} new tokens "
             "and the kernel's scratch tail"
         )
-    if cache_len.shape != (batch,) or not jnp.issubdtype(cache_len.dtype, jnp.integer):
-        raise TypeError(
-            f"{_DECODE}: `cache_len` must be an integer array [batch]; got {cache_len.shape} {cache_len.dtype}"
-        )
+    if not jnp.issubdtype(cache_len.dtype, jnp.integer):
+        raise TypeError(f"{_DECODE}: `cache_len` must be an integer array [batch]; got {cache_len.dtype}")
 
 
 def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: float | None = None, block_table=None):

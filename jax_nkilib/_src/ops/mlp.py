@@ -12,7 +12,7 @@ import numpy as np
 from ..framework.arguments import array_argument
 from ..framework.common_types import ActFnType, QuantizationType
 from ..framework.spec import FLOAT_DTYPES
-from ..framework.validation import static_bool, static_bounds, static_float
+from ..framework.validation import check_operand_layouts, static_bool, static_bounds, static_float
 from ..mlp.mlp import mlp as mlp_kernel
 from ..mlp.mlp_reference import TKG_TOKEN_THRESHOLD, is_tkg
 from ..norm.fused_norm import norm_type_of
@@ -97,13 +97,23 @@ def _scales(quant, w_gate, w_up, w_down) -> dict:
     return out
 
 
-def _vector(name, value, size, what):
-    if value is None:
-        return None
-    value = _array(name, value)
-    if value.shape not in ((size,), (1, size)):
-        raise ValueError(f"{_WHERE}: `{name}` must have layout [{what}] = ({size},); got {tuple(value.shape)}")
-    return value.reshape(1, size)
+_HIDDEN, _INTER = ("hidden", "1, hidden"), ("inter", "1, inter")  # a vector [n] or the kernels' row [1, n]
+LAYOUTS = {
+    "x": "..., hidden",
+    "w_up": "hidden, inter",
+    "w_gate": "hidden, inter",
+    "w_down": "inter, hidden",
+    "norm_weight": _HIDDEN,
+    "norm_bias": _HIDDEN,
+    "gate_bias": _INTER,
+    "up_bias": _INTER,
+    "down_bias": _HIDDEN,
+}
+
+
+def _row(value, size):
+    """A checked ``[size]`` or ``[1, size]`` vector as the kernel's ``[1, size]`` row."""
+    return None if value is None else jnp.asarray(value).reshape(1, size)
 
 
 def _clamp(name, value):
@@ -213,26 +223,23 @@ def mlp(
     which computes float32 inputs in bfloat16 (on CPU as on Neuron).
     """
     x = _array("x", x)
-    if x.ndim < 1:
-        raise ValueError(f"{_WHERE}: `x` must have layout [..., hidden]; got a scalar")
+    weights = {"w_up": w_up, "w_gate": w_gate, "w_down": w_down}
+    weights = {name: None if w is None and name == "w_gate" else _weight(name, w) for name, w in weights.items()}
+    dims = check_operand_layouts(
+        _WHERE,
+        LAYOUTS,
+        dtypes=dict.fromkeys(weights),  # checked by _weight (a QuantizedWeight's layout is its data's)
+        positive=("hidden", "inter"),
+        x=x,
+        **{name: w.data if isinstance(w, QuantizedWeight) else w for name, w in weights.items()},
+        norm_weight=norm_weight,
+        norm_bias=norm_bias,
+        gate_bias=gate_bias,
+        up_bias=up_bias,
+        down_bias=down_bias,
+    )
     auto.leading(x.ndim - 1, _WHERE)
-    hidden = x.shape[-1]
-    if hidden == 0:
-        raise ValueError(f"{_WHERE}: `x` [..., hidden] needs hidden >= 1; got shape {tuple(x.shape)}")
-    hidden_in, inter = _weight("w_up", w_up, 2).shape
-    if hidden_in != hidden or inter == 0:
-        raise ValueError(
-            f"{_WHERE}: `w_up` must have layout [hidden, inter] with hidden={hidden} and inter >= 1; got "
-            f"{tuple(w_up.shape)}"
-        )
-    if w_gate is not None and _weight("w_gate", w_gate, 2).shape != (hidden, inter):
-        raise ValueError(
-            f"{_WHERE}: `w_gate` must have layout [hidden, inter] = {(hidden, inter)}; got {tuple(w_gate.shape)}"
-        )
-    if _weight("w_down", w_down, 2).shape != (inter, hidden):
-        raise ValueError(
-            f"{_WHERE}: `w_down` must have layout [inter, hidden] = ({inter}, {hidden}); got {tuple(w_down.shape)}"
-        )
+    hidden, inter = dims["hidden"], dims["inter"]
     quant = _quantization(w_gate, w_up, w_down)
     eps = static_float(_WHERE, "eps", eps, minimum=0.0)
     return_residual = static_bool(_WHERE, "return_residual", return_residual)
@@ -309,20 +316,12 @@ def mlp(
         raise ValueError(f"{_WHERE}: `residual` must have x's shape {tuple(x.shape)}; got {tuple(residual.shape)}")
     if return_residual and residual is None:
         raise ValueError(f"{_WHERE}: return_residual=True needs `residual`")
-    gamma = _vector("norm_weight", norm_weight, hidden, "hidden")
+    gamma = _row(norm_weight, hidden)
     if norm == "layer" and gamma is None:
         gamma = jnp.ones((1, hidden), x.dtype)
     norm_type = norm_type_of(_WHERE, norm, has_gamma=gamma is not None)
     if w_gate is None and (gate_bias is not None or gate_clamp is not None):
         raise ValueError(f"{_WHERE}: `gate_bias` and `gate_clamp` need `w_gate` (w_gate=None computes act(n w_up))")
-
-    for name, value, size, what in (
-        ("gate_bias", gate_bias, inter, "inter"),
-        ("up_bias", up_bias, inter, "inter"),
-        ("down_bias", down_bias, hidden, "hidden"),
-        ("norm_bias", norm_bias, hidden, "hidden"),
-    ):
-        _vector(name, value, size, what)
     if x.size == 0:  # no tokens: nothing for a kernel to compute
         out = jnp.zeros(x.shape, output_dtype or x.dtype)
         return (out, x + jnp.asarray(residual).astype(x.dtype)) if return_residual else out
@@ -340,10 +339,10 @@ def mlp(
         "up_proj_weights_tensor": _data(w_up),
         "down_proj_weights_tensor": _data(w_down),
         "normalization_weights_tensor": gamma,
-        "gate_proj_bias_tensor": None if w_gate is None else _vector("gate_bias", gate_bias, inter, "inter"),
-        "up_proj_bias_tensor": _vector("up_bias", up_bias, inter, "inter"),
-        "down_proj_bias_tensor": _vector("down_bias", down_bias, hidden, "hidden"),
-        "normalization_bias_tensor": _vector("norm_bias", norm_bias, hidden, "hidden"),
+        "gate_proj_bias_tensor": None if w_gate is None else _row(gate_bias, inter),
+        "up_proj_bias_tensor": _row(up_bias, inter),
+        "down_proj_bias_tensor": _row(down_bias, hidden),
+        "normalization_bias_tensor": _row(norm_bias, hidden),
         "fused_add_tensor": None if residual is None else jnp.asarray(residual).reshape(shape3),
         **_scales(quant, w_gate, w_up, w_down),
     }

@@ -21,7 +21,7 @@ from ..framework.arguments import array_argument, is_array
 from ..framework.common_types import DtypeMode, NormType, QuantizationType
 from ..framework.hardware import PARTITIONS
 from ..framework.spec import FP8_DTYPES, accumulation_dtype
-from ..framework.validation import check_positive_finite, static_float
+from ..framework.validation import check_operand_layouts, check_positive_finite, static_float
 from ..norm.layernorm_tkg import layernorm_rows, layernorm_tkg
 from ..norm.rmsnorm_quant import compute_dtype, rmsnorm_quant_kernel, row_quantize, static_quantize
 from ..norm.rmsnorm_tkg import rmsnorm_tkg
@@ -33,22 +33,11 @@ _KERNEL_MODES = {np.dtype(jnp.float8_e4m3): DtypeMode.NON_OCP, np.dtype(jnp.floa
 QUANT_MODES = ("row", "static")
 
 
-def _check_norm_args(where: str, x, params) -> int:
-    array_argument(where, "x", x)
-    if x.ndim < 1 or x.shape[-1] == 0:
-        raise ValueError(f"{where}: `x` must have layout [..., H] with H >= 1; got shape {tuple(x.shape)}")
+def _check_norm_args(where: str, x, **vectors) -> int:
+    """``x [..., H]`` and the ``[H]`` vectors given (``None``: absent); returns ``H``."""
+    dims = check_operand_layouts(where, {"x": "..., H", **dict.fromkeys(vectors, "H")}, positive=("H",), x=x, **vectors)
     auto.leading(x.ndim - 1, where)
-    hidden = x.shape[-1]
-    for name, value in params.items():
-        if value is None:
-            continue
-        array_argument(where, name, value)
-        if tuple(value.shape) != (hidden,):
-            raise ValueError(
-                f"{where}: `{name}` must have layout [H] = ({hidden},) for x of shape {tuple(x.shape)}; "
-                f"got {tuple(value.shape)}"
-            )
-    return hidden
+    return dims["H"]
 
 
 def _norm_call(kernel, x, vectors, params):
@@ -100,7 +89,7 @@ def rms_norm(x, weight=None, *, eps: float = 1e-6):
     Neuron this is ``rmsnorm_tkg``; an ``H`` that is not a multiple of 128 is zero-padded to one (with
     ``hidden_actual=H``, so the mean is over ``H``) and the output sliced back (a pad and a slice around the kernel).
     """
-    hidden = _check_norm_args("jax_nkilib.rms_norm", x, {"weight": weight})
+    hidden = _check_norm_args("jax_nkilib.rms_norm", x, weight=weight)
     eps = static_float("jax_nkilib.rms_norm", "eps", eps, minimum=0.0)
     x = jnp.asarray(x)
     sharded = _plan_rows(RMS_NORM_SHARDING, x, weight=weight)
@@ -138,7 +127,7 @@ def layer_norm(x, weight=None, bias=None, *, eps: float = 1e-6):
     widths have no kernel (padding would change the mean) and run the same math in JAX. The kernel-native
     ``jax_nkilib.nki.layernorm_tkg`` keeps the kernel's one-pass numerics.
     """
-    hidden = _check_norm_args("jax_nkilib.layer_norm", x, {"weight": weight, "bias": bias})
+    hidden = _check_norm_args("jax_nkilib.layer_norm", x, weight=weight, bias=bias)
     eps = static_float("jax_nkilib.layer_norm", "eps", eps, minimum=0.0)
     x = jnp.asarray(x)
     weight = None if weight is None else jnp.asarray(weight)
@@ -167,10 +156,7 @@ def _minus_row_mean(x):
 
 def _check_quantize_args(x, mode, scale, dtype):
     where = "jax_nkilib.quantize_fp8"
-    array_argument(where, "x", x)
-    if x.ndim < 1 or x.shape[-1] == 0:
-        raise ValueError(f"{where}: `x` must have layout [..., H] with H >= 1; got shape {tuple(x.shape)}")
-    auto.leading(x.ndim - 1, where)
+    _check_norm_args(where, x)
     if mode not in QUANT_MODES:
         raise ValueError(f"{where}: mode must be one of {QUANT_MODES}; got {mode!r}")
     try:

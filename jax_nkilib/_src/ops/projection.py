@@ -9,7 +9,7 @@ import numpy as np
 
 from ..framework.arguments import array_argument, is_array
 from ..framework.common_types import NormType, QuantizationType
-from ..framework.validation import check_positive_finite, require_static, static_float
+from ..framework.validation import check_operand_layouts, check_positive_finite, require_static, static_float
 from ..norm.fused_norm import norm_type_of
 from ..projection.output_projection_cte import output_projection_cte
 from ..projection.output_projection_tkg import output_projection_tkg
@@ -24,14 +24,12 @@ def _array(where: str, name: str, value, layout: str, rank: int | None = None, a
     return array_argument(where, name, value, layout=layout, rank=rank, dtypes="kernel" if activation else "floating")
 
 
-def _row(where: str, name: str, value, size: int, dtype):
-    """A ``[size]`` (or ``[1, size]``) vector as the kernels' ``[1, size]`` row in ``dtype``."""
+def _row(where: str, name: str, value, dim: str, size: int, dtype):
+    """A ``[dim]`` (or ``[1, dim]``) vector, ``dim`` of ``size``, as the kernels' ``[1, size]`` row in ``dtype``."""
     if value is None:
         return None
-    value = _array(where, name, value, f"[{size}]")
-    if value.shape not in ((size,), (1, size)):
-        raise ValueError(f"{where}: `{name}` must be [{size}]; got shape {tuple(value.shape)}")
-    return value.reshape(1, size).astype(dtype)
+    check_operand_layouts(where, {name: (dim, f"1, {dim}")}, dtypes="floating", known={dim: size}, **{name: value})
+    return jnp.asarray(value).reshape(1, size).astype(dtype)
 
 
 def _weight(where: str, w, layout: str):
@@ -87,13 +85,9 @@ def output_projection(attn, w, bias=None):
     Neuron lowering (none on CPU/GPU).
     """
     where = "jax_nkilib.output_projection"
-    attn = _array(where, "attn", attn, "[batch, seq, heads, head_dim]", 4, activation=True)
+    check_operand_layouts(where, {"attn": "batch, seq, heads, head_dim"}, positive=("heads", "head_dim"), attn=attn)
+    attn = jnp.asarray(attn)
     batch, seq, heads, d = attn.shape
-    if heads * d == 0:
-        raise ValueError(
-            f"{where}: `attn` [batch, seq, heads, head_dim] needs heads >= 1 and head_dim >= 1; got "
-            f"shape {tuple(attn.shape)}"
-        )
     w = _weight(where, w, "[heads * head_dim, hidden]")
     if w.shape[0] != heads * d:
         raise ValueError(
@@ -119,14 +113,14 @@ def output_projection(attn, w, bias=None):
 
         return sharded.run(local, "bsh")
     if batch * seq * hidden == 0:  # no tokens or no outputs: nothing for a kernel to compute
-        _row(where, "bias", bias, hidden, attn.dtype)
+        _row(where, "bias", bias, "hidden", hidden, attn.dtype)
         return jnp.zeros((batch, seq, hidden), attn.dtype)
     tkg = uses_tkg(batch, seq, False)
     quant = _quantization(where, w, tkg, "seq <= 96 and batch * seq <= 128")
     weight = fp8_data(w) if quant != QuantizationType.NONE else w.astype(attn.dtype)
     w_scale = None if quant == QuantizationType.NONE else scale_tile(w)
     in_scale = input_scale_tile(w) if quant == QuantizationType.STATIC else None
-    operands = {"weight": weight, "bias": _row(where, "bias", bias, hidden, attn.dtype)}
+    operands = {"weight": weight, "bias": _row(where, "bias", bias, "hidden", hidden, attn.dtype)}
     if tkg:  # attention [head_dim, batch, heads, seq]
         kernel = output_projection_tkg
         operands.update(attention=jnp.transpose(attn, (3, 0, 2, 1)), weight_scale=w_scale, input_scale=in_scale)
@@ -141,32 +135,28 @@ def output_projection(attn, w, bias=None):
 def _cache_arrays(where, kv_cache, batch, seq, kv_heads, d, positions):
     if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2):
         raise TypeError(f"{where}: `kv_cache` must be (k_cache, v_cache), each [batch, max_len, kv_heads, head_dim]")
-    k_cache, v_cache = (
-        _array(where, name, c, "[batch, max_len, kv_heads, head_dim]", 4)
-        for name, c in zip(("k_cache", "v_cache"), kv_cache)
+    positions = None if positions is None else jnp.asarray(positions)  # a nested list of ints is fine too
+    cache = "batch, max_len, kv_heads, head_dim"
+    known = {"batch": batch, "seq": seq, "kv_heads": kv_heads, "head_dim": d}
+    dims = check_operand_layouts(
+        where,
+        {"k_cache": cache, "v_cache": cache, "cache_positions": "batch, seq"},
+        dtypes={"k_cache": "floating", "v_cache": "floating", "cache_positions": None},
+        known=known,
+        k_cache=kv_cache[0],
+        v_cache=kv_cache[1],
+        cache_positions=positions,
     )
-    if (
-        k_cache.shape != v_cache.shape
-        or k_cache.dtype != v_cache.dtype
-        or k_cache.shape[0] != batch
-        or k_cache.shape[2:] != (kv_heads, d)
-    ):
-        raise ValueError(
-            f"{where}: k_cache and v_cache must both be [batch={batch}, max_len, kv_heads={kv_heads}, "
-            f"head_dim={d}] of one dtype; got {tuple(k_cache.shape)} {k_cache.dtype} and "
-            f"{tuple(v_cache.shape)} {v_cache.dtype}"
-        )
+    k_cache, v_cache = jnp.asarray(kv_cache[0]), jnp.asarray(kv_cache[1])
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"{where}: k_cache and v_cache must have one dtype; got {k_cache.dtype} and {v_cache.dtype}")
     if positions is None:
         if k_cache.shape[1] < seq:
             raise ValueError(f"{where}: the caches hold {k_cache.shape[1]} positions, fewer than the {seq} tokens")
         return k_cache, v_cache, None
-    positions = jnp.asarray(positions)
-    if positions.shape != (batch, seq) or not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(
-            f"{where}: `cache_positions` must be an integer array [batch, seq] = ({batch}, {seq}); got "
-            f"{positions.shape} {positions.dtype}"
-        )
-    max_len = k_cache.shape[1]
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"{where}: `cache_positions` must be an integer array [batch, seq]; got {positions.dtype}")
+    max_len = dims["max_len"]
     inside = (positions >= 0) & (positions < max_len)
     slots = jnp.where(inside, jnp.arange(batch, dtype=jnp.int32)[:, None] * max_len + positions, -1)
     return k_cache, v_cache, slots.astype(jnp.int32)
@@ -355,10 +345,9 @@ def qkv_projection(
     then written by XLA) with the kernel's precision: float32 inputs compute in bfloat16 on the CTE path.
     """
     where = "jax_nkilib.qkv_projection"
-    x = _array(where, "x", x, "[batch, seq, hidden]", 3, activation=True)
+    check_operand_layouts(where, {"x": "batch, seq, hidden"}, positive=("hidden",), x=x)
+    x = jnp.asarray(x)
     batch, seq, hidden = x.shape
-    if hidden == 0:
-        raise ValueError(f"{where}: `x` [batch, seq, hidden] needs hidden >= 1; got shape {tuple(x.shape)}")
     num_q_heads, num_kv_heads = _head_counts(where, num_q_heads, num_kv_heads)
     eps = static_float(where, "eps", eps, minimum=0.0)
     split = isinstance(w, (tuple, list))
@@ -407,8 +396,8 @@ def qkv_projection(
         )
     d = w.shape[1] // heads
     norm_type = norm_type_of(where, norm)
-    gamma = _row(where, "norm_weight", norm_weight, hidden, x.dtype)
-    beta = _row(where, "norm_bias", norm_bias, hidden, x.dtype)
+    gamma = _row(where, "norm_weight", norm_weight, "hidden", hidden, x.dtype)
+    beta = _row(where, "norm_bias", norm_bias, "hidden", hidden, x.dtype)
     if norm is None and (gamma is not None or beta is not None):
         raise ValueError(f"{where}: norm_weight/norm_bias need norm='rms' or 'layer'")
     if beta is not None and norm != "layer":
@@ -420,7 +409,7 @@ def qkv_projection(
     quant = _quantization(where, w, uses_tkg(batch, seq, rope is not None), "seq <= 96, batch * seq <= 128, no rope")
     operands = {
         "input": x,
-        "bias": _row(where, "bias", bias, w.shape[1], x.dtype),
+        "bias": _row(where, "bias", bias, "qkv_dim", w.shape[1], x.dtype),
         "gamma_norm_weights": gamma,
         "layer_norm_bias": beta,
     }
@@ -444,12 +433,11 @@ def qkv_projection(
     if rope is not None:
         if not (isinstance(rope, (tuple, list)) and len(rope) == 2):
             raise TypeError(f"{where}: `rope` must be (cos, sin), each [batch, seq, head_dim]")
-        cos, sin = (_array(where, name, t, "[batch, seq, head_dim]", 3) for name, t in zip(("cos", "sin"), rope))
-        if cos.shape != (batch, seq, d) or sin.shape != (batch, seq, d):
-            raise ValueError(
-                f"{where}: rope tables must be [batch, seq, head_dim] = ({batch}, {seq}, {d}); got "
-                f"{tuple(cos.shape)} and {tuple(sin.shape)}"
-            )
+        tables = dict(zip(("cos", "sin"), rope))
+        known = {"batch": batch, "seq": seq, "head_dim": d}
+        layouts = dict.fromkeys(tables, "batch, seq, head_dim")
+        check_operand_layouts(where, layouts, dtypes="floating", known=known, **tables)
+        cos, sin = (jnp.asarray(table) for table in tables.values())
         if d % 2:
             raise ValueError(f"{where}: `rope` rotates halves of each head: head_dim must be even; got head_dim={d}")
         operands.update(cos_cache=cos.astype(x.dtype), sin_cache=sin.astype(x.dtype))

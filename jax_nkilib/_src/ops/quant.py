@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..framework.arguments import array_argument
+from ..framework.validation import check_operand_layouts
 from ..quant import mx
 from ..quant.fp8 import saturate
 from ..quant.matmul_mxfp8 import matmul_mxfp8
@@ -192,13 +193,9 @@ def mxfp8_matmul(x, w, *, float8_dtype=jnp.float8_e4m3fn):
     ``matmul_mxfp8_backward``; elsewhere their JAX references run.
     """
     where = "jax_nkilib.mxfp8_matmul"
-    x, w = array_argument(where, "x", x), array_argument(where, "w", w)
+    check_operand_layouts(where, {"x": "..., K", "w": "K, N"}, x=x, w=w)
+    x, w = jnp.asarray(x), jnp.asarray(w)
     name = _fp8_name(where, "float8_dtype", float8_dtype)
-    if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
-        raise ValueError(
-            f"{where}: `x` must have layout [..., K] and `w` [K, N] with the same K; got shapes "
-            f"{tuple(x.shape)} and {tuple(w.shape)}"
-        )
     rows_dims = auto.leading(x.ndim - 1, where)
     sharded = auto.plan(
         MXFP8_MATMUL_SHARDING, [auto.ShardedArgument("x", x, rows_dims + "k"), auto.ShardedArgument("w", w, "kn")]

@@ -7,31 +7,25 @@ import math
 
 import jax.numpy as jnp
 
-from ..framework.arguments import array_argument
-from ..framework.validation import static_bool
+from ..framework.validation import check_operand_layouts, static_bool
 from ..rope.rope import RoPE
 from ..sharding import auto
+
+X_LAYOUT = "..., seq, heads, head_dim"
+TABLE_LAYOUTS = ("seq, head_dim/2", "batch, seq, head_dim/2")
 
 
 def _rope_argument_errors(x, cos, sin) -> None:
     where = "jax_nkilib.rope"
-    for name, value in (("x", x), ("cos", cos), ("sin", sin)):
-        array_argument(where, name, value)
-    if x.ndim < 3:
-        raise ValueError(f"{where}: `x` must have layout [..., seq, heads, head_dim]; got shape {tuple(x.shape)}")
+    head_dim = check_operand_layouts(where, {"x": X_LAYOUT}, x=x)["head_dim"]
     auto.leading(x.ndim - 3, where)
-    seq, _, head_dim = x.shape[-3:]
     if head_dim % 2:
         raise ValueError(f"{where}: head_dim (last axis of `x`) must be even; got {head_dim}")
+    check_operand_layouts(where, {"x": X_LAYOUT, "cos": TABLE_LAYOUTS, "sin": TABLE_LAYOUTS}, x=x, cos=cos, sin=sin)
     if cos.shape != sin.shape or cos.dtype != sin.dtype:
         raise ValueError(
             f"{where}: `cos` and `sin` must have the same shape and dtype; got {tuple(cos.shape)} "
             f"{cos.dtype} and {tuple(sin.shape)} {sin.dtype}"
-        )
-    if cos.ndim not in (2, 3) or cos.shape[-2:] != (seq, head_dim // 2):
-        raise ValueError(
-            f"{where}: `cos` and `sin` must have layout [seq, head_dim/2] or [batch, seq, head_dim/2] "
-            f"= (..., {seq}, {head_dim // 2}) for x of shape {tuple(x.shape)}; got {tuple(cos.shape)}"
         )
     if cos.ndim == 3 and cos.shape[0] != 1:
         lead = tuple(x.shape[:-3])
