@@ -24,7 +24,7 @@ from ..framework.primitive import make_kernel
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..framework.validation import static_float, static_int
 from .blockwise import attention_backward
-from .checks import head_dim_limit, require_same_dtype
+from .checks import MAX_HEAD_DIM, head_dim_limit, require_same_dtype
 from .masks import MaskRule
 
 LSE_TILE = 128
@@ -189,7 +189,8 @@ ATTENTION_BWD_SPEC = KernelSpec(
     support={
         "idiomatic": "",
         "vjp": "not differentiable (it is the backward of attention_cte)",
-        "notes": "Neuron: d <= 128; Sk a multiple of 512 (or <= 512); Sq a multiple of 128 (lse layout)",
+        "notes": f"Neuron: d <= {MAX_HEAD_DIM}; Sk a multiple of {BWD_K_TILE} (or <= {BWD_K_TILE}); "
+        f"Sq a multiple of {LSE_TILE} (lse layout)",
     },
 )
 

@@ -42,7 +42,7 @@ from ..framework.spec import INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand
 from ..framework.validation import static_float, static_int
 from .attention_bwd import LSE_TILE, attention_bwd, lse_tiles
 from .blockwise import attention_backward, attention_forward, group_queries, log_sum_exp, ungroup_queries
-from .checks import head_dim_limit, require_same_dtype
+from .checks import MAX_HEAD_DIM, head_dim_limit, require_same_dtype
 from .masks import MaskRule
 
 MAX_BATCH = 512
@@ -392,7 +392,8 @@ ATTENTION_CTE_SPEC = KernelSpec(
     support={
         "idiomatic": "attention",
         "vjp": "attention_bwd kernel (forward with cache_softmax); blockwise JAX for prefix caching and CP",
-        "notes": "Neuron: d <= 128, B <= 512, S <= 131072; scale 1.0 with SWA/CP/prefix (checked everywhere)",
+        "notes": f"Neuron: d <= {MAX_HEAD_DIM}, B <= {MAX_BATCH}, S <= {MAX_SEQ}; "
+        "scale 1.0 with SWA/CP/prefix (checked everywhere)",
     },
 )
 

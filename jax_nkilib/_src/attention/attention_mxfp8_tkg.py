@@ -227,8 +227,9 @@ ATTENTION_MXFP8_TKG_SPEC = KernelSpec(
     support={
         "idiomatic": "",
         "vjp": "zero cotangents (every float input is MXFP8/bf16-rounded; no backward kernel)",
-        "notes": "MXFP8 block KV cache [num_blocks, 32, 160], d=128; Neuron: bf16, H in {32, 64}, s_active in "
-        "{1, 2, 4, 8}, num_blocks % 16 == 0, identity_hbm and active_blocks_table given (Trn3); "
+        "notes": f"MXFP8 block KV cache [num_blocks, 32, 160], d={D_HEAD}; Neuron: bf16, "
+        f"H in {{{', '.join(map(str, KERNEL_HEADS))}}}, s_active in {{{', '.join(map(str, KERNEL_S_ACTIVE))}}}, "
+        f"num_blocks % {CHUNK_BLOCKS} == 0, identity_hbm and active_blocks_table given (Trn3); "
         "reference emulates the kernel's MXFP8 datapath at LNC=1",
     },
 )

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import make_kernel
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param
-from .attention_bwd import lse_rows
+from .attention_bwd import LSE_TILE, lse_rows
 from .checks import MAX_HEAD_DIM
 from .ring_checks import needs_trn2, require_ring
 from .ring_math import ring_backward
@@ -162,7 +162,7 @@ RING_ATTENTION_SPMD_BWD_SPEC = KernelSpec(
         "idiomatic": "",
         "vjp": "not differentiable (it is the backward of ring_attention_spmd_fwd)",
         "shard_map": "inside jax.shard_map only: replica_groups names the ring's mesh axes (collectives)",
-        "notes": "Trn2+; S % 128 == 0; float32 gradients; lnc_size must equal the LNC degree on Neuron",
+        "notes": f"Trn2+; S % {LSE_TILE} == 0; float32 gradients; lnc_size must equal the LNC degree on Neuron",
     },
 )
 

@@ -33,7 +33,7 @@ from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import Vjp, make_kernel
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param
 from .attention_bwd import LSE_TILE, lse_tiles
-from .checks import head_dim_limit
+from .checks import MAX_HEAD_DIM, head_dim_limit
 from .ring_attention_bwd import ring_attention_spmd_bwd
 from .ring_checks import needs_trn2, require_ring
 from .ring_math import ring_backward, ring_forward
@@ -245,10 +245,10 @@ RING_ATTENTION_SPMD_FWD_SPEC = KernelSpec(
     catalog="row 42, section 3",
     support={
         "idiomatic": "",
-        "vjp": "ring_attention_spmd_bwd kernel (forward with training=True) when S % 128 == 0; JAX otherwise",
+        "vjp": f"ring_attention_spmd_bwd kernel (forward with training=True) when S % {LSE_TILE} == 0; JAX otherwise",
         "shard_map": "inside jax.shard_map only: replica_groups names the ring's mesh axes (collectives)",
         "notes": "Trn2+; MHA only; causal needs pre-scaled q (softmax_scale None/1.0); striped causal, "
-        "sequence packing; d <= 128",
+        f"sequence packing; d <= {MAX_HEAD_DIM}",
     },
 )
 

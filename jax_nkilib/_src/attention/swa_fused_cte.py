@@ -292,8 +292,8 @@ SWA_FUSED_CTE_SPEC = KernelSpec(
         "idiomatic": "",
         "vjp": "JAX (differentiates the reference; out only, the updated caches carry no gradient)",
         "notes": "fused QKV + RoPE + sliding-window paged attention + output projection; caches updated in "
-        "place (aliased); FP8 caches (packed K); kernel: S % 128 == 0, sliding_window == 128, "
-        "d_head <= 64, LNC <= 2, prior_tokens 0 or a block-aligned count >= 128",
+        f"place (aliased); FP8 caches (packed K); kernel: S % {KERNEL_TILE} == 0, sliding_window == {KERNEL_TILE}, "
+        f"d_head <= {KERNEL_TILE // 2}, LNC <= 2, prior_tokens 0 or a block-aligned count >= 128",
     },
 )
 

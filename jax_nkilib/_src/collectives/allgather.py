@@ -225,7 +225,8 @@ _RING_PARAMS = (
     Param("replica_groups", None, "axis"),
 )
 _RING_NOTES = (
-    "TRN2; tp_degree in 4..128 (even); the axis must group consecutive ranks; m % (LNC x channels) == 0; "
+    f"TRN2; tp_degree in {SUPPORTED_TP_DEGREES[0]}..{SUPPORTED_TP_DEGREES[-1]} (even); the axis must group "
+    "consecutive ranks; m % (LNC x channels) == 0; "
     "output [tp_degree, m, .] for every SBUF/HBM path (the kernel's [RANK_N, ...] result, reshaped)"
 )
 
@@ -269,7 +270,7 @@ ALLGATHER_COMPUTE_MATMUL_SPEC = KernelSpec(
         "vjp": "JAX (differentiates the reference ring; jax_nkilib.all_gather_matmul, whose forward is this "
         "kernel, has its own dual-ring VJP)",
         "shard_map": _SHARD_MAP,
-        "notes": _RING_NOTES + "; N <= 512 or a multiple of 512; float32 accumulation",
+        "notes": _RING_NOTES + f"; N <= {GEMM_MOVING_MAX} or a multiple of {GEMM_MOVING_MAX}; float32 accumulation",
     },
 )
 
@@ -296,9 +297,9 @@ def _sb2sb_spec(name: str, rows: str, width: str, tiled: bool, row: str) -> Kern
                 f"TRN2; output [{rows}, tp_degree, {width}] (the kernel's [{rows}, {width} x tp] "
                 "reshaped); (1 + tp_degree) x width must fit one SBUF partition; "
                 + (
-                    f"{rows} <= 128 or a multiple of 128, tiles split over LNC"
+                    f"{rows} <= {PARTITIONS} or a multiple of {PARTITIONS}, tiles split over LNC"
                     if tiled
-                    else f"{rows} > 128 runs as several kernel calls"
+                    else f"{rows} > {PARTITIONS} runs as several kernel calls"
                 )
             ),
         },

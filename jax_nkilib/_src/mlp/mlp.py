@@ -72,11 +72,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..framework.common_types import ActFnType, NormType, QuantizationType
+from ..framework.hardware import PARTITIONS
 from ..framework.primitive import make_kernel, pull_back
 from ..framework.spec import FLOAT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant import mx
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
-from .mlp_reference import MX_TILE, STATIC_MX_TILE, STATIC_TYPES, is_tkg, mlp_forward
+from .mlp_reference import MX_TILE, STATIC_MX_TILE, STATIC_TYPES, TKG_TOKEN_THRESHOLD, is_tkg, mlp_forward
 
 UNBOUND_MX_TYPES = (QuantizationType.ROW_MX,)
 MX_WORD_DTYPES = (jnp.dtype(jnp.uint32), jnp.dtype(jnp.int32), jnp.dtype(jnp.uint16))
@@ -302,11 +303,11 @@ def _check(call: CallInfo) -> None:
 
 def _neuron_limits(call: CallInfo) -> list[str]:
     p, dims, unmet = call.params, call.dims, []
-    if dims["H"] % 128:
-        unmet.append(f"H={dims['H']} must be a multiple of 128")
+    if dims["H"] % PARTITIONS:
+        unmet.append(f"H={dims['H']} must be a multiple of {PARTITIONS}")
     if _tkg(call):
-        if call.lnc == 2 and (dims["H"] // 128) % 2:
-            unmet.append(f"TKG at LNC=2 splits H/128={dims['H'] // 128} over 2 cores: it must be even")
+        if call.lnc == 2 and (dims["H"] // PARTITIONS) % 2:
+            unmet.append(f"TKG at LNC=2 splits H/{PARTITIONS}={dims['H'] // PARTITIONS} over 2 cores: it must be even")
     else:
         if any(p[name] is not None for name in CLAMPS):
             unmet.append("gate/up clamps run only on the TKG path (B*S <= 96, force_cte_mode=False)")
@@ -491,9 +492,9 @@ MLP_SPEC = KernelSpec(
     support={
         "idiomatic": "mlp",
         "vjp": "JAX (jax.vjp of the smooth MLP math; straight-through FP8 activation quantization)",
-        "notes": "CTE/TKG dispatch at B*S = 96 (CTE computes float32 in bfloat16); FP8 ROW/STATIC; MX "
-        "(MXFP8/MXFP4 x4 weights, TKG); STATIC_MX (swizzled FP8 weights, CTE); ROW_MX, "
-        "gate_up_w_layout (2.32), pre-quantized input and SBUF output not bound; Neuron: H % 128, "
+        "notes": f"CTE/TKG dispatch at B*S = {TKG_TOKEN_THRESHOLD} (CTE computes float32 in bfloat16); FP8 ROW/STATIC; "
+        "MX (MXFP8/MXFP4 x4 weights, TKG); STATIC_MX (swizzled FP8 weights, CTE); ROW_MX, "
+        f"gate_up_w_layout (2.32), pre-quantized input and SBUF output not bound; Neuron: H % {PARTITIONS}, "
         "clamps TKG only",
     },
 )

@@ -189,7 +189,8 @@ MLP_BACKWARD_MXFP8_SPEC = KernelSpec(
         "idiomatic": "",
         "vjp": "not differentiable (it is the backward of mlp_forward_mxfp8_nki)",
         "notes": "MXFP8 SwiGLU backward with recompute and clamp limits; Neuron (Trn3): bf16 operands, S and I "
-        "(and H) % 128, LNC=2 with run_with_lnc2; matmul_config not exposed; adapter jax_nkilib_kernels/mxfp8.py",
+        f"(and H) % {DGT_MIN_K}, LNC=2 with run_with_lnc2; matmul_config not exposed; adapter "
+        "jax_nkilib_kernels/mxfp8.py",
     },
 )
 

@@ -227,7 +227,7 @@ MLP_FORWARD_MXFP8_SPEC = KernelSpec(
         "idiomatic": "",
         "vjp": "mlp_backward_mxfp8_nki kernel (the forward saves its four checkpoints)",
         "notes": "MXFP8 (e4m3fn, wrapX blocks, alternative emax) SwiGLU; raw, pre-swizzled or pre-quantized "
-        "operands; Neuron (Trn3): bf16 operands, H and I % 128 for raw ones, LNC=2 with "
+        f"operands; Neuron (Trn3): bf16 operands, H and I % {DGT_MIN_K} for raw ones, LNC=2 with "
         "run_with_lnc2; device adapter jax_nkilib_kernels/mxfp8.py",
     },
 )

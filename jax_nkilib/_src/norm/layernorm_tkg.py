@@ -112,7 +112,8 @@ LAYERNORM_TKG_SPEC = KernelSpec(
     support={
         "idiomatic": "layer_norm",
         "vjp": "JAX (hand-written from the LayerNorm formulas; no backward kernel)",
-        "notes": "output [128, B*S, H/128] in the LNC-dependent order; H % 128 == 0; one-pass variance as the "
+        "notes": f"output [{PARTITIONS}, B*S, H/{PARTITIONS}] in the LNC-dependent order; H % {PARTITIONS} == 0; "
+        "one-pass variance as the "
         "kernel; SBUF-input variant n/a; device adapter jax_nkilib_kernels/norm.py",
     },
 )

@@ -306,7 +306,7 @@ RMSNORM_MX_PREFILL_SPEC = KernelSpec(
         "vjp": "JAX for output_residual and norm_bf16; the packed MX row, indices and affinities have zero cotangents",
         "notes": "MXFP8 e4m3 packed rows [T, H + scales] with the reference's alternative emax, router "
         "SIGMOID/SOFTMAX top-K or NOAUX_TC; Neuron (Trn3): 16-bit hidden_states and router_weights, "
-        "E <= 512, top_k <= 8",
+        f"E <= {MAX_EXPERTS}, top_k <= {MAX_TOP_K}",
     },
 )
 

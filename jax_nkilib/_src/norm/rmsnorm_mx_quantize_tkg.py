@@ -40,6 +40,7 @@ from ..quant import mx
 P = PARTITIONS
 H_BLOCK = 512  # 128 partitions x 4 lanes: one x4 word column per H block
 KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+TOKEN_MULTIPLE = 4  # B*S: the kernel's LNC=2 split of the rows
 QUANT_DTYPE = jnp.float8_e4m3fn
 
 
@@ -102,8 +103,8 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     tokens = dims["B"] * dims["S"]
     if call.lnc != 2:
         unmet.append(f"the kernel runs only with LNC=2; got LNC={call.lnc}")
-    if tokens % 4:
-        unmet.append(f"B*S={tokens} must be a multiple of 4 (the LNC=2 split)")
+    if tokens % TOKEN_MULTIPLE:
+        unmet.append(f"B*S={tokens} must be a multiple of {TOKEN_MULTIPLE} (the LNC=2 split)")
     if avals["input"].dtype not in KERNEL_DTYPES:
         unmet.append(f"the output dtype (the input's) must be float16 or bfloat16; got {avals['input'].dtype}")
     if avals.get("residual") is not None and (tokens < 256 or dims["H"] % 1024):
@@ -177,7 +178,7 @@ RMSNORM_MX_QUANTIZE_TKG_SPEC = KernelSpec(
         "idiomatic": "",
         "vjp": "JAX for output and output_residual; the MX outputs have zero cotangents",
         "notes": "MXFP8 e4m3fn x4 words as uint32, scales in the quadrant layout; Neuron (Trn3): LNC=2 only, "
-        "B*S % 4 == 0, fp16/bf16; device adapter jax_nkilib_kernels/mxfp8.py",
+        f"B*S % {TOKEN_MULTIPLE} == 0, fp16/bf16; device adapter jax_nkilib_kernels/mxfp8.py",
     },
 )
 

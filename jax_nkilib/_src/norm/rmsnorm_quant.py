@@ -265,7 +265,7 @@ RMSNORM_QUANT_SPEC = KernelSpec(
         "idiomatic": "quantize_fp8",
         "vjp": "JAX for residual_out; the quantized output has zero cotangents",
         "notes": "ROW packs the float32 scale into 4 trailing FP8 bytes (little-endian); dtype_mode AUTO "
-        "follows the platform target at trace time; Neuron: B <= 2, S <= 32768, H <= 16384; device "
+        f"follows the platform target at trace time; Neuron: B <= {MAX_B}, S <= {MAX_S}, H <= {MAX_H}; device "
         "adapter jax_nkilib_kernels/norm.py",
     },
 )

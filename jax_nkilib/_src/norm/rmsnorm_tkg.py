@@ -142,7 +142,8 @@ RMSNORM_TKG_SPEC = KernelSpec(
     support={
         "idiomatic": "rms_norm",
         "vjp": "JAX (hand-written from the RMSNorm formulas; no backward kernel)",
-        "notes": "output [128, B*S, H/128] in the LNC-dependent order; H % 128 == 0; SBUF-input variant n/a; "
+        "notes": f"output [{PARTITIONS}, B*S, H/{PARTITIONS}] in the LNC-dependent order; H % {PARTITIONS} == 0; "
+        "SBUF-input variant n/a; "
         "device adapter jax_nkilib_kernels/norm.py",
     },
 )

@@ -27,10 +27,20 @@ from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
 from .matmul_numerics import differentiable_vjp
-from .output_projection_reference import MX_WORDS, check_formats, project, project_mx, require_scales
+from .output_projection_reference import (
+    MAX_HEAD_DIM,
+    MX_WORDS,
+    check_formats,
+    project,
+    project_mx,
+    require_scales,
+)
 
 CTE_FP8 = jnp.dtype(jnp.float8_e4m3)  # the kernel quantizes the attention to float8_e4m3 ...
 CTE_FP8_BOUND = 240.0  # ... clamped at 240, whatever the weights' FP8 format
+MAX_TOKENS = 131072  # B * S
+MAX_HIDDEN = 20705  # H: the kernel's validated limit
+MAX_HEADS = 17  # N: the kernel's validated limit
 
 
 def reference_output_projection_cte(
@@ -128,14 +138,14 @@ def _check(call: CallInfo) -> None:
 
 def _neuron_limits(call: CallInfo) -> list[str]:
     dims, unmet = call.dims, []
-    if dims["B"] * dims["S"] > 131072:
-        unmet.append(f"B * S = {dims['B'] * dims['S']} exceeds 131072")
-    if dims["D"] > 128:
-        unmet.append(f"head dim D={dims['D']} exceeds 128")
-    if dims["H"] > 20705:
-        unmet.append(f"H={dims['H']} exceeds 20705 (the kernel's validated limit)")
-    if dims["N"] > 17:
-        unmet.append(f"N={dims['N']} heads exceeds 17 (the kernel's validated limit)")
+    if dims["B"] * dims["S"] > MAX_TOKENS:
+        unmet.append(f"B * S = {dims['B'] * dims['S']} exceeds {MAX_TOKENS}")
+    if dims["D"] > MAX_HEAD_DIM:
+        unmet.append(f"head dim D={dims['D']} exceeds {MAX_HEAD_DIM}")
+    if dims["H"] > MAX_HIDDEN:
+        unmet.append(f"H={dims['H']} exceeds {MAX_HIDDEN} (the kernel's validated limit)")
+    if dims["N"] > MAX_HEADS:
+        unmet.append(f"N={dims['N']} heads exceeds {MAX_HEADS} (the kernel's validated limit)")
     if dims["H"] % call.lnc:
         unmet.append(f"H={dims['H']} must be divisible by LNC={call.lnc}")
     return unmet
@@ -201,8 +211,8 @@ OUTPUT_PROJECTION_CTE_SPEC = KernelSpec(
     support={
         "idiomatic": "output_projection",
         "vjp": "JAX (differentiates the reference; FP8 operands get no cotangent)",
-        "notes": "NONE, FP8 STATIC and MX (MXFP4 weights); STATIC_MX not bound. Neuron: D <= 128, N <= 17, "
-        "H <= 20705, B*S <= 131072, H % LNC == 0",
+        "notes": f"NONE, FP8 STATIC and MX (MXFP4 weights); STATIC_MX not bound. Neuron: D <= {MAX_HEAD_DIM}, "
+        f"N <= {MAX_HEADS}, H <= {MAX_HIDDEN}, B*S <= {MAX_TOKENS}, H % LNC == 0",
     },
 )
 

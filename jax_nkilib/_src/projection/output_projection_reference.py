@@ -21,6 +21,7 @@ from ..quant.fp8 import FP8_WEIGHT_DTYPES
 from .matmul_numerics import contract, first_element, mx_activation, mx_weight, quantize, rounded
 
 MX_WORDS = jnp.dtype(jnp.uint16)  # float4_e2m1fn_x4 weight words
+MAX_HEAD_DIM = 128  # both output projection kernels hold the head dim D on at most 128 partitions
 
 NOT_BOUND_FORMATS = {
     QuantizationType.STATIC_MX: "STATIC_MX (FP8 x4-packed weights through the MX engine)",

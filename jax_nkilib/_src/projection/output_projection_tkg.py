@@ -22,7 +22,9 @@ from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant.fp8 import FP8_WEIGHT_DTYPES, fp8_max
 from .matmul_numerics import differentiable_vjp
-from .output_projection_reference import check_formats, project, require_scales
+from .output_projection_reference import MAX_HEAD_DIM, check_formats, project, require_scales
+
+MAX_TOKENS = 128  # B * S: the decode kernel's token limit
 
 
 def transposed_out(out, lnc: int):
@@ -95,10 +97,10 @@ def _check(call: CallInfo) -> None:
 
 def _neuron_limits(call: CallInfo) -> list[str]:
     dims, unmet = call.dims, []
-    if dims["B"] * dims["S"] > 128:
-        unmet.append(f"B * S = {dims['B'] * dims['S']} exceeds 128")
-    if dims["D"] > 128:
-        unmet.append(f"head dim D={dims['D']} exceeds 128")
+    if dims["B"] * dims["S"] > MAX_TOKENS:
+        unmet.append(f"B * S = {dims['B'] * dims['S']} exceeds {MAX_TOKENS}")
+    if dims["D"] > MAX_HEAD_DIM:
+        unmet.append(f"head dim D={dims['D']} exceeds {MAX_HEAD_DIM}")
     if dims["H"] % call.lnc:
         unmet.append(f"H={dims['H']} must be divisible by LNC={call.lnc}")
     if call.params["TRANSPOSE_OUT"]:
@@ -156,7 +158,7 @@ OUTPUT_PROJECTION_TKG_SPEC = KernelSpec(
         "idiomatic": "output_projection",
         "vjp": "JAX (differentiates the reference; FP8 operands get no cotangent)",
         "notes": "NONE, FP8 STATIC and ROW; TRANSPOSE_OUT shape follows the LNC degree; OUT_IN_SB rejected. "
-        "Neuron: B*S <= 128, D <= 128, H % LNC == 0",
+        f"Neuron: B*S <= {MAX_TOKENS}, D <= {MAX_HEAD_DIM}, H % LNC == 0",
     },
 )
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..framework.common_types import NormType, QKVOutputLayout, QKVWeightLayout, QuantizationType
+from ..framework.hardware import PARTITIONS
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
@@ -48,6 +49,8 @@ from .qkv_reference import TKG_MAX_SEQ, TKG_MAX_TOKENS, head_dim, reference_qkv,
 ENTRY_POINT = "nkilib.core.qkv.qkv:qkv"
 _F32 = (jnp.float32,)
 _MX_WORDS = jnp.dtype(jnp.uint32)  # float8_e4m3fn_x4 words
+CTE_MAX_HIDDEN = 24576  # qkv_cte: H
+CTE_MAX_WIDTH = 4096  # qkv_cte: I, the fused q/k/v width
 _OPERANDS = {
     operand.name: operand
     for operand in (
@@ -406,8 +409,8 @@ def _check_tkg(call: CallInfo) -> None:
 # ------------------------------------------------------------------------------------------------ Neuron limits
 def _common_limits(call: CallInfo) -> list[str]:
     dims, unmet = call.dims, []
-    if dims["H"] % 128:
-        unmet.append(f"H={dims['H']} must be a multiple of 128")
+    if dims["H"] % PARTITIONS:
+        unmet.append(f"H={dims['H']} must be a multiple of {PARTITIONS}")
     if call.params["output_layout"] == QKVOutputLayout.NBdS:
         unmet.append("output_layout=NBdS is not implemented by qkv_cte or qkv_tkg")
     return unmet
@@ -415,10 +418,10 @@ def _common_limits(call: CallInfo) -> list[str]:
 
 def _cte_limits(call: CallInfo) -> list[str]:
     dims, p, unmet = call.dims, call.params, _common_limits(call)
-    if dims["H"] > 24576:
-        unmet.append(f"H={dims['H']} exceeds 24576")
-    if dims["I"] > 4096:
-        unmet.append(f"I={dims['I']} exceeds 4096")
+    if dims["H"] > CTE_MAX_HIDDEN:
+        unmet.append(f"H={dims['H']} exceeds {CTE_MAX_HIDDEN}")
+    if dims["I"] > CTE_MAX_WIDTH:
+        unmet.append(f"I={dims['I']} exceeds {CTE_MAX_WIDTH}")
     if p["output_layout"] == QKVOutputLayout.NBSd and _heads(call)[2] != 128:
         unmet.append(f"output_layout=NBSd needs d_head=128 on the CTE path; got {_heads(call)[2]}")
     if p["quantization_type"] == QuantizationType.ROW:
@@ -435,8 +438,8 @@ def _tkg_limits(call: CallInfo) -> list[str]:
     unmet = _common_limits(call)
     if call.params["fused_norm_type"] == NormType.RMS_NORM_SKIP_GAMMA:
         unmet.append("qkv_tkg does not implement RMS_NORM_SKIP_GAMMA")
-    if (call.dims["H"] // 128) % call.lnc:
-        unmet.append(f"H / 128 = {call.dims['H'] // 128} must be divisible by LNC={call.lnc}")
+    if (call.dims["H"] // PARTITIONS) % call.lnc:
+        unmet.append(f"H / {PARTITIONS} = {call.dims['H'] // PARTITIONS} must be divisible by LNC={call.lnc}")
     return unmet
 
 
@@ -525,10 +528,10 @@ QKV_SPEC = KernelSpec(
     support={
         "idiomatic": "qkv_projection",
         "vjp": _VJP,
-        "notes": "one primitive following the kernel's dispatch: CTE, TKG (S <= 96 and B*S <= 128 without "
-        "RoPE; returns fused_hidden with fused_residual_add; lax.map under vmap), fused KV-cache write "
-        "(CTE with k_cache, v_cache, k_scale, v_scale; caches aliased); FP8 STATIC/ROW; MX "
-        "(MX_CONTIGUOUS, CTE only). Neuron: H % 128 == 0, H <= 24576, I <= 4096",
+        "notes": f"one primitive following the kernel's dispatch: CTE, TKG (S <= {TKG_MAX_SEQ} and B*S <= "
+        f"{TKG_MAX_TOKENS} without RoPE; returns fused_hidden with fused_residual_add; lax.map under vmap), fused "
+        "KV-cache write (CTE with k_cache, v_cache, k_scale, v_scale; caches aliased); FP8 STATIC/ROW; MX "
+        f"(MX_CONTIGUOUS, CTE only). Neuron: H % {PARTITIONS} == 0, H <= {CTE_MAX_HIDDEN}, I <= {CTE_MAX_WIDTH}",
     },
 )
 

@@ -205,7 +205,7 @@ _ROW_SUPPORT = {
     "vjp": "none (quantized values and scales have zero cotangents)",
     "notes": "rank 2 [P, F] quantizes rows and returns hidden's dtype (output_dtype ignored, as in the kernel); rank "
     "3 [P0, BxS, F0] quantizes tokens across P0 and F0, FP8 with output_dtype; MINVAL = 1e-6 assumed "
-    "(constants.py not available); Neuron: P <= 128 (split along "
+    f"(constants.py not available); Neuron: P <= {PARTITIONS} (split along "
     "P / BxS beyond it), SBUF capacity; device adapter jax_nkilib_kernels/quant.py",
 }
 
@@ -246,7 +246,7 @@ STATIC_QUANTIZATION_SPEC = KernelSpec(
         "idiomatic": "",
         "vjp": "identity for the passed-through input_dequant_scale; quantized has zero cotangents",
         "notes": "per-partition scales [P, 1]; the product is rounded to hidden's dtype before the clip; Neuron: "
-        "P <= 128 (split along P or F beyond it), SBUF capacity; device adapter jax_nkilib_kernels/quant.py",
+        f"P <= {PARTITIONS} (split along P or F beyond it), SBUF capacity; device adapter jax_nkilib_kernels/quant.py",
     },
 )
 
@@ -298,7 +298,7 @@ PRE_COMBINE_DEQUANT_SCALES_SPEC = KernelSpec(
     support={
         "idiomatic": "",
         "vjp": "JAX (differentiates the product)",
-        "notes": "float32 (float64 on CPU only); Neuron: P <= 128 (split beyond it), SBUF capacity; device "
+        "notes": f"float32 (float64 on CPU only); Neuron: P <= {PARTITIONS} (split beyond it), SBUF capacity; device "
         "adapter jax_nkilib_kernels/quant.py",
     },
 )

@@ -416,7 +416,8 @@ MATMUL_MXFP8_SPEC = KernelSpec(
     support={
         "idiomatic": "mxfp8_matmul",
         "vjp": "kernel: matmul_mxfp8_backward (straight-through quantization)",
-        "notes": "Trn3; Neuron: bfloat16 operands, raw operands K % 128 == 0 (tile_k 512), uint8 scales, "
+        "notes": f"Trn3; Neuron: bfloat16 operands, raw operands K % {MIN_K} == 0 (tile_k {DGT_TILE_K}), uint8 "
+        "scales, "
         "float32/bfloat16 output, run_with_lnc2 needs LNC=2; not yet run on Trainium",
     },
 )
@@ -521,7 +522,8 @@ MATMUL_MXFP8_BACKWARD_SPEC = KernelSpec(
     support={
         "idiomatic": "mxfp8_matmul (reverse mode)",
         "vjp": "none (it is the backward)",
-        "notes": "Trn3; Neuron: bfloat16 operands, M % 128, N % 512, K % 512, run_with_lnc2 needs LNC=2; "
+        "notes": f"Trn3; Neuron: bfloat16 operands, M % {MIN_K}, N % {F_BY_K_TILE}, K % {F_BY_K_TILE}, "
+        "run_with_lnc2 needs LNC=2; "
         "pre-quantized and pre-swizzled operands not bound; not yet run on Trainium",
     },
 )

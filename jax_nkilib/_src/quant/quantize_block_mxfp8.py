@@ -158,7 +158,8 @@ QUANTIZE_BLOCK_MXFP8_SPEC = KernelSpec(
     support={
         "idiomatic": "quantize_mx",
         "vjp": "none (quantized outputs)",
-        "notes": "Trn3; Neuron: bfloat16 src, K % 128 == 0, F % 8 == 0, run_with_lnc2 needs LNC=2 and F >= 512; "
+        "notes": f"Trn3; Neuron: bfloat16 src, K % {MIN_K} == 0, F % {MIN_F} == 0, run_with_lnc2 needs LNC=2 and "
+        f"F >= {MIN_F_LNC2}; "
         "scale rows the kernel does not write are 0 here (undefined on Neuron)",
     },
 )

@@ -141,7 +141,8 @@ ROPE_SPEC = KernelSpec(
     support={
         "idiomatic": "rope",
         "vjp": "kernel for dx (RoPE with -sin); JAX for dcos, dsin",
-        "notes": "Neuron: d_head 64 or 128; B*n_heads*S per program <= 73728 bf16 (36864 f32)",
+        "notes": f"Neuron: d_head {' or '.join(map(str, ROPE_HEAD_SIZES))}; B*n_heads*S per program <= "
+        f"{ROPE_SBUF_BYTES // 2} bf16 ({ROPE_SBUF_BYTES // 4} f32)",
     },
 )
 
@@ -261,7 +262,7 @@ ROPE_HF_SPEC = KernelSpec(
     support={
         "idiomatic": "",
         "vjp": "kernel for dq, dk (rope_hf backward flag); JAX for the tables",
-        "notes": "Neuron: S % (128*LNC) == 0; device adapter jax_nkilib_kernels/rope.py",
+        "notes": f"Neuron: S % ({ROPE_HF_SEQ_TILE}*LNC) == 0; device adapter jax_nkilib_kernels/rope.py",
     },
 )
 
