@@ -225,7 +225,7 @@ _RING_PARAMS = (
     Param("replica_groups", None, "axis"),
 )
 _RING_NOTES = (
-    f"TRN2; tp_degree in {SUPPORTED_TP_DEGREES[0]}..{SUPPORTED_TP_DEGREES[-1]} (even); the axis must group "
+    f"TRN2; tp_degree in {{{', '.join(map(str, SUPPORTED_TP_DEGREES))}}}; the axis must group "
     "consecutive ranks; m % (LNC x channels) == 0; "
     "output [tp_degree, m, .] for every SBUF/HBM path (the kernel's [RANK_N, ...] result, reshaped)"
 )
