@@ -25,13 +25,25 @@ SPECS = arg_specs(size="small")
 N = 2  # batch size of the vmap checks
 
 
-def params(*selectors):
-    """pytest params over the small specs that have every one of ``selectors`` (attribute names). A spec's checks
-    run in one xdist worker (``--dist loadgroup``), so they share its compiled functions."""
+def params(*selectors, slow=()):
+    """pytest params over the small specs that have every one of ``selectors`` (attribute names); those named in
+    ``slow`` are marked slow. A spec's checks run in one xdist worker (``--dist loadgroup``), so they share its
+    compiled functions."""
     chosen = [s for s in SPECS if all(getattr(s, attr) for attr in selectors)]
     return pytest.mark.parametrize(
-        "spec", [pytest.param(s, id=s.name, marks=pytest.mark.xdist_group(s.name)) for s in chosen]
+        "spec",
+        [
+            pytest.param(
+                s, id=s.name, marks=[pytest.mark.xdist_group(s.name)] + ([pytest.mark.slow] if s.name in slow else [])
+            )
+            for s in chosen
+        ],
     )
+
+
+# Op-by-op dispatch of the rings takes 10-20 s per call on a small CPU machine: their eager runs stay slow, as the
+# per-file eager checks they replace were (the ring kernels' own specs run eagerly in CI).
+EAGER_IS_SLOW = ("ring_attention", "all_gather_matmul", "matmul_reduce_scatter")
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
@@ -129,37 +141,39 @@ def squared_sum(out):
 
 
 # --------------------------------------------------------------------------------------------------------- tests
-@params()
+@params(slow=EAGER_IS_SLOW)
 def test_jit_matches_eager(spec):
     args = spec.args()
     assert_same(jitted(spec)(*args), function(spec)(*args))
 
 
 @params("batched")
-def test_vmap_matches_a_loop(spec):
-    axes = in_axes(spec)
-    args = stacked(spec, axes)
-    assert_same(jax.jit(jax.vmap(function(spec), in_axes=axes))(*args), loop(jitted(spec), args, axes))
-
-
-@params("batched")
-def test_partial_vmap_on_a_trailing_axis_matches_a_loop(spec):
-    """Only the last batchable operand is batched, along its last axis."""
+def test_vmap_partial_and_nested_match_loops(spec):
+    """Three vmaps, compiled as one program, each equal to a loop of single calls: over every batchable operand;
+    over the last batchable operand alone, along its last axis (partial ``in_axes`` on a trailing axis); and vmap
+    of vmap over every batchable operand."""
+    fn, full_axes = function(spec), in_axes(spec)
     name = spec.batched[-1]
-    ndim = spec.args()[spec.operands.index(name)].ndim
-    axes = in_axes(spec, only=(name,), axis=ndim)
-    args = stacked(spec, axes)
-    assert_same(jax.jit(jax.vmap(function(spec), in_axes=axes))(*args), loop(jitted(spec), args, axes))
+    partial_axes = in_axes(spec, only=(name,), axis=spec.args()[spec.operands.index(name)].ndim)
+    full, partial = stacked(spec, full_axes), stacked(spec, partial_axes)
+    nested = tuple(
+        a if axis is None else a.reshape(N, N, *a.shape[1:])
+        for a, axis in zip(stacked(spec, full_axes, N * N), full_axes)
+    )
 
+    @jax.jit
+    def vmaps(full, partial, nested):
+        return (
+            jax.vmap(fn, in_axes=full_axes)(*full),
+            jax.vmap(fn, in_axes=partial_axes)(*partial),
+            jax.vmap(jax.vmap(fn, in_axes=full_axes), in_axes=full_axes)(*nested),
+        )
 
-@params("batched")
-def test_nested_vmap_matches_a_loop(spec):
-    """vmap of vmap, both over every batchable operand."""
-    axes = in_axes(spec)
-    args = stacked(spec, axes, N * N)
-    args = tuple(a if axis is None else a.reshape(N, N, *a.shape[1:]) for a, axis in zip(args, axes))
-    nested = jax.jit(jax.vmap(jax.vmap(function(spec), in_axes=axes), in_axes=axes))(*args)
-    assert_same(nested, loop(lambda *a: loop(jitted(spec), a, axes), args, axes))
+    got_full, got_partial, got_nested = vmaps(full, partial, nested)
+    single = jitted(spec)
+    assert_same(got_full, loop(single, full, full_axes))
+    assert_same(got_partial, loop(single, partial, partial_axes))
+    assert_same(got_nested, loop(lambda *a: loop(single, a, full_axes), nested, full_axes))
 
 
 @params("grad", "check_grads")
