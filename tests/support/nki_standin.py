@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import ast
 import base64
-import dataclasses
 import enum
 import hashlib
 import inspect
@@ -438,7 +437,3 @@ def install(monkeypatch, standin: StandIn, library: dict[str, Any] = ()) -> None
 
     sdk.entry_point_missing.cache_clear()
     monkeypatch.setattr(sdk, "installed_versions", lambda: {"nki": "0.4.0 (stand-in)"})
-
-
-def dataclass_fields(obj) -> dict:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
