@@ -6,7 +6,8 @@ tests of LNC 2 say so with ``jax_nkilib.config(lnc=2)``, and ``tests/neuron/test
 defaults (LNC 2 on Trainium2 when ``NEURON_LOGICAL_NC_CONFIG`` is unset) in fresh processes.
 
 XLA:CPU compiles the suite's thousands of tiny programs with LLVM's optimizer off: compiling, not running, is what
-the suite spends its time on (about a third less CPU time with these flags). Fast math stays off either way; results
+the suite spends its time on (about a third less CPU time on compile-bound tests such as attention_cte and norm,
+under a tenth on the shard_map-heavy sharding tests). Fast math stays off either way; results
 can differ from an optimised build at most in the last bit of a fused multiply-add, far inside every tolerance.
 A user's own ``XLA_FLAGS`` come after these, so they win.
 """

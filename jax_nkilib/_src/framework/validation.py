@@ -207,7 +207,9 @@ def check_operand_layouts(
     except LayoutMismatch as err:
         raise ValueError(f"{where}: `{err.operand}` {err.reason}") from None
     for dim in positive:
-        for name, shape, _ in shapes if dims.get(dim) == 0 else ():
+        if dims.get(dim) != 0:
+            continue
+        for name, shape, _ in shapes:
             if any(token.name == dim for token in chosen[name].dims):
                 raise ValueError(
                     f"{where}: `{name}` must have layout {chosen[name]} with {dim} >= 1; got shape {shape}"
