@@ -2,14 +2,25 @@
 
 No ``[Sq, Sk]`` score matrix is ever formed: queries and keys are processed in blocks (one ``fori_loop`` over the
 (query block, key block) pairs, slicing the inputs in place and accumulating results with in-place updates), so
-the working memory is ``O(block_q * block_k)`` per (kv-head, group) plus the outputs. Pairs that a causal or
-sliding-window mask hides entirely are skipped when the mask is known at trace time.
+the working memory is ``O(block_q * block_k)`` per (kv-head, group) plus the outputs. Pairs that the causal rule
+or a left or right window hides entirely are skipped when known at trace time (no runtime offsets or lengths);
+packing bounds, segment ids and dense masks only narrow those, and never skip a pair.
 
-Layouts (the engine's own): ``q [H_kv, G, Sq, d]`` (``G`` query heads share each KV head: grouped-query
-attention), ``k, v [H_kv, Sk, d]``; ``sink`` ``[H_kv, G, n_sinks]`` holds extra softmax logits per row (unscaled).
+Layouts (the engine's own, batchless: batch by ``vmap``): ``q [H_kv, G, Sq, d]`` (``G`` query heads share each KV
+head: grouped-query attention), ``k, v [H_kv, Sk, d]`` (the rule's prior slots first, then its active keys);
+``sink`` ``[H_kv, G, n_sinks]`` holds extra softmax logits per row (unscaled). ``bias`` (floating) and ``mask``
+(boolean) broadcast to ``[H_kv, G, Sq, Sk]`` with every dim 1 or full (a lower rank gains leading 1s); they are sliced
+block by block like ``q`` and ``k``, never broadcast to the full shape.
 
-Precision (the NKI kernels'): scores, softmax statistics and accumulations are float32 (float64 for float64
-inputs); probabilities and score gradients are rounded to the input dtype before their matmuls.
+Logits, in this order: ``u = scale * q k^T``; with a soft cap ``c`` (static, > 0), ``u = c * tanh(u / c)``; then
+``s = u + bias``; then ``s = -inf`` where the rule (:class:`~.masks.MaskRule`: causal, windows, packing bounds,
+segment ids, prefix slots) or ``mask`` (False) forbids. ``o = softmax(s) v``, the sinks joining every row's softmax.
+The backward's ``dS = P * (dP - D)`` is the gradient of ``s`` (hence of ``bias``: ``dbias`` is ``dS`` summed over
+the bias's broadcast dims, 0 where masked); ``q`` and ``k`` receive ``dS * (1 - tanh^2(scale q k^T / c)) * scale``.
+
+Precision (the NKI kernels'): scores, soft cap, bias, softmax statistics and accumulations are float32 (float64 for
+float64 inputs), and so are the results (``o``, ``dq``, ``dk``, ``dv``, ``dsink``, ``dbias``); probabilities and
+score gradients are rounded to the input dtype before their matmuls.
 
 Rows with no allowed key (and no sink) have output 0, row max ``-inf`` and row sum 0, so ``lse = +inf`` and their
 gradients are 0: never NaN.
@@ -78,14 +89,85 @@ def _put(x, update, index, block: int, axis: int):
     return lax.dynamic_update_slice_in_dim(x, update.astype(x.dtype), index * block, axis=axis)
 
 
-def attention_forward(q, k, v, rule: MaskRule, scale: float, sink=None, *, block_q=None, block_k=None):
+def _dense_operand(x, name: str, shape: tuple, bq: int, bk: int):
+    """``bias`` or ``mask`` as a rank-4 array whose every dim is 1 (broadcast) or that of ``shape``
+    ``[H_kv, G, Sq, Sk]``, its full query and key dims padded (zeros: ``False`` for a mask) like ``q`` and ``k``."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if name == "mask" and x.dtype != jnp.bool_:
+        raise TypeError(f"attention mask must be boolean, got {x.dtype}")
+    if name == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"attention bias must be floating-point, got {x.dtype}")
+    if x.ndim > 4 or any(size not in (1, full) for size, full in zip(x.shape[::-1], shape[::-1])):
+        raise ValueError(
+            f"attention {name} of shape {list(x.shape)} must broadcast to [H_kv, G, Sq, Sk] = {list(shape)} "
+            "with every dim 1 or full"
+        )
+    x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+    if x.shape[2] != 1:
+        x = _pad_to(x, 2, bq)
+    return _pad_to(x, 3, bk) if x.shape[3] != 1 else x
+
+
+def _tile_starts(x, i, j, bq: int, bk: int) -> tuple:
+    """Where block ``(i, j)`` of a dense operand starts (a size-1, broadcast dim always at 0)."""
+    starts = 0, 0, (i * bq if x.shape[2] != 1 else 0), (j * bk if x.shape[3] != 1 else 0)
+    return tuple(jnp.asarray(start, jnp.int32) for start in starts)
+
+
+def _tile(x, i, j, bq: int, bk: int):
+    """Block ``(i, j)`` of a dense operand: ``[H_kv or 1, G or 1, bq or 1, bk or 1]`` (broadcast dims stay 1)."""
+    if x is None:
+        return None
+    size = x.shape[:2] + (bq if x.shape[2] != 1 else 1, bk if x.shape[3] != 1 else 1)
+    return lax.dynamic_slice(x, _tile_starts(x, i, j, bq, bk), size)
+
+
+def _logits(q_block, k_block, scale, acc, soft_cap, bias_tile):
+    """The logits of a block pair before masking, ``soft_cap * tanh(scale q k^T / soft_cap) + bias``, and the
+    ``tanh`` (``None`` without a soft cap) whose ``1 - tanh^2`` the backward needs."""
+    s = _scores(q_block, k_block, scale, acc)
+    capped = None
+    if soft_cap is not None:
+        capped = jnp.tanh(s / soft_cap)
+        s = soft_cap * capped
+    if bias_tile is not None:
+        s = s + bias_tile.astype(acc)
+    return s, capped
+
+
+def _allowed(rule: MaskRule, i, j, bq: int, bk: int, mask):
+    """Booleans ``[.., bq, bk]``: the rule's entries of block pair ``(i, j)``, and the dense mask's block."""
+    allowed = rule.allowed(i * bq + jnp.arange(bq), j * bk + jnp.arange(bk))
+    return allowed if mask is None else allowed & _tile(mask, i, j, bq, bk)
+
+
+def _check_soft_cap(soft_cap):
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be a positive number or None, got {soft_cap!r}")
+
+
+def attention_forward(
+    q, k, v, rule: MaskRule, scale: float, sink=None, *, bias=None, mask=None, soft_cap=None, block_q=None, block_k=None
+):
     """Returns ``(o, row_max, row_sum)``: ``o [H_kv, G, Sq, d]`` in the accumulation dtype, statistics
-    ``[H_kv, G, Sq]`` over the allowed keys and the sinks (``row_max`` is ``-inf`` for empty rows)."""
+    ``[H_kv, G, Sq]`` over the allowed keys and the sinks (``row_max`` is ``-inf`` for empty rows).
+
+    ``bias`` (floating) and ``mask`` (boolean) broadcast to ``[H_kv, G, Sq, Sk]`` (``Sk`` counting the prior slots
+    first) with every dim 1 or full; the logits are ``soft_cap * tanh(scale q k^T / soft_cap)`` (or
+    ``scale q k^T``) plus ``bias``, then masked (``mask`` False or the rule forbids: not attended)."""
+    _check_soft_cap(soft_cap)
     acc = accumulation_dtype(q.dtype)
     bq, bk = _block_sizes(rule, block_q, block_k)
     n_kv, groups, seq_q, d = q.shape
+    bias, mask = (
+        _dense_operand(x, name, (n_kv, groups, seq_q, k.shape[1]), bq, bk)
+        for x, name in ((bias, "bias"), (mask, "mask"))
+    )
     q, k, v = _pad_to(q, 2, bq), _pad_to(k, 1, bk), _pad_to(v, 1, bk)
     q_blocks, k_blocks, starts_row = block_pairs(rule, q.shape[2] // bq, k.shape[1] // bk, bq, bk, by="query")
+    dense = tuple(x for x in (bias, mask) if x is not None)
     runtime = rule.runtime_values()
 
     def one_pair(t, carry):
@@ -96,8 +178,8 @@ def attention_forward(q, k, v, rule: MaskRule, scale: float, sink=None, *, block
         row_sum, out = jnp.where(fresh, 0.0, row_sum), jnp.where(fresh, 0.0, out)
         q_block = _block(q, i, bq, 2)
         k_block, v_block = (_only_valid_keys(rule, j, bk, _block(x, j, bk, 1)) for x in (k, v))
-        allowed = rule.allowed(i * bq + jnp.arange(bq), j * bk + jnp.arange(bk))
-        s = jnp.where(allowed, _scores(q_block, k_block, scale, acc), -jnp.inf)
+        logits = _logits(q_block, k_block, scale, acc, soft_cap, _tile(bias, i, j, bq, bk))[0]
+        s = jnp.where(_allowed(rule, i, j, bq, bk, mask), logits, -jnp.inf)
         new_max = jnp.maximum(row_max, s.max(-1))
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
         p = jnp.exp(s - safe_max[..., None])
@@ -122,7 +204,7 @@ def attention_forward(q, k, v, rule: MaskRule, scale: float, sink=None, *, block
         jnp.zeros((n_kv, groups, bq), acc),
         jnp.zeros((n_kv, groups, bq, d), acc),
     )
-    init = tuple(varying_like(x, q, k, v, *runtime) for x in init)
+    init = tuple(varying_like(x, q, k, v, *dense, *runtime) for x in init)
     out, row_max, row_sum = (
         lax.slice_in_dim(x, 0, seq_q, axis=2) for x in lax.fori_loop(0, len(q_blocks), one_pair, init)[:3]
     )
@@ -154,31 +236,65 @@ def _only_valid_keys(rule: MaskRule, j, bk: int, x):
     return x if valid is None else jnp.where(valid[:, None], x, jnp.zeros((), x.dtype))
 
 
-def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=None, *, block_q=None, block_k=None):
+def attention_backward(
+    q,
+    k,
+    v,
+    o,
+    dy,
+    lse,
+    rule: MaskRule,
+    scale: float,
+    sink=None,
+    *,
+    bias=None,
+    mask=None,
+    soft_cap=None,
+    return_dbias: bool = False,
+    block_q=None,
+    block_k=None,
+):
     """Gradients ``(dq, dk, dv, dsink)`` in the accumulation dtype from the forward output ``o`` and its row
-    log-sum-exp ``lse [H_kv, G, Sq]`` (FlashAttention-2: ``D = rowsum(dy * o)``, ``dS = P * (dP - D)``)."""
+    log-sum-exp ``lse [H_kv, G, Sq]`` (FlashAttention-2: ``D = rowsum(dy * o)``, ``dS = P * (dP - D)``).
+
+    ``bias``, ``mask`` and ``soft_cap`` must be those of the forward. With ``return_dbias`` the result is
+    ``(dq, dk, dv, dsink, dbias)``: ``dbias`` (``None`` without a bias) has the bias's own shape and the
+    accumulation dtype, ``dS`` (0 where masked) summed over the bias's broadcast dims. A soft cap scales the score
+    gradient that reaches ``q`` and ``k`` by ``1 - tanh^2``."""
+    _check_soft_cap(soft_cap)
     acc = accumulation_dtype(q.dtype)
     bq, bk = _block_sizes(rule, block_q, block_k)
     seq_q, seq_k = q.shape[2], k.shape[1]
+    bias_shape = None if bias is None else jnp.shape(bias)
+    bias, mask = (
+        _dense_operand(x, name, q.shape[:3] + (seq_k,), bq, bk) for x, name in ((bias, "bias"), (mask, "mask"))
+    )
     delta = jnp.sum(dy.astype(acc) * o.astype(acc), axis=-1)
     q, dy, lse_p, delta_p = (_pad_to(x, 2, bq) for x in (q, dy, lse.astype(acc), delta))
     k, v = _pad_to(k, 1, bk), _pad_to(v, 1, bk)
     q_blocks, k_blocks, starts_column = block_pairs(rule, q.shape[2] // bq, k.shape[1] // bk, bq, bk, by="key")
-    inputs = (q, k, v, o, dy, lse, *rule.runtime_values())
+    dense = tuple(x for x in (bias, mask) if x is not None)
+    inputs = (q, k, v, o, dy, lse, *dense, *rule.runtime_values())
 
     def one_pair(t, carry):
-        dq, dk, dv, dk_block, dv_block = carry
+        dq, dk, dv, dk_block, dv_block, dbias = carry
         i, j = q_blocks[t], k_blocks[t]
         fresh = starts_column[t]  # the first query block of a key block: start its accumulators anew
         dk_block, dv_block = jnp.where(fresh, 0.0, dk_block), jnp.where(fresh, 0.0, dv_block)
         q_block, dy_block = _block(q, i, bq, 2), _block(dy, i, bq, 2)
         lse_block, delta_block = _block(lse_p, i, bq, 2), _block(delta_p, i, bq, 2)
         k_block, v_block = (_only_valid_keys(rule, j, bk, _block(x, j, bk, 1)) for x in (k, v))
-        allowed = rule.allowed(i * bq + jnp.arange(bq), j * bk + jnp.arange(bk))
-        p = jnp.where(allowed, jnp.exp(_scores(q_block, k_block, scale, acc) - lse_block[..., None]), 0.0)
+        logits, capped = _logits(q_block, k_block, scale, acc, soft_cap, _tile(bias, i, j, bq, bk))
+        allowed = _allowed(rule, i, j, bq, bk, mask)
+        p = jnp.where(allowed, jnp.exp(logits - lse_block[..., None]), 0.0)
         dv_block = dv_block + _matmul("hgqk,hgqd->hkd", p.astype(dy.dtype), dy_block, acc)
         dp = _matmul("hgqd,hkd->hgqk", dy_block, v_block, acc)
-        ds = (p * (dp - delta_block[..., None])).astype(q.dtype)
+        ds = p * (dp - delta_block[..., None])  # the gradient of the logits
+        if bias is not None:  # exactly 0 where masked, as a select's gradient is (even in a NaN row)
+            dbias = _add_tile(dbias, jnp.where(allowed, ds, 0.0), i, j, bq, bk)
+        if capped is not None:
+            ds = ds * (1.0 - capped * capped)
+        ds = ds.astype(q.dtype)
         dq_block = _matmul("hgqk,hkd->hgqd", ds, k_block, acc) * scale
         dk_block = dk_block + _matmul("hgqk,hgqd->hkd", ds, q_block, acc) * scale
         # written at every step; the last query block of a key block leaves the final values
@@ -188,12 +304,14 @@ def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=N
             _put(dv, dv_block, j, bk, 1),
             dk_block,
             dv_block,
+            dbias,
         )
 
     block_zeros = jnp.zeros((k.shape[0], bk, k.shape[2]), acc)
-    init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc), block_zeros, block_zeros)
+    dbias = jnp.zeros(() if bias is None else bias.shape, acc)  # a placeholder without a bias
+    init = (jnp.zeros(q.shape, acc), jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc), block_zeros, block_zeros, dbias)
     init = tuple(varying_like(x, *inputs) for x in init)
-    dq, dk, dv = lax.fori_loop(0, len(q_blocks), one_pair, init)[:3]
+    dq, dk, dv, _, _, dbias = lax.fori_loop(0, len(q_blocks), one_pair, init)
     dq, dk, dv = (
         lax.slice_in_dim(dq, 0, seq_q, axis=2),
         lax.slice_in_dim(dk, 0, seq_k, axis=1),
@@ -203,15 +321,27 @@ def attention_backward(q, k, v, o, dy, lse, rule: MaskRule, scale: float, sink=N
     if sink is not None:
         p_sink = jnp.exp(sink.astype(acc)[:, :, None, :] - lse.astype(acc)[..., None])  # [H_kv, G, Sq, n_sinks]
         dsink = -jnp.sum(p_sink * delta[..., None], axis=2)
-    return dq, dk, dv, dsink
+    if not return_dbias:
+        return dq, dk, dv, dsink
+    if bias is None:
+        return dq, dk, dv, dsink, None
+    dbias = dbias[:, :, : min(bias.shape[2], seq_q), : min(bias.shape[3], seq_k)]  # without the padding
+    return dq, dk, dv, dsink, dbias.reshape(bias_shape)
+
+
+def _add_tile(x, update, i, j, bq: int, bk: int):
+    """``x`` plus ``update [H_kv, G, bq, bk]``, summed over ``x``'s broadcast (size-1) dims, at block ``(i, j)``."""
+    update = update.sum(tuple(axis for axis in range(4) if x.shape[axis] == 1), keepdims=True)
+    starts = _tile_starts(x, i, j, bq, bk)
+    return lax.dynamic_update_slice(x, lax.dynamic_slice(x, starts, update.shape) + update, starts)
 
 
 def block_pairs(rule: MaskRule, n_q_blocks: int, n_k_blocks: int, bq: int, bk: int, *, by: str):
     """The (query block, key block) pairs that can hold an allowed entry, as int32 arrays ``(i, j, starts)``.
 
     Pairs are ordered by query block (``by="query"``) or key block (``by="key"``); ``starts`` flags the first pair
-    of each group. Fully masked pairs are skipped when the mask is known at trace time (causal and sliding-window
-    rules without runtime offsets or lengths); otherwise every pair is visited.
+    of each group. Fully masked pairs are skipped when the mask is known at trace time (causal, left and right
+    windows without runtime offsets or lengths); otherwise every pair is visited.
     """
     pairs = [
         (i, j)
