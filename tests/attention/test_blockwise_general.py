@@ -120,6 +120,7 @@ def test_right_windows(left, right, n_prior):
 def test_static_right_windows_skip_hidden_block_pairs_even_with_segment_ids():
     count = lambda rule: len(block_pairs(rule, 8, 8, 8, 8, by="query")[0])  # noqa: E731
     assert count(MaskRule(n_queries=64, n_active=64, right_window=0)) == 36  # the same pairs as causal
+    assert count(MaskRule(n_queries=64, n_active=64, right_window=1)) == 43  # query 7 sees key 8: 36 + 7 pairs
     assert count(MaskRule(n_queries=64, n_active=64, window=1, right_window=8)) == 15  # the diagonal and one above
     assert count(MaskRule(n_queries=64, n_active=64, right_window=-64)) == 1  # nothing visible: one pair kept
     ids = jnp.zeros(64, jnp.int32)
@@ -164,6 +165,18 @@ def test_bias_and_soft_cap(shape, soft_cap):
     _, (_, _, _, dbias) = assert_matches(q, k, v, dy, rule, ok, bias=bias, soft_cap=soft_cap)
     if len(shape) == 4 and shape[2] == SEQ_Q:  # dS is exactly 0 where masked
         assert np.all(np.asarray(dbias)[..., ~ok] == 0)
+
+
+def test_dbias_is_exactly_zero_where_masked_even_in_a_nan_row():
+    """As the gradient of jax.nn.dot_product_attention's select: a NaN output gradient makes the row's dbias NaN only
+    where the row attends."""
+    q, k, v, dy = inputs(seq_q=6, seq_k=6)
+    allowed = oracle_allowed(6, 0, 6, causal=True)  # as a dense mask: every block pair is visited
+    dy = dy.at[:, :, 3].set(jnp.nan)
+    rule, bias = MaskRule(n_queries=6, n_active=6), jnp.zeros((6, 6))
+    _, (_, _, _, _, dbias) = engine(q, k, v, dy, rule, bias=bias, mask=jnp.asarray(allowed), block_q=4, block_k=4)
+    assert np.all(np.isnan(dbias[3, :4])) and np.all(np.asarray(dbias)[~allowed] == 0)
+    assert np.all(np.isfinite(np.delete(np.asarray(dbias), 3, axis=0)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
