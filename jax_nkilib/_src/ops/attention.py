@@ -362,7 +362,10 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
     queries = jnp.transpose(queries, (0, 2, 3, 1, 4)).reshape(rows, groups, s_new, d)
     new_rows = lambda x: jnp.transpose(x, (0, 2, 1, 3)).reshape(rows, 1, s_new, d)  # noqa: E731
     positions = jnp.repeat(lengths, kv_heads)[:, None] + jnp.arange(s_new, dtype=jnp.int32)
-    active_mask = jnp.ones((s_new, rows, groups, s_new), jnp.uint8)  # unused with use_pos_id, as in the kernel
+    # with use_pos_id the kernel's reference makes the new tokens causal, but the kernel itself loads this mask over
+    # them (gen_mask_tkg's active_mask): give it the causal one, [key j, row, head, query i] = j <= i
+    causal = jnp.arange(s_new)[:, None] <= jnp.arange(s_new)[None, :]
+    active_mask = jnp.broadcast_to(causal[:, None, None, :], (s_new, rows, groups, s_new)).astype(jnp.uint8)
     if block_table is None:
         caches, paging = (c.reshape(rows, 1, capacity, d) for c in (k_cache, v_cache)), {}
     else:  # pools [num_blocks * kv_heads, block_len, d]; row (b, h) uses blocks table[b, j] * kv_heads + h
