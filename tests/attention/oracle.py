@@ -157,21 +157,39 @@ def attention_tkg_oracle(
     return out, np.swapaxes(ka, 1, 2)[:, None]
 
 
-def decode_attention_oracle(q, k_new, v_new, k_cache, v_cache, cache_len, scale=None):
-    """New token i of sequence b sees cached positions < cache_len[b] and new tokens <= i."""
+def decode_attention_oracle(
+    q, k_new, v_new, k_cache, v_cache, cache_len, scale=None, *, sliding_window=None, sinks=None, block_table=None
+):
+    """New token i of sequence b (position p = cache_len[b] + i) sees cached positions < cache_len[b] and new tokens
+    <= i, with a sliding window only positions > p - sliding_window; ``sinks`` [heads] or [batch, heads] are extra
+    logits with zero value. With ``block_table`` the caches are pools [num_blocks, kv_heads, block_len, d]."""
     q, k_new, v_new, k_cache, v_cache = (f64(x) for x in (q, k_new, v_new, k_cache, v_cache))
+    if block_table is not None:  # sequence b's flat cache: its blocks in table order
+        table = np.asarray(block_table).astype(np.int64)
+        k_cache, v_cache = (
+            np.transpose(pool[table], (0, 2, 1, 3, 4)).reshape(table.shape[0], pool.shape[1], -1, pool.shape[3])
+            for pool in (k_cache, v_cache)
+        )
     batch, s_new, heads, d = q.shape
     groups = heads // k_new.shape[2]
     scale = 1 / np.sqrt(d) if scale is None else scale
+    sinks = None if sinks is None else np.broadcast_to(f64(sinks), (batch, heads))
     out = np.zeros_like(q)
     for b in range(batch):
         n = int(cache_len[b])
         for h in range(heads):
             kv = h // groups
             for i in range(s_new):
+                positions = np.arange(n + i + 1)
                 keys = np.concatenate([k_cache[b, kv, :n], k_new[b, : i + 1, kv]])
                 values = np.concatenate([v_cache[b, kv, :n], v_new[b, : i + 1, kv]])
+                if sliding_window is not None:
+                    seen = positions > n + i - sliding_window
+                    keys, values = keys[seen], values[seen]
                 logits = scale * keys @ q[b, i, h]
+                if sinks is not None:
+                    logits = np.append(logits, sinks[b, h])
+                    values = np.concatenate([values, np.zeros((1, d))])
                 p = np.exp(logits - logits.max())
                 out[b, i, h] = (p / p.sum()) @ values
     return out

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -92,7 +94,8 @@ DECODE_ATTENTION_SHARDING = auto.register_rule(
     auto.ShardingRule(
         "jax_nkilib.decode_attention",
         free={"b": "batch", "n": "heads"},
-        note="with a block_table (paged caches shared by the batch) only heads shard",
+        note="sinks split with the heads (and the batch); with a block_table (paged caches shared by the batch) "
+        "only heads shard",
     )
 )
 
@@ -221,14 +224,14 @@ def _as_arrays(named: dict) -> dict:
     (checked before ``jnp.asarray``, so ``None`` or a string gets this op's message, not JAX's)."""
     arrays = {}
     for name, x in named.items():
-        if x is None and name == "block_table":
+        if x is None and name in ("block_table", "sinks"):
             arrays[name] = None
         else:
             arrays[name] = array_argument(_DECODE, name, x, dtypes=None)
     return arrays
 
 
-def _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table) -> None:
+def _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table, sinks) -> None:
     paged = block_table is not None
     cache = "num_blocks, kv_heads, block_len, head_dim" if paged else "batch, kv_heads, max_len, head_dim"
     layouts = {
@@ -239,12 +242,14 @@ def _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table) -> 
         "v_cache": cache,
         "cache_len": "batch",
         "block_table": "batch, max_blocks",
+        "sinks": ("heads", "batch, heads"),
     }
     operands = dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache)
     dims = check_operand_layouts(
         _DECODE,
         layouts,
-        dtypes=None,  # float operands: below; cache_len and block_table: integers
+        # float operands: below; cache_len and block_table: integers; sinks: a kernel float dtype
+        dtypes={name: "kernel" if name == "sinks" else None for name in layouts},
         positive=(
             "batch",
             "s_new",
@@ -259,6 +264,7 @@ def _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table) -> 
         **operands,
         cache_len=cache_len,
         block_table=block_table,
+        sinks=sinks,
     )
     require_float_dtypes(_DECODE, operands, same=False)
     s_new, heads, kv_heads = dims["s_new"], dims["heads"], dims["kv_heads"]
@@ -278,7 +284,32 @@ def _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table) -> 
         raise TypeError(f"{_DECODE}: `cache_len` must be an integer array [batch]; got {cache_len.dtype}")
 
 
-def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: float | None = None, block_table=None):
+def _decode_window(sliding_window, s_new: int) -> int | None:
+    """The checked static window (``None``: no window)."""
+    if sliding_window is None:
+        return None
+    sliding_window = static_int(_DECODE, "sliding_window", sliding_window, minimum=1)
+    if sliding_window < s_new:
+        raise ValueError(
+            f"{_DECODE}: `sliding_window` must be at least s_new={s_new} (the kernel's mask over the new tokens "
+            f"is causal, not windowed); got sliding_window={sliding_window}"
+        )
+    return sliding_window
+
+
+def decode_attention(
+    q,
+    k_new,
+    v_new,
+    k_cache,
+    v_cache,
+    cache_len,
+    *,
+    scale: float | None = None,
+    block_table=None,
+    sliding_window: int | None = None,
+    sinks=None,
+):
     """Attention of ``s_new`` new tokens per sequence against a KV cache with per-sequence lengths.
 
     Args:
@@ -293,11 +324,26 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
       block_table: int ``[batch, max_blocks]``: sequence ``b``'s positions ``j * block_len ...`` live in block
         ``block_table[b, j]`` (capacity ``max_blocks * block_len``). Every entry must name a block of the caches,
         unused ones included (the kernel loads the whole table): pad with any valid block, e.g. 0.
+      sliding_window: as in :func:`attention`: the token at position ``p`` sees only keys at positions
+        ``> p - sliding_window`` (and ``<= p``), so at most ``sliding_window`` keys (Mistral, GPT-OSS). A static
+        int in ``[s_new, 2**31 - 1]``: the kernel windows the cache, while among the new tokens its mask is causal
+        only. The cache keeps every position; slots before the window are simply not read.
+      sinks: ``[heads]`` or ``[batch, heads]`` extra softmax logits per query head (attention sinks, as in
+        :func:`attention`), differentiable; rounded to ``q``'s dtype.
 
     Returns ``(out [batch, s_new, heads, head_dim], k_cache, v_cache)``: each new token attends to its sequence's
-    cached tokens and to the new tokens up to itself; the returned caches hold the new keys and values at positions
-    ``cache_len[b] + i`` (a functional update). On Neuron the attention is the NKI ``attention_tkg`` kernel with its
-    in-kernel position mask (``use_pos_id``) and, for a paged cache, its block KV cache.
+    cached tokens and to the new tokens up to itself (within the window); the returned caches hold the new keys and
+    values at positions ``cache_len[b] + i`` (a functional update). Differentiable in ``q``, ``k_new``, ``v_new``,
+    the caches and ``sinks`` (reverse mode differentiates the kernel's JAX reference). On Neuron the attention is the
+    NKI ``attention_tkg`` kernel with its in-kernel position mask (``use_pos_id``; the window as its per-query
+    ``start_pos_ids``) and, for a paged cache, its block KV cache.
+
+    Kernel calls: one, except with ``[batch, heads]`` sinks and ``batch > 1``, where the kernel's one sink
+    ``[H, 1]`` shared by all its rows cannot hold per-sequence values: then the kernel runs once per sequence
+    (``lax.map``; a flat cache is sliced per sequence, a paged one passes whole). The kernel folds each (sequence,
+    kv head) into one row with the ``heads / kv_heads`` query heads of that kv head; with sinks and
+    ``kv_heads > 1`` each row carries all ``heads`` query heads instead (those of other kv heads zero, their outputs
+    dropped) so that the one sink vector fits every row: ``kv_heads`` times the score work, the same cache reads.
 
     Invalid run-time indices: a sequence ``b`` whose ``cache_len[b]`` is outside ``[0, capacity - 2 * s_new]`` or
     whose ``block_table`` row names a block outside ``[0, num_blocks)`` writes nothing anywhere (both caches keep
@@ -306,10 +352,11 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
     ``jax_nkilib.config(runtime_checks=True)``, ``jax.experimental.checkify.checkify(f,
     errors=checkify.user_checks)`` reports the first invalid index as an error.
 
-    Cache slots past ``cache_len[b]`` (stale memory, e.g. an overflowed FP8 value) never influence the result off
-    Neuron. On Neuron the kernel loads them and multiplies their values by zero probabilities, so NaN or inf garbage
-    there would reach the output on the device (per the kernel's source; not verified on Trainium). NaN in ``q`` or
-    in a key or value a token sees makes that token's output NaN, as in ``jax.nn.dot_product_attention``.
+    Cache slots past ``cache_len[b]`` (stale memory, e.g. an overflowed FP8 value), and those before a token's
+    window, never influence the result off Neuron. On Neuron the kernel loads them and multiplies their values by
+    zero probabilities, so NaN or inf garbage there would reach the output on the device (per the kernel's source;
+    not verified on Trainium). NaN in ``q``, in a key or value a token sees, or in its sink makes that token's output
+    NaN, as in ``jax.nn.dot_product_attention``.
     """
     arrays = _as_arrays(
         dict(
@@ -320,11 +367,13 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
             v_cache=v_cache,
             cache_len=cache_len,
             block_table=block_table,
+            sinks=sinks,
         )
     )
-    q, k_new, v_new, k_cache, v_cache, cache_len, block_table = arrays.values()
-    _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table)
+    q, k_new, v_new, k_cache, v_cache, cache_len, block_table, sinks = arrays.values()
+    _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table, sinks)
     scale = None if scale is None else static_float(_DECODE, "scale", scale)
+    sliding_window = _decode_window(sliding_window, q.shape[1])
     cache_dims = "bn_d" if block_table is None else "_n_d"
     sharded = auto.plan(
         DECODE_ATTENTION_SHARDING,
@@ -336,6 +385,7 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
             auto.ShardedArgument("v_cache", v_cache, cache_dims),
             auto.ShardedArgument("cache_len", cache_len, "b"),
             auto.ShardedArgument("block_table", block_table, "b_"),
+            auto.ShardedArgument("sinks", sinks, None if sinks is None else "bn"[2 - sinks.ndim :]),
         ],
     )
     if sharded:
@@ -347,45 +397,119 @@ def decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, *, scale: flo
                 "replicate the batch"
             )
 
-        def local(q, k_new, v_new, k_cache, v_cache, cache_len, block_table, axes):
-            return decode_attention(q, k_new, v_new, k_cache, v_cache, cache_len, scale=scale, block_table=block_table)
+        def local(q, k_new, v_new, k_cache, v_cache, cache_len, block_table, sinks, axes):
+            return decode_attention(
+                q,
+                k_new,
+                v_new,
+                k_cache,
+                v_cache,
+                cache_len,
+                scale=scale,
+                block_table=block_table,
+                sliding_window=sliding_window,
+                sinks=sinks,
+            )
 
         return sharded.run(local, ("bsnd", cache_dims, cache_dims))
-    batch, s_new, heads, d = q.shape
-    kv_heads = k_new.shape[2]
-    groups = heads // kv_heads
+    s_new, d = q.shape[1], q.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     capacity = k_cache.shape[2] if block_table is None else block_table.shape[1] * k_cache.shape[2]
+    if sliding_window is not None and sliding_window >= capacity - s_new:
+        sliding_window = None  # a valid token's position is < capacity - s_new: such a window hides no key
     lengths, table, valid = _valid_indices(cache_len, block_table, capacity, s_new, k_cache.shape[0])
-    rows = batch * kv_heads  # one kernel row per (sequence, kv head)
-    queries = (q * scale).astype(q.dtype).reshape(batch, s_new, kv_heads, groups, d)
-    queries = jnp.transpose(queries, (0, 2, 3, 1, 4)).reshape(rows, groups, s_new, d)
-    new_rows = lambda x: jnp.transpose(x, (0, 2, 1, 3)).reshape(rows, 1, s_new, d)  # noqa: E731
-    positions = jnp.repeat(lengths, kv_heads)[:, None] + jnp.arange(s_new, dtype=jnp.int32)
-    active_mask = jnp.ones((s_new, rows, groups, s_new), jnp.uint8)  # unused with use_pos_id, as in the kernel
-    if block_table is None:
-        caches, paging = (c.reshape(rows, 1, capacity, d) for c in (k_cache, v_cache)), {}
-    else:  # pools [num_blocks * kv_heads, block_len, d]; row (b, h) uses blocks table[b, j] * kv_heads + h
-        block_len = k_cache.shape[2]
-        caches = (c.reshape(-1, block_len, d) for c in (k_cache, v_cache))
-        pooled = table[:, None, :] * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)[None, :, None]
-        paging = dict(active_blocks_table=pooled.reshape(rows, -1).astype(jnp.uint32), block_len=block_len)
-    out = attention_tkg(
-        queries,
-        new_rows(k_new),
-        new_rows(v_new),
-        *caches,
-        active_mask,
-        rope_pos_ids=positions,
-        use_pos_id=True,
-        tp_k_prior=True,
-        curr_sprior=capacity,
-        **paging,
-    )
-    out = jnp.transpose(out.reshape(batch, kv_heads, groups, d, s_new), (0, 4, 1, 2, 3)).reshape(q.shape)
+    out = _attend(q, k_new, v_new, k_cache, v_cache, lengths, table, scale, capacity, sliding_window, sinks)
     out = jnp.where(valid[:, None, None, None], out, jnp.nan)
     return (out,) + tuple(
         _write_new_tokens(cache, new, lengths, table, valid) for cache, new in ((k_cache, k_new), (v_cache, v_new))
+    )
+
+
+def _attend(q, k_new, v_new, k_cache, v_cache, lengths, table, scale, capacity, sliding_window, sinks):
+    """``out [batch, s_new, heads, d]`` from ``attention_tkg`` for safe ``lengths`` and ``table``: one kernel row per
+    (sequence, kv head), the row's query heads as the kernel's heads."""
+    batch, s_new, heads, d = q.shape
+    kv_heads = k_new.shape[2]
+    groups = heads // kv_heads
+    rows = batch * kv_heads
+    queries = (q * scale).astype(q.dtype).reshape(batch, s_new, kv_heads, groups, d)
+    queries = jnp.transpose(queries, (0, 2, 3, 1, 4))  # [batch, kv_heads, groups, s_new, d]
+    # The kernel's sink [H, 1] is shared by all its rows. With sinks and several kv heads, every row carries all the
+    # query heads (its own at their places, zeros elsewhere), so that one sink vector [heads] fits every row.
+    all_heads = sinks is not None and kv_heads > 1
+    if all_heads:
+        own = jnp.eye(kv_heads, dtype=bool)[None, :, :, None, None, None]
+        queries = jnp.where(own, queries[:, :, None], jnp.zeros((), q.dtype))  # [b, kv, kv', groups, s_new, d]
+    new_rows = lambda x: jnp.transpose(x, (0, 2, 1, 3)).reshape(rows, 1, s_new, d)  # noqa: E731
+    # Prior slots [start, end) are visible. end = cache_len for every new token: the new tokens are the kernel's
+    # active tail, not cache slots (slots cache_len.. hold stale memory). With a window, token i at position
+    # p = cache_len + i sees positions > p - window: start = cache_len + i - window + 1, clipped at 0 (the cache is
+    # not circular); window >= s_new keeps start <= end and the causal tail inside the window.
+    ends = jnp.broadcast_to(jnp.repeat(lengths, kv_heads)[:, None], (rows, s_new))
+    operands = dict(
+        q=queries.reshape(rows, -1, s_new, d),
+        k_active=new_rows(k_new),
+        v_active=new_rows(v_new),
+        rope_pos_ids=ends,
+        start_pos_ids=None,
+        sink=None,
+        active_blocks_table=None,
+    )
+    if sliding_window is not None:
+        operands["start_pos_ids"] = jnp.maximum(ends + jnp.arange(s_new, dtype=jnp.int32) - (sliding_window - 1), 0)
+    if table is None:
+        caches = tuple(c.reshape(rows, 1, capacity, d) for c in (k_cache, v_cache))
+        operands.update(k_prior=caches[0], v_prior=caches[1])
+        block_len = 0
+    else:  # pools [num_blocks * kv_heads, block_len, d]; row (b, h) uses blocks table[b, j] * kv_heads + h
+        block_len = k_cache.shape[2]
+        pools = tuple(c.reshape(-1, block_len, d) for c in (k_cache, v_cache))
+        pooled = table[:, None, :] * kv_heads + jnp.arange(kv_heads, dtype=jnp.int32)[None, :, None]
+        operands["active_blocks_table"] = pooled.reshape(rows, -1).astype(jnp.uint32)
+    call = functools.partial(_call_attention_tkg, capacity=capacity, block_len=block_len)
+    if sinks is not None and sinks.ndim == 2 and batch > 1:
+        # per-sequence sinks: one kernel call per sequence (lax.map through the kernel's batching rule)
+        operands = {k: None if x is None else x.reshape(batch, kv_heads, *x.shape[1:]) for k, x in operands.items()}
+        operands["sink"] = sinks.astype(q.dtype)[:, :, None]
+        in_axes = dict.fromkeys(operands, 0)
+        if table is not None:  # the pools pass whole
+            operands.update(k_prior=pools[0], v_prior=pools[1])
+            in_axes.update(k_prior=None, v_prior=None)
+        out = jax.vmap(call, in_axes=(in_axes,))(operands).reshape(rows, -1, d, s_new)
+    else:
+        if sinks is not None:  # [heads] or [1, heads]
+            operands["sink"] = sinks.reshape(-1, heads)[0].astype(q.dtype)[:, None]
+        if table is not None:
+            operands.update(k_prior=pools[0], v_prior=pools[1])
+        out = call(operands)  # [rows, kernel heads, d, s_new]
+    if all_heads:  # row (b, kv) keeps its own heads: the diagonal kv == kv'
+        out = jnp.diagonal(out.reshape(batch, kv_heads, kv_heads, groups, d, s_new), axis1=1, axis2=2)
+        return jnp.transpose(out, (0, 3, 4, 1, 2)).reshape(q.shape)  # [b, groups, d, s_new, kv] -> [b, s_new, ...]
+    return jnp.transpose(out.reshape(batch, kv_heads, groups, d, s_new), (0, 4, 1, 2, 3)).reshape(q.shape)
+
+
+def _call_attention_tkg(operands, *, capacity: int, block_len: int):
+    """``attention_tkg`` with its in-kernel position mask on ``operands`` by name; ``out [rows, H, d, s_new]``."""
+    rows, heads, s_new, _ = operands["q"].shape
+    # The kernel's reference makes the new tokens causal, but the kernel itself loads this mask over them
+    # (gen_mask_tkg's active_mask): the causal one, [key j, row, head, query i] = j <= i.
+    causal = jnp.arange(s_new)[:, None] <= jnp.arange(s_new)[None, :]
+    active_mask = jnp.broadcast_to(causal[:, None, None, :], (s_new, rows, heads, s_new)).astype(jnp.uint8)
+    return attention_tkg(
+        operands["q"],
+        operands["k_active"],
+        operands["v_active"],
+        operands["k_prior"],
+        operands["v_prior"],
+        active_mask,
+        rope_pos_ids=operands["rope_pos_ids"],
+        start_pos_ids=operands["start_pos_ids"],
+        sink=operands["sink"],
+        active_blocks_table=operands["active_blocks_table"],
+        use_pos_id=True,
+        tp_k_prior=True,
+        curr_sprior=capacity,
+        block_len=block_len,
     )
 
 

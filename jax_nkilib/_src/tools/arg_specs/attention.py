@@ -162,6 +162,17 @@ def _decode(batch, s_new, heads, kv_heads, d, max_len):
     return build
 
 
+def _decode_sinks(batch, s_new, heads, kv_heads, d, max_len, per_sequence):
+    """decode_attention's operands and sinks ``[batch, heads]`` (``per_sequence``) or ``[heads]``."""
+
+    def build(rng):
+        return _decode(batch, s_new, heads, kv_heads, d, max_len)(rng) + (
+            normal(rng, (batch, heads) if per_sequence else (heads,)),
+        )
+
+    return build
+
+
 def _qkv(batch, sq, sk, heads, kv_heads, d):
     return lambda rng: (
         normal(rng, (batch, sq, heads, d)),
@@ -359,5 +370,42 @@ register(
         sharding=_data(6, 3),
         neuron=_decode(2, 2, 4, 2, 8, 256),
         bad=BadInput("q", drop_last_axis, "q"),
+    ),
+    ArgSpec(
+        "decode_attention.window_sequence_sinks",
+        jax_nkilib.decode_attention,
+        ("q", "k_new", "v_new", "k_cache", "v_cache", "cache_len", "sinks"),
+        _decode_sinks(8, 2, 4, 2, 8, 16, per_sequence=True),
+        kwargs={"sliding_window": 5},
+        positional=6,
+        kernels=("attention_tkg",),
+        only_kernels=False,
+        grad=("q", "k_new", "v_new", "k_cache", "v_cache", "sinks"),
+        grad_output=lambda out: out[0],
+        sharding=_data(7, 3),
+        neuron=_decode_sinks(2, 2, 4, 2, 8, 256, per_sequence=True),
+        neuron_kwargs={"sliding_window": 128},
+        bad=BadInput("sliding_window", lambda _: 0, "sliding_window"),
+        notes="per-sequence sinks: one attention_tkg call per sequence (a loop over the batch)",
+    ),
+    ArgSpec(
+        "decode_attention.heads_sharded_window_sinks",
+        jax_nkilib.decode_attention,
+        ("q", "k_new", "v_new", "k_cache", "v_cache", "cache_len", "sinks"),
+        _decode_sinks(2, 1, 16, 8, 8, 16, per_sequence=False),
+        kwargs={"sliding_window": 3},
+        positional=6,
+        kernels=("attention_tkg",),
+        only_kernels=False,
+        grad=("q", "k_new", "v_new", "sinks"),
+        grad_output=lambda out: out[0],
+        sharding=Sharding(
+            (("model", 8),),
+            (P(None, None, "model"),) * 3 + (P(None, "model"),) * 2 + (P(), P("model")),
+            (P(None, None, "model"), P(None, "model"), P(None, "model")),
+        ),
+        neuron=_decode_sinks(2, 1, 16, 8, 8, 256, per_sequence=False),
+        neuron_kwargs={"sliding_window": 128},
+        bad=BadInput("sinks", drop_last_axis, "sinks"),
     ),
 )
