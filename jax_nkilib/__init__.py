@@ -7,6 +7,7 @@ On CPU/GPU each op runs a faithful JAX reference of its kernel; lowered for ``ne
 from jax_nkilib import neuron, nki
 from jax_nkilib._src.framework.config import config, current_lnc
 from jax_nkilib._src.ops.attention import attention, decode_attention
+from jax_nkilib._src.ops.dot_product_attention import dot_product_attention
 from jax_nkilib._src.ops.mlp import mlp
 from jax_nkilib._src.ops.norm import dequantize_fp8, layer_norm, quantize_fp8, rms_norm
 from jax_nkilib._src.ops.projection import output_projection, qkv_projection
@@ -29,6 +30,7 @@ __all__ = [
     "decode_attention",
     "dequantize_fp8",
     "dequantize_mx",
+    "dot_product_attention",
     "explain",
     "Explanation",
     "from_ring_layout",

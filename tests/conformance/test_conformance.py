@@ -5,6 +5,7 @@ Collective kernels only run inside ``jax.shard_map`` over their mesh axes: for t
 ``shard_map`` over global arrays (per-rank semantics are checked against oracles in ``tests/parallel``).
 """
 
+import contextlib
 import dataclasses
 import functools
 
@@ -17,6 +18,7 @@ from jax.test_util import check_grads
 
 import jax_nkilib
 from jax_nkilib._src.tools.arg_specs import arg_specs
+from jax_nkilib.neuron import NeuronFallbackWarning
 from tests.support.hlo import compute_operations, kernel_configs, operations
 from tests.support.numerics import EPSILON, tolerance
 from tests.support.sharding import make_mesh, reshard
@@ -215,7 +217,10 @@ def test_inside_shard_map_on_8_devices(spec):
 @params()
 def test_neuron_lowering_is_the_expected_kernel_calls(spec):
     args = spec.shapes(neuron=True)
-    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(lnc=spec.neuron_lnc):
+    expected = contextlib.nullcontext()
+    if spec.neuron_fallback:
+        expected = pytest.warns(NeuronFallbackWarning, match=spec.neuron_fallback)
+    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(lnc=spec.neuron_lnc), expected:
         text = jax.jit(function(spec, neuron=True)).trace(*args).lower(lowering_platforms=("neuron",)).as_text()
     assert [config["func_name"] for config in kernel_configs(text)] == list(spec.kernels)
     assert operations(text).count("stablehlo.custom_call") == len(spec.kernels), "a custom call that is no kernel"

@@ -61,15 +61,17 @@ def _split_lowering(spec: KernelSpec, primitive, plan: NeuronPlan, call: CallInf
     return split
 
 
-def _warn_once(spec: KernelSpec, site: str, unmet: list[str]) -> None:
-    key = (spec.name, site, tuple(unmet))
+def warn_once(name: str, site: str, unmet: list[str]) -> None:
+    """Warn (once per ``name``, call site and reasons) that the call of ``name`` at ``site`` lowers to the JAX
+    reference on Neuron because of ``unmet``."""
+    key = (name, site, tuple(unmet))
     with _warned_lock:
         if key in _warned:
             return
         _warned.add(key)
     filename, _, line = site.rpartition(":")
     message = (
-        f"{spec.public_name} at {site} lowers to the JAX reference on Neuron, not the NKI kernel: "
+        f"{name} at {site} lowers to the JAX reference on Neuron, not the NKI kernel: "
         f"{'; '.join(unmet)}. Use jax_nkilib.config(on_unsupported='error') to make this an error."
     )
     if line.isdigit():
@@ -130,7 +132,7 @@ def neuron_lowering_rule(spec: KernelSpec, reference_rule: Callable) -> Callable
                 raise NeuronUnsupportedError(
                     f"{spec.public_name} cannot run as the NKI kernel on Neuron: {'; '.join(unmet)}"
                 )
-            _warn_once(spec, compat.call_site(ctx.traceback), unmet)
+            warn_once(spec.public_name, compat.call_site(ctx.traceback), unmet)
             return reference_rule(ctx, *operands, present=present, **params)
         compiled = active_compiler().compile(spec, _with_replica_groups(spec, ctx, call), output_avals(spec, call))
         return emit_custom_call(ctx, operands, compiled, spec.public_name)

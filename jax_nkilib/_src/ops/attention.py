@@ -175,6 +175,39 @@ def attention(
             )
 
         return sharded.run(local, "bsnd")
+    return attention_on_kernel(
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        sliding_window=sliding_window,
+        sinks=sinks,
+        prefix=prefix,
+        prior_len=prior_len,
+    )
+
+
+def attention_on_kernel(
+    q, k, v, *, causal, scale, sliding_window, sinks=None, prefix=None, prior_len=None, bound_min=None, bound_max=None
+):
+    """:func:`attention` on one device, checked arguments: ``attention_cte`` on heads folded into its batch.
+
+    ``bound_min``/``bound_max`` ``[batch, seq_q]`` (int32, optional, not with ``prefix``) restrict query ``i`` of
+    sequence ``b`` to keys ``bound_min[b, i] <= j < bound_max[b, i]`` (the kernel's sequence packing, whose bounds
+    are per call: one kernel call per sequence)."""
+    if bound_min is None:
+        return _kernel_call(q, k, v, causal, scale, sliding_window, sinks, prefix, prior_len)
+    one = lambda x: None if x is None else x[None]  # noqa: E731
+    per_sequence = lambda q, k, v, sinks, low, high: _kernel_call(  # noqa: E731
+        one(q), one(k), one(v), causal, scale, sliding_window, one(sinks), bounds=(low[:, None], high[:, None])
+    )[0]
+    sink_axis = None if sinks is None or jnp.ndim(sinks) == 1 else 0
+    return jax.vmap(per_sequence, in_axes=(0, 0, 0, sink_axis, 0, 0))(q, k, v, sinks, bound_min, bound_max)
+
+
+def _kernel_call(q, k, v, causal, scale, sliding_window, sinks, prefix=None, prior_len=None, bounds=(None, None)):
+    """One ``attention_cte`` call; ``bounds``: its packing bounds ``[seq_q, 1]``, shared by the batch."""
     batch, seq_q, heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     q_rows = _heads_into_batch(q)
@@ -202,6 +235,8 @@ def attention(
         tp_q=True,
         tp_k=True,
         tp_out=False,
+        bound_min=bounds[0],
+        bound_max=bounds[1],
     )
     out = jnp.transpose(out.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))
     if prefix is not None and not isinstance(prior_len, int):  # a run-time length: out of range gives NaN
