@@ -55,7 +55,7 @@ def main(seq: int = 8192):
     ]
     ring_results = [jax_nkilib.from_ring_layout(x, layout="zigzag", axis_size=DEVICES) for x in ring(*zigzag)]
 
-    single = jax.jit(loss_and_grads(jax_nkilib.attention))
+    single = jax.jit(loss_and_grads(lambda *a: jax_nkilib.attention(*a, causal=True)))
     single_results = single(q, k, v, dy)
 
     errors = {

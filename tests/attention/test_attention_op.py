@@ -1,6 +1,8 @@
 """jax_nkilib.attention: JAX layouts, GQA/MQA, sliding window, sinks, prefix cache; gradients; vmap; shard_map
 without collectives (jit, check_grads of causal GQA, vmap of grad, shard_map values: tests/conformance)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +40,7 @@ CONFIGS = {
 def test_forward_matches_oracle(name, dtype):
     shape_kw, call_kw = CONFIGS[name]
     q, k, v = qkv(dtype=dtype, **shape_kw)
-    out = jax_nkilib.attention(q, k, v, **call_kw)
+    out = jax_nkilib.attention(q, k, v, **{"causal": True, **call_kw})
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, idiomatic_attention(q, k, v, **call_kw), dtype, reduction=k.shape[1])
 
@@ -46,23 +48,25 @@ def test_forward_matches_oracle(name, dtype):
 def test_bf16_error_is_that_of_plain_bf16_attention():
     q, k, v = qkv(sq=64, sk=64, heads=2, kv_heads=2, d=32, dtype=jnp.bfloat16)
     plain = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    assert_no_worse_than_plain(jax_nkilib.attention(q, k, v), plain, idiomatic_attention(q, k, v), factor=2.0)
+    assert_no_worse_than_plain(
+        jax_nkilib.attention(q, k, v, causal=True), plain, idiomatic_attention(q, k, v), factor=2.0
+    )
 
 
 def test_prefix_cache_with_runtime_length():
     q, k, v = qkv()
     kp, vp = random((2, 6, 2, 8), seed=5), random((2, 6, 2, 8), seed=6)
     for used in (0, 4, 6):
-        out = jax.jit(lambda n: jax_nkilib.attention(q, k, v, prefix=(kp, vp, n), sliding_window=10))(used)
+        out = jax.jit(lambda n: jax_nkilib.attention(q, k, v, prefix=(kp, vp, n), sliding_window=10, causal=True))(used)
         want = idiomatic_attention(q, k, v, prefix=(kp, vp, used), sliding_window=10)
         assert_close(out, want, jnp.float32)
 
 
 def test_rows_without_keys_are_zero_not_nan():
     q, k, v = qkv(sq=12, sk=4)
-    out = jax_nkilib.attention(q, k, v, sliding_window=2)  # queries 5.. see no key
+    out = jax_nkilib.attention(q, k, v, sliding_window=2, causal=True)  # queries 5.. see no key
     assert np.all(np.isfinite(out)) and np.all(np.asarray(out[:, 5:]) == 0)
-    grads = jax.grad(lambda a: jnp.sum(jax_nkilib.attention(a, k, v, sliding_window=2)))(q)
+    grads = jax.grad(lambda a: jnp.sum(jax_nkilib.attention(a, k, v, sliding_window=2, causal=True)))(q)
     assert np.all(np.isfinite(grads))
 
 
@@ -76,7 +80,7 @@ def test_gradients_float64(name):
     )
     sinks = call_kw.pop("sinks", None)
     args = (q, k, v) + (() if sinks is None else (sinks.astype(jnp.float64),))
-    fn = lambda *a: jax_nkilib.attention(*a[:3], sinks=a[3] if len(a) > 3 else None, **call_kw)  # noqa: E731
+    fn = lambda *a: jax_nkilib.attention(*a[:3], sinks=a[3] if len(a) > 3 else None, **{"causal": True, **call_kw})  # noqa: E731
     check_grads(fn, args, order=1, modes=["rev"])
 
 
@@ -84,7 +88,10 @@ def test_gradients_with_prefix_float64():
     q, k, v = qkv(batch=1, sq=4, sk=4, dtype=jnp.float64)
     kp, vp = random((1, 3, 2, 8), jnp.float64, 5), random((1, 3, 2, 8), jnp.float64, 6)
     check_grads(
-        lambda *a: jax_nkilib.attention(*a[:3], prefix=(a[3], a[4], 2)), (q, k, v, kp, vp), order=1, modes=["rev"]
+        lambda *a: jax_nkilib.attention(*a[:3], prefix=(a[3], a[4], 2), causal=True),
+        (q, k, v, kp, vp),
+        order=1,
+        modes=["rev"],
     )
 
 
@@ -93,9 +100,9 @@ def test_float32_gradients_against_oracle_gradients():
     q, k, v = qkv(batch=1, sq=128, sk=128, heads=2, kv_heads=1, d=8)
     sinks = jnp.array([0.3, -0.2])
     dy = random(q.shape, jnp.float32, 9)
-    grads = jax.grad(lambda *a: jnp.sum(jax_nkilib.attention(*a[:3], sinks=a[3]) * dy), argnums=(0, 1, 2, 3))(
-        q, k, v, sinks
-    )
+    grads = jax.grad(
+        lambda *a: jnp.sum(jax_nkilib.attention(*a[:3], sinks=a[3], causal=True) * dy), argnums=(0, 1, 2, 3)
+    )(q, k, v, sinks)
     base = [np.asarray(x, np.float64) for x in (q, k, v, sinks)]
     for i, grad in enumerate(grads):
         direction = np.random.default_rng(i).standard_normal(base[i].shape)
@@ -127,10 +134,12 @@ def test_batch_or_head_sharded_gradients_need_no_collective(axis, spec):
     mesh = mesh_1d(axis)
     q, k, v = qkv(batch=8, heads=8, kv_heads=8) if axis == "data" else qkv(heads=16, kv_heads=8)
     args = shard(mesh, (spec,) * 3, q, k, v)
-    fn = jax.shard_map(jax_nkilib.attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    fn = jax.shard_map(
+        functools.partial(jax_nkilib.attention, causal=True), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec
+    )
     grad_fn = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2)))
     if axis == "model":
-        unsharded = jax.grad(lambda *a: jnp.sum(jax_nkilib.attention(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
+        unsharded = jax.grad(lambda *a: jnp.sum(jax_nkilib.attention(*a, causal=True) ** 2), argnums=(0, 1, 2))(q, k, v)
         for got, want in zip(grad_fn(*args), unsharded):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     compiled = grad_fn.lower(*args).compile().as_text()

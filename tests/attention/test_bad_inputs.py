@@ -94,49 +94,81 @@ TKG = [
 
 X = jnp.zeros((2, 16, 4, 8))
 IDIOMATIC = [
-    (lambda: jax_nkilib.attention(X[0], X, X), ValueError, ["jax_nkilib.attention", "[batch, seq, heads, head_dim]"]),
-    (lambda: jax_nkilib.attention(X, X[:, :, :3], X[:, :, :3]), ValueError, ["multiple of kv heads (3)"]),
-    (lambda: jax_nkilib.attention(X, X, X[..., :4]), ValueError, ["same shape"]),
-    (lambda: jax_nkilib.attention(X, X, X, sinks=jnp.zeros(3)), ValueError, ["`sinks`", "[heads]"]),
+    (
+        lambda: jax_nkilib.attention(X[0], X, X, causal=True),
+        ValueError,
+        ["jax_nkilib.attention", "[batch, seq, heads, head_dim]"],
+    ),
+    (lambda: jax_nkilib.attention(X, X[:, :, :3], X[:, :, :3], causal=True), ValueError, ["multiple of kv heads (3)"]),
+    (lambda: jax_nkilib.attention(X, X, X[..., :4], causal=True), ValueError, ["same shape"]),
+    (lambda: jax_nkilib.attention(X, X, X, sinks=jnp.zeros(3), causal=True), ValueError, ["`sinks`", "[heads]"]),
     (lambda: jax_nkilib.attention(X, X, X, causal=False, sliding_window=4), ValueError, ["needs causal=True"]),
-    (lambda: jax_nkilib.attention(X, X, X, prefix=(X, X)), TypeError, ["(k_prior, v_prior, prior_len)"]),
+    (lambda: jax_nkilib.attention(X, X, X, prefix=(X, X), causal=True), TypeError, ["(k_prior, v_prior, prior_len)"]),
     # issue 11: static values checked at trace time, the user's argument and axis named
     (
-        lambda: jax_nkilib.attention(X, X, X, scale=float("nan")),
+        lambda: jax_nkilib.attention(X, X, X, scale=float("nan"), causal=True),
         ValueError,
         ["jax_nkilib.attention", "`scale`", "finite", "nan"],
     ),
-    (lambda: jax_nkilib.attention(X, X, X, scale=float("inf")), ValueError, ["`scale`", "finite"]),
-    (lambda: jax_nkilib.attention(X, X, X, scale="0.5"), TypeError, ["`scale`", "finite Python float", "str"]),
-    (lambda: jax_nkilib.attention(X, X, X, scale=True), TypeError, ["`scale`", "bool"]),
+    (lambda: jax_nkilib.attention(X, X, X, scale=float("inf"), causal=True), ValueError, ["`scale`", "finite"]),
     (
-        lambda: jax_nkilib.attention(X, X, X, sliding_window=2**31),
+        lambda: jax_nkilib.attention(X, X, X, scale="0.5", causal=True),
+        TypeError,
+        ["`scale`", "finite Python float", "str"],
+    ),
+    (lambda: jax_nkilib.attention(X, X, X, scale=True, causal=True), TypeError, ["`scale`", "bool"]),
+    (
+        lambda: jax_nkilib.attention(X, X, X, sliding_window=2**31, causal=True),
         ValueError,
         ["jax_nkilib.attention", "`sliding_window`", "[1, 2147483647]", "2147483648"],
     ),
-    (lambda: jax_nkilib.attention(X, X, X, sliding_window="4"), TypeError, ["`sliding_window`", "str"]),
-    (lambda: jax_nkilib.attention(X, X, X, sliding_window=4.0), TypeError, ["`sliding_window`", "float"]),
-    (lambda: jax_nkilib.attention(X, X, X, sliding_window=0), ValueError, ["`sliding_window`", "got 0"]),
+    (lambda: jax_nkilib.attention(X, X, X, sliding_window="4", causal=True), TypeError, ["`sliding_window`", "str"]),
+    (lambda: jax_nkilib.attention(X, X, X, sliding_window=4.0, causal=True), TypeError, ["`sliding_window`", "float"]),
+    (lambda: jax_nkilib.attention(X, X, X, sliding_window=0, causal=True), ValueError, ["`sliding_window`", "got 0"]),
     (lambda: jax_nkilib.attention(X, X, X, causal=1), TypeError, ["`causal`", "bool"]),
-    (lambda: jax_nkilib.attention(X, X[:, :, :0], X[:, :, :0]), ValueError, ["`k` has kv_heads = 0"]),
-    (lambda: jax_nkilib.attention(X[..., :0], X[..., :0], X[..., :0]), ValueError, ["`q` has head_dim = 0"]),
-    (lambda: jax_nkilib.attention(X[:0], X[:0], X[:0]), ValueError, ["jax_nkilib.attention", "`q` has batch = 0"]),
+    (lambda: jax_nkilib.attention(X, X[:, :, :0], X[:, :, :0], causal=True), ValueError, ["`k` has kv_heads = 0"]),
     (
-        lambda: jax_nkilib.attention(X, X.astype(jnp.bfloat16), X),
+        lambda: jax_nkilib.attention(X[..., :0], X[..., :0], X[..., :0], causal=True),
+        ValueError,
+        ["`q` has head_dim = 0"],
+    ),
+    (
+        lambda: jax_nkilib.attention(X[:0], X[:0], X[:0], causal=True),
+        ValueError,
+        ["jax_nkilib.attention", "`q` has batch = 0"],
+    ),
+    (
+        lambda: jax_nkilib.attention(X, X.astype(jnp.bfloat16), X, causal=True),
         TypeError,
         ["jax_nkilib.attention", "`q`, `k`, `v` must share one floating dtype"],
     ),
-    (lambda: jax_nkilib.attention(X.astype(jnp.int32), X, X), TypeError, ["`q`", "floating dtype", "int32"]),
-    (lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, 2.7)), TypeError, ["prefix prior_len", "int", "float"]),
-    (lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, jnp.float32(2))), TypeError, ["prefix prior_len"]),
-    (lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, 17)), ValueError, ["prefix prior_len", "[0, 16]"]),
-    (lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, -1)), ValueError, ["prefix prior_len", "got -1"]),
     (
-        lambda: jax_nkilib.attention(X, X, X, prefix=(X, X.astype(jnp.bfloat16), 2)),
+        lambda: jax_nkilib.attention(X.astype(jnp.int32), X, X, causal=True),
+        TypeError,
+        ["`q`", "floating dtype", "int32"],
+    ),
+    (
+        lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, 2.7), causal=True),
+        TypeError,
+        ["prefix prior_len", "int", "float"],
+    ),
+    (
+        lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, jnp.float32(2)), causal=True),
+        TypeError,
+        ["prefix prior_len"],
+    ),
+    (
+        lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, 17), causal=True),
+        ValueError,
+        ["prefix prior_len", "[0, 16]"],
+    ),
+    (lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, -1), causal=True), ValueError, ["prefix prior_len", "got -1"]),
+    (
+        lambda: jax_nkilib.attention(X, X, X, prefix=(X, X.astype(jnp.bfloat16), 2), causal=True),
         TypeError,
         ["`q`, `k_prior`, `v_prior` must share one floating dtype"],
     ),
-    (lambda: jax_nkilib.attention(X, X, X, sinks=[1.0] * 4), TypeError, ["`sinks`", "array"]),
+    (lambda: jax_nkilib.attention(X, X, X, sinks=[1.0] * 4, causal=True), TypeError, ["`sinks`", "array"]),
 ]
 
 
@@ -152,8 +184,8 @@ def test_bad_input(case):
 @pytest.mark.parametrize(
     "op, name",
     [
-        (lambda s: jax_nkilib.attention(X, X, X, scale=s), "scale"),
-        (lambda s: jax_nkilib.attention(X, X, X, sliding_window=s), "sliding_window"),
+        (lambda s: jax_nkilib.attention(X, X, X, scale=s, causal=True), "scale"),
+        (lambda s: jax_nkilib.attention(X, X, X, sliding_window=s, causal=True), "sliding_window"),
         (
             lambda s: jax_nkilib.decode_attention(
                 X[:, :1], X[:, :1], X[:, :1], X.swapaxes(1, 2), X.swapaxes(1, 2), jnp.zeros(2, jnp.int32), scale=s

@@ -51,7 +51,7 @@ def test_a_nan_query_row_gives_a_nan_output_row_like_jax_nn(seq):
 def test_a_nan_key_poisons_exactly_the_rows_that_see_it():
     q, k, v = qkv()
     k = k.at[0, 5].set(NAN)  # causal: rows 5.. see key 5
-    out = jax_nkilib.attention(q, k, v)
+    out = jax_nkilib.attention(q, k, v, causal=True)
     expected = np.broadcast_to((np.arange(8) >= 5)[None, :, None], (1, 8, 2))
     np.testing.assert_array_equal(nan_rows(out), expected)
     assert_close(out[:, :5], idiomatic_attention(q, k.at[0, 5].set(0.0), v)[:, :5], jnp.float32)
@@ -59,7 +59,7 @@ def test_a_nan_key_poisons_exactly_the_rows_that_see_it():
 
 def test_nan_inputs_give_a_nan_loss_and_nan_gradients():
     q, k, v = qkv()
-    loss = lambda a: jnp.sum(jax_nkilib.attention(a, k, v) ** 2)  # noqa: E731
+    loss = lambda a: jnp.sum(jax_nkilib.attention(a, k, v, causal=True) ** 2)  # noqa: E731
     assert np.isnan(loss(q * NAN))
     grads = jax.grad(loss)(q.at[0, 2, 0].set(NAN))
     assert np.isnan(np.asarray(grads[0, 2, 0])).all() and np.isfinite(np.asarray(grads[0, :2])).all()
@@ -67,14 +67,14 @@ def test_nan_inputs_give_a_nan_loss_and_nan_gradients():
 
 def test_a_nan_sink_makes_its_head_nan():
     q, k, v = qkv()
-    out = jax_nkilib.attention(q, k, v, sinks=jnp.array([NAN, 0.5]))
+    out = jax_nkilib.attention(q, k, v, sinks=jnp.array([NAN, 0.5]), causal=True)
     np.testing.assert_array_equal(nan_rows(out), np.broadcast_to(np.array([True, False]), (1, 8, 2)))
     assert_close(out[..., 1, :], idiomatic_attention(q, k, v, sinks=jnp.array([0.0, 0.5]))[..., 1, :], jnp.float32)
 
 
 def test_rows_that_see_no_key_stay_zero_next_to_nan_rows():
     q, k, v = qkv(sq=12, sk=4)
-    out = jax_nkilib.attention(q.at[0, 1].set(NAN), k, v, sliding_window=2)  # queries 5.. see no key
+    out = jax_nkilib.attention(q.at[0, 1].set(NAN), k, v, sliding_window=2, causal=True)  # queries 5.. see no key
     assert np.all(np.asarray(out[:, 5:]) == 0) and nan_rows(out)[0, 1].all() and not nan_rows(out)[0, 2:].any()
 
 
@@ -113,7 +113,7 @@ def test_prefix_slots_past_prior_len_never_influence_the_result():
     q, k, v = qkv()
     kp, vp = random((1, 6, 1, 4), seed=5), random((1, 6, 1, 4), seed=6)
     used = 4
-    fn = jax.jit(lambda a, b, c, kp_, vp_, n: jax_nkilib.attention(a, b, c, prefix=(kp_, vp_, n)))
+    fn = jax.jit(lambda a, b, c, kp_, vp_, n: jax_nkilib.attention(a, b, c, prefix=(kp_, vp_, n), causal=True))
     grad_fn = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2, 3, 4)))
     want = idiomatic_attention(q, k, v, prefix=(kp[:, :used], vp[:, :used], used))  # the valid slots only
     for garbage_k, garbage_v in GARBAGE:

@@ -3,6 +3,8 @@
 Run:
   python tests/benchmarks/bench_attention.py            # sweep over sequence lengths, ratios ours / jax.nn
   python tests/benchmarks/bench_attention.py --long     # issue 3's bar: seq 32768, 8 heads, head_dim 128, f32
+  python tests/benchmarks/bench_attention.py --packed   # issue 13's bar: the same, 4 sequences packed by segment ids
+                                                        # (jax_nkilib.dot_product_attention), peak under 3 GiB
 
 The sweep's heads and head_dim are the arg spec ``attention.realistic``'s (``jax_nkilib/_src/tools/arg_specs``).
 Each measurement runs in a fresh process (peak resident memory is per process), with causal attention, batch 1,
@@ -26,11 +28,14 @@ def measure(impl: str, seq: int, heads: int, head_dim: int) -> dict:
     q, k, v, dy = (
         jax.random.normal(key, (1, seq, heads, head_dim), jnp.float32) for key in jax.random.split(jax.random.key(0), 4)
     )
-    attend = (
-        jax_nkilib.attention
-        if impl == "jax_nkilib"
-        else (lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=True))
-    )
+    segment_ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), seq // 4)[None]
+    attend = {
+        "jax_nkilib": lambda a, b, c: jax_nkilib.attention(a, b, c, causal=True),
+        "packed": lambda a, b, c: jax_nkilib.dot_product_attention(
+            a, b, c, is_causal=True, query_segment_ids=segment_ids
+        ),
+        "xla": lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=True),
+    }[impl]
     step = jax.jit(jax.grad(lambda a, b, c, g: jnp.sum(attend(a, b, c) * g), argnums=(0, 1, 2)))
     start = time.perf_counter()
     compiled = step.lower(q, k, v, dy).compile()
@@ -55,16 +60,18 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--one", nargs=4, metavar=("IMPL", "SEQ", "HEADS", "HEAD_DIM"))
     parser.add_argument("--long", action="store_true")
+    parser.add_argument("--packed", action="store_true")
     parser.add_argument("--seqs", default="1024,2048,4096,8192")
     opts = parser.parse_args()
     if opts.one:
         impl, seq, heads, head_dim = opts.one
         print(json.dumps(measure(impl, int(seq), int(heads), int(head_dim))))
         return
-    if opts.long:
-        result = in_child("jax_nkilib", 32768, 8, 128)
+    if opts.long or opts.packed:
+        result = in_child("packed" if opts.packed else "jax_nkilib", 32768, 8, 128)
+        what = "dot_product_attention, 4 packed sequences," if opts.packed else "attention"
         print(
-            f"jax_nkilib.attention fwd+bwd seq=32768 heads=8 head_dim=128 f32 causal: run_s={result['run_s']:.1f} "
+            f"jax_nkilib.{what} fwd+bwd seq=32768 heads=8 head_dim=128 f32 causal: run_s={result['run_s']:.1f} "
             f"compile_s={result['compile_s']:.1f} peak_rss_gib={result['peak_rss_gib']:.2f}"
         )
         return

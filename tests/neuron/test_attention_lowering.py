@@ -56,7 +56,7 @@ def test_forward_and_vjp_are_exactly_two_kernel_calls():
 def test_idiomatic_attention_training_step_uses_both_kernels():
     q, k, v = random((2, S, 4, 64)), random((2, S, 2, 64)), random((2, S, 2, 64))
     sinks = random((4,), seed=5)
-    loss = lambda *a: jnp.sum(jax_nkilib.attention(*a[:3], sinks=a[3]) ** 2)  # noqa: E731
+    loss = lambda *a: jnp.sum(jax_nkilib.attention(*a[:3], sinks=a[3], causal=True) ** 2)  # noqa: E731
     text = neuron_text(jax.grad(loss, argnums=(0, 1, 2, 3)), q, k, v, sinks)
     assert [cfg["func_name"] for cfg in kernel_configs(text)] == ["attention_cte", "attention_bwd"]
     assert no_square_tensor(text, S)

@@ -5,6 +5,7 @@ inputs sharded over the mesh, it returns the single-device result, sharded as th
 collectives the rule implies (read from the compiled HLO). Unsupported shardings raise errors naming the axis.
 """
 
+import functools
 import pathlib
 import re
 
@@ -157,11 +158,13 @@ def test_a_sharded_sequence_selects_ring_attention(mesh):
         attend = jax.jit(jax_nkilib.attention)
         out = attend(*placed)
         kinds = collectives(attend.lower(*placed).compile().as_text())
-        grads = jax.jit(jax.grad(lambda *a: jax_nkilib.attention(*a).sum(), argnums=(0, 1)))(*placed)
+        grads = jax.jit(jax.grad(lambda *a: jax_nkilib.attention(*a, causal=True).sum(), argnums=(0, 1)))(*placed)
     assert set(kinds) == {"collective-permute"}  # K/V blocks around the `model` ring, nothing gathered
     assert out.sharding.spec == P("data", "model", None, None)
-    assert_close(out, jax_nkilib.attention(q, k, v), jnp.float32, reduction=S)
-    for got, want in zip(grads, jax.grad(lambda *a: jax_nkilib.attention(*a).sum(), argnums=(0, 1))(q, k, v)):
+    assert_close(out, jax_nkilib.attention(q, k, v, causal=True), jnp.float32, reduction=S)
+    for got, want in zip(
+        grads, jax.grad(lambda *a: jax_nkilib.attention(*a, causal=True).sum(), argnums=(0, 1))(q, k, v)
+    ):
         assert_close(got, want, jnp.float32, reduction=S, ops=16)
 
 
@@ -179,7 +182,7 @@ def test_megatron_block_has_exactly_two_all_reduces(mesh):
 
     def block(x, w_q, w_k, w_v, w_o, w_gate, w_up, w_down):
         q, k, v = _qkv(x, w_q, w_k, w_v)
-        h = x + jax_nkilib.output_projection(jax_nkilib.attention(q, k, v), w_o)
+        h = x + jax_nkilib.output_projection(jax_nkilib.attention(q, k, v, causal=True), w_o)
         return h + jax_nkilib.mlp(h, w_gate, w_up, w_down, norm="rms")
 
     args = (x, w_q, w_k, w_v, w_o, w_gate, w_up, w_down)
@@ -307,7 +310,7 @@ def test_the_readme_sharding_snippets_run_as_written():
     q, k, v = jax_nkilib.qkv_projection(
         x, (weights["w_q"], weights["w_k"], weights["w_v"]), num_q_heads=32, num_kv_heads=8
     )
-    want = jax_nkilib.output_projection(jax_nkilib.attention(q, k, v), weights["w_o"])
+    want = jax_nkilib.output_projection(jax_nkilib.attention(q, k, v, causal=True), weights["w_o"])
     assert_close(scope["y"], want, jnp.float32, reduction=H * 32)
     assert scope["y"].sharding.spec == P("data", None, None)
     scope = {"jax": jax, "jax_nkilib": jax_nkilib, "x": x}
@@ -345,21 +348,21 @@ def test_an_auto_mesh_computes_globally_and_explicit_axes_gives_the_plan():
         ("rms_norm hidden", jax_nkilib.rms_norm, "x3", (P(None, None, "model"),), "axis 2 (hidden)"),
         (
             "attention window",
-            lambda q, k, v: jax_nkilib.attention(q, k, v, sliding_window=4),
+            lambda q, k, v: jax_nkilib.attention(q, k, v, sliding_window=4, causal=True),
             "q k v",
             (P(None, "model"),) * 3,
             "no sliding_window",
         ),
         (
             "attention heads vs batch",
-            jax_nkilib.attention,
+            functools.partial(jax_nkilib.attention, causal=True),
             "q k v",
             (P("data"), P(None, None, "data"), P()),
             "mesh axis 'data' splits both batch and heads",
         ),
         (
             "attention mismatched",
-            jax_nkilib.attention,
+            functools.partial(jax_nkilib.attention, causal=True),
             "q k v",
             (P(None, None, "data"), P(None, None, "model"), P()),
             "heads is split over mesh axis 'data' in `q` but over 'model' in `k`",

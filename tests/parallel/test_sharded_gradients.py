@@ -97,7 +97,7 @@ def _cases() -> dict[str, Case]:
         ),
         "attention": Case(
             "jax_nkilib.attention",
-            lambda q, k, v: jax_nkilib.attention(q, k, v),
+            lambda q, k, v: jax_nkilib.attention(q, k, v, causal=True),
             {"q": q, "k": k, "v": v},
             {"q": "bsnd", "k": "bsnd", "v": "bsnd"},
             ("q", "k", "v"),

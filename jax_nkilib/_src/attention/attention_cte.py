@@ -390,7 +390,7 @@ ATTENTION_CTE_SPEC = KernelSpec(
     family="attention",
     catalog="1.1",
     support={
-        "idiomatic": "attention",
+        "idiomatic": "attention, dot_product_attention",
         "vjp": "attention_bwd kernel (forward with cache_softmax); blockwise JAX for prefix caching and CP",
         "notes": f"Neuron: d <= {MAX_HEAD_DIM}, B <= {MAX_BATCH}, S <= {MAX_SEQ}; "
         "scale 1.0 with SWA/CP/prefix (checked everywhere)",

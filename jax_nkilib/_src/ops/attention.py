@@ -31,6 +31,11 @@ def _check(q, k, v, sinks, prefix, causal, scale, sliding_window):
     """Validate :func:`attention`'s arguments; returns the static ``(scale, sliding_window, prior_len)`` as Python
     values (``prior_len`` an int when static, else an int32 array of shape ``(1,)``; ``None`` without a prefix)."""
     check_qkv_layout(_WHERE, q, k, v)
+    if causal is None:
+        raise TypeError(
+            f"{_WHERE}: pass causal=True or causal=False (there is no default; for jax.nn.dot_product_attention's "
+            "signature and non-causal default use jax_nkilib.dot_product_attention)"
+        )
     if not isinstance(causal, bool):
         raise TypeError(f"{_WHERE}: `causal` must be a Python bool; got {causal!r}")
     scale = None if scale is None else static_float(_WHERE, "scale", scale)
@@ -125,7 +130,7 @@ def attention(
     k,
     v,
     *,
-    causal: bool = True,
+    causal: bool | None = None,
     scale: float | None = None,
     sliding_window: int | None = None,
     sinks=None,
@@ -137,7 +142,10 @@ def attention(
       q: ``[batch, seq_q, heads, head_dim]``.
       k, v: ``[batch, seq_kv, kv_heads, head_dim]``; ``heads % kv_heads == 0`` (GQA/MQA: query head ``h`` uses kv
         head ``h // (heads / kv_heads)``).
-      causal: query ``i`` sees keys at positions ``<= i``.
+      causal: required, ``True`` or ``False``: query ``i`` sees keys at positions ``<= i``. (There is no default:
+        ``jax.nn.dot_product_attention`` is non-causal by default and this op used to be causal by default, so
+        either default would silently change someone's model. :func:`jax_nkilib.dot_product_attention` is the
+        drop-in with JAX's signature and defaults.)
       scale: defaults to ``1/sqrt(head_dim)``.
       sliding_window: with ``causal``, query ``i`` sees only keys at positions ``> i - sliding_window``.
       sinks: ``[heads]`` or ``[batch, heads]`` extra softmax logits (attention sinks), differentiable.
