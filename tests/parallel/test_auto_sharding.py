@@ -90,7 +90,20 @@ def _cases():
             (P("data", None, "model"), P("model")),
             {"all-reduce": 1},
         ),
-        "jax_nkilib.attention": (jax_nkilib.attention, (q, k, v), (P("data", None, "model"),) * 3, {}),
+        "jax_nkilib.attention": (
+            functools.partial(jax_nkilib.attention, causal=True),
+            (q, k, v),
+            (P("data", None, "model"),) * 3,
+            {},
+        ),
+        "jax_nkilib.dot_product_attention": (  # the blockwise route: a bias split with the heads
+            lambda q, k, v, bias, ids: jax_nkilib.dot_product_attention(
+                q, k, v, bias, is_causal=True, query_segment_ids=ids
+            ),
+            (q, k, v, random((1, N, S, S), seed=18), jnp.repeat(jnp.arange(2), S // 2)[None].repeat(B, 0)),
+            (P("data", None, "model"),) * 3 + (P(None, "model"), P("data")),
+            {},
+        ),
         "jax_nkilib.decode_attention": (
             jax_nkilib.decode_attention,
             (q1, k1, v1, *caches, cache_len),
@@ -155,7 +168,7 @@ def test_a_sharded_sequence_selects_ring_attention(mesh):
     q, k, v = random((B, S, N, D), seed=2), random((B, S, K, D), seed=3), random((B, S, K, D), seed=4)
     with use_mesh(mesh):
         placed = [jax.device_put(a, NamedSharding(mesh, P("data", "model"))) for a in (q, k, v)]
-        attend = jax.jit(jax_nkilib.attention)
+        attend = jax.jit(functools.partial(jax_nkilib.attention, causal=True))
         out = attend(*placed)
         kinds = collectives(attend.lower(*placed).compile().as_text())
         grads = jax.jit(jax.grad(lambda *a: jax_nkilib.attention(*a, causal=True).sum(), argnums=(0, 1)))(*placed)

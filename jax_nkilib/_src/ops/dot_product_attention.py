@@ -41,10 +41,44 @@ from ..attention.masks import MaskRule
 from ..framework.runtime_checks import check_all
 from ..framework.validation import check_operand_layouts, static_float, static_int
 from ..neuron.reference_only import reference_only
+from ..sharding import auto
 from .attention import attention, attention_on_kernel
 
 _WHERE = "jax_nkilib.dot_product_attention"
 IMPLEMENTATIONS = (None, "nki", "xla", "cudnn")
+
+DOT_PRODUCT_ATTENTION_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        _WHERE,
+        free={"b": "batch", "n": "heads"},
+        note="bias, mask, lengths, segment ids and sinks split with batch and heads where they have those axes; "
+        "a sharded sequence is an error here (jax_nkilib.attention runs ring attention for one)",
+    )
+)
+
+
+def _plan(query, key, value, bias, mask, sinks, lengths, segments):
+    """The shard_map plan of the call (batch and heads free), or ``None`` when nothing is split."""
+    broadcast = lambda x, letters: (
+        None
+        if x is None
+        else "".join(  # noqa: E731
+            letter if size > 1 else "_" for letter, size in zip(letters, x.shape)
+        )
+    )
+    return auto.plan(
+        DOT_PRODUCT_ATTENTION_SHARDING,
+        [
+            auto.ShardedArgument("query", query, "b_n_"),
+            auto.ShardedArgument("key", key, "b_n_"),
+            auto.ShardedArgument("value", value, "b_n_"),
+            auto.ShardedArgument("bias", bias, broadcast(bias, "bn__")),
+            auto.ShardedArgument("mask", mask, broadcast(mask, "bn__")),
+            auto.ShardedArgument("sinks", sinks, None if sinks is None else "bn"[2 - jnp.ndim(sinks) :]),
+            *(auto.ShardedArgument(name, x, "b") for name, x in lengths.items()),
+            *(auto.ShardedArgument(name, x, "b_") for name, x in segments.items()),
+        ],
+    )
 
 
 def _ensure_4d(x):
@@ -227,6 +261,32 @@ def dot_product_attention(
     if logits_soft_cap is not None:
         soft_cap = static_float(_WHERE, "logits_soft_cap", logits_soft_cap, minimum=0.0, exclusive=True)
     window = _window(local_window_size)
+    sharded = _plan(query, key, value, bias, mask, sinks, lengths, segments)
+    if sharded:
+
+        def local(query, key, value, bias, mask, sinks, *ids_and_lengths, axes):
+            q_len, kv_len, q_ids, kv_ids = ids_and_lengths
+            return dot_product_attention(
+                query,
+                key,
+                value,
+                bias,
+                mask,
+                scale=scale,
+                is_causal=is_causal,
+                query_seq_lengths=q_len,
+                key_value_seq_lengths=kv_len,
+                local_window_size=window,
+                implementation=implementation,
+                return_residual=return_residual,
+                query_segment_ids=q_ids,
+                key_value_segment_ids=kv_ids,
+                logits_soft_cap=soft_cap,
+                sinks=sinks,
+            )
+
+        result = sharded.run(local, ("b_n_", "b_n") if return_residual else "b_n_")
+        return jax.tree.map(lambda x: x[0], result) if unbatched else result
     causal = is_causal or (window is not None and window[1] == 0)
     obstacles = _kernel_obstacles(bias, mask, soft_cap, window, causal, segments, return_residual, dims["T"], dims["S"])
     if implementation == "nki" and obstacles:
