@@ -31,8 +31,9 @@ Policies:
   is not rerun for the kernels' backward passes (JAX code whose own backward needs an intermediate still reruns).
 
 For one layer of the idiomatic ops (``rms_norm``, a projection, ``attention``), ``jax.grad`` of the checkpointed
-layer runs each forward kernel once under either policy and twice under ``nothing_saveable``; the projection's
-matmul runs again under ``save_kernel_outputs`` only.
+layer runs each forward kernel once under either policy, twice under ``nothing_saveable`` or ``dots_saveable``; the
+projection's matmul runs again under ``save_kernel_outputs`` (and ``nothing_saveable``), not under
+``save_kernel_residuals``.
 
 Combine with JAX's policies (these return booleans, as ``save_from_both_policies`` requires)::
 

@@ -172,8 +172,8 @@ def test_policies_read_the_names():
 # --------------------------------------------------------------------------------------------------- the names
 def test_attention_cte_saves_its_output_and_statistics_by_name():
     """What the docs say: with the attention_bwd kernel as its VJP, attention_cte's forward runs with
-    ``cache_softmax`` and saves ``o``, ``neg_max`` and ``recip`` besides q, k, v, and the idiomatic ``attention``
-    saves those same residuals (the user asked for ``o`` alone)."""
+    ``cache_softmax`` and saves ``o``, ``neg_max`` and ``recip`` besides q, k, v (though the call returns ``o``
+    alone), and the idiomatic ``attention`` saves those same residuals."""
     q = random((2, SEQ, HEAD_DIM), jnp.float32, 0)
     k = random((2, HEAD_DIM, SEQ), jnp.float32, 1)
     v = random((2, SEQ, HEAD_DIM), jnp.float32, 2)
