@@ -1,10 +1,11 @@
 """jax_nkilib: the AWS NKI Library kernels as JAX primitives.
 
-Idiomatic ops (JAX layouts, autodiff, vmap, shard_map) live here; the kernel-native layer is ``jax_nkilib.nki``.
+Idiomatic ops (JAX layouts, autodiff, vmap, shard_map) live here; the kernel-native layer is ``jax_nkilib.nki``;
+remat policies that save kernel results are in ``jax_nkilib.checkpoint_policies``.
 On CPU/GPU each op runs a faithful JAX reference of its kernel; lowered for ``neuron`` it becomes the NKI kernel.
 """
 
-from jax_nkilib import neuron, nki
+from jax_nkilib import checkpoint_policies, neuron, nki
 from jax_nkilib._src.framework.config import config, current_lnc
 from jax_nkilib._src.ops.attention import attention, decode_attention
 from jax_nkilib._src.ops.dot_product_attention import dot_product_attention
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "all_gather_matmul",
     "attention",
+    "checkpoint_policies",
     "config",
     "current_lnc",
     "decode_attention",

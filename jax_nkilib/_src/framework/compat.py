@@ -39,6 +39,8 @@ _apply_primitive = _probe("jax._src.dispatch", "apply_primitive")
 ShapedArray = getattr(jax.core, "ShapedArray", None) or _probe("jax._src.core", "ShapedArray")
 _config_module = importlib.import_module("jax._src.config")
 _source_info_util = importlib.import_module("jax._src.source_info_util")
+# the primitive of ``jax.ad_checkpoint.checkpoint_name``: remat policies see its equations with ``params["name"]``
+checkpoint_name_p = _probe("jax._src.ad_checkpoint", "name_p")
 _xla_bridge = importlib.import_module("jax._src.xla_bridge")
 
 

@@ -9,8 +9,10 @@ For a spec, :func:`make_kernel` creates a multiple-results ``jax.extend.core.Pri
 * the batching rule (fold plans, then ``lax.map``),
 
 and returns a :class:`Kernel`: the public layer-1 function. When the spec defines a VJP, the public function is a
-``jax.custom_vjp`` over the primitive whose residuals (the inputs) carry ``checkpoint_name`` tags
-``"<kernel>.<operand>"`` for remat policies.
+``jax.custom_vjp`` over the primitive. Its forward names what it saves for remat policies
+(``jax_nkilib.checkpoint_policies``), whatever the rule: the operands it is given are ``checkpoint_name``-d
+``"<kernel>.<operand>"`` and the outputs of its calls of the kernel ``"<kernel>.<output>"`` (statistics included), and
+the named outputs are also the ones it returns, so the rest of the program uses the values a policy saves.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching as jax_batching
 from jax.interpreters import mlir
 
-from . import batching, compat, registry, runtime_checks
+from . import batching, checkpoint_policies, compat, registry, runtime_checks
 from .spec import FP8_DTYPES, KernelSpec
 from .validation import check_call, check_derived, normalize_params, output_avals, output_names, split_arguments
 
@@ -51,7 +53,8 @@ def register_neuron_lowering(builder: Callable) -> None:
 #     forward(kernel, operands, params) -> (outputs, residuals)
 #     backward(kernel, residuals, params, cotangents) -> {operand name: cotangent or None}
 # Operands, outputs and cotangents are in the kernel's layouts. A missing or None cotangent means zero (integer
-# operands always get None).
+# operands always get None). The framework names the residuals: a forward gets its operands already named, and its
+# ``kernel.call`` returns named outputs, so a forward saves only those (anything else it saved would have no name).
 
 
 def reference_vjp(kernel, operands, params, outs, cotangents):
@@ -86,11 +89,7 @@ class Vjp:
 def _saving_operands_and_outputs(rule: Callable) -> Vjp:
     def forward(kernel, operands, params):
         outs = kernel.call(operands, params)
-        named = {
-            name: None if value is None else checkpoint_name(value, f"{kernel.spec.name}.{name}")
-            for name, value in operands.items()
-        }
-        return outs, (named, outs)
+        return outs, (operands, outs)
 
     def backward(kernel, residuals, params, cotangents):
         operands, outs = residuals
@@ -141,11 +140,17 @@ class Kernel:
         return normalize_params(self.spec, flags)
 
     def call(
-        self, operands: Mapping[str, Any], params: Mapping[str, Any], derived: Mapping[str, Any] | None = None
+        self,
+        operands: Mapping[str, Any],
+        params: Mapping[str, Any],
+        derived: Mapping[str, Any] | None = None,
+        *,
+        name_outputs: bool = False,
     ) -> tuple:
         """Call with operands by name (``None`` for absent optional ones) and normalized params (the spec's
         ``prepare`` hook, if any, first). ``derived`` holds shape-derived config fields the caller gave, checked
-        against the shapes."""
+        against the shapes. ``name_outputs``: return the outputs ``checkpoint_name``-d ``"<kernel>.<output>"`` (what
+        a VJP forward's ``kernel.call`` does)."""
         if self.spec.prepare is not None:
             operands, params = self.spec.prepare(self.spec.public_name, dict(operands), dict(params))
         operands = {name: (None if value is None else jnp.asarray(value)) for name, value in operands.items()}
@@ -155,10 +160,17 @@ class Kernel:
         if self.spec.runtime_checks is not None and runtime_checks.enabled():
             self.spec.runtime_checks(call, operands)
         outs = self.bind(operands, params) if self.vjp is None else self._differentiable(operands, params)
+        names = output_names(self.spec, call)
         if self.spec.nondifferentiable_outputs:
             outs = tuple(
                 jax.lax.stop_gradient(out) if name in self.spec.nondifferentiable_outputs else out
-                for out, name in zip(outs, output_names(self.spec, call))
+                for out, name in zip(outs, names)
+            )
+        if name_outputs:  # last, so that the named values are the ones returned
+            operand_names = [op.name for op in self.spec.operands]
+            outs = tuple(
+                checkpoint_name(out, checkpoint_policies.output_name(self.spec.name, name, operand_names))
+                for out, name in zip(outs, names)
             )
         return outs
 
@@ -169,7 +181,7 @@ class Kernel:
 
     def _differentiable(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
         present = _present(operands)
-        rule = self.vjp
+        rule, kernel_name = self.vjp, self.spec.name
 
         def as_operands(values):
             named = dict.fromkeys(operands)
@@ -182,8 +194,9 @@ class Kernel:
 
         def forward(*values):
             # The rule's forward calls kernel.call (itself a custom_vjp), not bind, so that differentiating the
-            # forward (higher order) goes through this rule again.
-            return rule.forward(self, as_operands(values), params)
+            # forward (higher order) goes through this rule again. It gets named operands and a kernel whose call
+            # names its outputs: every residual is named, and the outputs it returns are the named ones.
+            return rule.forward(_NamingOutputs(self), _named_operands(kernel_name, as_operands(values)), params)
 
         def backward(residuals, cotangents):
             grads = rule.backward(self, residuals, params, tuple(cotangents))
@@ -246,6 +259,27 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"<jax_nkilib kernel {self.spec.name} ({self.spec.entry_point})>"
+
+
+def _named_operands(kernel_name: str, operands: Mapping[str, Any]) -> dict[str, Any]:
+    """``operands`` ``checkpoint_name``-d ``"<kernel>.<operand>"`` (absent ones stay ``None``)."""
+    return {
+        name: None if value is None else checkpoint_name(value, checkpoint_policies.operand_name(kernel_name, name))
+        for name, value in operands.items()
+    }
+
+
+class _NamingOutputs:
+    """The kernel as a VJP forward sees it: ``call`` returns the outputs named ``"<kernel>.<output>"``."""
+
+    def __init__(self, kernel: Kernel):
+        self._kernel = kernel
+
+    def __getattr__(self, attribute: str):
+        return getattr(self._kernel, attribute)
+
+    def call(self, operands, params, derived=None) -> tuple:
+        return self._kernel.call(operands, params, derived, name_outputs=True)
 
 
 def make_kernel(spec: KernelSpec, vjp: Callable | Vjp | None = None) -> Kernel:

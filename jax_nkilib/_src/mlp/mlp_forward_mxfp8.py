@@ -11,9 +11,10 @@ Operands: ``hidden [S, H]``, ``gate_up_weights [2I, H]`` (rows ``0..I-1`` are ``
 and ``use_scale_packing`` do not change the results; ``fp8_x4_dtype`` is accepted but, as in the kernel, not used
 (the matmuls quantize to float8_e4m3fn).
 
-Reverse mode binds ``mlp_backward_mxfp8_nki``: the forward runs with all four checkpoints saved (tagged
-``checkpoint_name("mlp_forward_mxfp8_nki.<name>")``), and the backward kernel takes them, so on Neuron the forward and
-its VJP are two kernel calls (the upstream gradient is passed as bfloat16, the backward kernel's input type).
+Reverse mode binds ``mlp_backward_mxfp8_nki``: the forward runs with all four checkpoints saved (residuals named
+``"mlp_forward_mxfp8_nki.<name>"``, see ``jax_nkilib.checkpoint_policies``), and the backward kernel takes them, so
+on Neuron the forward and its VJP are two kernel calls (the upstream gradient is passed as bfloat16, the backward
+kernel's input type).
 Gradients reach raw and pre-swizzled operands (a pre-swizzled operand's gradient is swizzled too); pre-quantized
 operands get none, and the checkpoint outputs carry no gradient. The gradient is the kernel's: MXFP8 matmuls of the
 upstream gradient with the quantized-activation checkpoints (a straight-through estimate of the quantization), not
@@ -27,7 +28,6 @@ in the kernel) LNC must be 2 and S even. MX matmuls need Trn3.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from ..framework.primitive import Vjp, make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
@@ -111,13 +111,9 @@ def _raw_hidden(call: CallInfo) -> bool:
 # ------------------------------------------------------------------------------------------------- reverse mode
 def _forward_saving(kernel, operands, params):
     outs = kernel.call(operands, dict(params, **dict.fromkeys(SAVES, True)))
-    checkpoints = {name: checkpoint_name(out, f"{kernel.spec.name}.{name}") for name, out in zip(CHECKPOINTS, outs[1:])}
-    named = {
-        name: None if value is None else checkpoint_name(value, f"{kernel.spec.name}.{name}")
-        for name, value in operands.items()
-    }
+    checkpoints = dict(zip(CHECKPOINTS, outs[1:]))
     user = (outs[0],) + tuple(out for out, flag in zip(outs[1:], SAVES) if params[flag])
-    return user, (named, checkpoints)
+    return user, (operands, checkpoints)
 
 
 def _backward(kernel, residuals, params, cotangents):

@@ -27,7 +27,7 @@ Steps ``1 .. n-2`` run as one rolled loop (step 0 and the last step, which has n
 it), so one step's buffers are alive at a time and per-device memory stays ``O(L)``.
 
 Reverse mode (``jax.custom_vjp``): the forward saves ``q, k, v``, the output and the row log-sum-exp
-``lse = m + log l`` (tagged ``checkpoint_name("ring_attention.<name>")``). The backward is a ring too: ``dq``
+``lse = m + log l`` (residuals named ``"ring_attention.<name>"``). The backward is a ring too: ``dq``
 accumulates locally; each step runs the engine's FlashAttention-2 backward with the global ``lse`` on the visiting
 block. Each block's ``dk, dv`` accumulators start at home with its step-0 gradients and travel the whole ring
 with the block, arriving home after the last step (``2 (n - 1)`` permutes of K and V, ``2 n`` of dK and dV; no
@@ -61,6 +61,8 @@ from ..attention.blockwise import attention_backward, attention_forward, log_sum
 from ..attention.checks import check_qkv_layout
 from ..attention.masks import MaskRule
 from ..collectives.ring import shift
+from ..framework import registry
+from ..framework.checkpoint_policies import operand_name, output_name
 from ..framework.compat import varying_like
 from ..framework.mesh_axes import bound_axis, lax_axis
 from ..framework.spec import accumulation_dtype
@@ -252,13 +254,16 @@ def _ring_attention(ring: _Ring, q, k, v):
     return _ring_forward(ring, q, k, v)[0]
 
 
+_NAME, _OPERANDS = "ring_attention", ("q", "k", "v")
+registry.register_checkpointed(_NAME, _OPERANDS)
+
+
 def _ring_attention_fwd(ring: _Ring, q, k, v):
+    q, k, v = (checkpoint_name(x, operand_name(_NAME, name)) for name, x in zip(_OPERANDS, (q, k, v)))
     out, lse = _ring_forward(ring, q, k, v)
-    residuals = tuple(
-        checkpoint_name(x, f"ring_attention.{name}")
-        for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))
-    )
-    return out, residuals
+    out, lse = (checkpoint_name(x, output_name(_NAME, name, _OPERANDS)) for name, x in (("out", out), ("lse", lse)))
+    # the named output is also the one returned, so the rest of the program uses the value a policy saves
+    return out, (q, k, v, out, lse)
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_backward)
