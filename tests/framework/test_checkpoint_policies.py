@@ -135,6 +135,22 @@ def test_what_each_policy_saves():
     assert named(save_kernel_residuals) == sorted(outputs + inputs)
 
 
+def test_the_blockwise_dot_product_attention_names_its_residuals():
+    """The drop-in's blockwise route (a dense bias) is a JAX-level custom_vjp: it names its residuals too."""
+    if jax.__version_info__ < (0, 8):
+        pytest.skip("JAX 0.7's print_saved_residuals does not show a remat residual's name")
+    q, bias = jnp.ones((1, 16, 2, 8)), jnp.zeros((1, 2, 16, 16))
+    attend = lambda q, bias: jax_nkilib.dot_product_attention(q, q, q, bias, is_causal=True)  # noqa: E731
+    names = lambda policy: sorted(  # noqa: E731
+        n for n in saved_names(jax.checkpoint(attend, policy=policy), q, bias) if not n.startswith("unnamed: ")
+    )
+    assert names(save_kernel_outputs) == ["dot_product_attention.lse", "dot_product_attention.out"]
+    assert names(save_kernel_residuals) == sorted(
+        ["dot_product_attention.lse", "dot_product_attention.out", "dot_product_attention.bias"]
+        + ["dot_product_attention.query", "dot_product_attention.key", "dot_product_attention.value"]
+    )
+
+
 @pytest.mark.parametrize("policy", [save_kernel_outputs, save_kernel_residuals], ids=lambda p: p.__name__)
 def test_policies_keep_the_gradient(policy):
     args = model_args()
