@@ -73,11 +73,20 @@ import numpy as np
 
 from ..framework.common_types import ActFnType, NormType, QuantizationType
 from ..framework.hardware import PARTITIONS
+from ..framework.precision import FLOAT32_COMPUTE, bfloat16_compute_note
 from ..framework.primitive import make_kernel, pull_back
 from ..framework.spec import FLOAT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant import mx
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
-from .mlp_reference import MX_TILE, STATIC_MX_TILE, STATIC_TYPES, TKG_TOKEN_THRESHOLD, is_tkg, mlp_forward
+from .mlp_reference import (
+    MX_TILE,
+    STATIC_MX_TILE,
+    STATIC_TYPES,
+    TKG_TOKEN_THRESHOLD,
+    computes_in_bfloat16,
+    is_tkg,
+    mlp_forward,
+)
 
 UNBOUND_MX_TYPES = (QuantizationType.ROW_MX,)
 MX_WORD_DTYPES = (jnp.dtype(jnp.uint32), jnp.dtype(jnp.int32), jnp.dtype(jnp.uint16))
@@ -325,6 +334,13 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
+def _neuron_notes(call: CallInfo) -> list[str]:
+    """The CTE path computes float32 inputs in bfloat16 (the reference follows ``float32_compute``)."""
+    if not computes_in_bfloat16(call.avals["hidden_tensor"].dtype, _tkg(call)):
+        return []
+    return [bfloat16_compute_note("mlp's CTE path", call.params["float32_compute"])]
+
+
 def _mlp_vjp(kernel, operands, params, outs, cotangents):
     """Backward by ``jax.vjp`` of the smooth math (``mlp_forward(exact=True)``) at the call's operands."""
     skip = {"gate_proj_weights_tensor", "gate_w_scale"} if params["skip_gate_proj"] else set()
@@ -466,6 +482,14 @@ MLP_SPEC = KernelSpec(
         Param("up_clamp_upper_limit", None, float),
         Param("up_clamp_lower_limit", None, float),
         Param("force_cte_mode", False, bool, "run the CTE path even when B*S <= 96"),
+        Param(
+            "float32_compute",
+            "bfloat16",
+            FLOAT32_COMPUTE,
+            "the JAX reference's compute for float32 inputs on the CTE path: bfloat16 as the kernel (default) or "
+            "float32; the kernel on Neuron always computes them in bfloat16",
+            to_kernel=False,
+        ),
     ),
     outputs=(),
     output_avals=lambda call: [
@@ -477,6 +501,7 @@ MLP_SPEC = KernelSpec(
     reference_takes_lnc=True,
     check=_check,
     neuron_limits=_neuron_limits,
+    neuron_notes=_neuron_notes,
     # Rows are independent, but folding a vmapped axis into B changes B*S and may switch TKG -> CTE (different
     # numerics): fold only calls that already run CTE; TKG calls run per element under lax.map.
     fold_plans=(
