@@ -21,7 +21,9 @@ of ``output_dtype`` (default: the hidden dtype).
 
 Dispatch and numerics. ``B*S <= 96`` and not ``force_cte_mode`` runs the TKG path, otherwise CTE; the reference
 models the path that runs (``math`` lists the rounding points). The paths differ: CTE computes float32 inputs in
-bfloat16 (``compute_data_type``), and only CTE quantizes activations for FP8 weights. FP8 (ROW, STATIC): weights
+bfloat16 (``compute_data_type``; ``float32_compute="float32"``, jax_nkilib's own param that the kernel never sees,
+makes the reference compute them in float32, as ``jax_nkilib.mlp`` asks by default), and only CTE quantizes
+activations for FP8 weights. FP8 (ROW, STATIC): weights
 are ``float8_e4m3`` (Trainium2, max 240) or ``float8_e4m3fn`` (the kernel reads it as ``float8_e4m3`` before
 Trainium3: the encodings agree up to 240); the projection is ``(a W) * w_scale * a_scale``.
 TKG keeps activations in the compute dtype (``a_scale = 1``, in-scales unused); CTE quantizes the gate/up input and
@@ -517,7 +519,8 @@ MLP_SPEC = KernelSpec(
     support={
         "idiomatic": "mlp",
         "vjp": "JAX (jax.vjp of the smooth MLP math; straight-through FP8 activation quantization)",
-        "notes": f"CTE/TKG dispatch at B*S = {TKG_TOKEN_THRESHOLD} (CTE computes float32 in bfloat16); FP8 ROW/STATIC; "
+        "notes": f"CTE/TKG dispatch at B*S = {TKG_TOKEN_THRESHOLD} (CTE computes float32 in bfloat16; "
+        "jax_nkilib.mlp in float32 off Neuron unless asked); FP8 ROW/STATIC; "
         "MX (MXFP8/MXFP4 x4 weights, TKG); STATIC_MX (swizzled FP8 weights, CTE); ROW_MX, "
         f"gate_up_w_layout (2.32), pre-quantized input and SBUF output not bound; Neuron: H % {PARTITIONS}, "
         "clamps TKG only",

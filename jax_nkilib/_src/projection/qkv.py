@@ -13,7 +13,9 @@ The NKI ``qkv`` dispatches on shapes: ``qkv_tkg`` when ``S <= 96``, ``B * S <= 1
 ``nkilib.core.qkv.qkv:qkv``) whose outputs follow the path the call takes:
 
 * CTE path: ``out`` (``BSD [B, S, I]``, ``NBSd [I/d, B, S, d]``, ``NBdS [I/d, B, d, S]``); bfloat16 for
-  ``STATIC``, else the input's dtype.
+  ``STATIC``, else the input's dtype. Float32 inputs compute in bfloat16 (the reference too, unless
+  ``float32_compute="float32"``: jax_nkilib's own param, never passed to the kernel, which ``qkv_projection`` sets
+  by default).
 * TKG path: ``out`` in the input's dtype, and ``fused_hidden [B, S, H]`` (the residual sum) when
   ``fused_residual_add``.
 * KV-cache write (CTE path with ``k_scale`` and ``v_scale``, the kernel's condition for the cache write):
@@ -545,7 +547,8 @@ QKV_SPEC = KernelSpec(
     support={
         "idiomatic": "qkv_projection",
         "vjp": _VJP,
-        "notes": f"one primitive following the kernel's dispatch: CTE, TKG (S <= {TKG_MAX_SEQ} and B*S <= "
+        "notes": f"one primitive following the kernel's dispatch: CTE (computes float32 in bfloat16; "
+        "jax_nkilib.qkv_projection in float32 off Neuron unless asked), TKG (S <= {TKG_MAX_SEQ} and B*S <= "
         f"{TKG_MAX_TOKENS} without RoPE; returns fused_hidden with fused_residual_add; lax.map under vmap), fused "
         "KV-cache write (CTE with k_cache, v_cache, k_scale, v_scale; caches aliased); FP8 STATIC/ROW; MX "
         f"(MX_CONTIGUOUS, CTE only). Neuron: H % {PARTITIONS} == 0, H <= {CTE_MAX_HIDDEN}, I <= {CTE_MAX_WIDTH}",
