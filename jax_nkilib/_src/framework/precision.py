@@ -13,6 +13,6 @@ def bfloat16_compute_note(where: str, float32_compute: str) -> str:
     """``explain``'s note for a float32 call of a kernel path that computes in bfloat16."""
     reference = "bfloat16 too" if float32_compute == "bfloat16" else "float32 (float32_compute='float32')"
     return (
-        f"float32 inputs compute in bfloat16 in the NKI kernel ({where}; about 3 significant digits); the JAX "
+        f"float32 inputs compute in bfloat16 in the NKI kernel ({where}; 8 significant bits); the JAX "
         f"reference off Neuron computes in {reference}"
     )
