@@ -160,3 +160,45 @@ def test_neuron_lowering_is_the_kernel_and_reshapes():
     assert set(compute_operations(text)) <= {"stablehlo.reshape"}
     assert cfg["input_specs"][0] == [[6, 4, 256], "bfloat16"]
     assert cfg["params"]["normalization_type"] == "RMS_NORM_SKIP_GAMMA" and cfg["params"]["store_fused_add_result"]
+
+
+def test_float32_cte_computes_in_float32_unless_bfloat16_is_asked_for():
+    x = random((2, 50, HID), jnp.float32)  # 100 tokens: the CTE path
+    wg, wu, wd = weights()
+    gamma = random((HID,), jnp.float32, 7, 0.2) + 1
+    call = lambda **kw: jax_nkilib.mlp(x, wg, wu, wd, norm="rms", norm_weight=gamma, **kw)  # noqa: E731
+    exact = mlp_oracle(*(t.astype(jnp.float64) for t in (x, wg, wu, wd)), norm="rms", gamma=gamma[None])[0]
+    for precision in (None, "default", "highest", "float32", jax.lax.Precision.DEFAULT):
+        assert_close(call(precision=precision), exact, jnp.float32, reduction=HID)
+    with jax.default_matmul_precision("tensorfloat32"):
+        assert_close(jax.jit(lambda: call())(), exact, jnp.float32, reduction=HID)
+    kernel = lambda: jax_nkilib.nki.mlp(x, wg, wu, wd, gamma[None], normalization_type="RMS_NORM")  # noqa: E731
+    eager = kernel()  # layer 1: the kernel's numerics, bfloat16 compute on the CTE path
+    assert np.array_equal(np.asarray(eager), np.asarray(eager.astype(jnp.bfloat16).astype(jnp.float32)))
+    asked = [(call(precision="bfloat16"), eager), (call(precision=jax.lax.DotAlgorithmPreset.BF16_BF16_BF16), eager)]
+    with jax.default_matmul_precision("bfloat16"):
+        asked.append((jax.jit(lambda: call())(), jax.jit(kernel)()))  # (XLA's fusions may round a tie otherwise)
+    for out, exact in asked:
+        np.testing.assert_array_equal(out, exact)
+        assert_close(out, mlp_oracle(x, wg, wu, wd, norm="rms", gamma=gamma[None])[0], jnp.bfloat16, ops=2)
+    with pytest.raises(ValueError, match=r"jax_nkilib.mlp: `precision` must be None"):
+        call(precision="fp32")
+
+
+def test_float32_cte_explain_notes_the_kernels_bfloat16_compute():
+    x = random((2, 64, 128), jnp.float32)
+    wg, wu, wd = (random(shape, jnp.float32, s) for s, shape in enumerate([(128, 64), (128, 64), (64, 128)]))
+    (report,) = jax_nkilib.explain(jax_nkilib.mlp, x, wg, wu, wd)
+    assert report.runs_kernel and report.params["float32_compute"] == "float32"
+    (note,) = report.notes
+    assert "float32 inputs compute in bfloat16 in the NKI kernel (mlp's CTE path" in note and "in float32" in note
+    (tkg,) = jax_nkilib.explain(jax_nkilib.mlp, x[:1, :2], wg, wu, wd)
+    (bf16,) = jax_nkilib.explain(jax_nkilib.mlp, *(t.astype(jnp.bfloat16) for t in (x, wg, wu, wd)))
+    assert tkg.notes == bf16.notes == ()
+    with jax_nkilib.neuron.dry_run():  # one kernel call, the same whatever the precision
+        configs = [
+            kernel_configs(neuron_text(lambda *a: jax_nkilib.mlp(*a, precision=p), x, wg, wu, wd))
+            for p in (None, "bfloat16")
+        ]
+    assert configs[0] == configs[1] and len(configs[0]) == 1
+    assert "float32_compute" not in configs[0][0]["params"]

@@ -144,10 +144,48 @@ def test_qkv_projection_matches_the_oracle(dtype, norm, seq, with_rope):
         cos=None if rope is None else rope[0],
         sin=None if rope is None else rope[1],
     )
-    # the CTE path (RoPE or seq > 96) computes float32 inputs in bfloat16, as the kernel does
-    tol = jnp.bfloat16 if (with_rope or seq > 96) else dtype
+    # float32 math on both paths (JAX's convention): the CTE path (RoPE or seq > 96) rounds to bfloat16 only when asked
     for got, expected in zip((q, k, v), split_heads(want, 2, seq)):
-        assert_close(got, expected, tol, reduction=8, ops=10)
+        assert_close(got, expected, dtype, reduction=8, ops=10)
+
+
+def _nki_qkv(x, w, bias, rope=None):
+    """jax_nkilib.nki.qkv (the kernel's numerics) on qkv_projection's problem: ``[B, S, I]``."""
+    tables = {} if rope is None else dict(cos_cache=rope[0], sin_cache=rope[1], fused_rope=True)
+    return jax_nkilib.nki.qkv(x, w, bias[None], d_head=D, num_q_heads=NQ, num_kv_heads=NKV, **tables)
+
+
+@pytest.mark.parametrize("seq, with_rope", [(97, False), (3, True)])  # the CTE path
+def test_qkv_projection_float32_precision(seq, with_rope):
+    x, w, bias, *_ = qkv_problem(seq=seq)
+    rope = tables(2, seq) if with_rope else None
+    project = lambda **kw: qkv_projection(  # noqa: E731
+        x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, rope=rope, **kw
+    )
+    cos, sin = (None, None) if rope is None else rope
+    want = split_heads(qkv_oracle(x, w, nq=NQ, nkv=NKV, d=D, bias=bias[None], cos=cos, sin=sin)[0], 2, seq)
+    for precision in (None, "default", "highest", "float32", jax.lax.Precision.HIGHEST):
+        for got, expected in zip(project(precision=precision), want):
+            assert_close(got, expected, jnp.float32, reduction=8, ops=10)
+    with jax.default_matmul_precision("float32"):
+        for got, expected in zip(jax.jit(lambda: project())(), want):
+            assert_close(got, expected, jnp.float32, reduction=8, ops=10)
+    eager = _nki_qkv(x, w, bias, rope)  # layer 1 keeps the kernel's numerics: bfloat16 buffers, as on Neuron
+    assert np.array_equal(np.asarray(eager), np.asarray(eager.astype(jnp.bfloat16).astype(jnp.float32)))
+    asked = [(project(precision=p), eager) for p in ("bfloat16", jax.lax.DotAlgorithmPreset.BF16_BF16_F32)]
+    with jax.default_matmul_precision("bfloat16"):  # (jit against jit: XLA's fusions may round a tie otherwise)
+        asked.append((jax.jit(lambda: project())(), jax.jit(lambda: _nki_qkv(x, w, bias, rope))()))
+    for heads, kernel in asked:
+        for got, expected, exact in zip(heads, want, split_heads(kernel, 2, seq)):
+            np.testing.assert_array_equal(got, exact)  # the kernel's numerics, bit for bit
+            assert_close(got, expected, jnp.bfloat16, reduction=8, ops=10)
+
+
+def test_qkv_projection_precision_is_checked():
+    x, w, *_ = qkv_problem()
+    for bad in ("bf16", 3, (jax.lax.Precision.HIGHEST,) * 2):
+        with pytest.raises(ValueError, match=r"qkv_projection: `precision` must be None"):
+            qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, precision=bad)
 
 
 def test_rms_without_weight_and_rope_equal_to_jax_nkilib_rope():
@@ -258,6 +296,29 @@ def test_qkv_projection_neuron_lowering():
             ("qkv", ["out"], [])
         ]  # the TKG path: no cache write in the kernel
         assert "stablehlo.custom_call" in operations(text) and "stablehlo.scatter" in operations(text)
+
+
+def test_qkv_projection_float32_explain_and_neuron_lowering():
+    x, w = random((1, 128, 256), jnp.float32, 0), random((256, 16 * 64), jnp.float32, 1)
+    heads = dict(num_q_heads=8, num_kv_heads=4)
+    (report,) = jax_nkilib.explain(lambda x, w: qkv_projection(x, w, **heads), x, w)
+    assert report.runs_kernel and report.params["float32_compute"] == "float32"
+    (note,) = report.notes
+    assert "float32 inputs compute in bfloat16 in the NKI kernel (qkv's CTE path" in note and "in float32" in note
+    assert "note: float32 inputs compute in bfloat16" in str(report)
+    (asked,) = jax_nkilib.explain(lambda x, w: qkv_projection(x, w, **heads, precision="bfloat16"), x, w)
+    assert asked.params["float32_compute"] == "bfloat16" and "computes in bfloat16 too" in asked.notes[0]
+    for args in ((x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)), (x[:, :2], w)):  # bfloat16; float32 TKG
+        (other,) = jax_nkilib.explain(lambda x, w: qkv_projection(x, w, **heads), *args)
+        assert other.runs_kernel and other.notes == ()
+    with jax_nkilib.neuron.dry_run():  # one kernel call, the same whatever the precision
+        configs = [
+            kernel_configs(neuron_text(lambda x, w: qkv_projection(x, w, **heads, precision=p), x, w))
+            for p in (None, "bfloat16")
+        ]
+        assert configs[0] == configs[1] and len(configs[0]) == 1
+        assert "float32_compute" not in configs[0][0]["params"]
+        assert configs[0][0]["input_specs"][0] == [[1, 128, 256], "float32"]
 
 
 @pytest.mark.parametrize(

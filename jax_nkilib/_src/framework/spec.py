@@ -304,6 +304,9 @@ class KernelSpec:
       runtime_checks: ``runtime_checks(call, operands) -> None``, checks of run-time values (indices read from
         operands) through :func:`runtime_checks.check_all`; called only inside ``config(runtime_checks=True)``.
       neuron_limits: ``neuron_limits(call) -> list[str]`` of kernel limits that the call does not meet.
+      neuron_notes: ``neuron_notes(call) -> list[str]``: what a user should know about how the NKI kernel computes
+        this call where it differs from the reference off Neuron (float32 inputs computed in bfloat16); ``explain``
+        reports them for calls that run the kernel.
       fold_plans: batching strategies tried in order before the ``lax.map`` fallback.
       neuron_split_dims: named dimensions along which the kernel is elementwise-independent, in order of
         preference: when a call exceeds a kernel limit (e.g. SBUF capacity), the Neuron lowering splits it along
@@ -339,6 +342,7 @@ class KernelSpec:
     check: Callable[[CallInfo], None] | None = None
     runtime_checks: Callable[[CallInfo, Mapping[str, Any]], None] | None = None
     neuron_limits: Callable[[CallInfo], list[str]] | None = None
+    neuron_notes: Callable[[CallInfo], list[str]] | None = None
     fold_plans: tuple[FoldPlan, ...] = ()
     neuron_split_dims: tuple[str, ...] = ()
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)

@@ -21,7 +21,9 @@ of ``output_dtype`` (default: the hidden dtype).
 
 Dispatch and numerics. ``B*S <= 96`` and not ``force_cte_mode`` runs the TKG path, otherwise CTE; the reference
 models the path that runs (``math`` lists the rounding points). The paths differ: CTE computes float32 inputs in
-bfloat16 (``compute_data_type``), and only CTE quantizes activations for FP8 weights. FP8 (ROW, STATIC): weights
+bfloat16 (``compute_data_type``; ``float32_compute="float32"``, jax_nkilib's own param that the kernel never sees,
+makes the reference compute them in float32, as ``jax_nkilib.mlp`` asks by default), and only CTE quantizes
+activations for FP8 weights. FP8 (ROW, STATIC): weights
 are ``float8_e4m3`` (Trainium2, max 240) or ``float8_e4m3fn`` (the kernel reads it as ``float8_e4m3`` before
 Trainium3: the encodings agree up to 240); the projection is ``(a W) * w_scale * a_scale``.
 TKG keeps activations in the compute dtype (``a_scale = 1``, in-scales unused); CTE quantizes the gate/up input and
@@ -73,11 +75,20 @@ import numpy as np
 
 from ..framework.common_types import ActFnType, NormType, QuantizationType
 from ..framework.hardware import PARTITIONS
+from ..framework.precision import FLOAT32_COMPUTE, bfloat16_compute_note
 from ..framework.primitive import make_kernel, pull_back
 from ..framework.spec import FLOAT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant import mx
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
-from .mlp_reference import MX_TILE, STATIC_MX_TILE, STATIC_TYPES, TKG_TOKEN_THRESHOLD, is_tkg, mlp_forward
+from .mlp_reference import (
+    MX_TILE,
+    STATIC_MX_TILE,
+    STATIC_TYPES,
+    TKG_TOKEN_THRESHOLD,
+    computes_in_bfloat16,
+    is_tkg,
+    mlp_forward,
+)
 
 UNBOUND_MX_TYPES = (QuantizationType.ROW_MX,)
 MX_WORD_DTYPES = (jnp.dtype(jnp.uint32), jnp.dtype(jnp.int32), jnp.dtype(jnp.uint16))
@@ -325,6 +336,13 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
+def _neuron_notes(call: CallInfo) -> list[str]:
+    """The CTE path computes float32 inputs in bfloat16 (the reference follows ``float32_compute``)."""
+    if not computes_in_bfloat16(call.avals["hidden_tensor"].dtype, _tkg(call)):
+        return []
+    return [bfloat16_compute_note("mlp's CTE path", call.params["float32_compute"])]
+
+
 def _mlp_vjp(kernel, operands, params, outs, cotangents):
     """Backward by ``jax.vjp`` of the smooth math (``mlp_forward(exact=True)``) at the call's operands."""
     skip = {"gate_proj_weights_tensor", "gate_w_scale"} if params["skip_gate_proj"] else set()
@@ -466,6 +484,14 @@ MLP_SPEC = KernelSpec(
         Param("up_clamp_upper_limit", None, float),
         Param("up_clamp_lower_limit", None, float),
         Param("force_cte_mode", False, bool, "run the CTE path even when B*S <= 96"),
+        Param(
+            "float32_compute",
+            "bfloat16",
+            FLOAT32_COMPUTE,
+            "the JAX reference's compute for float32 inputs on the CTE path: bfloat16 as the kernel (default) or "
+            "float32; the kernel on Neuron always computes them in bfloat16",
+            to_kernel=False,
+        ),
     ),
     outputs=(),
     output_avals=lambda call: [
@@ -477,6 +503,7 @@ MLP_SPEC = KernelSpec(
     reference_takes_lnc=True,
     check=_check,
     neuron_limits=_neuron_limits,
+    neuron_notes=_neuron_notes,
     # Rows are independent, but folding a vmapped axis into B changes B*S and may switch TKG -> CTE (different
     # numerics): fold only calls that already run CTE; TKG calls run per element under lax.map.
     fold_plans=(
@@ -492,7 +519,8 @@ MLP_SPEC = KernelSpec(
     support={
         "idiomatic": "mlp",
         "vjp": "JAX (jax.vjp of the smooth MLP math; straight-through FP8 activation quantization)",
-        "notes": f"CTE/TKG dispatch at B*S = {TKG_TOKEN_THRESHOLD} (CTE computes float32 in bfloat16); FP8 ROW/STATIC; "
+        "notes": f"CTE/TKG dispatch at B*S = {TKG_TOKEN_THRESHOLD} (CTE computes float32 in bfloat16; "
+        "jax_nkilib.mlp in float32 off Neuron unless asked); FP8 ROW/STATIC; "
         "MX (MXFP8/MXFP4 x4 weights, TKG); STATIC_MX (swizzled FP8 weights, CTE); ROW_MX, "
         f"gate_up_w_layout (2.32), pre-quantized input and SBUF output not bound; Neuron: H % {PARTITIONS}, "
         "clamps TKG only",

@@ -3,7 +3,8 @@ and the smooth function whose VJP is the backward (no roundings; quantization is
 instantiations of :func:`mlp_forward`.
 
 Rounding points of the reference, in the path's compute dtype ``c`` (``c`` = the hidden dtype, except that the CTE
-path computes float32 inputs in bfloat16, as the kernel's ``compute_data_type`` does): the fused-add sum, the
+path computes float32 inputs in bfloat16, as the kernel's ``compute_data_type`` does; ``float32_compute="float32"``,
+jax_nkilib's own param that the kernel never sees, keeps float32 there): the fused-add sum, the
 normalized input, CTE's float weights and biases as loaded, the gate/up product, and the down projection after its
 dequantization and bias. Everything else (statistics, matmul accumulation, dequantization, bias, clamps,
 activation, product) is float32 (float64 for float64 inputs). MX (:func:`_mlp_mx`) adds MXFP8 round trips of the
@@ -42,10 +43,16 @@ def is_tkg(tokens: int, force_cte_mode: bool) -> bool:
     return tokens <= TKG_TOKEN_THRESHOLD and not force_cte_mode
 
 
-def compute_dtype(io_dtype, tkg: bool):
-    """The dtype intermediates are stored in: the input's, but bfloat16 for float32 inputs on the CTE path."""
-    io_dtype = jnp.dtype(io_dtype)
-    return jnp.dtype(jnp.bfloat16) if (not tkg and io_dtype == jnp.float32) else io_dtype
+def computes_in_bfloat16(io_dtype, tkg: bool) -> bool:
+    """Does the kernel compute ``io_dtype`` inputs in bfloat16? Float32 on the CTE path (``compute_data_type``)."""
+    return not tkg and jnp.dtype(io_dtype) == jnp.float32
+
+
+def compute_dtype(io_dtype, tkg: bool, float32_compute: str = "bfloat16"):
+    """The dtype intermediates are stored in: the input's, but bfloat16 for float32 inputs on the CTE path (unless
+    ``float32_compute="float32"``: the reference then keeps float32, off the kernel's numerics)."""
+    bf16 = computes_in_bfloat16(io_dtype, tkg) and float32_compute == "bfloat16"
+    return jnp.dtype(jnp.bfloat16) if bf16 else jnp.dtype(io_dtype)
 
 
 def activation(x, fn: ActFnType):
@@ -134,7 +141,7 @@ def mlp_forward(ops: Mapping[str, Any], p: Mapping[str, Any], *, exact: bool, ln
     batch, seq, _ = hidden.shape
     acc = jnp.promote_types(hidden.dtype, jnp.float32)
     tkg = is_tkg(batch * seq, p["force_cte_mode"])
-    c = compute_dtype(hidden.dtype, tkg)
+    c = compute_dtype(hidden.dtype, tkg, p.get("float32_compute", "bfloat16"))
     quant = p["quantization_type"]
     quantize_acts = quant in FP8_TYPES and not tkg and not exact
     if quant == QuantizationType.STATIC_MX:

@@ -18,6 +18,7 @@ from ..mlp.mlp_reference import TKG_TOKEN_THRESHOLD, is_tkg
 from ..norm.fused_norm import norm_type_of
 from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from ..sharding import auto
+from .precision import float32_compute
 
 ACTIVATIONS = {
     "silu": ActFnType.SiLU,
@@ -192,6 +193,7 @@ def mlp(
     gate_clamp=None,
     up_clamp=None,
     output_dtype=None,
+    precision=None,
 ):
     """A transformer MLP on ``x [..., hidden]``::
 
@@ -218,9 +220,16 @@ def mlp(
     Not with ``down_bias`` on the CTE path (the kernel has none there). Quantized weights get no gradient; ``x`` and
     the other float arguments get the kernel's VJP (activation quantization passed straight through).
 
+    Precision: float32 inputs compute in float32 off Neuron (JAX's convention, as ``x @ w``), unless bfloat16
+    compute, the kernel's, is asked for: ``precision="bfloat16"`` (or ``jax.lax.DotAlgorithmPreset.BF16_BF16_F32`` /
+    ``BF16_BF16_BF16``), or, with ``precision=None`` (the default), ``jax.default_matmul_precision("bfloat16")``
+    (read at trace time). Other values (``"default"``, ``"highest"``, ``"float32"``, a ``jax.lax.Precision``...)
+    keep float32. No effect on bfloat16, float16 or float64 inputs, nor on the TKG path (<= 96 tokens).
+
     Differentiable in every array argument. It is one ``jax_nkilib.nki.mlp`` call on ``x`` reshaped to
-    ``[batch, seq, hidden]``, so it follows that kernel's numerics: calls with more than 96 tokens take the CTE path,
-    which computes float32 inputs in bfloat16 (on CPU as on Neuron).
+    ``[batch, seq, hidden]``: on Neuron the kernel, whose CTE path (more than 96 tokens) computes float32 inputs in
+    bfloat16 whatever ``precision`` says (``jax_nkilib.explain`` notes it for such calls); ``jax_nkilib.nki.mlp`` is
+    the kernel's numerics everywhere.
     """
     x = _array("x", x)
     weights = {"w_up": w_up, "w_gate": w_gate, "w_down": w_down}
@@ -245,6 +254,7 @@ def mlp(
     return_residual = static_bool(_WHERE, "return_residual", return_residual)
     (gate_low, gate_high), (up_low, up_high) = _clamp("gate_clamp", gate_clamp), _clamp("up_clamp", up_clamp)
     output_dtype = _output_dtype(output_dtype)
+    compute = float32_compute(_WHERE, precision)
     sharded = _plan_mlp(
         x,
         w_gate,
@@ -267,6 +277,7 @@ def mlp(
             gate_clamp=gate_clamp,
             up_clamp=up_clamp,
             output_dtype=output_dtype,
+            precision=compute,
         )
 
         def local(x, w_gate, w_up, w_down, norm_weight, norm_bias, residual, gate_bias, up_bias, down_bias, axes):
@@ -358,6 +369,7 @@ def mlp(
         up_clamp_upper_limit=up_high,
         up_clamp_lower_limit=up_low,
         quantization_type=quant,
+        float32_compute=compute,
     )
     outs = mlp_kernel.call(operands, params)
     outs = tuple(out.reshape(x.shape) for out in outs)

@@ -17,6 +17,7 @@ from ..projection.qkv import qkv
 from ..projection.qkv_reference import kv_bounds, quantize_kv, uses_tkg, write_cache
 from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from ..sharding import auto
+from .precision import float32_compute
 
 
 def _array(where: str, name: str, value, layout: str, rank: int | None = None, activation: bool = False):
@@ -308,6 +309,7 @@ def qkv_projection(
     kv_cache=None,
     cache_positions=None,
     kv_scale=None,
+    precision=None,
 ):
     """Query, key and value heads of ``x [batch, seq, hidden]``: ``norm(x) @ w (+ bias)``, split into heads, with
     RoPE on the query and key heads.
@@ -331,6 +333,11 @@ def qkv_projection(
         ``clip(k / k_scale, ±max)`` in the caches' dtype (``max`` its largest finite value; ``kv_scale = (k_scale,
         v_scale)``, default 1, each finite and > 0: checked when concrete, a traced 0 fills the cache with +-max)
         — FP8 caches quantize.
+      precision: float32 inputs compute in float32 off Neuron (JAX's convention, as ``x @ w``), unless bfloat16
+        compute, the kernel's, is asked for: ``precision="bfloat16"`` (or ``jax.lax.DotAlgorithmPreset.BF16_BF16_F32``
+        / ``BF16_BF16_BF16``), or, with ``None`` (the default), ``jax.default_matmul_precision("bfloat16")`` (read at
+        trace time). Other values (``"default"``, ``"highest"``, ``"float32"``, a ``jax.lax.Precision``...) keep
+        float32. No effect on bfloat16, float16 or float64 inputs, nor on the TKG path.
 
     Returns ``(q [batch, seq, num_q_heads, head_dim], k, v [batch, seq, num_kv_heads, head_dim])`` in ``x``'s dtype,
     or with ``kv_cache`` ``(q, k_cache, v_cache)`` (a functional update; the caches carry no gradient; with no
@@ -342,7 +349,8 @@ def qkv_projection(
     ``ValueError``: the CTE kernel applies no row scales) computes ``(x' @ data) * scale[col]``. Differentiable in
     ``x``, ``w``, ``bias``, the norm parameters and the tables. On Neuron this is the NKI ``qkv`` kernel (its CTE
     path for ``seq > 96``, ``batch * seq > 128`` or RoPE, with the fused cache write; else its TKG path, the cache
-    then written by XLA) with the kernel's precision: float32 inputs compute in bfloat16 on the CTE path.
+    then written by XLA), which computes float32 inputs in bfloat16 on its CTE path whatever ``precision`` says
+    (``jax_nkilib.explain`` notes it for such calls); ``jax_nkilib.nki.qkv`` is the kernel's numerics everywhere.
     """
     where = "jax_nkilib.qkv_projection"
     check_operand_layouts(where, {"x": "batch, seq, hidden"}, positive=("hidden",), x=x)
@@ -350,6 +358,7 @@ def qkv_projection(
     batch, seq, hidden = x.shape
     num_q_heads, num_kv_heads = _head_counts(where, num_q_heads, num_kv_heads)
     eps = static_float(where, "eps", eps, minimum=0.0)
+    compute = float32_compute(where, precision)
     split = isinstance(w, (tuple, list))
     if split:
         w, bias = _split_weights(where, w, bias, hidden, num_q_heads, num_kv_heads)
@@ -383,6 +392,7 @@ def qkv_projection(
             num_kv_heads=num_kv_heads,
             norm=norm,
             eps=eps,
+            precision=compute,
         )
     if split:
         w = jnp.concatenate(w, axis=1)
@@ -429,6 +439,7 @@ def qkv_projection(
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
         quantization_type=quant,
+        float32_compute=compute,
     )
     if rope is not None:
         if not (isinstance(rope, (tuple, list)) and len(rope) == 2):

@@ -13,7 +13,9 @@ The NKI ``qkv`` dispatches on shapes: ``qkv_tkg`` when ``S <= 96``, ``B * S <= 1
 ``nkilib.core.qkv.qkv:qkv``) whose outputs follow the path the call takes:
 
 * CTE path: ``out`` (``BSD [B, S, I]``, ``NBSd [I/d, B, S, d]``, ``NBdS [I/d, B, d, S]``); bfloat16 for
-  ``STATIC``, else the input's dtype.
+  ``STATIC``, else the input's dtype. Float32 inputs compute in bfloat16 (the reference too, unless
+  ``float32_compute="float32"``: jax_nkilib's own param, never passed to the kernel, which ``qkv_projection`` sets
+  by default).
 * TKG path: ``out`` in the input's dtype, and ``fused_hidden [B, S, H]`` (the residual sum) when
   ``fused_residual_add``.
 * KV-cache write (CTE path with ``k_scale`` and ``v_scale``, the kernel's condition for the cache write):
@@ -39,12 +41,13 @@ import jax.numpy as jnp
 
 from ..framework.common_types import NormType, QKVOutputLayout, QKVWeightLayout, QuantizationType
 from ..framework.hardware import PARTITIONS
+from ..framework.precision import FLOAT32_COMPUTE, bfloat16_compute_note
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
 from .matmul_numerics import differentiable_vjp
 from .output_projection_reference import NOT_BOUND_FORMATS
-from .qkv_reference import TKG_MAX_SEQ, TKG_MAX_TOKENS, head_dim, reference_qkv, uses_tkg
+from .qkv_reference import TKG_MAX_SEQ, TKG_MAX_TOKENS, computes_in_bfloat16, head_dim, reference_qkv, uses_tkg
 
 ENTRY_POINT = "nkilib.core.qkv.qkv:qkv"
 _F32 = (jnp.float32,)
@@ -124,6 +127,14 @@ _PARAMS = {
         Param("load_input_with_DMA_transpose", True, bool, "load strategy (no numeric effect)"),
         Param("is_h_dim_4h_transposed", False, bool, "MX: input H stored as [4, H/4]"),
         Param("weight_layout", QKVWeightLayout.CONTIGUOUS, QKVWeightLayout, "CONTIGUOUS; MX_CONTIGUOUS for MX"),
+        Param(
+            "float32_compute",
+            "bfloat16",
+            FLOAT32_COMPUTE,
+            "the JAX reference's compute for float32 inputs on the CTE path: bfloat16 as the kernel (default) or "
+            "float32; the kernel on Neuron always computes them in bfloat16",
+            to_kernel=False,
+        ),
     )
 }
 _CACHE_REQUIRED = CACHE_OPERANDS[:4]
@@ -447,6 +458,13 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return _tkg_limits(call) if _path(call) == "tkg" else _cte_limits(call)
 
 
+def _neuron_notes(call: CallInfo) -> list[str]:
+    """The CTE path computes float32 inputs in bfloat16 (the reference follows ``float32_compute``)."""
+    if not computes_in_bfloat16(call.avals["input"].dtype, _path(call) == "tkg"):
+        return []
+    return [bfloat16_compute_note("qkv's CTE path", call.params["float32_compute"])]
+
+
 # -------------------------------------------------------------------------------------------------------- spec
 def _outputs(call: CallInfo):
     """By path (see the module docstring): ``out`` (CTE: bfloat16 for STATIC), ``out`` and with
@@ -512,6 +530,7 @@ QKV_SPEC = KernelSpec(
     reference=_reference,
     check=_check,
     neuron_limits=_neuron_limits,
+    neuron_notes=_neuron_notes,
     fold_plans=(
         FoldPlan(
             {**_SHARED, **dict.fromkeys(_ROW_OPERANDS + ("k_cache", "v_cache"), "B")},
@@ -528,7 +547,8 @@ QKV_SPEC = KernelSpec(
     support={
         "idiomatic": "qkv_projection",
         "vjp": _VJP,
-        "notes": f"one primitive following the kernel's dispatch: CTE, TKG (S <= {TKG_MAX_SEQ} and B*S <= "
+        "notes": f"one primitive following the kernel's dispatch: CTE (computes float32 in bfloat16; "
+        "jax_nkilib.qkv_projection in float32 off Neuron unless asked), TKG (S <= {TKG_MAX_SEQ} and B*S <= "
         f"{TKG_MAX_TOKENS} without RoPE; returns fused_hidden with fused_residual_add; lax.map under vmap), fused "
         "KV-cache write (CTE with k_cache, v_cache, k_scale, v_scale; caches aliased); FP8 STATIC/ROW; MX "
         f"(MX_CONTIGUOUS, CTE only). Neuron: H % {PARTITIONS} == 0, H <= {CTE_MAX_HIDDEN}, I <= {CTE_MAX_WIDTH}",

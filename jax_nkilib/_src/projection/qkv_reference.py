@@ -23,6 +23,8 @@ Precision: accumulation in float32 (float64 for float64 inputs). Stored values a
 dtype after the residual add, the norm, the projection (+ bias; quantized: the raw product, then the dequantized sum)
 and every RoPE product and sum. The CTE path's buffers are bfloat16 for float32 inputs (the kernel computes float32
 inputs in bfloat16), and ``STATIC`` without cache gives bfloat16 output there; the TKG path keeps the input dtype.
+``float32_compute="float32"`` (jax_nkilib's own param, never passed to the kernel) keeps float32 buffers on the CTE
+path too: float32 math, what ``jax_nkilib.qkv_projection`` computes off Neuron unless bfloat16 is asked for.
 """
 
 from __future__ import annotations
@@ -46,9 +48,16 @@ def uses_tkg(batch: int, seq: int, fused_rope: bool) -> bool:
     return not fused_rope and seq <= TKG_MAX_SEQ and batch * seq <= TKG_MAX_TOKENS
 
 
-def buffer_dtype(dtype, tkg: bool):
-    """The dtype of the kernel's SBUF buffers: the input's, except bfloat16 for float32 on the CTE path."""
-    return jnp.dtype(jnp.bfloat16) if not tkg and jnp.dtype(dtype) == jnp.float32 else jnp.dtype(dtype)
+def computes_in_bfloat16(dtype, tkg: bool) -> bool:
+    """Does the kernel compute ``dtype`` inputs in bfloat16? Float32 on the CTE path (its buffers are bfloat16)."""
+    return not tkg and jnp.dtype(dtype) == jnp.float32
+
+
+def buffer_dtype(dtype, tkg: bool, float32_compute: str = "bfloat16"):
+    """The dtype of the kernel's SBUF buffers: the input's, except bfloat16 for float32 on the CTE path (unless
+    ``float32_compute="float32"``: the reference then keeps float32, off the kernel's numerics)."""
+    bf16 = computes_in_bfloat16(dtype, tkg) and float32_compute == "bfloat16"
+    return jnp.dtype(jnp.bfloat16) if bf16 else jnp.dtype(dtype)
 
 
 def head_dim(d_head, num_q_heads, num_kv_heads, width: int):
@@ -159,13 +168,14 @@ def reference_qkv(
     use_block_kv=False,
     block_size=None,
     is_h_dim_4h_transposed=False,
+    float32_compute="bfloat16",
     **unused,
 ):
     """JAX reference of ``qkv`` on the path ``tkg`` selects; returns the kernel's outputs (module docstring)."""
     del unused, block_size  # block_size equals the cache's block axis (checked)
     io = jnp.dtype(input.dtype)
     acc = accumulation_dtype(io)
-    store = buffer_dtype(io, tkg)
+    store = buffer_dtype(io, tkg, float32_compute)
     width = fused_qkv_weights.shape[1]
     d = head_dim(d_head, num_q_heads, num_kv_heads, width)
     x = input.astype(acc)

@@ -22,7 +22,8 @@ class KernelCallReport:
     ``neuron`` is ``"kernel"`` when Neuron would run the NKI kernel in one call, ``"kernel, split into N calls
     along <dim> (<limits>)"`` when the call is split to meet a kernel limit, else ``"fallback: <limits>"`` (or
     ``"error: <limits>"`` under ``on_unsupported="error"``). ``context`` names the enclosing transformations (e.g.
-    ``shard_map(mesh axes: data=8; manual: data)``).
+    ``shard_map(mesh axes: data=8; manual: data)``). ``notes`` says how the kernel's numerics differ from the JAX
+    reference's, for calls that run the kernel (e.g. float32 inputs computed in bfloat16).
     """
 
     kernel: str
@@ -33,6 +34,7 @@ class KernelCallReport:
     lnc: int
     context: str
     neuron: str
+    notes: tuple[str, ...] = ()
 
     @property
     def runs_kernel(self) -> bool:
@@ -42,7 +44,8 @@ class KernelCallReport:
         args = ", ".join(f"{name}{list(shape)}:{dtype}" for name, shape, dtype in self.inputs)
         flags = ", ".join(f"{k}={getattr(v, 'name', v)}" for k, v in self.params.items())
         where = f" in {self.context}" if self.context else ""
-        return f"{self.kernel}({args}; {flags}) LNC={self.lnc}{where} -> Neuron: {self.neuron}"
+        notes = "".join(f"; note: {note}" for note in self.notes)
+        return f"{self.kernel}({args}; {flags}) LNC={self.lnc}{where} -> Neuron: {self.neuron}{notes}"
 
 
 class Explanation(tuple):
@@ -88,6 +91,7 @@ def _report(kernel, eqn, context: str) -> KernelCallReport:
     neuron = plan.describe()
     if plan.kind == "fallback" and config.current_on_unsupported() == "error":
         neuron = "error: " + "; ".join(plan.unmet)
+    notes = () if plan.kind == "fallback" or spec.neuron_notes is None else tuple(spec.neuron_notes(call))
     return KernelCallReport(
         kernel=spec.name,
         entry_point=spec.entry_point,
@@ -97,6 +101,7 @@ def _report(kernel, eqn, context: str) -> KernelCallReport:
         lnc=params["lnc"],
         context=context,
         neuron=neuron,
+        notes=notes,
     )
 
 
@@ -117,7 +122,7 @@ def explain(fn, *args, **kwargs) -> Explanation:
 
     For each call: the kernel, its operand shapes (in the kernel's layout) and dtypes, static flags, LNC degree,
     enclosing ``shard_map``, and whether lowering for Neuron would run the NKI kernel (in one call or split) or fall
-    back to the JAX reference (and why).
+    back to the JAX reference (and why), with notes on the kernel's numerics (float32 inputs computed in bfloat16).
     """
     closed = jax.make_jaxpr(fn)(*args, **kwargs)
     reports: list[KernelCallReport] = []

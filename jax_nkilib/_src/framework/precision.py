@@ -1,0 +1,18 @@
+"""``float32_compute``: a param of jax_nkilib's own (``Param.to_kernel=False``, never passed to a kernel) of the
+kernels whose CTE path computes float32 inputs in bfloat16 (``qkv``, ``mlp``). It says how the JAX reference (CPU,
+GPU, a Neuron fallback) computes such inputs: ``"bfloat16"`` as the kernel does (the default: layer 1 is the
+kernel's numerics) or ``"float32"`` (what the idiomatic ops ask for unless bfloat16 compute is requested, see
+``ops.precision``). The NKI kernel on Neuron computes them in bfloat16 either way; ``explain`` says so."""
+
+from __future__ import annotations
+
+FLOAT32_COMPUTE = ("bfloat16", "float32")
+
+
+def bfloat16_compute_note(where: str, float32_compute: str) -> str:
+    """``explain``'s note for a float32 call of a kernel path that computes in bfloat16."""
+    reference = "bfloat16 too" if float32_compute == "bfloat16" else "float32 (float32_compute='float32')"
+    return (
+        f"float32 inputs compute in bfloat16 in the NKI kernel ({where}; 8 significant bits); the JAX "
+        f"reference off Neuron computes in {reference}"
+    )
