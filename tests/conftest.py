@@ -11,8 +11,11 @@ optimizer off (about a third less CPU time on compile-bound tests such as attent
 classic elemental emitters instead of its newer MLIR fusion emitters (compile time halved again: tests/rope and
 tests/norm/test_norm_tkg.py 38-42 s -> 23 s of CPU). Both are long-standing XLA:CPU code paths with the same
 numerics contract; fast math stays off either way, so results can differ from an optimised build at most in the
-last bit of a fused multiply-add, far inside every tolerance. A user's own ``XLA_FLAGS`` come after these, so they
-win.
+last bit of a fused multiply-add, far inside every tolerance. One exception is known: with both flags, a row
+reduction in a backward pass can be summed in a less accurate order (tests/norm/test_norm_ops.py's large-mean
+LayerNorm gradient, 4e-5 instead of 1e-7); such a test compiles its program with
+``tests.support.numerics.DEFAULT_EMITTERS`` as ``compiler_options``. A user's own ``XLA_FLAGS`` come after these,
+so they win.
 """
 
 import os
