@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import jax_nkilib
+from jax_nkilib._src.neuron import lowering as neuron_lowering
 from jax_nkilib.neuron import NeuronFallbackWarning
 from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.numerics import assert_close, f64
@@ -164,10 +165,11 @@ def test_nnx_sow_weights_raises(nnx):
         ours(_x(), sow_weights=True)
 
 
-def test_nnx_is_causal_is_the_attention_cte_kernel_on_neuron_and_a_mask_falls_back(nnx):
+def test_nnx_is_causal_is_the_attention_cte_kernel_on_neuron_and_a_mask_falls_back(nnx, monkeypatch):
     """``is_causal=True`` maps onto ``attention_cte`` (forward and backward kernels); a dense mask runs the
     blockwise engine, with the fallback warning naming it."""
     _require(nnx.MultiHeadAttention.__call__, "is_causal")
+    monkeypatch.setattr(neuron_lowering, "_warned", set())  # the warning is once per process: not silenced, and kept
     model = nnx.MultiHeadAttention(4, 64, attention_fn=fn, decode=False, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     x = jnp.zeros((1, 128, 64), jnp.bfloat16)
