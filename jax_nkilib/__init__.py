@@ -9,6 +9,7 @@ from jax_nkilib import checkpoint_policies, neuron, nki
 from jax_nkilib._src.framework.config import config, current_lnc
 from jax_nkilib._src.ops.attention import attention, decode_attention
 from jax_nkilib._src.ops.dot_product_attention import dot_product_attention
+from jax_nkilib._src.ops.flax_attention import flax_attention_fn
 from jax_nkilib._src.ops.mlp import mlp
 from jax_nkilib._src.ops.norm import dequantize_fp8, layer_norm, quantize_fp8, rms_norm
 from jax_nkilib._src.ops.projection import output_projection, qkv_projection
@@ -35,6 +36,7 @@ __all__ = [
     "dot_product_attention",
     "explain",
     "Explanation",
+    "flax_attention_fn",
     "from_ring_layout",
     "KernelCallReport",
     "KernelSupport",

@@ -42,6 +42,14 @@ def _bwd(bs, h, h_kv, d, s):
     return build
 
 
+def _flax_mask(rng, batch, seq):
+    """A Flax-style float32 1/0 mask ``[B, 1, T, T]``: causal and key padding (key 0 is always visible)."""
+    lengths = jnp.asarray(rng.integers(1, seq + 1, size=(batch,)))
+    keys = jnp.arange(seq)
+    allowed = (keys[None, :] <= keys[:, None])[None] & (keys < lengths[:, None])[:, None, :]
+    return allowed[:, None].astype(jnp.float32)
+
+
 def uniform_lse(rng, shape):
     return jnp.asarray(rng.uniform(1.0, 3.0, shape), jnp.float32)
 
@@ -391,6 +399,20 @@ register(
         sharding=_data(5),
         neuron_fallback="dense `bias`",
         notes="the blockwise route: no kernel computes a bias, a soft cap or a two-sided window",
+    ),
+    ArgSpec(
+        "flax_attention_fn",
+        jax_nkilib.flax_attention_fn,
+        ("query", "key", "value", "mask"),
+        lambda rng: (*_qkv(8, 16, 16, 4, 2, 8)(rng), _flax_mask(rng, 8, 16)),
+        positional=3,
+        kernels=(),
+        only_kernels=False,
+        grad=("query", "key", "value"),
+        sharding=_data(4),
+        bad=BadInput("query", drop_last_axis, "query"),
+        neuron_fallback="dense boolean `mask`",
+        notes="Flax's attention_fn with one of its float32 1/0 masks (causal and key padding): the blockwise route",
     ),
     ArgSpec(
         "decode_attention",
