@@ -34,7 +34,7 @@ def model(x, gamma, w_qkv):
     """rms_norm -> QKV projection (one matmul) -> attention, the norm's output reused after attention."""
     h = jax_nkilib.rms_norm(x, gamma)
     q, k, v = (t.reshape(BATCH, SEQ, HEADS, HEAD_DIM) for t in jnp.split(h @ w_qkv, 3, axis=-1))
-    o = jax_nkilib.attention(q, k, v)
+    o = jax_nkilib.attention(q, k, v, causal=True)
     return jnp.sum(o.reshape(BATCH, SEQ, HIDDEN) * h)
 
 
@@ -196,7 +196,7 @@ def test_attention_cte_saves_its_output_and_statistics_by_name():
     expected = [f"attention_cte.{name}" for name in ("q", "k", "v", "o", "neg_max", "recip")]
     assert saved_names(jax_nkilib.nki.attention_cte, q, k, v) == expected
     qkv = (random((BATCH, SEQ, HEADS, HEAD_DIM), jnp.float32, seed) for seed in range(3))
-    assert sorted(saved_names(jax_nkilib.attention, *qkv)) == sorted(expected)
+    assert sorted(saved_names(functools.partial(jax_nkilib.attention, causal=True), *qkv)) == sorted(expected)
 
 
 def _layer_one_differentiable_specs():

@@ -224,13 +224,13 @@ def test_kernels_run_inside_the_manual_computation_at_per_device_shapes(mesh):
     q, k, v = random((B, S, N, D), seed=2), random((B, S, K, D), seed=3), random((B, S, K, D), seed=4)
     with use_mesh(mesh), jax_nkilib.neuron.dry_run():
         placed = [jax.device_put(a, NamedSharding(mesh, P("data", None, "model"))) for a in (q, k, v)]
-        text = jax_nkilib.neuron_hlo(jax_nkilib.attention, *placed)
+        text = jax_nkilib.neuron_hlo(functools.partial(jax_nkilib.attention, causal=True), *placed)
     assert "sdy.manual_computation" in text
     (config,) = kernel_configs(text)
     assert config["func_name"] == "attention_cte"
     assert config["input_specs"][0][0] == [B // 2 * N // 4, S, D]  # local batch x local heads
     with use_mesh(mesh):
-        (report,) = jax_nkilib.explain(jax_nkilib.attention, *placed)
+        (report,) = jax_nkilib.explain(functools.partial(jax_nkilib.attention, causal=True), *placed)
     assert report.context == "shard_map(mesh axes: data=2, model=4; manual: data, model)"
     assert report.inputs[0][1] == (B // 2 * N // 4, S, D)
 

@@ -103,6 +103,14 @@ def _cases() -> dict[str, Case]:
             ("q", "k", "v"),
             ({"b": "data"},),
         ),
+        "dot_product_attention": Case(  # the blockwise route: a bias (split with the heads) and a soft cap
+            "jax_nkilib.dot_product_attention",
+            lambda q, k, v, bias: jax_nkilib.dot_product_attention(q, k, v, bias, is_causal=True, logits_soft_cap=5.0),
+            {"q": q, "k": k, "v": v, "bias": random((1, N, S, S), seed=22)},
+            {"q": "b_n_", "k": "b_n_", "v": "b_n_", "bias": "_n__"},
+            ("q", "k", "v", "bias"),
+            ({"b": "data"},),
+        ),
         "decode_attention": Case(
             "jax_nkilib.decode_attention",
             lambda q, k, v, kc, vc, n: jax_nkilib.decode_attention(q, k, v, kc, vc, n)[0],

@@ -39,7 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 from ..attention.blockwise import attention_backward, attention_forward, log_sum_exp
 from ..attention.checks import require_float_dtypes
 from ..attention.masks import MaskRule
-from ..framework import registry
+from ..framework import compat, registry
 from ..framework.checkpoint_policies import operand_name, output_name
 from ..framework.runtime_checks import check_all
 from ..framework.validation import check_operand_layouts, static_float, static_int
@@ -525,7 +525,9 @@ def _engine_backward(statics, residuals, cotangents):
     )
     if bias is not None and axes[3] is None:  # a bias shared by the batch gets the sum over the sequences
         dbias = jnp.sum(dbias, axis=0, keepdims=True)
-    cast = lambda g, like: None if like is None else g.astype(like.dtype)  # noqa: E731
+    # inside shard_map, an operand replicated over a mesh axis (a bias shared by a split batch) gets the sum of
+    # its per-shard cotangents
+    cast = lambda g, like: None if like is None else compat.sum_over_extra_varying(g, like).astype(like.dtype)  # noqa: E731
     return (
         cast(dq, query),
         cast(dk, key),
