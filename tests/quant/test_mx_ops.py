@@ -136,6 +136,35 @@ def test_dequantize_dtype_and_e8m0_scales():
     )
 
 
+def test_scales_in_jax_mx_format_feed_jax_scaled_matmul():
+    """``scale_dtype=jnp.float8_e8m0fnu`` gives JAX's MX scale type: jax.lax.scaled_dot (JAX >= 0.8, any platform)
+    computes the dequantized product from ``(data, scales)`` as they are, and jax.nn.scaled_matmul (cuDNN, GPU only)
+    lowers for ``cuda`` with them; JAX-format scales come back through dequantize_mx unchanged."""
+    x, w = spread((8, 128), 5, jnp.float32), spread((16, 128), 6, jnp.float32)
+    (xd, xs), (wd, ws) = (jax_nkilib.quantize_mx(a, scale_dtype=jnp.float8_e8m0fnu) for a in (x, w))
+    assert xs.dtype == jnp.float8_e8m0fnu and xs.shape == (8, 4)
+    uint8_scales = jax_nkilib.quantize_mx(x)[1]
+    np.testing.assert_array_equal(jax.lax.bitcast_convert_type(xs, jnp.uint8), uint8_scales)
+    expected = f64(jax_nkilib.dequantize_mx(xd, xs)) @ f64(jax_nkilib.dequantize_mx(wd, ws)).T
+    if hasattr(jax.lax, "scaled_dot"):
+        out = jax.lax.scaled_dot(
+            xd,
+            wd,
+            lhs_scale=xs,
+            rhs_scale=ws,
+            dimension_numbers=(((1,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+        )
+        np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    text = (
+        jax.jit(jax.nn.scaled_matmul)
+        .trace(xd[None], wd[None], xs[None], ws[None])
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert "block_scaled_dot" in text
+
+
 def test_quantized_outputs_carry_no_gradient():
     """(jit, vmap and shard_map of quantize_mx are the conformance suite's: arg spec quantize_mx.)"""
     x = spread((4, 3, 512), 6, jnp.bfloat16)
@@ -195,6 +224,7 @@ BAD = [
     (lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64), jnp.int32)), TypeError, "`x` must have a floating dtype"),
     (lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64)), axis=2), ValueError, "`axis`=2 is out of range"),
     (lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64)), block=0), TypeError, "`block` must be a positive int"),
+    (lambda: jax_nkilib.quantize_mx(jnp.zeros((4, 64)), scale_dtype=jnp.int8), TypeError, "`scale_dtype` must be"),
     (lambda: jax_nkilib.quantize_mx([1.0] * 32), TypeError, "`x` must be an array"),
     (
         lambda: jax_nkilib.dequantize_mx(jnp.zeros((4, 64), jnp.float8_e4m3fn), jnp.zeros((4, 3), jnp.uint8)),

@@ -114,13 +114,15 @@ def _dims_with_blocks(ndim: int, axis: int, where: str, operand: str) -> str:
     return "".join(letters)
 
 
-def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32):
+def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32, scale_dtype=jnp.uint8):
     """MX-quantize ``x`` in blocks of ``block`` consecutive elements along ``axis``: ``(data, scales)``.
 
-    ``data`` has ``x``'s shape and the fp8 ``dtype`` (``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``); ``scales``
-    (uint8, biased exponents) has ``x``'s shape with ``axis`` divided by ``block`` (``x.shape[axis] % block == 0``).
-    The scale rule, and what a NaN or inf does (nothing to its block-mates), are the module's. Outputs are quantized
-    values: no gradient flows through them.
+    ``data`` has ``x``'s shape and the fp8 ``dtype`` (``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``); ``scales`` has
+    ``x``'s shape with ``axis`` divided by ``block`` (``x.shape[axis] % block == 0``): biased exponents as uint8 (the
+    kernels' format) or, with ``scale_dtype=jnp.float8_e8m0fnu``, the same bits as JAX's own MX scale type, so that
+    ``jax.nn.scaled_matmul`` and ``jax.lax.scaled_dot`` take ``(data, scales)`` as they are (the conversion either
+    way is ``jax.lax.bitcast_convert_type``). The scale rule, and what a NaN or inf does (nothing to its
+    block-mates), are the module's. Outputs are quantized values: no gradient flows through them.
     """
     where = "jax_nkilib.quantize_mx"
     x = array_argument(where, "x", x)
@@ -128,6 +130,8 @@ def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32):
     axis = _axis(where, axis, x.ndim)
     if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
         raise TypeError(f"{where}: `block` must be a positive int; got {block!r}")
+    if jnp.dtype(scale_dtype) not in (jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e8m0fnu)):
+        raise TypeError(f"{where}: `scale_dtype` must be jnp.uint8 or jnp.float8_e8m0fnu; got {scale_dtype!r}")
     length = x.shape[axis]
     if length % block:
         raise ValueError(
@@ -136,7 +140,9 @@ def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32):
     dims = _dims_with_blocks(x.ndim, axis, where, "x")
     sharded = auto.plan(QUANTIZE_MX_SHARDING, [auto.ShardedArgument("x", x, dims)], granule={"q": block})
     if sharded:
-        return sharded.run(lambda x, axes: quantize_mx(x, axis=axis, dtype=dtype, block=block), (dims, dims))
+        return sharded.run(
+            lambda x, axes: quantize_mx(x, axis=axis, dtype=dtype, block=block, scale_dtype=scale_dtype), (dims, dims)
+        )
     moved = jnp.moveaxis(x, axis, -1)
     rows = moved.reshape(math.prod(moved.shape[:-1]), length)
     finite = jnp.isfinite(rows)  # non-finite elements take no part in their block's scale (see the module)
@@ -148,6 +154,8 @@ def quantize_mx(x, *, axis: int = -1, dtype=jnp.float8_e4m3fn, block: int = 32):
     data = jnp.where(finite, data, saturate(rows.astype(jnp.float32), FP8_NAMES[name]))
     data = jnp.moveaxis(data.reshape(moved.shape), -1, axis)
     scales = jnp.moveaxis(scales.reshape(*moved.shape[:-1], length // block), -1, axis)
+    if jnp.dtype(scale_dtype) != scales.dtype:
+        scales = jax.lax.bitcast_convert_type(scales, scale_dtype)
     return jax.lax.stop_gradient(data), jax.lax.stop_gradient(scales)
 
 
