@@ -265,3 +265,11 @@ def test_bad_inputs_name_the_argument(call, error, words):
         call()
     for word in words:
         assert word in str(raised.value)
+
+
+def test_cudnn_off_a_gpu_is_the_blockwise_route():
+    """implementation="cudnn" is JAX's cuDNN attention where a GPU takes the call (checked on a GPU by
+    tests/benchmarks/bench_gpu_attention.py); off a GPU it is the same computation as the default."""
+    q, k, v = _inputs(jnp.bfloat16)
+    for kwargs in (dict(is_causal=True), dict(logits_soft_cap=3.0)):
+        np.testing.assert_array_equal(dpa(q, k, v, implementation="cudnn", **kwargs), dpa(q, k, v, **kwargs))

@@ -17,7 +17,10 @@ Routes. With no bias, dense mask, soft cap or residual, and a window that is cau
 the kernel's sequence-packing bounds (one kernel call per sequence, as its bounds are per call). Anything else runs
 the blockwise JAX engine (:mod:`..attention.blockwise`: no score matrix is formed, forward or backward); lowered for
 Neuron that warns naming the reason (or raises under ``jax_nkilib.config(on_unsupported="error")``).
-``implementation="xla"`` or ``"cudnn"`` calls ``jax.nn.dot_product_attention`` itself.
+``implementation="xla"`` calls ``jax.nn.dot_product_attention`` itself. On a GPU (JAX's default backend), the default
+and ``implementation="cudnn"`` call JAX's cuDNN flash attention when the call has none of our additions (segment
+ids, soft cap, sinks) and JAX's cuDNN path takes it (bf16/fp16, its head sizes, ...), else the blockwise engine;
+``"cudnn"`` off a GPU is the blockwise engine.
 
 Differences from JAX, on purpose: a query row that sees no key (and no sink) gives 0 and a residual of ``+inf``,
 where JAX's finite masking value gives the mean of all values (FlashAttention's and cuDNN's convention is 0).
@@ -203,7 +206,8 @@ def dot_product_attention(
       query_seq_lengths, key_value_seq_lengths: int ``[B]``: right padding; query rows past the length are 0.
       local_window_size: ``w`` or ``(left, right)``: query ``i`` sees keys ``i - left .. i + right``.
       implementation: ``None`` (the NKI kernel where the call maps onto one, else the blockwise engine), ``"nki"``
-        (the kernel, or a ``ValueError`` naming what prevents it), ``"xla"`` / ``"cudnn"`` (``jax.nn``'s).
+        (the kernel, or a ``ValueError`` naming what prevents it), ``"xla"`` (``jax.nn``'s), ``"cudnn"`` (JAX's cuDNN
+        attention where it takes the call, else the blockwise engine; also the default on a GPU).
       return_residual: also return the softmax log-sum-exp ``[B, T, N]`` (in the key's dtype, not differentiated).
 
     Beyond ``jax.nn``:
@@ -221,30 +225,36 @@ def dot_product_attention(
         raise TypeError(f"{_WHERE}: `is_causal` must be a Python bool; got {is_causal!r}")
     if not isinstance(return_residual, bool):
         raise TypeError(f"{_WHERE}: `return_residual` must be a Python bool; got {return_residual!r}")
-    if implementation in ("xla", "cudnn"):
-        extras = {
-            "query_segment_ids": query_segment_ids,
-            "key_value_segment_ids": key_value_segment_ids,
-            "logits_soft_cap": logits_soft_cap,
-            "sinks": sinks,
-        }
-        given = [name for name, v in extras.items() if v is not None]
-        if given:
-            raise ValueError(f"{_WHERE}: implementation={implementation!r} (jax.nn's) does not take {given}")
-        return jax.nn.dot_product_attention(
-            query,
-            key,
-            value,
-            bias,
-            mask,
-            scale=scale,
-            is_causal=is_causal,
-            query_seq_lengths=query_seq_lengths,
-            key_value_seq_lengths=key_value_seq_lengths,
-            local_window_size=local_window_size,
-            implementation=implementation,
-            return_residual=return_residual,
-        )
+    ours_only = {
+        "query_segment_ids": query_segment_ids,
+        "key_value_segment_ids": key_value_segment_ids,
+        "logits_soft_cap": logits_soft_cap,
+        "sinks": sinks,
+    }
+    ours_only = [name for name, v in ours_only.items() if v is not None]
+    jax_nn = functools.partial(
+        jax.nn.dot_product_attention,
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size,
+        return_residual=return_residual,
+    )
+    if implementation == "xla":
+        if ours_only:
+            raise ValueError(f"{_WHERE}: implementation='xla' (jax.nn's) does not take {ours_only}")
+        return jax_nn(implementation="xla")
+    if not ours_only and (implementation == "cudnn" or (implementation is None and jax.default_backend() == "gpu")):
+        try:  # cuDNN's flash attention where JAX's cuDNN path takes the call; the blockwise engine otherwise
+            return jax_nn(implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError, TypeError):
+            pass
     unbatched = jnp.ndim(query) == 3
     if unbatched:
         if jnp.ndim(key) != 3 or jnp.ndim(value) != 3:
