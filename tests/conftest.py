@@ -14,20 +14,15 @@ numerics contract; fast math stays off either way, so results can differ from an
 last bit of a fused multiply-add, far inside every tolerance. One exception is known: with both flags, a row
 reduction in a backward pass can be summed in a less accurate order (tests/norm/test_norm_ops.py's large-mean
 LayerNorm gradient, 4e-5 instead of 1e-7); such a test compiles its program with
-``tests.support.numerics.DEFAULT_EMITTERS`` as ``compiler_options``. A user's own ``XLA_FLAGS`` come after these,
+``tests.support.xla_flags.DEFAULT_EMITTERS`` as ``compiler_options``. A user's own ``XLA_FLAGS`` come after these,
 so they win.
 """
 
 import os
 
-os.environ["XLA_FLAGS"] = " ".join(
-    (
-        "--xla_backend_optimization_level=0",
-        "--xla_llvm_disable_expensive_passes=true",
-        "--xla_cpu_use_fusion_emitters=false",
-        os.environ.get("XLA_FLAGS", ""),
-    )
-).strip()
+from tests.support.xla_flags import FLAGS
+
+os.environ["XLA_FLAGS"] = " ".join((*FLAGS, os.environ.get("XLA_FLAGS", ""))).strip()
 
 import jax  # noqa: E402
 import jaxlib  # noqa: E402

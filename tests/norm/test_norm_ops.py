@@ -9,7 +9,8 @@ from jax.test_util import check_grads
 import jax_nkilib
 from tests.support.data import random
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text
-from tests.support.numerics import DEFAULT_EMITTERS, assert_close, assert_no_worse_than_plain
+from tests.support.numerics import assert_close, assert_no_worse_than_plain
+from tests.support.xla_flags import DEFAULT_EMITTERS
 
 
 def rms_oracle(x, weight=None, eps=1e-6):

@@ -10,10 +10,6 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-# compiler_options for a program whose accuracy bound depends on XLA:CPU's summation order: XLA's default
-# emitters, as users' programs are compiled, rather than the suite's cheaper ones (tests/conftest.py)
-DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
-
 EPSILON = {
     np.dtype(jnp.float64): 2.0**-52,
     np.dtype(jnp.float32): 2.0**-23,
