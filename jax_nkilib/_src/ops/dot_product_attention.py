@@ -17,10 +17,12 @@ Routes. With no bias, dense mask, soft cap or residual, and a window that is cau
 the kernel's sequence-packing bounds (one kernel call per sequence, as its bounds are per call). Anything else runs
 the blockwise JAX engine (:mod:`..attention.blockwise`: no score matrix is formed, forward or backward); lowered for
 Neuron that warns naming the reason (or raises under ``jax_nkilib.config(on_unsupported="error")``).
-``implementation="xla"`` calls ``jax.nn.dot_product_attention`` itself. On a GPU (JAX's default backend), the default
-and ``implementation="cudnn"`` call JAX's cuDNN flash attention when the call has none of our additions (segment
-ids, soft cap, sinks) and JAX's cuDNN path takes it (bf16/fp16, its head sizes, ...), else the blockwise engine;
-``"cudnn"`` off a GPU is the blockwise engine.
+``implementation="xla"`` calls ``jax.nn.dot_product_attention`` itself. Lowered for ``cuda`` on a GPU machine, the
+default and ``implementation="cudnn"`` are JAX's cuDNN flash attention when the call has none of our additions
+(segment ids, soft cap, sinks), no dense mask (cuDNN takes one as a bias: a row it hides entirely would average the
+values rather than give 0) and JAX's cuDNN path takes it (bf16/fp16, its head sizes, ...); otherwise, and lowered for
+any other platform, the routes above. On a GPU, float32 matmuls follow JAX's default precision (TF32 on recent
+GPUs); ``jax.default_matmul_precision("highest")`` gives full float32.
 
 Differences from JAX, on purpose: a query row that sees no key (and no sink) gives 0 and a residual of ``+inf``,
 where JAX's finite masking value gives the mean of all values (FlashAttention's and cuDNN's convention is 0).
@@ -250,11 +252,58 @@ def dot_product_attention(
         if ours_only:
             raise ValueError(f"{_WHERE}: implementation='xla' (jax.nn's) does not take {ours_only}")
         return jax_nn(implementation="xla")
-    if not ours_only and (implementation == "cudnn" or (implementation is None and jax.default_backend() == "gpu")):
-        try:  # cuDNN's flash attention where JAX's cuDNN path takes the call; the blockwise engine otherwise
-            return jax_nn(implementation="cudnn")
-        except (ValueError, NotImplementedError, RuntimeError, TypeError):
-            pass
+    ours = functools.partial(
+        _ours,
+        scale=scale,
+        is_causal=is_causal,
+        local_window_size=local_window_size,
+        implementation=implementation,
+        return_residual=return_residual,
+        logits_soft_cap=logits_soft_cap,
+    )
+    arrays = (query, key, value, bias, mask, query_seq_lengths, key_value_seq_lengths, query_segment_ids)
+    arrays += (key_value_segment_ids, sinks)
+    # A dense mask reaches cuDNN as a bias, so a row it hides entirely would average every value there instead of
+    # giving 0 as everywhere else: such calls stay ours.
+    if implementation in (None, "cudnn") and not ours_only and mask is None and _cudnn_traces(jax_nn, query):
+        # lowered for cuda: cuDNN's flash attention; for any other platform (Neuron, CPU): ours
+        cudnn = lambda *_: jax_nn(implementation="cudnn")  # noqa: E731
+        return jax.lax.platform_dependent(*arrays, cuda=cudnn, default=ours)
+    return ours(*arrays)
+
+
+def _cudnn_traces(jax_nn, query) -> bool:
+    """Whether JAX's cuDNN attention takes the call on this machine: a bf16/fp16 call (cuDNN's types, which JAX
+    checks only when lowering) that JAX's cuDNN path traces (it refuses off a GPU, and shapes or options it lacks)."""
+    if jnp.result_type(query) not in (jnp.bfloat16, jnp.float16):
+        return False
+    try:
+        jax.eval_shape(lambda: jax_nn(implementation="cudnn"))
+    except (ValueError, NotImplementedError, RuntimeError, TypeError):
+        return False
+    return True
+
+
+def _ours(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    query_segment_ids,
+    key_value_segment_ids,
+    sinks,
+    *,
+    scale,
+    is_causal,
+    local_window_size,
+    implementation,
+    return_residual,
+    logits_soft_cap,
+):
+    """The NKI-kernel route or the blockwise engine (see the module docstring)."""
     unbatched = jnp.ndim(query) == 3
     if unbatched:
         if jnp.ndim(key) != 3 or jnp.ndim(value) != 3:
