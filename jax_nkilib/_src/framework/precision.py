@@ -6,7 +6,32 @@ kernel's numerics) or ``"float32"`` (what the idiomatic ops ask for unless bfloa
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
+from .spec import Param
+
 FLOAT32_COMPUTE = ("bfloat16", "float32")
+
+FLOAT32_COMPUTE_PARAM = Param(
+    "float32_compute",
+    "bfloat16",
+    FLOAT32_COMPUTE,
+    "the JAX reference's compute for float32 inputs on the CTE path: bfloat16 as the kernel (default) or "
+    "float32; the kernel on Neuron always computes them in bfloat16",
+    to_kernel=False,
+)
+
+
+def computes_in_bfloat16(dtype, tkg: bool) -> bool:
+    """Does the kernel (``qkv``, ``mlp``) compute ``dtype`` inputs in bfloat16? Float32 on the CTE path."""
+    return not tkg and jnp.dtype(dtype) == jnp.float32
+
+
+def reference_compute_dtype(dtype, tkg: bool, float32_compute: str = "bfloat16"):
+    """The dtype the reference keeps intermediates in: the input's, but bfloat16 where the kernel computes in it
+    (unless ``float32_compute="float32"``: the reference then keeps float32, off the kernel's numerics)."""
+    bf16 = computes_in_bfloat16(dtype, tkg) and float32_compute == "bfloat16"
+    return jnp.dtype(jnp.bfloat16) if bf16 else jnp.dtype(dtype)
 
 
 def bfloat16_compute_note(where: str, float32_compute: str) -> str:

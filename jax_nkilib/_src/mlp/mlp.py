@@ -75,7 +75,7 @@ import numpy as np
 
 from ..framework.common_types import ActFnType, NormType, QuantizationType
 from ..framework.hardware import PARTITIONS
-from ..framework.precision import FLOAT32_COMPUTE, bfloat16_compute_note
+from ..framework.precision import FLOAT32_COMPUTE_PARAM, bfloat16_compute_note, computes_in_bfloat16
 from ..framework.primitive import make_kernel, pull_back
 from ..framework.spec import FLOAT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant import mx
@@ -85,7 +85,6 @@ from .mlp_reference import (
     STATIC_MX_TILE,
     STATIC_TYPES,
     TKG_TOKEN_THRESHOLD,
-    computes_in_bfloat16,
     is_tkg,
     mlp_forward,
 )
@@ -484,14 +483,7 @@ MLP_SPEC = KernelSpec(
         Param("up_clamp_upper_limit", None, float),
         Param("up_clamp_lower_limit", None, float),
         Param("force_cte_mode", False, bool, "run the CTE path even when B*S <= 96"),
-        Param(
-            "float32_compute",
-            "bfloat16",
-            FLOAT32_COMPUTE,
-            "the JAX reference's compute for float32 inputs on the CTE path: bfloat16 as the kernel (default) or "
-            "float32; the kernel on Neuron always computes them in bfloat16",
-            to_kernel=False,
-        ),
+        FLOAT32_COMPUTE_PARAM,
     ),
     outputs=(),
     output_avals=lambda call: [

@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from ..framework.common_types import ActFnType, NormType, QuantizationType
+from ..framework.precision import reference_compute_dtype
 from ..norm.fused_norm import fused_norm
 from ..quant import mx
 from ..quant.fp8 import ROW_SCALE_FLOOR, fp8_max, saturate
@@ -43,16 +44,7 @@ def is_tkg(tokens: int, force_cte_mode: bool) -> bool:
     return tokens <= TKG_TOKEN_THRESHOLD and not force_cte_mode
 
 
-def computes_in_bfloat16(io_dtype, tkg: bool) -> bool:
-    """Does the kernel compute ``io_dtype`` inputs in bfloat16? Float32 on the CTE path (``compute_data_type``)."""
-    return not tkg and jnp.dtype(io_dtype) == jnp.float32
-
-
-def compute_dtype(io_dtype, tkg: bool, float32_compute: str = "bfloat16"):
-    """The dtype intermediates are stored in: the input's, but bfloat16 for float32 inputs on the CTE path (unless
-    ``float32_compute="float32"``: the reference then keeps float32, off the kernel's numerics)."""
-    bf16 = computes_in_bfloat16(io_dtype, tkg) and float32_compute == "bfloat16"
-    return jnp.dtype(jnp.bfloat16) if bf16 else jnp.dtype(io_dtype)
+compute_dtype = reference_compute_dtype  # the dtype intermediates are stored in (bfloat16 on the CTE path for float32)
 
 
 def activation(x, fn: ActFnType):

@@ -41,13 +41,13 @@ import jax.numpy as jnp
 
 from ..framework.common_types import NormType, QKVOutputLayout, QKVWeightLayout, QuantizationType
 from ..framework.hardware import PARTITIONS
-from ..framework.precision import FLOAT32_COMPUTE, bfloat16_compute_note
+from ..framework.precision import FLOAT32_COMPUTE_PARAM, bfloat16_compute_note, computes_in_bfloat16
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, FP8_DTYPES, INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
 from .matmul_numerics import differentiable_vjp
 from .output_projection_reference import NOT_BOUND_FORMATS
-from .qkv_reference import TKG_MAX_SEQ, TKG_MAX_TOKENS, computes_in_bfloat16, head_dim, reference_qkv, uses_tkg
+from .qkv_reference import TKG_MAX_SEQ, TKG_MAX_TOKENS, head_dim, reference_qkv, uses_tkg
 
 ENTRY_POINT = "nkilib.core.qkv.qkv:qkv"
 _F32 = (jnp.float32,)
@@ -127,14 +127,7 @@ _PARAMS = {
         Param("load_input_with_DMA_transpose", True, bool, "load strategy (no numeric effect)"),
         Param("is_h_dim_4h_transposed", False, bool, "MX: input H stored as [4, H/4]"),
         Param("weight_layout", QKVWeightLayout.CONTIGUOUS, QKVWeightLayout, "CONTIGUOUS; MX_CONTIGUOUS for MX"),
-        Param(
-            "float32_compute",
-            "bfloat16",
-            FLOAT32_COMPUTE,
-            "the JAX reference's compute for float32 inputs on the CTE path: bfloat16 as the kernel (default) or "
-            "float32; the kernel on Neuron always computes them in bfloat16",
-            to_kernel=False,
-        ),
+        FLOAT32_COMPUTE_PARAM,
     )
 }
 _CACHE_REQUIRED = CACHE_OPERANDS[:4]

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from ..framework import compat
 from ..framework.common_types import NormType, QKVOutputLayout, QuantizationType
+from ..framework.precision import reference_compute_dtype
 from ..framework.spec import accumulation_dtype
 from ..norm.fused_norm import fused_norm
 from ..quant import mx
@@ -48,16 +49,7 @@ def uses_tkg(batch: int, seq: int, fused_rope: bool) -> bool:
     return not fused_rope and seq <= TKG_MAX_SEQ and batch * seq <= TKG_MAX_TOKENS
 
 
-def computes_in_bfloat16(dtype, tkg: bool) -> bool:
-    """Does the kernel compute ``dtype`` inputs in bfloat16? Float32 on the CTE path (its buffers are bfloat16)."""
-    return not tkg and jnp.dtype(dtype) == jnp.float32
-
-
-def buffer_dtype(dtype, tkg: bool, float32_compute: str = "bfloat16"):
-    """The dtype of the kernel's SBUF buffers: the input's, except bfloat16 for float32 on the CTE path (unless
-    ``float32_compute="float32"``: the reference then keeps float32, off the kernel's numerics)."""
-    bf16 = computes_in_bfloat16(dtype, tkg) and float32_compute == "bfloat16"
-    return jnp.dtype(jnp.bfloat16) if bf16 else jnp.dtype(dtype)
+buffer_dtype = reference_compute_dtype  # the dtype of the kernel's SBUF buffers (bfloat16 on the CTE path for float32)
 
 
 def head_dim(d_head, num_q_heads, num_kv_heads, width: int):
