@@ -257,3 +257,28 @@ def test_ring_attention_outputs_are_saved_by_save_kernel_outputs():
     plain = permutes("off")
     assert permutes(save_kernel_outputs) == permutes(save_kernel_residuals) == plain
     assert permutes(jax_policies.nothing_saveable) > plain
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_collective_matmuls_are_saved_by_save_kernel_outputs(op):
+    """The collective matmuls (JAX rings, or allgather_compute_matmul on Neuron) name their residuals and output
+    ``<op>.*``: saving them keeps the backward from rerunning the forward ring."""
+    mesh = mesh_1d("tp")
+    x_spec, w_spec, out_spec = (
+        (P("tp"), P(None, "tp"), P(None, "tp")) if op == "all_gather_matmul" else (P(None, "tp"), P("tp"), P("tp"))
+    )
+    x, w = shard(mesh, (x_spec, w_spec), random((16, 32), jnp.float32, 0), random((32, 16), jnp.float32, 1))
+
+    def permutes(policy):
+        # inside the checkpointed block the product feeds sin, whose backward needs it: the ring runs again
+        # unless a policy saves the product
+        fn = lambda x, w: jnp.sin(getattr(jax_nkilib, op)(x, w, axis_name="tp"))  # noqa: E731
+        body = fn if policy == "off" else jax.checkpoint(fn, policy=policy)
+        product = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec), out_specs=out_spec)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(product(*a)), argnums=(0, 1)))(x, w).jaxpr
+        # the forward of all_gather_matmul is the allgather_compute_matmul kernel; the rings' steps are ppermutes
+        return count("ppermute", jaxpr) + count("allgather_compute_matmul", jaxpr)
+
+    plain = permutes("off")
+    assert permutes(save_kernel_outputs) == permutes(save_kernel_residuals) == plain
+    assert permutes(jax_policies.nothing_saveable) > plain

@@ -18,7 +18,8 @@ Rank ``r`` of the ring is ``lax.axis_index(axis_name)``; blocks of the gathered/
 as ``lax.all_gather``/``lax.psum_scatter`` with ``tiled=True`` give them. ``axis_name`` is a mesh axis name, or a
 tuple of names (one ring over their product), bound by the enclosing ``jax.shard_map``.
 
-Reverse mode (``jax.custom_vjp``) runs the dual rings, saving only ``x`` and ``w``:
+Reverse mode (``jax.custom_vjp``) runs the dual rings, saving only ``x`` and ``w`` (named ``<op>.x``/``.w``, and the
+output ``<op>.out``, for ``jax_nkilib.checkpoint_policies``):
 ``d all_gather_matmul / dx = matmul_reduce_scatter(dy, w^T)`` and ``dw = all_gather(x)^T dy`` (a ring circulating
 ``x``); ``d matmul_reduce_scatter / dx = all_gather_matmul(dy, w^T)`` and ``dw = x^T all_gather(dy)`` (a ring
 circulating ``dy``). A ``w`` replicated over the mesh gets the sum of its per-rank cotangents.
@@ -35,11 +36,13 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from ..collectives.allgather import allgather_compute_matmul
 from ..collectives.ring import common_dtype, contract_last, gather_matmul, shift, visit_ring
-from ..framework import compat
+from ..framework import compat, registry
 from ..framework.arguments import array_argument
+from ..framework.checkpoint_policies import operand_name, output_name
 from ..framework.mesh_axes import bound_axis, bound_axis_size, lax_axis
 from ..framework.spec import accumulation_dtype
 from . import auto
@@ -137,13 +140,26 @@ def _as_cotangent(grad, primal):
 
 
 # --------------------------------------------------------------------------------------------- differentiable
+_OPERANDS = ("x", "w")
+for _name in ("all_gather_matmul", "matmul_reduce_scatter"):
+    registry.register_checkpointed(_name, _OPERANDS)
+
+
+def _named_forward(name: str, product, x, w, names, axis):
+    """``product`` with its inputs and output named ``<name>.x/.w/.out`` for remat policies (the named output is
+    the one returned, so a policy that saves it keeps the forward ring from running again)."""
+    x, w = (checkpoint_name(value, operand_name(name, operand)) for operand, value in zip(_OPERANDS, (x, w)))
+    out = checkpoint_name(product(x, w, names, axis), output_name(name, "out", _OPERANDS))
+    return out, (x, w)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _all_gather_matmul(x, w, names, axis):
     return _gathered_product(x, w, names, axis)
 
 
 def _all_gather_matmul_fwd(x, w, names, axis):
-    return _gathered_product(x, w, names, axis), (x, w)
+    return _named_forward("all_gather_matmul", _gathered_product, x, w, names, axis)
 
 
 def _all_gather_matmul_bwd(names, axis, residuals, dy):
@@ -162,7 +178,7 @@ def _matmul_reduce_scatter(x, w, names, axis):
 
 
 def _matmul_reduce_scatter_fwd(x, w, names, axis):
-    return _matmul_scatter(x, w, names, axis), (x, w)
+    return _named_forward("matmul_reduce_scatter", _matmul_scatter, x, w, names, axis)
 
 
 def _matmul_reduce_scatter_bwd(names, axis, residuals, dy):
