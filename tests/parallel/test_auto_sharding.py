@@ -422,3 +422,26 @@ def test_unsupported_shardings_raise_naming_the_axis(mesh, op, fn, args, specs, 
         placed = [jax.device_put(arrays[name], NamedSharding(mesh, s)) for name, s in zip(args.split(), specs)]
         with pytest.raises(ValueError, match=re.escape(message)):
             jax.jit(fn)(*placed)
+
+
+@pytest.mark.parametrize(
+    "table, seq_split",
+    [((S, D // 2), False), ((B, S, D // 2), False), ((S, D // 2), True), ((1, S, D // 2), True)],
+)
+def test_qkv_projection_rope_tables_shard_as_ropes(mesh, table, seq_split):
+    """qkv_projection's `rope`, jax_nkilib.rope's tables [seq, head_dim/2] or [batch, seq, head_dim/2], shards as
+    rope's: with the batch (heads over `model`) or with the sequence."""
+    x = random((B, S, H), seed=0)
+    w = tuple(random((H, n * D), seed=6 + i, scale=0.1) for i, n in enumerate((N, K, K)))
+    cos, sin = angles(table)
+    fn = lambda x, c, s, *w: jax_nkilib.qkv_projection(x, w, num_q_heads=N, num_kv_heads=K, rope=(c, s))
+    if seq_split:
+        specs = (P("data", "model"), *(P(*(None,) * (len(table) - 2), "model"),) * 2, *(P(),) * 3)
+    else:
+        specs = (P("data"), *(P("data") if len(table) == 3 else P(),) * 2, *(P(None, "model"),) * 3)
+    single = fn(x, cos, sin, *w)
+    with use_mesh(mesh):
+        out = jax.jit(fn)(*[jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, cos, sin, *w), specs)])
+    for got, want in zip(out, single):
+        assert_close(np.asarray(got, np.float64), np.asarray(want, np.float64), jnp.float32, reduction=H)
+    assert out[0].sharding.spec[:2] == (("data", "model") if seq_split else ("data", None))

@@ -121,12 +121,12 @@ def _cases() -> dict[str, Case]:
         ),
         "qkv_projection": Case(
             "jax_nkilib.qkv_projection",
-            lambda x, wq, wk, wv, g: jax_nkilib.qkv_projection(
-                x, (wq, wk, wv), num_q_heads=N, num_kv_heads=K, norm="rms", norm_weight=g
+            lambda x, wq, wk, wv, g, c, sn: jax_nkilib.qkv_projection(
+                x, (wq, wk, wv), num_q_heads=N, num_kv_heads=K, norm="rms", norm_weight=g, rope=(c, sn)
             ),
-            {"x": x3, "wq": w_q, "wk": w_k, "wv": w_v, "g": gain},
-            {"x": "bsh", "wq": "hn", "wk": "hn", "wv": "hn"},
-            ("x", "wq", "wk", "wv", "g"),
+            {"x": x3, "wq": w_q, "wk": w_k, "wv": w_v, "g": gain, "c": cos, "sn": sin},  # rope's tables
+            {"x": "bsh", "wq": "hn", "wk": "hn", "wv": "hn", "c": "s_", "sn": "s_"},
+            ("x", "wq", "wk", "wv", "g", "c", "sn"),
             ({"b": "data"},),
         ),
         "output_projection": Case(

@@ -32,8 +32,13 @@ def split_heads(t, batch, seq):
 
 
 def tables(batch, seq, dtype=jnp.float32, seed=3):
-    cos, sin = angles((batch, seq, D // 2), dtype, seed)
-    return jnp.concatenate([cos, cos], -1), jnp.concatenate([sin, sin], -1)
+    """jax_nkilib.rope's tables ``[batch, seq, head_dim/2]`` (qkv_projection's ``rope``)."""
+    return angles((batch, seq, D // 2), dtype, seed)
+
+
+def hf(rope):
+    """The kernel's (HuggingFace) tables ``[batch, seq, head_dim]``: each half-width table repeated."""
+    return (None, None) if rope is None else tuple(jnp.concatenate([t, t], -1) for t in rope)
 
 
 # ------------------------------------------------------------------------------------------- output projection
@@ -141,8 +146,8 @@ def test_qkv_projection_matches_the_oracle(dtype, norm, seq, with_rope):
         norm=norm,
         gamma=cast(gamma),
         beta=cast(beta) if norm == "layer" else None,
-        cos=None if rope is None else rope[0],
-        sin=None if rope is None else rope[1],
+        cos=hf(rope)[0],
+        sin=hf(rope)[1],
     )
     # float32 math on both paths (JAX's convention): the CTE path (RoPE or seq > 96) rounds to bfloat16 only when asked
     for got, expected in zip((q, k, v), split_heads(want, 2, seq)):
@@ -151,7 +156,7 @@ def test_qkv_projection_matches_the_oracle(dtype, norm, seq, with_rope):
 
 def _nki_qkv(x, w, bias, rope=None):
     """jax_nkilib.nki.qkv (the kernel's numerics) on qkv_projection's problem: ``[B, S, I]``."""
-    tables = {} if rope is None else dict(cos_cache=rope[0], sin_cache=rope[1], fused_rope=True)
+    tables = {} if rope is None else dict(zip(("cos_cache", "sin_cache"), hf(rope)), fused_rope=True)
     return jax_nkilib.nki.qkv(x, w, bias[None], d_head=D, num_q_heads=NQ, num_kv_heads=NKV, **tables)
 
 
@@ -162,7 +167,7 @@ def test_qkv_projection_float32_precision(seq, with_rope):
     project = lambda **kw: qkv_projection(  # noqa: E731
         x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, rope=rope, **kw
     )
-    cos, sin = (None, None) if rope is None else rope
+    cos, sin = hf(rope)
     want = split_heads(qkv_oracle(x, w, nq=NQ, nkv=NKV, d=D, bias=bias[None], cos=cos, sin=sin)[0], 2, seq)
     for precision in (None, "default", "highest", "float32", jax.lax.Precision.HIGHEST):
         for got, expected in zip(project(precision=precision), want):
@@ -188,17 +193,26 @@ def test_qkv_projection_precision_is_checked():
             qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, precision=bad)
 
 
-def test_rms_without_weight_and_rope_equal_to_jax_nkilib_rope():
+def test_rms_without_weight():
     x, w, *_ = qkv_problem()
     q, k, v = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, norm="rms", eps=1e-5)
     want, _ = qkv_oracle(x, w, nq=NQ, nkv=NKV, d=D, norm="rms_skip", eps=1e-5)
     assert_close(q, split_heads(want, 2, 3)[0], jnp.float32, reduction=8, ops=8)
-    cos, sin = tables(2, 3)  # fused RoPE equals jax_nkilib.rope on the unrotated heads (half-width tables)
-    q_rot, k_rot, _ = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, rope=(cos, sin))
-    q_plain, k_plain, _ = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV)
-    for rotated, plain in ((q_rot, q_plain), (k_rot, k_plain)):
-        expected = jax_nkilib.rope(plain, cos[..., : D // 2], sin[..., : D // 2])
-        assert_close(rotated, np.asarray(expected, np.float64), jnp.bfloat16, reduction=8, ops=10)
+
+
+@pytest.mark.parametrize("table_batch", [None, 1, 2])  # [seq, head_dim/2], [1 | batch, seq, head_dim/2]
+def test_qkv_projection_rope_takes_the_tables_of_jax_nkilib_rope(table_batch):
+    """qkv_projection(rope=(cos, sin)) is jax_nkilib.rope(., cos, sin) on the query and key heads, same tables."""
+    x, w, bias, *_ = qkv_problem()
+    cos, sin = tables(2, 3) if table_batch is None else tables(table_batch, 3)
+    if table_batch is None:
+        cos, sin = cos[0], sin[0]
+    q_rot, k_rot, v_rot = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, rope=(cos, sin))
+    q, k, v = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias)
+    for rotated, plain in ((q_rot, q), (k_rot, k)):
+        assert rotated.dtype == jnp.float32
+        assert_close(rotated, jax_nkilib.rope(plain, cos, sin), jnp.float32, reduction=8, ops=10)
+    np.testing.assert_array_equal(v_rot, v)
 
 
 @pytest.mark.parametrize("seq, with_rope", [(3, False), (3, True), (100, False)])  # XLA write, fused, fused
@@ -264,7 +278,7 @@ def test_qkv_projection_gradients_vmap_and_jit():
 def test_qkv_projection_shard_map():
     mesh = mesh_1d()
     x, w, bias, *_ = qkv_problem(batch=8)
-    cos, sin = tables(8, 3)
+    cos, sin = tables(8, 3)  # rope's tables [batch, seq, head_dim/2], sharded with x over the batch
     specs = (P("data"), P(), P("data"), P("data"))
     fn = jax.shard_map(
         lambda x, w, c, s: qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, rope=(c, s)),
@@ -273,7 +287,7 @@ def test_qkv_projection_shard_map():
         out_specs=(P("data"),) * 3,
     )
     got = jax.jit(fn)(*shard(mesh, specs, x, w, cos, sin))
-    want, _ = qkv_oracle(x, w, nq=NQ, nkv=NKV, d=D, cos=cos, sin=sin)
+    want, _ = qkv_oracle(x, w, nq=NQ, nkv=NKV, d=D, cos=hf((cos, sin))[0], sin=hf((cos, sin))[1])
     for a, b in zip(got, split_heads(want, 8, 3)):
         assert_close(a, b, jnp.bfloat16, reduction=8, ops=10)
 
@@ -331,11 +345,18 @@ def test_qkv_projection_float32_explain_and_neuron_lowering():
         (dict(norm="rms", norm_bias=jnp.ones(8)), ValueError, "norm_bias needs norm='layer'"),
         (dict(bias=jnp.ones(5)), ValueError, "`bias` must have layout [qkv_dim]"),
         (dict(rope=jnp.ones((2, 3, 4))), TypeError, "`rope` must be (cos, sin)"),
-        (
-            dict(rope=(jnp.ones((2, 3, 2)), jnp.ones((2, 3, 2)))),
+        (  # HuggingFace's [batch, seq, head_dim] tables (qkv_projection's before issue 13 item 8)
+            dict(rope=(jnp.ones((2, 3, 4)), jnp.ones((2, 3, 4)))),
             ValueError,
-            "`cos` must have layout [batch, seq, head_dim]",
+            (
+                "qkv_projection: `rope` must be (cos, sin), each [seq, head_dim/2] or [batch, seq, head_dim/2]",
+                "`cos` must have layout [batch, seq, head_dim/2]",
+                "got shape (2, 3, 4)",
+            ),
         ),
+        (dict(rope=(jnp.ones((3, 4)),) * 2), ValueError, ("`rope` must be (cos, sin)", "got shape (3, 4)")),
+        (dict(rope=(jnp.ones((3, 2)), jnp.ones((2, 3, 2)))), ValueError, "must have the same shape"),
+        (dict(rope=(jnp.ones((4, 3, 2)),) * 2), ValueError, "the batch axis of `rope`'s tables (4) must be 1"),
         (dict(kv_cache=jnp.ones(3)), TypeError, "`kv_cache` must be (k_cache, v_cache)"),
         (
             dict(kv_cache=(jnp.ones((2, 8, 2, 4)), jnp.ones((2, 8, 1, 4)))),
@@ -355,7 +376,7 @@ def test_qkv_projection_float32_explain_and_neuron_lowering():
         (dict(norm="rms", eps=-1.0), ValueError, ("qkv_projection", "`eps`", ">= 0")),
         (dict(norm="layer", eps=float("nan")), ValueError, ("qkv_projection", "`eps`", "nan")),
         (
-            dict(rope=(jnp.ones((2, 3, 5)),) * 2, num_q_heads=3, num_kv_heads=1, w=jnp.ones((8, 25))),
+            dict(rope=(jnp.ones((3, 2)),) * 2, num_q_heads=3, num_kv_heads=1, w=jnp.ones((8, 25))),
             ValueError,
             ("qkv_projection", "`rope`", "head_dim must be even; got head_dim=5"),
         ),

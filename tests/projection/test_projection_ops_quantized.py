@@ -213,7 +213,7 @@ def test_row_weights_on_the_cte_path_are_rejected():
     with pytest.raises(ValueError, match="mode='row' weights run only on the kernel's TKG path"):
         qkv_projection(random((1, 97, HID)), weight("row", (HID, WIDTH)), num_q_heads=NQ, num_kv_heads=NKV)
     with pytest.raises(ValueError, match="this call takes the CTE path"):  # fused RoPE runs CTE
-        cos = jnp.ones((1, 2, D))
+        cos = jnp.ones((2, D // 2))  # jax_nkilib.rope's [seq, head_dim/2]
         qkv_projection(
             random((1, 2, HID)), weight("row", (HID, WIDTH)), num_q_heads=NQ, num_kv_heads=NKV, rope=(cos, 0 * cos)
         )

@@ -18,6 +18,7 @@ from ..projection.qkv_reference import kv_bounds, quantize_kv, uses_tkg, write_c
 from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from ..sharding import auto
 from .precision import float32_compute
+from .rope import TABLE_LAYOUTS
 
 
 def _array(where: str, name: str, value, layout: str, rank: int | None = None, activation: bool = False):
@@ -243,6 +244,50 @@ def _split_weights(where: str, w, bias, hidden: int, num_q_heads: int, num_kv_he
     return tuple(jnp.asarray(part) for part in w), None if bias is None else tuple(jnp.asarray(b) for b in bias)
 
 
+def _rope_table_dims(rope):
+    """The planner's dims of ``rope``'s tables, as :func:`jax_nkilib.rope` plans them: ``[seq, head_dim/2]`` is
+    ``"s_"``, ``[batch, seq, head_dim/2]`` ``"bs_"`` (``"_s_"`` for a batch of 1, broadcast); anything else is left
+    replicated (the shape check refuses it)."""
+    if not (isinstance(rope, (tuple, list)) and len(rope) == 2):
+        return None
+    dims = {2: lambda t: "s_", 3: lambda t: "_s_" if t.shape[0] == 1 else "bs_"}
+    return tuple(dims[t.ndim](t) if getattr(t, "ndim", None) in dims else None for t in rope)
+
+
+def _rope_tables(where: str, rope, batch: int, seq: int, d: int, dtype):
+    """``rope = (cos, sin)``, :func:`jax_nkilib.rope`'s tables (``[seq, head_dim/2]`` or ``[batch, seq,
+    head_dim/2]``, the batch 1 or ``batch``), as the kernel's ``cos_cache``, ``sin_cache [batch, seq, head_dim]``
+    in ``dtype``: each half-width table repeated (``[t | t]``; the kernel reads ``cos`` in full and the first half of
+    ``sin``) and broadcast over the batch."""
+    expected = "each [seq, head_dim/2] or [batch, seq, head_dim/2] (jax_nkilib.rope's tables)"
+    if not (isinstance(rope, (tuple, list)) and len(rope) == 2):
+        raise TypeError(f"{where}: `rope` must be (cos, sin), {expected}")
+    if d % 2:
+        raise ValueError(f"{where}: `rope` rotates halves of each head: head_dim must be even; got head_dim={d}")
+    tables = dict(zip(("cos", "sin"), rope))
+    try:
+        check_operand_layouts(
+            where,
+            dict.fromkeys(tables, TABLE_LAYOUTS),
+            dtypes="floating",
+            known={"seq": seq, "head_dim": d},
+            **tables,
+        )
+    except ValueError as err:
+        detail = str(err).removeprefix(f"{where}: ")
+        raise ValueError(f"{where}: `rope` must be (cos, sin), {expected}: {detail}") from None
+    cos, sin = (jnp.asarray(table) for table in tables.values())
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"{where}: `rope`'s `cos` and `sin` must have the same shape; got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if cos.ndim == 3 and cos.shape[0] not in (1, batch):
+        raise ValueError(
+            f"{where}: the batch axis of `rope`'s tables ({cos.shape[0]}) must be 1 or the batch of `x` ({batch})"
+        )
+    return tuple(jnp.broadcast_to(jnp.concatenate([t, t], -1), (batch, seq, d)).astype(dtype) for t in (cos, sin))
+
+
 def _sharded_qkv(
     sharded,
     x,
@@ -324,9 +369,10 @@ def qkv_projection(
       norm: ``None``, ``"rms"`` (``x / sqrt(mean(x^2) + eps) * norm_weight``; no scale when ``norm_weight`` is
         None) or ``"layer"`` (``(x - mean) / sqrt(var + eps) * norm_weight + norm_bias``), over ``hidden``; ``eps``
         a static finite float >= 0.
-      rope: ``(cos, sin)``, each ``[batch, seq, head_dim]``, HuggingFace tables (half-width frequencies repeated):
-        halves ``[x1 | x2]`` become ``[x1 cos - x2 sin, x2 cos + x1 sin]``; the kernel reads ``cos`` in full and the
-        first half of ``sin``.
+      rope: ``(cos, sin)``, :func:`jax_nkilib.rope`'s tables: each ``[seq, head_dim/2]`` (shared by every batch
+        element) or ``[batch, seq, head_dim/2]`` (a batch of 1 broadcasts); halves ``[x1 | x2]`` of the query and key
+        heads become ``[x1 cos - x2 sin, x2 cos + x1 sin]``, as ``jax_nkilib.rope(q, cos, sin)`` on the projected
+        heads. (The kernel's ``[batch, seq, head_dim]`` tables, each half-width table repeated, are built here.)
       kv_cache: ``(k_cache, v_cache)``, each ``[batch, max_len, num_kv_heads, head_dim]``: the new keys (after RoPE)
         and values are stored at positions ``0 .. seq-1``, or at ``cache_positions [batch, seq]`` (int; positions
         outside ``[0, max_len)`` are skipped here, but the kernel's indirect write does not check them), as
@@ -370,7 +416,7 @@ def qkv_projection(
             auto.ShardedArgument("bias", bias, ("n",) * 3 if split else "f"),
             auto.ShardedArgument("norm_weight", norm_weight, "h"),
             auto.ShardedArgument("norm_bias", norm_bias, "h"),
-            auto.ShardedArgument("rope", rope, ("bs_", "bs_")),
+            auto.ShardedArgument("rope", rope, _rope_table_dims(rope)),
             auto.ShardedArgument("kv_cache", kv_cache, ("b_nd", "b_nd")),
             auto.ShardedArgument("cache_positions", cache_positions, "bs"),
             auto.ShardedArgument("kv_scale", kv_scale),
@@ -442,16 +488,8 @@ def qkv_projection(
         float32_compute=compute,
     )
     if rope is not None:
-        if not (isinstance(rope, (tuple, list)) and len(rope) == 2):
-            raise TypeError(f"{where}: `rope` must be (cos, sin), each [batch, seq, head_dim]")
-        tables = dict(zip(("cos", "sin"), rope))
-        known = {"batch": batch, "seq": seq, "head_dim": d}
-        layouts = dict.fromkeys(tables, "batch, seq, head_dim")
-        check_operand_layouts(where, layouts, dtypes="floating", known=known, **tables)
-        cos, sin = (jnp.asarray(table) for table in tables.values())
-        if d % 2:
-            raise ValueError(f"{where}: `rope` rotates halves of each head: head_dim must be even; got head_dim={d}")
-        operands.update(cos_cache=cos.astype(x.dtype), sin_cache=sin.astype(x.dtype))
+        cos, sin = _rope_tables(where, rope, batch, seq, d, x.dtype)
+        operands.update(cos_cache=cos, sin_cache=sin)
         flags["fused_rope"] = True
     q_dim, kv_dim = num_q_heads * d, num_kv_heads * d
     if kv_cache is None:
