@@ -105,13 +105,18 @@ DECODE_ATTENTION_SHARDING = auto.register_rule(
 )
 
 
+def sinks_argument(sinks) -> auto.ShardedArgument:
+    """The planner's view of attention sinks, ``[heads]`` or ``[batch, heads]``: they split with heads and batch."""
+    return auto.ShardedArgument("sinks", sinks, None if sinks is None else "bn"[2 - jnp.ndim(sinks) :])
+
+
 def _plan_attention(q, k, v, sinks, prefix, sliding_window):
     """The shard_map plan of :func:`attention`: batch and heads free; a sharded sequence selects ring attention."""
     operands = [
         auto.ShardedArgument("q", q, "bsnd"),
         auto.ShardedArgument("k", k, "bsnd"),
         auto.ShardedArgument("v", v, "bsnd"),
-        auto.ShardedArgument("sinks", sinks, None if sinks is None else "bn"[2 - jnp.ndim(sinks) :]),
+        sinks_argument(sinks),
     ]
     operands.append(auto.ShardedArgument("prefix", None if prefix is None else tuple(prefix), ("b_nd", "b_nd", None)))
     sharded = auto.plan(ATTENTION_SHARDING, operands)
@@ -428,7 +433,7 @@ def decode_attention(
             auto.ShardedArgument("v_cache", v_cache, cache_dims),
             auto.ShardedArgument("cache_len", cache_len, "b"),
             auto.ShardedArgument("block_table", block_table, "b_"),
-            auto.ShardedArgument("sinks", sinks, None if sinks is None else "bn"[2 - sinks.ndim :]),
+            sinks_argument(sinks),
         ],
     )
     if sharded:

@@ -50,7 +50,7 @@ from ..framework.runtime_checks import check_all
 from ..framework.validation import check_operand_layouts, static_float, static_int
 from ..neuron.reference_only import reference_only
 from ..sharding import auto
-from .attention import attention, attention_on_kernel
+from .attention import attention, attention_on_kernel, sinks_argument
 
 _WHERE = "jax_nkilib.dot_product_attention"
 IMPLEMENTATIONS = (None, "nki", "xla", "cudnn")
@@ -65,8 +65,9 @@ DOT_PRODUCT_ATTENTION_SHARDING = auto.register_rule(
 )
 
 
-def _plan(query, key, value, bias, mask, sinks, lengths, segments):
-    """The shard_map plan of the call (batch and heads free), or ``None`` when nothing is split."""
+def _plan(query, key, value, bias, mask, lengths, segments, sinks):
+    """The shard_map plan of the call (batch and heads free), or ``None`` when nothing is split. Its operands are
+    in :func:`_ours`'s order, so the plan's body is ``_ours`` on the local shards."""
     broadcast = lambda x, letters: (
         None
         if x is None
@@ -82,9 +83,9 @@ def _plan(query, key, value, bias, mask, sinks, lengths, segments):
             auto.ShardedArgument("value", value, "b_n_"),
             auto.ShardedArgument("bias", bias, broadcast(bias, "bn__")),
             auto.ShardedArgument("mask", mask, broadcast(mask, "bn__")),
-            auto.ShardedArgument("sinks", sinks, None if sinks is None else "bn"[2 - jnp.ndim(sinks) :]),
             *(auto.ShardedArgument(name, x, "b") for name, x in lengths.items()),
             *(auto.ShardedArgument(name, x, "b_") for name, x in segments.items()),
+            sinks_argument(sinks),
         ],
     )
 
@@ -323,45 +324,29 @@ def _ours(
     if logits_soft_cap is not None:
         soft_cap = static_float(_WHERE, "logits_soft_cap", logits_soft_cap, minimum=0.0, exclusive=True)
     window = _window(local_window_size)
-    sharded = _plan(query, key, value, bias, mask, sinks, lengths, segments)
+    sharded = _plan(query, key, value, bias, mask, lengths, segments, sinks)
     if sharded:
-
-        def local(query, key, value, bias, mask, sinks, *ids_and_lengths, axes):
-            q_len, kv_len, q_ids, kv_ids = ids_and_lengths
-            return dot_product_attention(
-                query,
-                key,
-                value,
-                bias,
-                mask,
-                scale=scale,
-                is_causal=is_causal,
-                query_seq_lengths=q_len,
-                key_value_seq_lengths=kv_len,
-                local_window_size=window,
-                implementation=implementation,
-                return_residual=return_residual,
-                query_segment_ids=q_ids,
-                key_value_segment_ids=kv_ids,
-                logits_soft_cap=soft_cap,
-                sinks=sinks,
-            )
-
-        result = sharded.run(local, ("b_n_", "b_n") if return_residual else "b_n_")
+        statics = dict(
+            scale=scale,
+            is_causal=is_causal,
+            local_window_size=window,
+            implementation=implementation,
+            return_residual=return_residual,
+            logits_soft_cap=soft_cap,
+        )
+        result = sharded.run(
+            lambda *local, axes: _ours(*local, **statics), ("b_n_", "b_n") if return_residual else "b_n_"
+        )
         return jax.tree.map(lambda x: x[0], result) if unbatched else result
     causal = is_causal or (window is not None and window[1] == 0)
     obstacles = _kernel_obstacles(bias, mask, soft_cap, window, causal, segments, return_residual, dims["T"], dims["S"])
     if implementation == "nki" and obstacles:
         raise ValueError(f"{_WHERE}: implementation='nki' cannot run this call as a kernel: {'; '.join(obstacles)}")
     if obstacles:
-        result = _blockwise(
+        out, lse = _blockwise(
             query, key, value, bias, mask, sinks, lengths, segments, scale, is_causal, window, soft_cap, obstacles
         )
-        out, lse = result
-        if return_residual:
-            result = out, lax.stop_gradient(lse).astype(key.dtype)
-        else:
-            result = out
+        result = (out, lax.stop_gradient(lse).astype(key.dtype)) if return_residual else out
     else:
         result = _on_kernel(query, key, value, sinks, lengths, segments, scale, causal, window)
     if unbatched:
