@@ -9,7 +9,10 @@ suffix alone says which of the two it is.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from jax.ad_checkpoint import checkpoint_name
 
 from . import compat, registry
 
@@ -25,6 +28,20 @@ def operand_name(prefix: str, operand: str) -> str:
 def output_name(prefix: str, output: str, operands: Collection[str]) -> str:
     """The checkpoint name of the output ``output`` of ``prefix``'s forward (``operands``: its operand names)."""
     return f"{prefix}.{output}_out" if output in operands else f"{prefix}.{output}"
+
+
+def name_operands(prefix: str, operands: Mapping[str, Any]) -> dict[str, Any]:
+    """``operands`` (by name) ``checkpoint_name``-d ``"<prefix>.<operand>"``; absent ones (``None``) stay ``None``."""
+    return {
+        name: None if value is None else checkpoint_name(value, operand_name(prefix, name))
+        for name, value in operands.items()
+    }
+
+
+def name_outputs(prefix: str, outputs: Mapping[str, Any], operands: Collection[str]) -> tuple:
+    """The values of ``outputs`` (by name) ``checkpoint_name``-d as :func:`output_name` says, in order. A forward
+    returns these named values, so the rest of the program uses the ones a policy saves."""
+    return tuple(checkpoint_name(value, output_name(prefix, name, operands)) for name, value in outputs.items())
 
 
 def residual_role(name: str) -> str | None:

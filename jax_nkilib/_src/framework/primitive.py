@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Primitive
 from jax.interpreters import batching as jax_batching
 from jax.interpreters import mlir
@@ -168,10 +167,7 @@ class Kernel:
             )
         if name_outputs:  # last, so that the named values are the ones returned
             operand_names = [op.name for op in self.spec.operands]
-            outs = tuple(
-                checkpoint_name(out, checkpoint_policies.output_name(self.spec.name, name, operand_names))
-                for out, name in zip(outs, names)
-            )
+            outs = checkpoint_policies.name_outputs(self.spec.name, dict(zip(names, outs)), operand_names)
         return outs
 
     def bind(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> tuple:
@@ -196,7 +192,9 @@ class Kernel:
             # The rule's forward calls kernel.call (itself a custom_vjp), not bind, so that differentiating the
             # forward (higher order) goes through this rule again. It gets named operands and a kernel whose call
             # names its outputs: every residual is named, and the outputs it returns are the named ones.
-            return rule.forward(_NamingOutputs(self), _named_operands(kernel_name, as_operands(values)), params)
+            return rule.forward(
+                _NamingOutputs(self), checkpoint_policies.name_operands(kernel_name, as_operands(values)), params
+            )
 
         def backward(residuals, cotangents):
             grads = rule.backward(self, residuals, params, tuple(cotangents))
@@ -259,14 +257,6 @@ class Kernel:
 
     def __repr__(self) -> str:
         return f"<jax_nkilib kernel {self.spec.name} ({self.spec.entry_point})>"
-
-
-def _named_operands(kernel_name: str, operands: Mapping[str, Any]) -> dict[str, Any]:
-    """``operands`` ``checkpoint_name``-d ``"<kernel>.<operand>"`` (absent ones stay ``None``)."""
-    return {
-        name: None if value is None else checkpoint_name(value, checkpoint_policies.operand_name(kernel_name, name))
-        for name, value in operands.items()
-    }
 
 
 class _NamingOutputs:

@@ -39,13 +39,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from ..attention.blockwise import attention_backward, attention_forward, log_sum_exp
 from ..attention.checks import require_float_dtypes
 from ..attention.masks import MaskRule
 from ..framework import compat, registry
-from ..framework.checkpoint_policies import operand_name, output_name
+from ..framework.checkpoint_policies import name_operands, name_outputs
 from ..framework.runtime_checks import check_all
 from ..framework.validation import check_operand_layouts, static_float, static_int
 from ..neuron.reference_only import reference_only
@@ -520,14 +519,11 @@ registry.register_checkpointed(_NAME, _DIFFERENTIABLE)
 def _engine_forward(statics, query, key, value, bias, mask, sinks, kv_len, q_ids, kv_ids):
     """The forward with its residuals named for remat policies (``dot_product_attention.<input>``, ``.out``,
     ``.lse``); the named output is the one returned, so the program uses the value a policy saves."""
-    named = lambda name, x: None if x is None else checkpoint_name(x, operand_name(_NAME, name))  # noqa: E731
-    query, key, value, bias, sinks = (
-        named(name, x) for name, x in zip(_DIFFERENTIABLE, (query, key, value, bias, sinks))
-    )
+    query, key, value, bias, sinks = name_operands(
+        _NAME, dict(zip(_DIFFERENTIABLE, (query, key, value, bias, sinks)))
+    ).values()
     out, lse = _vmapped_forward(statics, query, key, value, bias, mask, sinks, kv_len, q_ids, kv_ids)
-    out, lse = (
-        checkpoint_name(x, output_name(_NAME, name, _DIFFERENTIABLE)) for name, x in (("out", out), ("lse", lse))
-    )
+    out, lse = name_outputs(_NAME, {"out": out, "lse": lse}, _DIFFERENTIABLE)
     residuals = (query, key, value, bias, mask, sinks, kv_len, q_ids, kv_ids, out, lse)
     return (out, lse), residuals
 

@@ -55,14 +55,13 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from ..attention.blockwise import attention_backward, attention_forward, log_sum_exp, normalize
 from ..attention.checks import check_qkv_layout
 from ..attention.masks import MaskRule
 from ..collectives.ring import shift
 from ..framework import registry
-from ..framework.checkpoint_policies import operand_name, output_name
+from ..framework.checkpoint_policies import name_operands, name_outputs
 from ..framework.compat import varying_like
 from ..framework.mesh_axes import bound_axis, lax_axis
 from ..framework.spec import accumulation_dtype
@@ -259,10 +258,9 @@ registry.register_checkpointed(_NAME, _OPERANDS)
 
 
 def _ring_attention_fwd(ring: _Ring, q, k, v):
-    q, k, v = (checkpoint_name(x, operand_name(_NAME, name)) for name, x in zip(_OPERANDS, (q, k, v)))
+    q, k, v = name_operands(_NAME, dict(zip(_OPERANDS, (q, k, v)))).values()
     out, lse = _ring_forward(ring, q, k, v)
-    out, lse = (checkpoint_name(x, output_name(_NAME, name, _OPERANDS)) for name, x in (("out", out), ("lse", lse)))
-    # the named output is also the one returned, so the rest of the program uses the value a policy saves
+    out, lse = name_outputs(_NAME, {"out": out, "lse": lse}, _OPERANDS)
     return out, (q, k, v, out, lse)
 
 

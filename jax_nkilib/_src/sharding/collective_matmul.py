@@ -36,13 +36,12 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from ..collectives.allgather import allgather_compute_matmul
 from ..collectives.ring import common_dtype, contract_last, gather_matmul, shift, visit_ring
 from ..framework import compat, registry
 from ..framework.arguments import array_argument
-from ..framework.checkpoint_policies import operand_name, output_name
+from ..framework.checkpoint_policies import name_operands, name_outputs
 from ..framework.mesh_axes import bound_axis, bound_axis_size, lax_axis
 from ..framework.spec import accumulation_dtype
 from . import auto
@@ -148,8 +147,8 @@ for _name in ("all_gather_matmul", "matmul_reduce_scatter"):
 def _named_forward(name: str, product, x, w, names, axis):
     """``product`` with its inputs and output named ``<name>.x/.w/.out`` for remat policies (the named output is
     the one returned, so a policy that saves it keeps the forward ring from running again)."""
-    x, w = (checkpoint_name(value, operand_name(name, operand)) for operand, value in zip(_OPERANDS, (x, w)))
-    out = checkpoint_name(product(x, w, names, axis), output_name(name, "out", _OPERANDS))
+    x, w = name_operands(name, dict(zip(_OPERANDS, (x, w)))).values()
+    (out,) = name_outputs(name, {"out": product(x, w, names, axis)}, _OPERANDS)
     return out, (x, w)
 
 
