@@ -265,7 +265,8 @@ def dot_product_attention(
     arrays += (key_value_segment_ids, sinks)
     # A dense mask reaches cuDNN as a bias, so a row it hides entirely would average every value there instead of
     # giving 0 as everywhere else: such calls stay ours.
-    if implementation in (None, "cudnn") and not ours_only and mask is None and _cudnn_traces(jax_nn, query):
+    wants_cudnn = implementation == "cudnn" or (implementation is None and jax.default_backend() == "gpu")
+    if wants_cudnn and not ours_only and mask is None and _cudnn_traces(jax_nn, query):
         # lowered for cuda: cuDNN's flash attention; for any other platform (Neuron, CPU): ours
         cudnn = lambda *_: jax_nn(implementation="cudnn")  # noqa: E731
         return jax.lax.platform_dependent(*arrays, cuda=cudnn, default=ours)
