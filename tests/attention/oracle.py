@@ -77,7 +77,7 @@ def attention_rows_grads(q, k, v, ok, scale, dy, sink=None):
 
 
 def idiomatic_attention(q, k, v, *, causal=True, scale=None, sliding_window=None, sinks=None, prefix=None):
-    """jax_nkilib.attention in [batch, S, heads, d] layouts."""
+    """jax_nkilib.attention in [batch, S, heads, d] layouts; the prefix caches are [batch, kv_heads, max_prior, d]."""
     q, k, v = f64(q), f64(k), f64(v)
     batch, seq_q, heads, d = q.shape
     seq_k = k.shape[1]
@@ -85,9 +85,10 @@ def idiomatic_attention(q, k, v, *, causal=True, scale=None, sliding_window=None
     rows = lambda x: np.transpose(x, (0, 2, 1, 3)).reshape(-1, x.shape[1], d)  # noqa: E731
     n_prior, used, kr, vr = 0, None, rows(k), rows(v)
     if prefix is not None:
-        n_prior, used = prefix[0].shape[1], int(prefix[2])
-        kr = np.concatenate([rows(f64(prefix[0])), kr], axis=1)
-        vr = np.concatenate([rows(f64(prefix[1])), vr], axis=1)
+        n_prior, used = prefix[0].shape[2], int(prefix[2])
+        cache_rows = lambda x: f64(x).reshape(-1, n_prior, d)  # noqa: E731
+        kr = np.concatenate([cache_rows(prefix[0]), kr], axis=1)
+        vr = np.concatenate([cache_rows(prefix[1]), vr], axis=1)
     ok = allowed_mask(seq_q, n_prior, seq_k, prior_used=used, causal=causal, window=sliding_window or 0)
     sink = None if sinks is None else np.broadcast_to(f64(sinks), (batch, heads)).reshape(-1, 1)
     o = attention_rows(rows(q), kr, vr, ok, scale, sink)[0]

@@ -55,7 +55,7 @@ def test_bf16_error_is_that_of_plain_bf16_attention():
 
 def test_prefix_cache_with_runtime_length():
     q, k, v = qkv()
-    kp, vp = random((2, 6, 2, 8), seed=5), random((2, 6, 2, 8), seed=6)
+    kp, vp = random((2, 2, 6, 8), seed=5), random((2, 2, 6, 8), seed=6)  # [batch, kv_heads, max_prior, d]
     for used in (0, 4, 6):
         out = jax.jit(lambda n: jax_nkilib.attention(q, k, v, prefix=(kp, vp, n), sliding_window=10, causal=True))(used)
         want = idiomatic_attention(q, k, v, prefix=(kp, vp, used), sliding_window=10)
@@ -86,7 +86,7 @@ def test_gradients_float64(name):
 
 def test_gradients_with_prefix_float64():
     q, k, v = qkv(batch=1, sq=4, sk=4, dtype=jnp.float64)
-    kp, vp = random((1, 3, 2, 8), jnp.float64, 5), random((1, 3, 2, 8), jnp.float64, 6)
+    kp, vp = random((1, 2, 3, 8), jnp.float64, 5), random((1, 2, 3, 8), jnp.float64, 6)
     check_grads(
         lambda *a: jax_nkilib.attention(*a[:3], prefix=(a[3], a[4], 2), causal=True),
         (q, k, v, kp, vp),

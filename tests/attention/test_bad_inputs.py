@@ -93,6 +93,7 @@ TKG = [
 ]
 
 X = jnp.zeros((2, 16, 4, 8))
+P = jnp.zeros((2, 4, 16, 8))  # a prefix cache for X: [batch, kv_heads, max_prior, head_dim]
 IDIOMATIC = [
     (
         lambda: jax_nkilib.attention(X[0], X, X, causal=True),
@@ -104,6 +105,11 @@ IDIOMATIC = [
     (lambda: jax_nkilib.attention(X, X, X, sinks=jnp.zeros(3), causal=True), ValueError, ["`sinks`", "[heads]"]),
     (lambda: jax_nkilib.attention(X, X, X, causal=False, sliding_window=4), ValueError, ["needs causal=True"]),
     (lambda: jax_nkilib.attention(X, X, X, prefix=(X, X), causal=True), TypeError, ["(k_prior, v_prior, prior_len)"]),
+    (  # a cache in the [batch, max_prior, kv_heads, head_dim] layout of q/k/v
+        lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, 2), causal=True),
+        ValueError,
+        ["k_prior", "[batch, kv_heads, prior_len_max, head_dim]"],
+    ),
     # issue 11: static values checked at trace time, the user's argument and axis named
     (
         lambda: jax_nkilib.attention(X, X, X, scale=float("nan"), causal=True),
@@ -148,23 +154,23 @@ IDIOMATIC = [
         ["`q`", "floating dtype", "int32"],
     ),
     (
-        lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, 2.7), causal=True),
+        lambda: jax_nkilib.attention(X, X, X, prefix=(P, P, 2.7), causal=True),
         TypeError,
         ["prefix prior_len", "int", "float"],
     ),
     (
-        lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, jnp.float32(2)), causal=True),
+        lambda: jax_nkilib.attention(X, X, X, prefix=(P, P, jnp.float32(2)), causal=True),
         TypeError,
         ["prefix prior_len"],
     ),
     (
-        lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, 17), causal=True),
+        lambda: jax_nkilib.attention(X, X, X, prefix=(P, P, 17), causal=True),
         ValueError,
         ["prefix prior_len", "[0, 16]"],
     ),
-    (lambda: jax_nkilib.attention(X, X, X, prefix=(X, X, -1), causal=True), ValueError, ["prefix prior_len", "got -1"]),
+    (lambda: jax_nkilib.attention(X, X, X, prefix=(P, P, -1), causal=True), ValueError, ["prefix prior_len", "got -1"]),
     (
-        lambda: jax_nkilib.attention(X, X, X, prefix=(X, X.astype(jnp.bfloat16), 2), causal=True),
+        lambda: jax_nkilib.attention(X, X, X, prefix=(P, P.astype(jnp.bfloat16), 2), causal=True),
         TypeError,
         ["`q`, `k_prior`, `v_prior` must share one floating dtype"],
     ),

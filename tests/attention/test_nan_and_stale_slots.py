@@ -111,17 +111,17 @@ GARBAGE = [(NAN, float("inf")), (-float("inf"), NAN)]  # (keys, values) past the
 
 def test_prefix_slots_past_prior_len_never_influence_the_result():
     q, k, v = qkv()
-    kp, vp = random((1, 6, 1, 4), seed=5), random((1, 6, 1, 4), seed=6)
+    kp, vp = random((1, 1, 6, 4), seed=5), random((1, 1, 6, 4), seed=6)
     used = 4
     fn = jax.jit(lambda a, b, c, kp_, vp_, n: jax_nkilib.attention(a, b, c, prefix=(kp_, vp_, n), causal=True))
     grad_fn = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2, 3, 4)))
-    want = idiomatic_attention(q, k, v, prefix=(kp[:, :used], vp[:, :used], used))  # the valid slots only
+    want = idiomatic_attention(q, k, v, prefix=(kp[:, :, :used], vp[:, :, :used], used))  # the valid slots only
     for garbage_k, garbage_v in GARBAGE:
-        stale_k, stale_v = kp.at[:, used:].set(garbage_k), vp.at[:, used:].set(garbage_v)
+        stale_k, stale_v = kp.at[:, :, used:].set(garbage_k), vp.at[:, :, used:].set(garbage_v)
         assert_close(fn(q, k, v, stale_k, stale_v, used), want, jnp.float32)
         grads = grad_fn(q, k, v, stale_k, stale_v, used)
         assert all(np.isfinite(np.asarray(g)).all() for g in grads)
-        assert np.all(np.asarray(grads[3][:, used:]) == 0) and np.all(np.asarray(grads[4][:, used:]) == 0)
+        assert np.all(np.asarray(grads[3][:, :, used:]) == 0) and np.all(np.asarray(grads[4][:, :, used:]) == 0)
 
 
 def test_decode_cache_slots_past_cache_len_never_influence_the_result():

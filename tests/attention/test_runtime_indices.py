@@ -111,7 +111,7 @@ def test_kernel_native_tkg_table_entry_past_the_pools_gives_nan_rows_and_a_repor
 
 def test_attention_traced_prior_len_out_of_range_gives_nan_and_a_report():
     q, k, v = random((1, 4, 2, 8)), random((1, 4, 1, 8), seed=1), random((1, 4, 1, 8), seed=2)
-    kp, vp = random((1, 6, 1, 8), seed=3), random((1, 6, 1, 8), seed=4)
+    kp, vp = random((1, 1, 6, 8), seed=3), random((1, 1, 6, 8), seed=4)
     report = checker(lambda n: jax_nkilib.attention(q, k, v, prefix=(kp, vp, n), causal=True))
     for bad in (-1, 7):
         message, out = report(jnp.int32(bad))

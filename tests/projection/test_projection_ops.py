@@ -1,6 +1,8 @@
 """jax_nkilib.output_projection and jax_nkilib.qkv_projection: float64 oracle on both device paths, KV-cache update
 (fused and by XLA), jit, vmap, gradients, shard_map, Neuron lowering and bad inputs."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -215,13 +217,17 @@ def test_qkv_projection_rope_takes_the_tables_of_jax_nkilib_rope(table_batch):
     np.testing.assert_array_equal(v_rot, v)
 
 
-@pytest.mark.parametrize("seq, with_rope", [(3, False), (3, True), (100, False)])  # XLA write, fused, fused
+@pytest.mark.parametrize("seq, with_rope", [(3, False), (3, True), (100, False)])  # TKG path, CTE, CTE
 @pytest.mark.parametrize("positions", [False, True])
-def test_kv_cache_update_is_the_same_math_on_both_paths(seq, with_rope, positions):
+@pytest.mark.parametrize("kv_heads", [NKV, 1])  # XLA writes the new tokens; the CTE kernel's own write
+def test_kv_cache_update_is_the_same_math_on_both_paths(seq, with_rope, positions, kv_heads):
     batch, max_len = 2, 128
-    x, w, bias, *_ = qkv_problem(batch, seq, dtype=jnp.bfloat16)
+    x, *_ = qkv_problem(batch, seq, dtype=jnp.bfloat16)
+    width = (NQ + 2 * kv_heads) * D
+    w, bias = random((8, width), jnp.float32, 1, 0.4), random((width,), jnp.float32, 2, 0.3)
     rope = tables(batch, seq) if with_rope else None
-    caches = tuple(random((batch, max_len, NKV, D), jnp.float32, 9 + i).astype(jnp.float8_e4m3fn) for i in range(2))
+    shape = (batch, kv_heads, max_len, D)  # the KV-cache layout
+    caches = tuple(random(shape, jnp.float32, 9 + i).astype(jnp.float8_e4m3fn) for i in range(2))
     pos = None
     if positions:
         pos = jnp.arange(seq, dtype=jnp.int32)[None] + jnp.array([[5], [20]], jnp.int32)
@@ -230,14 +236,14 @@ def test_kv_cache_update_is_the_same_math_on_both_paths(seq, with_rope, position
         x,
         w,
         num_q_heads=NQ,
-        num_kv_heads=NKV,
+        num_kv_heads=kv_heads,
         bias=bias,
         rope=rope,
         kv_cache=caches,
         cache_positions=pos,
         kv_scale=(0.5, 0.25),
     )
-    q_ref, k_ref, v_ref = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, bias=bias, rope=rope)
+    q_ref, k_ref, v_ref = qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=kv_heads, bias=bias, rope=rope)
     np.testing.assert_array_equal(q, q_ref)
     positions_np = np.broadcast_to(np.arange(seq), (batch, seq)) if pos is None else np.asarray(pos)
     for new, old, fresh, scale in ((k_new, caches[0], k_ref, 0.5), (v_new, caches[1], v_ref, 0.25)):
@@ -246,7 +252,7 @@ def test_kv_cache_update_is_the_same_math_on_both_paths(seq, with_rope, position
             for s in range(seq):
                 if 0 <= positions_np[b, s] < max_len:
                     value = np.asarray(fresh[b, s], np.float64) / scale
-                    want[b, positions_np[b, s]] = np.clip(value, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+                    want[b, :, positions_np[b, s]] = np.clip(value, -448, 448).astype(ml_dtypes.float8_e4m3fn)
         np.testing.assert_array_equal(np.asarray(new).view(np.uint8), want.view(np.uint8))
 
 
@@ -295,21 +301,30 @@ def test_qkv_projection_shard_map():
 def test_qkv_projection_neuron_lowering():
     x, w = random((1, 128, 256), jnp.bfloat16, 0), random((256, 16 * 64), jnp.bfloat16, 1)
     heads = dict(num_q_heads=8, num_kv_heads=4)
-    caches = tuple(jnp.zeros((1, 256, 4, 64), jnp.float8_e4m3fn) for _ in range(2))
+    caches = tuple(jnp.zeros((1, 4, 256, 64), jnp.float8_e4m3fn) for _ in range(2))  # [batch, kv_heads, max_len, d]
+    with_cache = lambda heads: lambda x, w, k, v: qkv_projection(x, w, **heads, kv_cache=(k, v))  # noqa: E731
     with jax_nkilib.neuron.dry_run():
         text = neuron_text(lambda x, w: qkv_projection(x, w, **heads), x, w)
         assert [cfg["func_name"] for cfg in kernel_configs(text)] == ["qkv"]
         assert "stablehlo.transpose" not in compute_operations(text)
-        text = neuron_text(lambda x, w, k, v: qkv_projection(x, w, **heads, kv_cache=(k, v)), x, w, *caches)
+        # 4 kv heads: the kernel's fused write takes [batch, max_len, kv_heads * d] caches, so XLA writes the new
+        # tokens into ours; the one transpose is of the new tokens (1x128x4x64), never of a cache (1x4x256x64)
+        text = neuron_text(with_cache(heads), x, w, *caches)
+        assert [(cfg["func_name"], cfg["output_names"]) for cfg in kernel_configs(text)] == [("qkv", ["out"])]
+        assert "stablehlo.dynamic_update_slice" in operations(text)
+        assert re.findall(r"stablehlo.transpose .* -> tensor<(\S+)>", text) == ["1x4x128x64xf8E4M3FN"] * 2
+        # one kv head (a tensor-parallel shard's usual count): [batch, 1, max_len, d] is the kernel's flat cache
+        one = tuple(c[:, :1] for c in caches)
+        w1 = w[:, : 10 * 64]
+        text = neuron_text(with_cache(dict(num_q_heads=8, num_kv_heads=1)), x, w1, *one)
         (cfg,) = kernel_configs(text)
         assert cfg["func_name"] == "qkv" and cfg["aliases"] == [[2, 1], [3, 2]]
         assert cfg["output_names"] == ["q", "k_cache", "v_cache"]  # the fused cache write
-        small = x[:, :2]
-        text = neuron_text(lambda x, w, k, v: qkv_projection(x, w, **heads, kv_cache=(k, v)), small, w, *caches)
+        assert "stablehlo.transpose" not in compute_operations(text)
+        text = neuron_text(with_cache(heads), x[:, :2], w, *caches)
         assert [(cfg["func_name"], cfg["output_names"], cfg["aliases"]) for cfg in kernel_configs(text)] == [
             ("qkv", ["out"], [])
         ]  # the TKG path: no cache write in the kernel
-        assert "stablehlo.custom_call" in operations(text) and "stablehlo.scatter" in operations(text)
 
 
 def test_qkv_projection_float32_explain_and_neuron_lowering():
@@ -359,13 +374,18 @@ def test_qkv_projection_float32_explain_and_neuron_lowering():
         (dict(rope=(jnp.ones((4, 3, 2)),) * 2), ValueError, "the batch axis of `rope`'s tables (4) must be 1"),
         (dict(kv_cache=jnp.ones(3)), TypeError, "`kv_cache` must be (k_cache, v_cache)"),
         (
-            dict(kv_cache=(jnp.ones((2, 8, 2, 4)), jnp.ones((2, 8, 1, 4)))),
+            dict(kv_cache=(jnp.ones((2, 2, 8, 4)), jnp.ones((2, 1, 8, 4)))),
             ValueError,
-            "`v_cache` must have layout [batch, max_len, kv_heads, head_dim]",
+            "`v_cache` must have layout [batch, kv_heads, max_len, head_dim]",
         ),
         (dict(kv_cache=(jnp.ones((2, 2, 2, 4)),) * 2), ValueError, "the caches hold 2 positions, fewer than the 3"),
+        (  # a cache in q/k/v's [batch, max_len, kv_heads, head_dim] layout
+            dict(kv_cache=(jnp.ones((2, 8, 2, 4)),) * 2),
+            ValueError,
+            ("`k_cache` must have layout [batch, kv_heads, max_len, head_dim]", "kv_heads"),
+        ),
         (
-            dict(kv_cache=(jnp.ones((2, 8, 2, 4)),) * 2, cache_positions=jnp.zeros((2, 3))),
+            dict(kv_cache=(jnp.ones((2, 2, 8, 4)),) * 2, cache_positions=jnp.zeros((2, 3))),
             ValueError,
             "`cache_positions` must be an integer array [batch, seq]",
         ),
@@ -444,7 +464,7 @@ def test_qkv_projection_split_weights_equal_the_fused_ones():
 def test_qkv_projection_kv_scale_is_checked(kv_scale, error, fragment):
     # issue 11: kv_scale=0 wrote +-3.4e38 (the cache dtype's max) into the cache
     x, w, *_ = qkv_problem()
-    caches = (jnp.zeros((2, 8, NKV, D)),) * 2
+    caches = (jnp.zeros((2, NKV, 8, D)),) * 2
     with pytest.raises(error) as info:
         qkv_projection(x, w, num_q_heads=NQ, num_kv_heads=NKV, kv_cache=caches, kv_scale=kv_scale)
     assert "jax_nkilib.qkv_projection" in str(info.value) and fragment in str(info.value)
@@ -452,7 +472,7 @@ def test_qkv_projection_kv_scale_is_checked(kv_scale, error, fragment):
 
 def test_qkv_projection_traced_values():
     x, w, *_ = qkv_problem()
-    caches = (jnp.zeros((2, 8, NKV, D)),) * 2
+    caches = (jnp.zeros((2, NKV, 8, D)),) * 2
     with pytest.raises(TypeError, match="qkv_projection: `eps` must be static .* not a traced value"):
         jax.jit(lambda a, e: qkv_projection(a, w, num_q_heads=NQ, num_kv_heads=NKV, norm="rms", eps=e))(x, 1e-6)
     with pytest.raises(TypeError, match="qkv_projection: `num_q_heads` must be static"):
@@ -470,7 +490,7 @@ def test_projections_of_no_tokens_are_empty():
     _, w, *_ = qkv_problem()
     q, k, v = qkv_projection(jnp.ones((0, 3, 8)), w, num_q_heads=NQ, num_kv_heads=NKV)
     assert q.shape == (0, 3, NQ, D) and k.shape == v.shape == (0, 3, NKV, D)
-    caches = (jnp.ones((2, 8, NKV, D)), jnp.full((2, 8, NKV, D), 2.0))
+    caches = (jnp.ones((2, NKV, 8, D)), jnp.full((2, NKV, 8, D), 2.0))
     q, k_cache, v_cache = qkv_projection(jnp.ones((2, 0, 8)), w, num_q_heads=NQ, num_kv_heads=NKV, kv_cache=caches)
     assert q.shape == (2, 0, NQ, D)
     np.testing.assert_array_equal(k_cache, caches[0])

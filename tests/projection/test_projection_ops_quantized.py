@@ -141,15 +141,15 @@ def test_qkv_projection_matches_the_oracle(mode, batch, seq, dtype):
 
 def test_qkv_projection_norm_and_kv_cache_tkg_row():
     x, q = random((2, 3, HID), jnp.float32, 0), weight("row", (HID, WIDTH))
-    caches = tuple(jnp.zeros((2, 8, NKV, D), jnp.float32) for _ in range(2))
+    caches = tuple(jnp.zeros((2, NKV, 8, D), jnp.float32) for _ in range(2))
     qh, k_cache, v_cache = qkv_projection(x, q, num_q_heads=NQ, num_kv_heads=NKV, norm="rms", kv_cache=caches)
     x64 = np.asarray(x, np.float64)
     normed = x64 / np.sqrt(np.mean(x64**2, -1, keepdims=True) + 1e-6)
     want = qkv_oracle(normed, q)
     assert_close(qh, want[0], jnp.float32, reduction=HID)
-    assert_close(k_cache[:, :3], want[1], jnp.float32, reduction=HID)
-    assert_close(v_cache[:, :3], want[2], jnp.float32, reduction=HID)
-    assert not np.any(np.asarray(k_cache[:, 3:]))
+    assert_close(jnp.swapaxes(k_cache[:, :, :3], 1, 2), want[1], jnp.float32, reduction=HID)
+    assert_close(jnp.swapaxes(v_cache[:, :, :3], 1, 2), want[2], jnp.float32, reduction=HID)
+    assert not np.any(np.asarray(k_cache[:, :, 3:]))
 
 
 @pytest.mark.parametrize("mode, seq", [("row", 3), ("static", 3), ("static", 97)])

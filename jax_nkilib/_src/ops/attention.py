@@ -17,6 +17,7 @@ from ..framework.arguments import array_argument
 from ..framework.runtime_checks import check_all
 from ..framework.validation import check_operand_layouts, static_float, static_int
 from ..sharding import auto
+from .layouts import KV_CACHE_LAYOUT, PAGED_KV_CACHE_LAYOUT
 
 _WHERE = "jax_nkilib.attention"
 
@@ -25,6 +26,12 @@ def _heads_into_batch(x):
     """[batch, S, H, d] -> [batch * H, S, d] (row b * H + h)."""
     batch, seq, heads, d = x.shape
     return jnp.transpose(x, (0, 2, 1, 3)).reshape(batch * heads, seq, d)
+
+
+def _cache_rows(cache):
+    """A KV cache ``[batch, kv_heads, L, d]`` as the kernels' rows ``[batch * kv_heads, L, d]`` (a reshape)."""
+    batch, kv_heads, length, d = cache.shape
+    return cache.reshape(batch * kv_heads, length, d)
 
 
 def _check(q, k, v, sinks, prefix, causal, scale, sliding_window):
@@ -56,7 +63,7 @@ def _check(q, k, v, sinks, prefix, causal, scale, sliding_window):
         k_prior, v_prior, prior_len = prefix
         check_operand_layouts(
             _WHERE,
-            dict.fromkeys(("k_prior", "v_prior"), "batch, prior_len_max, kv_heads, head_dim"),
+            dict.fromkeys(("k_prior", "v_prior"), KV_CACHE_LAYOUT.replace("max_len", "prior_len_max")),
             dtypes=None,  # q's dtype, below
             positive=("prior_len_max",),
             known={"batch": batch, "kv_heads": k.shape[2], "head_dim": head_dim},
@@ -64,7 +71,7 @@ def _check(q, k, v, sinks, prefix, causal, scale, sliding_window):
             v_prior=v_prior,
         )
         require_float_dtypes(_WHERE, {"q": q, "k_prior": k_prior, "v_prior": v_prior}, same=True)
-        prior_len = _prior_len(prior_len, k_prior.shape[1])
+        prior_len = _prior_len(prior_len, k_prior.shape[2])
     return scale, sliding_window, prior_len
 
 
@@ -118,7 +125,7 @@ def _plan_attention(q, k, v, sinks, prefix, sliding_window):
         auto.ShardedArgument("v", v, "bsnd"),
         sinks_argument(sinks),
     ]
-    operands.append(auto.ShardedArgument("prefix", None if prefix is None else tuple(prefix), ("b_nd", "b_nd", None)))
+    operands.append(auto.ShardedArgument("prefix", None if prefix is None else tuple(prefix), ("bn_d", "bn_d", None)))
     sharded = auto.plan(ATTENTION_SHARDING, operands)
     if sharded and "s" in sharded.axes:
         if sliding_window or sinks is not None or prefix is not None:
@@ -154,9 +161,10 @@ def attention(
       scale: defaults to ``1/sqrt(head_dim)``.
       sliding_window: with ``causal``, query ``i`` sees only keys at positions ``> i - sliding_window``.
       sinks: ``[heads]`` or ``[batch, heads]`` extra softmax logits (attention sinks), differentiable.
-      prefix: ``(k_prior, v_prior, prior_len)``: cached keys/values ``[batch, max_prior, kv_heads, head_dim]`` of
-        which the first ``prior_len`` (an int, possibly traced) precede ``k``/``v``; they sit at positions
-        ``-prior_len .. -1``, so every query sees them (within the sliding window).
+      prefix: ``(k_prior, v_prior, prior_len)``: cached keys/values ``[batch, kv_heads, prior_len_max, head_dim]``
+        (the KV-cache layout of ``qkv_projection(kv_cache=)`` and :func:`decode_attention`) of which the first
+        ``prior_len`` (an int, possibly traced) precede ``k``/``v``; they sit at positions ``-prior_len .. -1``, so
+        every query sees them (within the sliding window).
 
     Returns ``[batch, seq_q, heads, head_dim]`` in ``q``'s dtype; differentiable in ``q``, ``k``, ``v``, ``sinks``
     and the prefix keys/values. Rows that see no key give 0. On Neuron this is the ``attention_cte`` kernel (and
@@ -232,7 +240,7 @@ def _kernel_call(q, k, v, causal, scale, sliding_window, sinks, prefix=None, pri
         sink = jnp.broadcast_to(jnp.asarray(sinks), (batch, heads)).reshape(batch * heads, 1).astype(q.dtype)
     k_prior = v_prior = prior_used_len = None
     if prefix is not None:
-        k_prior, v_prior = _heads_into_batch(jnp.asarray(prefix[0])), _heads_into_batch(jnp.asarray(prefix[1]))
+        k_prior, v_prior = (_cache_rows(jnp.asarray(cache)) for cache in prefix[:2])
         prior_used_len = jnp.asarray(prior_len, jnp.int32).reshape(1)
     out = attention_cte(
         q_rows,
@@ -253,7 +261,7 @@ def _kernel_call(q, k, v, causal, scale, sliding_window, sinks, prefix=None, pri
     )
     out = jnp.transpose(out.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))
     if prefix is not None and not isinstance(prior_len, int):  # a run-time length: out of range gives NaN
-        max_prior = k_prior.shape[1]
+        max_prior = k_prior.shape[1]  # the kernel's [batch * kv_heads, prior_len_max, head_dim]
         valid = (prior_len >= 0) & (prior_len <= max_prior)
         check_all(
             valid,
@@ -281,7 +289,7 @@ def _as_arrays(named: dict) -> dict:
 
 def _check_decode(q, k_new, v_new, k_cache, v_cache, cache_len, block_table, sinks) -> None:
     paged = block_table is not None
-    cache = "num_blocks, kv_heads, block_len, head_dim" if paged else "batch, kv_heads, max_len, head_dim"
+    cache = PAGED_KV_CACHE_LAYOUT if paged else KV_CACHE_LAYOUT
     layouts = {
         "q": "batch, s_new, heads, head_dim",
         "k_new": "batch, s_new, kv_heads, head_dim",

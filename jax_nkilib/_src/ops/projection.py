@@ -14,9 +14,10 @@ from ..norm.fused_norm import norm_type_of
 from ..projection.output_projection_cte import output_projection_cte
 from ..projection.output_projection_tkg import output_projection_tkg
 from ..projection.qkv import qkv
-from ..projection.qkv_reference import kv_bounds, quantize_kv, uses_tkg, write_cache
+from ..projection.qkv_reference import kv_bounds, quantize_kv, uses_tkg
 from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from ..sharding import auto
+from .layouts import KV_CACHE_LAYOUT
 from .precision import float32_compute
 from .rope import TABLE_LAYOUTS
 
@@ -135,16 +136,16 @@ def output_projection(attn, w, bias=None):
 
 # ---------------------------------------------------------------------------------------------- qkv projection
 def _cache_arrays(where, kv_cache, batch, seq, kv_heads, d, positions):
+    """The checked caches and write positions ``[batch, seq]`` int32 (``None``: ``0 .. seq-1``; a position outside
+    ``[0, max_len)`` becomes ``max_len``, which every write skips)."""
     if not (isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2):
-        raise TypeError(f"{where}: `kv_cache` must be (k_cache, v_cache), each [batch, max_len, kv_heads, head_dim]")
+        raise TypeError(f"{where}: `kv_cache` must be (k_cache, v_cache), each [{KV_CACHE_LAYOUT}]")
     positions = None if positions is None else jnp.asarray(positions)  # a nested list of ints is fine too
-    cache = "batch, max_len, kv_heads, head_dim"
-    known = {"batch": batch, "seq": seq, "kv_heads": kv_heads, "head_dim": d}
     dims = check_operand_layouts(
         where,
-        {"k_cache": cache, "v_cache": cache, "cache_positions": "batch, seq"},
+        {"k_cache": KV_CACHE_LAYOUT, "v_cache": KV_CACHE_LAYOUT, "cache_positions": "batch, seq"},
         dtypes={"k_cache": "floating", "v_cache": "floating", "cache_positions": None},
-        known=known,
+        known={"batch": batch, "seq": seq, "kv_heads": kv_heads, "head_dim": d},
         k_cache=kv_cache[0],
         v_cache=kv_cache[1],
         cache_positions=positions,
@@ -152,16 +153,47 @@ def _cache_arrays(where, kv_cache, batch, seq, kv_heads, d, positions):
     k_cache, v_cache = jnp.asarray(kv_cache[0]), jnp.asarray(kv_cache[1])
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"{where}: k_cache and v_cache must have one dtype; got {k_cache.dtype} and {v_cache.dtype}")
+    max_len = dims["max_len"]
     if positions is None:
-        if k_cache.shape[1] < seq:
-            raise ValueError(f"{where}: the caches hold {k_cache.shape[1]} positions, fewer than the {seq} tokens")
+        if max_len < seq:
+            raise ValueError(f"{where}: the caches hold {max_len} positions, fewer than the {seq} tokens")
         return k_cache, v_cache, None
     if not jnp.issubdtype(positions.dtype, jnp.integer):
         raise ValueError(f"{where}: `cache_positions` must be an integer array [batch, seq]; got {positions.dtype}")
-    max_len = dims["max_len"]
     inside = (positions >= 0) & (positions < max_len)
-    slots = jnp.where(inside, jnp.arange(batch, dtype=jnp.int32)[:, None] * max_len + positions, -1)
-    return k_cache, v_cache, slots.astype(jnp.int32)
+    return k_cache, v_cache, jnp.where(inside, positions, max_len).astype(jnp.int32)
+
+
+def _write_new_tokens(cache, new, positions):
+    """``cache [batch, kv_heads, max_len, d]`` with ``new [batch, seq, kv_heads, d]`` at positions ``0 .. seq-1``
+    or ``positions [batch, seq]`` (``max_len`` skips): only the new tokens move, never the cache."""
+    if positions is None:
+        return jax.lax.dynamic_update_slice(cache, jnp.swapaxes(new, 1, 2), (0, 0, 0, 0))
+    rows = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[rows, :, positions].set(new, mode="drop")  # indexed dims first: [batch, seq, kv_heads, d]
+
+
+def _kernel_cache_write(operands, flags, k_cache, v_cache, positions, k_scale, v_scale):
+    """The qkv kernel's fused write into caches of one kv head: ``[batch, 1, max_len, d]`` is the kernel's flat
+    ``[batch, max_len, d]`` cache, and with ``positions`` its block cache of ``batch`` blocks of ``max_len``
+    slots. Returns ``(q [batch, seq, q_dim], k_cache, v_cache)``."""
+    batch, _, max_len, d = k_cache.shape
+    cache_flags = dict(kv_dtype=k_cache.dtype)
+    slots = None
+    if positions is not None:
+        rows = jnp.arange(batch, dtype=jnp.int32)[:, None]
+        slots = jnp.where(positions < max_len, rows * max_len + positions, -1)
+        cache_flags.update(use_block_kv=True, block_size=max_len)
+    operands = dict(
+        operands,
+        k_cache=k_cache.reshape(batch, max_len, d),
+        v_cache=v_cache.reshape(batch, max_len, d),
+        k_scale=k_scale,
+        v_scale=v_scale,
+        slot_mapping=slots,
+    )
+    q, k_new, v_new = qkv.call(operands, qkv.params(**flags, **cache_flags))
+    return q, k_new.reshape(k_cache.shape), v_new.reshape(v_cache.shape)
 
 
 def _scales(where, kv_scale):
@@ -335,7 +367,7 @@ def _sharded_qkv(
             **flags,
         )
 
-    cache_dims = "bsnd" if kv_cache is None else "b_nd"
+    cache_dims = "bsnd" if kv_cache is None else "bn_d"
     return sharded.run(local, ("bsnd", cache_dims, cache_dims))
 
 
@@ -373,9 +405,11 @@ def qkv_projection(
         element) or ``[batch, seq, head_dim/2]`` (a batch of 1 broadcasts); halves ``[x1 | x2]`` of the query and key
         heads become ``[x1 cos - x2 sin, x2 cos + x1 sin]``, as ``jax_nkilib.rope(q, cos, sin)`` on the projected
         heads. (The kernel's ``[batch, seq, head_dim]`` tables, each half-width table repeated, are built here.)
-      kv_cache: ``(k_cache, v_cache)``, each ``[batch, max_len, num_kv_heads, head_dim]``: the new keys (after RoPE)
-        and values are stored at positions ``0 .. seq-1``, or at ``cache_positions [batch, seq]`` (int; positions
-        outside ``[0, max_len)`` are skipped here, but the kernel's indirect write does not check them), as
+      kv_cache: ``(k_cache, v_cache)``, each ``[batch, num_kv_heads, max_len, head_dim]`` (the KV-cache layout of
+        :func:`jax_nkilib.attention`'s ``prefix`` and :func:`jax_nkilib.decode_attention`): the new keys (after
+        RoPE) and values are stored at positions ``0 .. seq-1``, or at ``cache_positions [batch, seq]`` (int;
+        positions outside ``[0, max_len)`` are skipped, except by the kernel's own write on Neuron, which does not
+        check them), as
         ``clip(k / k_scale, ±max)`` in the caches' dtype (``max`` its largest finite value; ``kv_scale = (k_scale,
         v_scale)``, default 1, each finite and > 0: checked when concrete, a traced 0 fills the cache with +-max)
         — FP8 caches quantize.
@@ -394,8 +428,11 @@ def qkv_projection(
     (``x'`` the normed input, ``max`` the data format's largest value); ``mode="row"`` (TKG path only, else
     ``ValueError``: the CTE kernel applies no row scales) computes ``(x' @ data) * scale[col]``. Differentiable in
     ``x``, ``w``, ``bias``, the norm parameters and the tables. On Neuron this is the NKI ``qkv`` kernel (its CTE
-    path for ``seq > 96``, ``batch * seq > 128`` or RoPE, with the fused cache write; else its TKG path, the cache
-    then written by XLA), which computes float32 inputs in bfloat16 on its CTE path whatever ``precision`` says
+    path for ``seq > 96``, ``batch * seq > 128`` or RoPE; else its TKG path). The kernel's fused cache write takes
+    ``[batch, max_len, kv_heads * head_dim]`` caches, which are this layout only for one kv head (a
+    tensor-parallel shard's usual count): then the CTE path writes the cache in the kernel; otherwise XLA writes
+    the new tokens (a transpose of the new ``[batch, seq, kv_heads, head_dim]`` only, never of the cache). The
+    kernel computes float32 inputs in bfloat16 on its CTE path whatever ``precision`` says
     (``jax_nkilib.explain`` notes it for such calls); ``jax_nkilib.nki.qkv`` is the kernel's numerics everywhere.
     """
     where = "jax_nkilib.qkv_projection"
@@ -417,7 +454,7 @@ def qkv_projection(
             auto.ShardedArgument("norm_weight", norm_weight, "h"),
             auto.ShardedArgument("norm_bias", norm_bias, "h"),
             auto.ShardedArgument("rope", rope, _rope_table_dims(rope)),
-            auto.ShardedArgument("kv_cache", kv_cache, ("b_nd", "b_nd")),
+            auto.ShardedArgument("kv_cache", kv_cache, ("bn_d", "bn_d")),
             auto.ShardedArgument("cache_positions", cache_positions, "bs"),
             auto.ShardedArgument("kv_scale", kv_scale),
         ],
@@ -491,49 +528,43 @@ def qkv_projection(
         cos, sin = _rope_tables(where, rope, batch, seq, d, x.dtype)
         operands.update(cos_cache=cos, sin_cache=sin)
         flags["fused_rope"] = True
-    q_dim, kv_dim = num_q_heads * d, num_kv_heads * d
     if kv_cache is None:
         if cache_positions is not None or kv_scale is not None:
             raise ValueError(f"{where}: cache_positions and kv_scale need kv_cache")
-        if batch * seq == 0:  # no tokens: nothing for a kernel to compute
-            return (
-                jnp.zeros((batch, seq, num_q_heads, d), x.dtype),
-                jnp.zeros((batch, seq, num_kv_heads, d), x.dtype),
-                jnp.zeros((batch, seq, num_kv_heads, d), x.dtype),
-            )
-        (out,) = qkv.call(operands, qkv.params(**flags))
-        out = out.astype(x.dtype)  # STATIC on the CTE path returns bfloat16
-        q, k, v = out[..., :q_dim], out[..., q_dim : q_dim + kv_dim], out[..., q_dim + kv_dim :]
-        return (
-            q.reshape(batch, seq, num_q_heads, d),
-            k.reshape(batch, seq, num_kv_heads, d),
-            v.reshape(batch, seq, num_kv_heads, d),
-        )
-    k_cache, v_cache, slots = _cache_arrays(where, kv_cache, batch, seq, num_kv_heads, d, cache_positions)
+        return _project_heads(operands, flags, x.dtype, batch, seq)
+    k_cache, v_cache, positions = _cache_arrays(where, kv_cache, batch, seq, num_kv_heads, d, cache_positions)
     k_scale, v_scale = _scales(where, kv_scale)
     if batch * seq == 0:  # no tokens: the caches are unchanged
         return jnp.zeros((batch, seq, num_q_heads, d), x.dtype), k_cache, v_cache
-    shape = k_cache.shape
-    flat = (k_cache.reshape(batch, shape[1], kv_dim), v_cache.reshape(batch, shape[1], kv_dim))
-    cache_flags = dict(kv_dtype=k_cache.dtype)
-    if slots is not None:  # a flat cache is a block cache of `batch` blocks of `max_len` slots
-        cache_flags.update(use_block_kv=True, block_size=shape[1])
-    if not uses_tkg(batch, seq, rope is not None):
-        operands.update(k_cache=flat[0], v_cache=flat[1], k_scale=k_scale, v_scale=v_scale, slot_mapping=slots)
-        q, k_new, v_new = qkv.call(operands, qkv.params(**flags, **cache_flags))
-        q = q.astype(x.dtype)
-    else:  # the TKG path ignores caches: the same write, by XLA
-        (out,) = qkv.call(operands, qkv.params(**flags))
-        q = out[..., :q_dim]
-        bounds = kv_bounds(k_cache.dtype, None, None)
-        acc = jnp.promote_types(out.dtype, jnp.float32)
-        k_new, v_new = (
-            jax.lax.stop_gradient(
-                write_cache(cache, quantize_kv(part.astype(acc), scale, cache.dtype, bounds, acc), slots)
-            )
-            for cache, part, scale in (
-                (flat[0], out[..., q_dim : q_dim + kv_dim], k_scale),
-                (flat[1], out[..., q_dim + kv_dim :], v_scale),
-            )
+    if num_kv_heads == 1 and not uses_tkg(batch, seq, rope is not None):  # the kernel's own cache write
+        q, k_cache, v_cache = _kernel_cache_write(operands, flags, k_cache, v_cache, positions, k_scale, v_scale)
+        return q.astype(x.dtype).reshape(batch, seq, num_q_heads, d), k_cache, v_cache
+    # The kernel writes [batch, max_len, kv_heads * head_dim] caches only (and its TKG path none): project, then
+    # write the new tokens by XLA.
+    q, k, v = _project_heads(operands, flags, x.dtype, batch, seq)
+    bounds = kv_bounds(k_cache.dtype, None, None)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    k_cache, v_cache = (
+        jax.lax.stop_gradient(
+            _write_new_tokens(cache, quantize_kv(new.astype(acc), scale, cache.dtype, bounds, acc), positions)
         )
-    return q.reshape(batch, seq, num_q_heads, d), k_new.reshape(shape), v_new.reshape(shape)
+        for cache, new, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale))
+    )
+    return q, k_cache, v_cache
+
+
+def _project_heads(operands, flags, dtype, batch, seq):
+    """The qkv kernel without caches: ``(q, k, v)``, each ``[batch, seq, heads, head_dim]`` in ``dtype``."""
+    d, num_q_heads, num_kv_heads = flags["d_head"], flags["num_q_heads"], flags["num_kv_heads"]
+    q_dim, kv_dim = num_q_heads * d, num_kv_heads * d
+    if batch * seq == 0:  # no tokens: nothing for a kernel to compute
+        out = jnp.zeros((batch, seq, q_dim + 2 * kv_dim), dtype)
+    else:
+        (out,) = qkv.call(operands, qkv.params(**flags))
+        out = out.astype(dtype)  # STATIC on the CTE path returns bfloat16
+    q, k, v = out[..., :q_dim], out[..., q_dim : q_dim + kv_dim], out[..., q_dim + kv_dim :]
+    return (
+        q.reshape(batch, seq, num_q_heads, d),
+        k.reshape(batch, seq, num_kv_heads, d),
+        v.reshape(batch, seq, num_kv_heads, d),
+    )
