@@ -30,6 +30,7 @@ from jax_nkilib._src.collectives.hbm_collectives import (
 from jax_nkilib._src.framework.common_types import (
     ActFnType,
     DtypeMode,
+    ExpertAffinityScaleMode,
     MLPGateUpWeightLayout,
     NormType,
     QKVOutputLayout,
@@ -40,6 +41,23 @@ from jax_nkilib._src.framework.common_types import (
 from jax_nkilib._src.mlp.mlp import mlp
 from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
+from jax_nkilib._src.moe.blockwise_mm_bwd import (
+    AffinityOption,
+    ClampLimits,
+    KernelTypeOption,
+    ShardOption,
+    blockwise_mm_bwd,
+)
+from jax_nkilib._src.moe.bwmm_shard_on_h import blockwise_mm_baseline_shard_hidden
+from jax_nkilib._src.moe.moe_cte import moe_cte
+from jax_nkilib._src.moe.moe_cte_config import (
+    BlockShardStrategy,
+    MoECTEImplementation,
+    MoECTESpec,
+    ShardOnBlockConfig,
+    ShardOnIConfig,
+    SkipMode,
+)
 from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
 from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
 from jax_nkilib._src.norm.rmsnorm_mx_quantize_tkg import rmsnorm_mx_quantize_tkg
@@ -55,6 +73,7 @@ from jax_nkilib._src.rope.rope import RoPE, rope_hf
 
 __all__ = [
     "ActFnType",
+    "AffinityOption",
     "all_gather_hbm_kernel",
     "all_reduce_hbm_kernel",
     "all_to_all_hbm_kernel",
@@ -68,18 +87,27 @@ __all__ = [
     "attention_segmented_cte",
     "attention_tkg",
     "attn_q_batch_shard",
+    "blockwise_mm_baseline_shard_hidden",
+    "blockwise_mm_bwd",
+    "BlockShardStrategy",
+    "ClampLimits",
     "AttnQBatchShardLayout",
     "dma_copy_rank_id_kernel",
     "DtypeMode",
+    "ExpertAffinityScaleMode",
     "fine_grained_allgather",
     "gen_mask_tkg",
     "gen_mask_tkg_hbm",
+    "KernelTypeOption",
     "layernorm_tkg",
     "matmul_mxfp8",
     "matmul_mxfp8_backward",
     "mlp",
     "mlp_backward_mxfp8_nki",
     "mlp_forward_mxfp8_nki",
+    "MoECTEImplementation",
+    "MoECTESpec",
+    "moe_cte",
     "MLPGateUpWeightLayout",
     "NormType",
     "output_projection_cte",
@@ -103,6 +131,10 @@ __all__ = [
     "rope_hf",
     "RouterActFnType",
     "row_quantization",
+    "ShardOnBlockConfig",
+    "ShardOnIConfig",
+    "ShardOption",
+    "SkipMode",
     "static_quantization",
     "swa_fused_cte",
 ]

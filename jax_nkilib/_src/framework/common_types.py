@@ -81,3 +81,14 @@ class RouterActFnType(enum.Enum):
     SIGMOID = 0
     SOFTMAX = 1
     NOAUX_TC = 2
+
+
+class ExpertAffinityScaleMode(enum.Enum):
+    """Where an MoE kernel multiplies a token's expert affinity in: ``NO_SCALE`` never, ``POST_SCALE`` on the
+    expert's output, ``PRE_SCALE`` on its input, ``PRE_SCALE_DELAYED`` like ``PRE_SCALE`` (kernels that lack it map
+    it to ``PRE_SCALE`` or reject it)."""
+
+    NO_SCALE = 0
+    POST_SCALE = 1
+    PRE_SCALE = 2
+    PRE_SCALE_DELAYED = 3

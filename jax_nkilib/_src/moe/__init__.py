@@ -1,0 +1,1 @@
+"""Mixture-of-experts kernels (blockwise MoE forward/backward, routing metadata, token generation)."""
