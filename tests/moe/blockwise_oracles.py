@@ -132,8 +132,22 @@ def blockwise_forward(
     return out, ckpt_gu, ckpt_down
 
 
-def blockwise_backward(x, affinities, gate_up, down, ckpt_gu, ckpt_down, slots, owners, dy, block, *, activation="SiLU",
-                       linear_clamp=(None, None), non_linear_clamp=(None, None)):
+def blockwise_backward(
+    x,
+    affinities,
+    gate_up,
+    down,
+    ckpt_gu,
+    ckpt_down,
+    slots,
+    owners,
+    dy,
+    block,
+    *,
+    activation="SiLU",
+    linear_clamp=(None, None),
+    non_linear_clamp=(None, None),
+):
     """``(dx, daffinities [rows*E, 1], dW_gu, dW_down, db_gu [E, 2, I], db_down [E, H])`` of a POST_SCALE forward,
     from its checkpoints (clamp limits as ``(upper, lower)``; a clamped value gets no gradient)."""
     rows, hidden = x.shape
