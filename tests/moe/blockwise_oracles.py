@@ -95,6 +95,7 @@ def blockwise_forward(
     gate_clamp=(None, None),
     up_clamp=(None, None),
     active=None,
+    accumulate=True,
 ):
     """``(out [rows, H], gate_up_T [N, 2, I, B], down [N, B, H])`` block by block, in float64."""
     rows, hidden = x.shape
@@ -128,7 +129,7 @@ def blockwise_forward(
         ckpt_down[b] = d
         y = a * d if mode == "POST_SCALE" and not multiply_on_I else d
         for slot, row in enumerate(ids[b]):
-            out[row] += y[slot]
+            out[row] = out[row] + y[slot] if accumulate else y[slot]
     return out, ckpt_gu, ckpt_down
 
 

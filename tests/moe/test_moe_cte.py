@@ -141,7 +141,8 @@ def test_shard_on_block_accumulating_output_is_the_kernels_two_slots():
     single = call(ops, implementation="shard_on_block", is_tensor_update_accumulating=False)
     assert single.shape == (T + 1, H)
     assert_close(out[:T, 0], oracle(ops)[0][:T], jnp.float32, reduction=H)
-    np.testing.assert_allclose(out[:, 0], single, rtol=1e-6, atol=1e-6)
+    # without accumulation a block overwrites its rows: a top-2 token keeps its last expert's share
+    assert_close(single[:T], oracle(ops, accumulate=False)[0][:T], jnp.float32, reduction=H)
 
 
 @pytest.mark.parametrize("multiply_on_I", [False, True])
@@ -317,6 +318,7 @@ def test_reference_vjp_where_the_backward_kernel_does_not_apply():
         {"implementation": "shard_on_i", "expert_affinities_scaling_mode": "PRE_SCALE"},
         {"implementation": "shard_on_i", "activation_function": "GELU"},
         {"implementation": "shard_on_i", "expert_affinity_multiply_on_I": True},
+        {"implementation": "shard_on_i", "is_tensor_update_accumulating": False},
     ):
         _, _, loss, values = grads_of(ops, **kwargs)
         assert "blockwise_mm_bwd" not in primitives(jax.grad(loss), *values)

@@ -12,7 +12,9 @@ Per block (``x`` the gathered rows, ``a = affinities[ids, e]`` rounded to ``hidd
 * ``h = act(g) * u`` (times ``a`` with ``expert_affinity_multiply_on_I``);
 * ``d = h @ W_down[e]`` (+ ``b_down[e]``): the down checkpoint ``[B, H]``;
 * ``POST_SCALE``: ``y = a d``; the output rows ``ids`` accumulate ``y`` rounded to the output dtype, block after
-  block (the kernels' read-add-write of the rows in the I/O dtype).
+  block (the kernels' read-add-write of the rows in the I/O dtype), or, without ``is_tensor_update_accumulating``,
+  are overwritten with it (a later block wins; rows no block writes stay zero, where the kernels leave them
+  unwritten).
 
 Products and sums run in float32 (float64 for float64 inputs). Blocks whose expert is out of range (``e >= E``)
 contribute nothing. With ``skip_token`` a token id of ``-1`` reads a zero row and writes nowhere.
@@ -42,6 +44,7 @@ class BlockOptions:
     gate_clamp: tuple[float | None, float | None] = (None, None)  # (upper, lower)
     up_clamp: tuple[float | None, float | None] = (None, None)
     skip_token: bool = False
+    accumulate: bool = True  # is_tensor_update_accumulating: add into the rows, else overwrite them
 
     @property
     def prescale(self) -> bool:
@@ -133,8 +136,10 @@ def blockwise_forward(
         a = affinities_p[block_ids, e].astype(dtype).astype(wide)[:, None]
         weights = (_take(w_gate_up, e), _take(w_down, e), _take(gate_up_bias, e), _take(down_bias, e))
         y, (g, u), d = expert_block(x, a, weights, opts)
-        y = jnp.where(valid, y, 0).astype(out.dtype)
-        out = out.at[block_ids].add(y, mode="drop")
+        if opts.accumulate:
+            out = out.at[block_ids].add(jnp.where(valid, y, 0).astype(out.dtype), mode="drop")
+        else:
+            out = out.at[block_ids].set(jnp.where(valid, y.astype(out.dtype), out[block_ids]), mode="drop")
         gate_up_t = jnp.where(valid, jnp.stack([g.T, u.T]), 0)
         return out, (gate_up_t, jnp.where(valid, d, 0))
 

@@ -39,13 +39,14 @@ def reference_blockwise_mm_baseline_shard_hidden(
     expert_affinities_scaling_mode,
 ):
     """JAX reference: ``output`` (and the filled checkpoint buffers when given)."""
-    del compute_dtype, is_tensor_update_accumulating
+    del compute_dtype
     mode = expert_affinities_scaling_mode
     opts = BlockOptions(
         block_size=block_size,
         activation_function=ActFnType.SiLU,
         scaling_mode=Mode.NO_SCALE if mode == Mode.PRE_SCALE_DELAYED else mode,
         skip_token=skip_dma[0],
+        accumulate=is_tensor_update_accumulating,
     )
     rows, experts = hidden_states.shape[0], gate_up_proj_weight.shape[0]
     out, gate_up_t, down = blockwise_forward(

@@ -27,9 +27,10 @@ output holds what the padding slots add there (the kernel's row ``T`` is not mea
 ``skip_dma.skip_weight`` and the shard-on-block loop knobs only change how the kernel runs.
 
 Reverse mode: for ``shard_on_i`` and ``shard_on_i_dropping`` with ``POST_SCALE``, no
-``expert_affinity_multiply_on_I`` and SiLU or Swish, the forward runs with ``checkpoint_activation`` and the VJP
-binds ``blockwise_mm_bwd`` on the checkpoints (gradients for hidden states, affinities, both weights and both
-biases); every other call differentiates the JAX reference. The checkpoint outputs carry no gradient.
+``expert_affinity_multiply_on_I``, SiLU or Swish and ``is_tensor_update_accumulating``, the forward runs with
+``checkpoint_activation`` and the VJP binds ``blockwise_mm_bwd`` on the checkpoints (gradients for hidden states,
+affinities, both weights and both biases); every other call differentiates the JAX reference. The checkpoint
+outputs carry no gradient.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def block_options(params) -> BlockOptions:
         gate_clamp=(params["gate_clamp_upper_limit"], params["gate_clamp_lower_limit"]),
         up_clamp=(params["up_clamp_upper_limit"], params["up_clamp_lower_limit"]),
         skip_token=params["skip_dma"][0],
+        accumulate=params["is_tensor_update_accumulating"],
     )
 
 
@@ -242,6 +244,7 @@ def bwd_kernel_applies(params) -> bool:
         and params["expert_affinities_scaling_mode"] == ExpertAffinityScaleMode.POST_SCALE
         and not params["expert_affinity_multiply_on_I"]
         and params["activation_function"] in KERNEL_ACTIVATIONS
+        and params["is_tensor_update_accumulating"]
     )
 
 
