@@ -374,3 +374,41 @@ def test_shard_on_block_needs_lnc2_on_neuron():
     assert any(issubclass(w.category, NeuronFallbackWarning) and "LNC=2" in str(w.message) for w in caught)
     with jax_nkilib.config(on_unsupported="error"), pytest.raises(Exception, match="LNC=2"):
         lowered_kernels(fn, *shapes, *ints, lnc=1)
+
+
+# ------------------------------------------------------------------------------- blockwise_mm_baseline_shard_hidden
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("mode", ["POST_SCALE", "PRE_SCALE", "NO_SCALE", "PRE_SCALE_DELAYED"])
+def test_shard_hidden_matches_the_block_oracle(mode, dtype):
+    ops = problem(13, dtype=dtype)
+    out = nki.blockwise_mm_baseline_shard_hidden(
+        *(ops[n] for n in POSITIONAL), block_size=B, expert_affinities_scaling_mode=mode
+    )
+    # the kernel has no branch for PRE_SCALE_DELAYED: no affinity at all
+    expected, _, _ = oracle(ops, mode="NO_SCALE" if mode == "PRE_SCALE_DELAYED" else mode)
+    assert out.dtype == dtype and out.shape == (T + 1, H)
+    assert_close(out[:T], expected[:T], dtype, reduction=H, ops=8)
+
+
+def test_shard_hidden_fills_the_checkpoint_buffers_it_is_given():
+    ops = problem(14)
+    n_blocks = ops["block_to_expert"].shape[0]
+    buffers = jnp.zeros((n_blocks, 2, INTER, B), jnp.bfloat16), jnp.zeros((n_blocks, B, H), jnp.float32)
+    out, gate_up_t, down = nki.blockwise_mm_baseline_shard_hidden(*(ops[n] for n in POSITIONAL), *buffers, block_size=B)
+    expected_out, expected_gu, expected_down = oracle(ops)
+    assert gate_up_t.dtype == jnp.bfloat16 and down.dtype == jnp.float32
+    assert_close(gate_up_t, expected_gu, jnp.bfloat16, reduction=H)
+    assert_close(down, expected_down, jnp.float32, reduction=INTER)
+    only_down = nki.blockwise_mm_baseline_shard_hidden(
+        *(ops[n] for n in POSITIONAL), down_activations=buffers[1], block_size=B
+    )
+    assert len(only_down) == 2 and only_down[1].shape == (n_blocks, B, H)
+    assert_close(out[:T], expected_out[:T], jnp.float32, reduction=H)
+
+
+def test_shard_hidden_lowers_to_its_kernel_with_aliased_buffers():
+    shapes = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((129, 64), (258, 1), (2, 64, 2, 16), (2, 16, 64))]
+    ints = [jax.ShapeDtypeStruct((256,), jnp.int32), jax.ShapeDtypeStruct((2, 1), jnp.int32)]
+    buffers = [jax.ShapeDtypeStruct((2, 2, 16, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2, 128, 64), jnp.bfloat16)]
+    fn = lambda *a: nki.blockwise_mm_baseline_shard_hidden(*a, block_size=128)  # noqa: E731
+    assert lowered_kernels(fn, *shapes, *ints, *buffers, lnc=2) == ["blockwise_mm_baseline_shard_hidden"]
