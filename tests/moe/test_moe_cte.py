@@ -349,8 +349,8 @@ def test_training_step_lowers_to_moe_cte_and_blockwise_mm_bwd():
     shapes = {
         "hidden_states": (tokens + 1, hidden),
         "expert_affinities_masked": ((tokens + 1) * 2, 1),
-        "gate_up_proj_weight": (2, hidden, 2, 16),
-        "down_proj_weight": (2, 16, hidden),
+        "gate_up_proj_weight": (2, hidden, 2, 32),
+        "down_proj_weight": (2, 32, hidden),
     }
     floats = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes.values()]
     slots, owners = jax.ShapeDtypeStruct((2 * block,), jnp.int32), jax.ShapeDtypeStruct((2, 1), jnp.int32)

@@ -39,6 +39,7 @@ from .blockwise_math import block_token_ids, padded_rows
 from .moe_cte_config import skip_mode
 
 BLOCK_SIZES = (128, 256, 512, 1024)
+DMA_TRANSPOSE = 32  # H and I per core must be multiples of it
 
 
 class ShardOption(enum.Enum):
@@ -203,11 +204,13 @@ def _check(call: CallInfo) -> None:
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
+    """``MOEBwdParameters.validate`` / ``validate_sharding``, and the activations the kernel differentiates."""
     unmet = []
+    hidden, inter, lnc = call.dims["H"], call.dims["I"], call.lnc
     if call.params["block_size"] not in BLOCK_SIZES:
         unmet.append(f"block_size in {BLOCK_SIZES}")
-    if call.dims["H"] % call.lnc:
-        unmet.append(f"H % LNC == 0 (H={call.dims['H']})")
+    if hidden % (DMA_TRANSPOSE * lnc) or inter % (DMA_TRANSPOSE * lnc):
+        unmet.append(f"H and I divisible by {DMA_TRANSPOSE} * LNC (H={hidden}, I={inter}; DMA transposes per core)")
     if call.params["activation_type"] not in (ActFnType.SiLU, ActFnType.Swish):
         unmet.append("activation_type SiLU or Swish (the kernel's derivatives)")
     if call.avals["hidden_states"].dtype not in NEURON_FLOAT_DTYPES:
@@ -274,7 +277,7 @@ BLOCKWISE_MM_BWD_SPEC = KernelSpec(
     support={
         "idiomatic": "moe",
         "vjp": "none (it is a backward kernel)",
-        "notes": "POST_SCALE forward only; block_size in 128/256/512/1024; device adapter "
+        "notes": "POST_SCALE forward only; block_size in 128/256/512/1024; H, I % (32 LNC) == 0; device adapter "
         "jax_nkilib_kernels/moe_cte.py",
     },
 )

@@ -231,6 +231,8 @@ def _neuron_limits(call: CallInfo) -> list[str]:
             unmet.append(f"{low} <= H <= {high} and H % {PSUM_SIZE} == 0")
         if d["I"] % 16:
             unmet.append("I % 16 == 0")
+        if p["skip_dma"][1]:
+            unmet.append("skip_dma.skip_weight False (the I-sharded kernels assert it)")
         if impl == Impl.shard_on_i_hybrid and call.lnc != 2:
             unmet.append("LNC=2 (shard_on_i_hybrid's dynamic loop runs on two cores)")
     return unmet

@@ -206,7 +206,7 @@ register(
         batch=("hidden_states", "gate_up_proj_act_checkpoint_T", "output_hidden_states_grad"),
         sharding=Sharding(_DATA, (P(),) * 9, (P(),) * 6),
         bad=BadInput("gate_up_proj_act_checkpoint_T", lambda c: c[:, :1], "gate_up_proj_act_checkpoint_T"),
-        neuron=_checkpoints(127, 64, 16, 2, 1, 128),
+        neuron=_checkpoints(127, 64, 32, 2, 1, 128),
         neuron_kwargs={"block_size": 128, "bias": True},
         notes="a backward kernel: not differentiated itself",
     ),
