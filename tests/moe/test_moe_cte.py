@@ -412,3 +412,33 @@ def test_shard_hidden_lowers_to_its_kernel_with_aliased_buffers():
     buffers = [jax.ShapeDtypeStruct((2, 2, 16, 128), jnp.bfloat16), jax.ShapeDtypeStruct((2, 128, 64), jnp.bfloat16)]
     fn = lambda *a: nki.blockwise_mm_baseline_shard_hidden(*a, block_size=128)  # noqa: E731
     assert lowered_kernels(fn, *shapes, *ints, *buffers, lnc=2) == ["blockwise_mm_baseline_shard_hidden"]
+
+
+# ---------------------------------------------------------------------------------------------------- shard_map
+def test_tensor_parallel_over_the_intermediate_dimension_inside_shard_map():
+    """Each of 8 devices runs moe_cte on its I/8 slice of both weights (the kernel's I_TP); one psum of the
+    partial outputs gives the single-device output, and the gradients (through blockwise_mm_bwd) agree too."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tests.support.sharding import make_mesh
+
+    rng = np.random.default_rng(15)
+    ops = problem(15)
+    inter = 16
+    ops["gate_up_proj_weight"] = jnp.asarray(rng.standard_normal((E, H, 2, inter)) * 0.3, jnp.float32)
+    ops["down_proj_weight"] = jnp.asarray(rng.standard_normal((E, inter, H)) * 0.3, jnp.float32)
+    mesh = make_mesh((8,), ("tp",))
+    specs = (P(), P(), P(None, None, None, "tp"), P(None, "tp", None), P(), P())
+    args = [ops[n] for n in POSITIONAL]
+
+    def local(*a):
+        return jax.lax.psum(nki.moe_cte(*a, block_size=B, implementation="shard_on_i"), "tp")
+
+    sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P()))
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+    single = lambda *a: nki.moe_cte(*a, block_size=B, implementation="shard_on_i")  # noqa: E731
+    np.testing.assert_allclose(sharded(*placed), single(*args), rtol=1e-5, atol=1e-5)
+    loss = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=(0, 1, 2, 3)))  # noqa: E731
+    for got, want in zip(loss(sharded)(*placed), loss(single)(*args)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

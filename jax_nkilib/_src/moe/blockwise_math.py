@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ..framework.common_types import ActFnType, ExpertAffinityScaleMode
+from ..framework.compat import varying_like
 from ..framework.spec import accumulation_dtype
 from ..mlp.mlp_reference import activation, clamp
 
@@ -143,6 +144,8 @@ def blockwise_forward(
         gate_up_t = jnp.where(valid, jnp.stack([g.T, u.T]), 0)
         return out, (gate_up_t, jnp.where(valid, d, 0))
 
-    out0 = jnp.zeros((hidden_p.shape[0], hidden.shape[1]), dtype)
+    # inside shard_map the carry varies over the mesh axes its inputs vary over
+    operands = [v for v in (hidden, affinities, w_gate_up, w_down, gate_up_bias, down_bias) if v is not None]
+    out0 = varying_like(jnp.zeros((hidden_p.shape[0], hidden.shape[1]), dtype), *operands)
     out, (gate_up_t, down) = jax.lax.scan(step, out0, (ids, block_expert, active))
     return out[:rows], gate_up_t, down

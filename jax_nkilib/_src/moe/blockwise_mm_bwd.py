@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from ..framework.common_types import ActFnType
+from ..framework.compat import varying_like
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, INT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, KernelSpec, Operand, Param
 from ..framework.spec import accumulation_dtype as wide_dtype
@@ -163,7 +164,16 @@ def reference_blockwise_mm_bwd(
         dx = dx.at[block_ids].add(dot(dgu, w_gu[e].T))
         return (dx, da, dw_gu, dw_down, db_gu, db_down), None
 
-    zeros = lambda *shape: jnp.zeros(shape, wide)  # noqa: E731
+    operands = (
+        hidden_states,
+        expert_affinities_masked,
+        gate_up_proj_weight,
+        down_proj_weight,
+        gate_up_proj_act_checkpoint_T,
+        down_proj_act_checkpoint,
+        output_hidden_states_grad,
+    )
+    zeros = lambda *shape: varying_like(jnp.zeros(shape, wide), *operands)  # noqa: E731  (carries in shard_map)
     init = (
         zeros(x_rows.shape[0], hidden),
         zeros(a_rows.shape[0], experts),
