@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jax_nkilib import nki
-from jax_nkilib._src.moe.blockwise_routing import blockwise_routing, num_blocks
+from jax_nkilib._src.moe.blockwise_routing import blockwise_routing, num_blocks, with_padding_row
 from tests.moe.blockwise_oracles import dense_moe, routing
 from tests.support.numerics import assert_close, f64
 
@@ -35,7 +35,7 @@ CASES = [  # tokens, top_k, experts, block, skew, unused experts
 def test_metadata_is_the_oracle_layout(tokens, top_k, experts, block, skew, unused):
     rng = np.random.default_rng(tokens * experts + top_k)
     index, weights = choose(rng, tokens, top_k, experts, skew, unused)
-    got = jax.jit(lambda i, w: blockwise_routing(i, w, num_experts=experts, block_size=block)[:4])(index, weights)
+    got = jax.jit(lambda i, w: blockwise_routing(i, w, num_experts=experts, block_size=block))(index, weights)
     affinities, slots, owners, conditions = routing(index, weights, experts, block)
     np.testing.assert_array_equal(got[1], slots)
     np.testing.assert_array_equal(got[2], owners)
@@ -52,9 +52,9 @@ def test_the_static_block_count_covers_the_worst_case(experts, block):
     index = np.zeros((tokens, top_k), np.int32)
     index[: experts - 1, 0] = np.arange(1, experts)
     r = blockwise_routing(index, np.ones((tokens, top_k), np.float32), num_experts=experts, block_size=block)
-    assert r.num_blocks == num_blocks(tokens, top_k, experts, block)
-    assert int(r.conditions.sum()) == r.num_blocks and r.conditions[-1] == 0
-    assert r.padding_token == tokens
+    n_blocks = num_blocks(tokens, top_k, experts, block)
+    assert r.block_to_expert.shape == (n_blocks, 1) and r.token_position_to_id.shape == (n_blocks * block,)
+    assert int(r.conditions.sum()) == n_blocks and r.conditions[-1] == 0
 
 
 def test_padding_slots_point_at_the_padding_row_with_zero_affinity():
@@ -74,7 +74,7 @@ def test_moe_cte_on_the_metadata_is_the_dense_moe(tokens, top_k, experts, block,
     rng = np.random.default_rng(tokens + 7 * top_k)
     hidden, inter = 24, 12
     index, weights = choose(rng, tokens, top_k, experts, skew, unused)
-    x = jnp.asarray(rng.standard_normal((tokens + 1, hidden)), dtype).at[tokens].set(0)
+    x = with_padding_row(jnp.asarray(rng.standard_normal((tokens, hidden)), dtype))
     gate_up = jnp.asarray(rng.standard_normal((experts, hidden, 2, inter)) * 0.3, dtype)
     down = jnp.asarray(rng.standard_normal((experts, inter, hidden)) * 0.3, dtype)
 
@@ -108,3 +108,12 @@ def test_bad_inputs_name_the_argument():
         blockwise_routing(index, weights[:, :1], num_experts=4, block_size=2)
     with pytest.raises(ValueError, match="block_size"):
         blockwise_routing(index, weights, num_experts=4, block_size=0)
+
+
+def test_vmaps_over_a_batch_of_routings():
+    rng = np.random.default_rng(9)
+    batch = [choose(rng, 6, 2, 8) for _ in range(3)]
+    index, weights = np.stack([b[0] for b in batch]), np.stack([b[1] for b in batch])
+    got = jax.vmap(lambda i, w: blockwise_routing(i, w, num_experts=8, block_size=4))(index, weights)
+    for n, (i, w) in enumerate(batch):
+        np.testing.assert_array_equal(got.token_position_to_id[n], routing(i, w, 8, 4)[1])

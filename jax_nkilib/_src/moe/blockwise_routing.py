@@ -7,8 +7,9 @@ token id; the free slots, and the trailing blocks that no expert needs, hold the
 the kernels' ``hidden_states [T+1, H]``, whose affinities are zero). Trailing blocks are given to expert ``E - 1``.
 ``N = m + ceil((T*K - m) / B)`` with ``m = min(T*K, E - 1)`` blocks always suffice (the worst case: ``E - 1``
 experts with one token each and the rest on one expert; the library's ``get_n_blocks`` for ``T*K >= E``).
-An expert with no token gets no block. ``conditions [N+1]`` is 1 for the used blocks (a prefix) and 0 after (so its
-last entry is 0), as the hybrid kernels need.
+An expert with no token gets no block. ``N`` is static: ``num_blocks(T, K, E, B)`` (``block_to_expert.shape[0]``).
+``conditions [N+1]`` is 1 for the used blocks (a prefix) and 0 after (so its last entry is 0), as the hybrid kernels
+need. :func:`with_padding_row` appends the padding row to the tokens.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ class BlockwiseRouting(NamedTuple):
     token_position_to_id: jax.Array  # [N*B] int32: token id per block slot, T in padding slots
     block_to_expert: jax.Array  # [N, 1] int32
     conditions: jax.Array  # [N+1] int32: 1 for used blocks, then 0
-    num_blocks: int  # N (static)
-    padding_token: int  # T: the row the padding slots point at
 
 
 def num_blocks(tokens: int, top_k: int, num_experts: int, block_size: int) -> int:
@@ -62,7 +61,13 @@ def blockwise_routing(expert_index, expert_weights, *, num_experts: int, block_s
     _check(expert_index, expert_weights, num_experts, block_size)
     tokens, top_k = expert_index.shape
     n_blocks = num_blocks(tokens, top_k, num_experts, block_size)
-    return BlockwiseRouting(*_build(expert_index, expert_weights, num_experts, block_size, n_blocks), n_blocks, tokens)
+    return BlockwiseRouting(*_build(expert_index, expert_weights, num_experts, block_size, n_blocks))
+
+
+def with_padding_row(hidden_states):
+    """``hidden_states [T, H]`` with the zero padding row ``T`` appended: the kernels' ``[T+1, H]``. (The
+    kernels' output row ``T`` is to be dropped: ``out[:T]``.)"""
+    return jnp.concatenate([hidden_states, jnp.zeros((1, hidden_states.shape[-1]), hidden_states.dtype)])
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))
