@@ -1,0 +1,1 @@
+"""Mixture of experts: routing, the blockwise expert kernels and their references."""
