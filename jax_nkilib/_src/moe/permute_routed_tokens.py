@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..framework.hardware import PARTITIONS
-from ..framework.primitive import make_kernel
+from ..framework.primitive import Vjp, make_kernel
 from ..framework.spec import FP8_DTYPES, INT_DTYPES, CallInfo, KernelSpec, Operand
 
 ARGSORT_PASS = 8  # argsort_unstable's max8 / nc_match_replace8 width
@@ -50,12 +50,15 @@ def argsort_unstable_ascending(values):
     return jnp.lexsort((position, values, -(rank // ARGSORT_PASS)))
 
 
-def bits_as(x, dtype):
-    """The bytes of ``x [N]`` as ``[N, itemsize(x) / itemsize(dtype)]`` values of ``dtype`` (little-endian)."""
-    width = jnp.dtype(x.dtype).itemsize // jnp.dtype(dtype).itemsize
-    unsigned = {1: jnp.uint8, 2: jnp.uint16}[jnp.dtype(dtype).itemsize]
-    words = lax.bitcast_convert_type(x, unsigned)  # [N, width], least significant first
-    return lax.bitcast_convert_type(words.reshape(x.shape[0], width), dtype)
+def _words(dtype):
+    """The unsigned integer type of ``dtype``'s width (the packing works on words: no float op sees the bits)."""
+    return {1: jnp.uint8, 2: jnp.uint16}[jnp.dtype(dtype).itemsize]
+
+
+def words_of(x, word):
+    """The bytes of ``x [N]`` as ``[N, itemsize(x) / itemsize(word)]`` words (least significant first)."""
+    width = jnp.dtype(x.dtype).itemsize // jnp.dtype(word).itemsize
+    return lax.bitcast_convert_type(x, word).reshape(x.shape[0], width)
 
 
 def reference_permute_routed_tokens(hidden_input, expert_index, expert_affinities_masked):
@@ -68,9 +71,10 @@ def reference_permute_routed_tokens(hidden_input, expert_index, expert_affinitie
     inside = (expert >= 0) & (expert < experts)
     affinity = expert_affinities_masked[token, jnp.where(inside, expert, 0)]
     affinity = jnp.where(inside, affinity, jnp.zeros((), affinity.dtype))
-    dtype = hidden_input.dtype
-    packed = [hidden_input[token], bits_as(affinity, dtype), bits_as(token.astype(jnp.int32), dtype)]
-    return (jnp.concatenate(packed, axis=1),)
+    word = _words(hidden_input.dtype)
+    rows = lax.bitcast_convert_type(hidden_input, word)[token]
+    packed = jnp.concatenate([rows, words_of(affinity, word), words_of(token.astype(jnp.int32), word)], axis=1)
+    return (lax.bitcast_convert_type(packed, hidden_input.dtype),)
 
 
 def _output_avals(call: CallInfo):
@@ -121,4 +125,5 @@ PERMUTE_ROUTED_TOKENS_SPEC = KernelSpec(
     },
 )
 
-permute_routed_tokens = make_kernel(PERMUTE_ROUTED_TOKENS_SPEC)
+NO_GRADIENT = Vjp(lambda kernel, operands, params: (kernel.call(operands, params), None), lambda *_: {})
+permute_routed_tokens = make_kernel(PERMUTE_ROUTED_TOKENS_SPEC, NO_GRADIENT)  # differentiable calls give zeros
