@@ -30,6 +30,8 @@ slot sent (counts ``T``) and keeps rows ``i < recv_counts[s]``. Integer operands
 
 Dtypes: ``hidden_states``/``output`` float32, bfloat16, float16 (float64 runs the reference only); indices int32;
 counts int32 or uint32. ``unpermute_a2av`` accumulates in float32 here (the kernel adds in the data's dtype).
+vmap: a vmapped ``output`` with the routing unbatched folds into ``H`` (one call); other batchings map the kernel
+(``permute_a2av``'s metadata counts elements of ``H``, so it never folds).
 """
 
 from __future__ import annotations
@@ -40,7 +42,17 @@ from jax import lax
 from ..collectives.hbm_collectives import check_group, marking_varying, replica_group_axes
 from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import Vjp, make_kernel
-from ..framework.spec import FLOAT_DTYPES, INT_DTYPES, CallInfo, KernelSpec, Operand, Output, Param, accumulation_dtype
+from ..framework.spec import (
+    FLOAT_DTYPES,
+    INT_DTYPES,
+    CallInfo,
+    FoldPlan,
+    KernelSpec,
+    Operand,
+    Output,
+    Param,
+    accumulation_dtype,
+)
 
 LIBRARY_MODULE = "nkilib.experimental.collectives.a2av_train"
 COUNT_DTYPES = (jnp.dtype(jnp.int32), jnp.dtype(jnp.uint32))
@@ -198,6 +210,8 @@ UNPERMUTE_A2AV_SPEC = KernelSpec(
     reference=reference_unpermute_a2av,
     check=_check_unpermute,
     neuron_limits=lambda call: _metadata_limits(call, call.dims["R"]),
+    # rows move whole: a vmapped axis of `output` alone joins H (one kernel call for the batch)
+    fold_plans=(FoldPlan({"output": "H", "send_indices": None, "recv_counts": None}, outputs={"result": "H"}),),
     has_collectives=True,
     family="moe",
     catalog="row 61",
