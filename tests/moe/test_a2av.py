@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.experimental import checkify
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
@@ -282,3 +283,24 @@ def test_outside_shard_map_says_so():
         nki.permute_a2av(
             jnp.zeros((T, H)), jnp.zeros((T, 8), jnp.int32), jnp.zeros((1, 8), jnp.int32), replica_group="x"
         )
+
+
+def test_runtime_checks_report_bad_counts_and_active_indices():
+    """Under checkify (an Auto mesh: checkify of a shard_map over Explicit axes cannot index the checks' arrays)."""
+    indices, counts = routing(8, seed=16)
+    bad_counts, bad_indices = counts.copy(), stack(indices).copy()
+    bad_counts[3, 2] = T + 1
+    column = next(d for d in range(8) if counts[0, d] > 0)
+    bad_indices[0, column] = -1
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    body = jax.shard_map(permute("8"), mesh=mesh, in_specs=(P("x"),) * 3, out_specs=(P("x"), P("x")))
+    x = np.zeros((RANKS * T, H), np.float32)
+    with jax_nkilib.config(runtime_checks=True):
+        checked = jax.jit(checkify.checkify(body, errors=checkify.user_checks))
+        assert checked(x, stack(indices), counts)[0].get() is None
+        counts_message = checked(x, stack(indices), bad_counts)[0].get()
+        index_message = checked(x, bad_indices, counts)[0].get()
+    assert f"at mapped index 3: jax_nkilib.nki.permute_a2av: send_counts[0, 2] = {T + 1} is outside [0, T={T}]" in (
+        counts_message
+    )
+    assert f"send_indices[0 {column}] = -1 is an active slot" in index_message

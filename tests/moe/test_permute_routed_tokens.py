@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import jax_nkilib
 from jax_nkilib import nki
@@ -136,3 +137,13 @@ def test_neuron_limits_fall_back_with_the_reason(tokens, k, reason):
     with jax_nkilib.neuron.dry_run(), pytest.warns(NeuronFallbackWarning, match=reason):
         text = jax.jit(nki.permute_routed_tokens).trace(*args).lower(lowering_platforms=("neuron",)).as_text()
     assert kernel_configs(text) == []
+
+
+def test_runtime_check_reports_an_expert_outside_the_affinities():
+    hidden, index, affinities = routing(4, 2, 8, seed=3)
+    bad = index.at[2, 1].set(8)
+    with jax_nkilib.config(runtime_checks=True):
+        checked = jax.jit(checkify.checkify(nki.permute_routed_tokens, errors=checkify.user_checks))
+        err, _ = checked(hidden, bad, affinities)
+        assert checked(hidden, index, affinities)[0].get() is None
+    assert "expert_index[2 1] = 8 is outside [0, E=8)" in err.get()

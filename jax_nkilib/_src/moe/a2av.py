@@ -42,6 +42,7 @@ from jax import lax
 from ..collectives.hbm_collectives import check_group, marking_varying, replica_group_axes
 from ..framework.mesh_axes import lax_axis
 from ..framework.primitive import Vjp, make_kernel
+from ..framework.runtime_checks import check_all
 from ..framework.spec import (
     FLOAT_DTYPES,
     INT_DTYPES,
@@ -122,6 +123,32 @@ def _check_unpermute(call: CallInfo) -> None:
         )
 
 
+def _check_counts(call: CallInfo, name: str, counts):
+    tokens = call.dims["T"]
+    check_all(
+        (counts >= 0) & (counts <= tokens),
+        f"{call.function}: {name}[0, {{index}}] = {{}} is outside [0, T={tokens}]",
+        counts,
+    )
+
+
+def _permute_runtime_checks(call: CallInfo, operands) -> None:
+    """Counts in ``[0, T]``; the active slots of ``send_indices`` (``i < send_counts[d]``) in ``[0, T)``."""
+    counts = operands["send_counts"].reshape(-1).astype(jnp.int32)
+    _check_counts(call, "send_counts", counts)
+    indices, tokens = operands["send_indices"], call.dims["T"]
+    active = jnp.arange(tokens)[:, None] < counts[None, :]
+    check_all(
+        ~active | ((indices >= 0) & (indices < tokens)),
+        f"{call.function}: send_indices{{index}} = {{}} is an active slot (below send_counts) outside [0, T={tokens})",
+        indices,
+    )
+
+
+def _unpermute_runtime_checks(call: CallInfo, operands) -> None:
+    _check_counts(call, "recv_counts", operands["recv_counts"].reshape(-1).astype(jnp.int32))
+
+
 def _metadata_limits(call: CallInfo, rows: int) -> list[str]:
     """A2AV metadata counts elements in uint32: every count and displacement times H must fit."""
     elements = rows * call.dims["H"]
@@ -183,6 +210,7 @@ PERMUTE_A2AV_SPEC = KernelSpec(
     prepare=marking_varying(replica_group_axes),
     reference=reference_permute_a2av,
     check=_check_group,
+    runtime_checks=_permute_runtime_checks,
     neuron_limits=lambda call: _metadata_limits(call, call.dims["EP"] * call.dims["T"]),
     has_collectives=True,
     family="moe",
@@ -209,6 +237,7 @@ UNPERMUTE_A2AV_SPEC = KernelSpec(
     prepare=marking_varying(replica_group_axes),
     reference=reference_unpermute_a2av,
     check=_check_unpermute,
+    runtime_checks=_unpermute_runtime_checks,
     neuron_limits=lambda call: _metadata_limits(call, call.dims["R"]),
     # rows move whole: a vmapped axis of `output` alone joins H (one kernel call for the batch)
     fold_plans=(FoldPlan({"output": "H", "send_indices": None, "recv_counts": None}, outputs={"result": "H"}),),

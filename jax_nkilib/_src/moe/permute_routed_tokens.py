@@ -29,6 +29,7 @@ from jax import lax
 
 from ..framework.hardware import PARTITIONS
 from ..framework.primitive import Vjp, make_kernel
+from ..framework.runtime_checks import check_all
 from ..framework.spec import FP8_DTYPES, INT_DTYPES, CallInfo, KernelSpec, Operand
 
 ARGSORT_PASS = 8  # argsort_unstable's max8 / nc_match_replace8 width
@@ -92,6 +93,15 @@ def _check(call: CallInfo) -> None:
         )
 
 
+def _runtime_checks(call: CallInfo, operands) -> None:
+    index, experts = operands["expert_index"], call.dims["E"]
+    check_all(
+        (index >= 0) & (index < experts),
+        f"{call.function}: expert_index{{index}} = {{}} is outside [0, E={experts})",
+        index,
+    )
+
+
 def _neuron_limits(call: CallInfo) -> list[str]:
     unmet = []
     if call.dims["T"] * call.dims["K"] > PARTITIONS:
@@ -114,6 +124,7 @@ PERMUTE_ROUTED_TOKENS_SPEC = KernelSpec(
     output_avals=_output_avals,
     reference=reference_permute_routed_tokens,
     check=_check,
+    runtime_checks=_runtime_checks,
     neuron_limits=_neuron_limits,
     family="moe",
     catalog="row 78",
