@@ -27,6 +27,7 @@ With ``recv_counts`` the dispatch's (``metadata[2] / H``) and the same ``send_in
 adjoint of ``permute_a2av``: ``sum_r <P(x)_r, y_r> == sum_s <x_s, U(y)_s>``. Reverse mode uses it both ways: the
 VJP of ``permute_a2av`` binds ``unpermute_a2av``; the VJP of ``unpermute_a2av`` binds ``permute_a2av`` with every
 slot sent (counts ``T``) and keeps rows ``i < recv_counts[s]``. Integer operands and ``metadata`` get no gradient.
+On the device, reverse mode through ``permute_a2av`` therefore also needs the sentinel ``T`` past the counts.
 
 Dtypes: ``hidden_states``/``output`` float32, bfloat16, float16 (float64 runs the reference only); indices int32;
 counts int32 or uint32. ``unpermute_a2av`` accumulates in float32 here (the kernel adds in the data's dtype).
