@@ -40,6 +40,9 @@ from jax_nkilib._src.framework.common_types import (
 from jax_nkilib._src.mlp.mlp import mlp
 from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
+from jax_nkilib._src.moe.a2av import permute_a2av, unpermute_a2av
+from jax_nkilib._src.moe.dispatch_metadata import build_all2all_dispatch_metadata, build_all_to_all_v_metadata
+from jax_nkilib._src.moe.permute_routed_tokens import permute_routed_tokens
 from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
 from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
 from jax_nkilib._src.norm.rmsnorm_mx_quantize_tkg import rmsnorm_mx_quantize_tkg
@@ -68,6 +71,8 @@ __all__ = [
     "attention_segmented_cte",
     "attention_tkg",
     "attn_q_batch_shard",
+    "build_all2all_dispatch_metadata",
+    "build_all_to_all_v_metadata",
     "AttnQBatchShardLayout",
     "dma_copy_rank_id_kernel",
     "DtypeMode",
@@ -84,6 +89,8 @@ __all__ = [
     "NormType",
     "output_projection_cte",
     "output_projection_tkg",
+    "permute_a2av",
+    "permute_routed_tokens",
     "pre_combine_dequant_scales",
     "qkv",
     "QKVOutputLayout",
@@ -105,4 +112,5 @@ __all__ = [
     "row_quantization",
     "static_quantization",
     "swa_fused_cte",
+    "unpermute_a2av",
 ]

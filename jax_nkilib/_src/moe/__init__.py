@@ -1,1 +1,1 @@
-"""Mixture of experts: routing, the blockwise expert kernels and their references."""
+"""Mixture of experts: routing, the blockwise and decode expert kernels, the all-to-all dispatch, their references."""
