@@ -41,6 +41,7 @@ from jax_nkilib._src.framework.common_types import (
 from jax_nkilib._src.mlp.mlp import mlp
 from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
+from jax_nkilib._src.moe.a2av import permute_a2av, unpermute_a2av
 from jax_nkilib._src.moe.blockwise_mm_bwd import (
     AffinityOption,
     ClampLimits,
@@ -49,6 +50,7 @@ from jax_nkilib._src.moe.blockwise_mm_bwd import (
     blockwise_mm_bwd,
 )
 from jax_nkilib._src.moe.bwmm_shard_on_h import blockwise_mm_baseline_shard_hidden
+from jax_nkilib._src.moe.dispatch_metadata import build_all2all_dispatch_metadata, build_all_to_all_v_metadata
 from jax_nkilib._src.moe.moe_cte import moe_cte
 from jax_nkilib._src.moe.moe_cte_config import (
     BlockShardStrategy,
@@ -58,6 +60,7 @@ from jax_nkilib._src.moe.moe_cte_config import (
     ShardOnIConfig,
     SkipMode,
 )
+from jax_nkilib._src.moe.permute_routed_tokens import permute_routed_tokens
 from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
 from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
 from jax_nkilib._src.norm.rmsnorm_mx_quantize_tkg import rmsnorm_mx_quantize_tkg
@@ -91,6 +94,8 @@ __all__ = [
     "blockwise_mm_bwd",
     "BlockShardStrategy",
     "ClampLimits",
+    "build_all2all_dispatch_metadata",
+    "build_all_to_all_v_metadata",
     "AttnQBatchShardLayout",
     "dma_copy_rank_id_kernel",
     "DtypeMode",
@@ -112,6 +117,8 @@ __all__ = [
     "NormType",
     "output_projection_cte",
     "output_projection_tkg",
+    "permute_a2av",
+    "permute_routed_tokens",
     "pre_combine_dequant_scales",
     "qkv",
     "QKVOutputLayout",
@@ -137,4 +144,5 @@ __all__ = [
     "SkipMode",
     "static_quantization",
     "swa_fused_cte",
+    "unpermute_a2av",
 ]

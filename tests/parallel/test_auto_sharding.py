@@ -122,6 +122,12 @@ def _cases():
             (P("data", None, "model"), P("model"), P()),
             {"all-reduce": 1},
         ),
+        "jax_nkilib.moe": (  # experts over `model`, tokens over `data` only: local experts + one all-reduce
+            lambda x, logits, gu, d: jax_nkilib.moe(x, logits, gu, d, top_k=2),
+            (x3, random((B, S, 8), seed=19), random((8, H, 2, 32), seed=20, scale=0.1), random((8, 32, H), seed=21)),
+            (P("data"), P("data"), P("model"), P("model")),
+            {"all-reduce": 1},
+        ),
         "jax_nkilib.mlp": (
             lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d, norm="rms"),
             (x3, w_gate, w_up, w_down),

@@ -69,6 +69,8 @@ def _cases() -> dict[str, Case]:
     cache_len = jnp.arange(3, 3 + B, dtype=jnp.int32)
     tokens = random((B, 8, H), seed=19)  # <= 96 tokens: the MLP's TKG path sharded or not (no bfloat16 CTE path)
     x_mx, w_mx = random((B, S, 256), seed=20), random((256, H), seed=21, scale=0.1)
+    moe_logits = random((B, 8, 8), seed=22)
+    moe_gate_up, moe_down = random((8, H, 2, 32), seed=23, scale=0.1), random((8, 32, H), seed=24, scale=0.1)
     data, tp = {"0": "data"}, {"0": "data", "1": "model"}
     return {
         "rms_norm": Case(
@@ -144,6 +146,14 @@ def _cases() -> dict[str, Case]:
             {"x": "01h", "g": "hi", "u": "hi", "d": "ih"},
             ("x", "g", "u", "d"),
             (data,),
+        ),
+        "moe": Case(
+            "jax_nkilib.moe",
+            lambda x, logits, gu, d: jax_nkilib.moe(x, logits, gu, d, top_k=2, normalize=True),
+            {"x": tokens, "logits": moe_logits, "gu": moe_gate_up, "d": moe_down},
+            {"x": "01h", "logits": "01_", "gu": "eh_i", "d": "eih"},
+            ("x", "logits", "gu", "d"),
+            (data, {"0": "data", "e": "model"}, {"0": "data", "i": "model"}),
         ),
         "mxfp8_matmul": Case(
             "jax_nkilib.mxfp8_matmul",

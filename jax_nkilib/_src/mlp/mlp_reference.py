@@ -15,16 +15,14 @@ gate/up input and of the intermediate, in the kernel's layouts. STATIC_MX (CTE) 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from ..framework.common_types import ActFnType, NormType, QuantizationType
+from ..framework.activations import SWISH_BETA, activation, clamp  # noqa: F401  (re-exported)
+from ..framework.common_types import NormType, QuantizationType
 from ..framework.precision import reference_compute_dtype
 from ..norm.fused_norm import fused_norm
 from ..quant import mx
@@ -35,8 +33,6 @@ QUANT_BOUND = fp8_max(jnp.float8_e4m3)  # 240: the kernel clips activations to t
 STATIC_TYPES = (QuantizationType.STATIC, QuantizationType.STATIC_MX)
 FP8_TYPES = (QuantizationType.ROW,) + STATIC_TYPES  # float8 weights with float32 dequantization scales
 STATIC_MX_TILE = 512  # STATIC_MX swizzles H and I in tiles of 512
-SWISH_BETA = 1.702  # ActFnType.Swish is nl.gelu_apprx_sigmoid: x * sigmoid(1.702 x)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 def is_tkg(tokens: int, force_cte_mode: bool) -> bool:
@@ -45,31 +41,6 @@ def is_tkg(tokens: int, force_cte_mode: bool) -> bool:
 
 
 compute_dtype = reference_compute_dtype  # the dtype intermediates are stored in (bfloat16 on the CTE path for float32)
-
-
-def activation(x, fn: ActFnType):
-    """The kernel's activation functions (``nl.silu``, ``nl.gelu``, ``nl.gelu_apprx_tanh``,
-    ``nl.gelu_apprx_sigmoid``, ``nl.relu``)."""
-    if fn == ActFnType.SiLU:
-        return x * jax.nn.sigmoid(x)
-    if fn == ActFnType.GELU:
-        return 0.5 * x * (1.0 + lax.erf(x / math.sqrt(2.0)))
-    if fn == ActFnType.GELU_Tanh_Approx:
-        return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
-    if fn == ActFnType.Swish:
-        return x * jax.nn.sigmoid(SWISH_BETA * x)
-    if fn == ActFnType.ReLU:
-        return jnp.maximum(x, 0.0)
-    raise AssertionError(fn)
-
-
-def clamp(x, upper: float | None, lower: float | None):
-    """``min(x, upper)`` then ``max(., lower)``, each when given (the kernel's order)."""
-    if upper is not None:
-        x = jnp.minimum(x, upper)
-    if lower is not None:
-        x = jnp.maximum(x, lower)
-    return x
 
 
 def _row0(scale, acc):

@@ -1,1 +1,1 @@
-"""Mixture-of-experts kernels (blockwise MoE forward/backward, routing metadata, token generation)."""
+"""Mixture of experts: routing, the blockwise and decode expert kernels, the all-to-all dispatch, their references."""

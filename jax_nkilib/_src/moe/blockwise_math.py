@@ -27,10 +27,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ..framework.activations import activation, clamp
 from ..framework.common_types import ActFnType, ExpertAffinityScaleMode
 from ..framework.compat import varying_like
 from ..framework.spec import accumulation_dtype
-from ..mlp.mlp_reference import activation, clamp
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,12 +30,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ..framework.activations import activation
 from ..framework.common_types import ActFnType
 from ..framework.compat import varying_like
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, INT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, KernelSpec, Operand, Param
 from ..framework.spec import accumulation_dtype as wide_dtype
-from ..mlp.mlp_reference import activation
 from .blockwise_math import block_token_ids, padded_rows
 from .moe_cte_config import skip_mode
 

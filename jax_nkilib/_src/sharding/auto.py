@@ -44,6 +44,8 @@ class ShardingRule:
       collective: letter -> (dimension name, what the op does when it is sharded).
       granule: letter -> the multiple a shard's size must have along that dimension (e.g. MX blocks of 32).
       note: anything else a user should know (shown in the table).
+      shared: letter -> letters whose mesh axes it may also split (the op's body handles that: MoE experts split
+        over the mesh axis that splits the tokens, an all-to-all dispatch); otherwise a mesh axis splits one letter.
     """
 
     op: str
@@ -51,6 +53,11 @@ class ShardingRule:
     collective: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
     granule: Mapping[str, int] = dataclasses.field(default_factory=dict)
     note: str = ""
+    shared: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def may_share(self, a: str, b: str) -> bool:
+        """Whether one mesh axis may split both letters ``a`` and ``b``."""
+        return b in self.shared.get(a, "") or a in self.shared.get(b, "")
 
     def dimension_name(self, letter: str) -> str:
         if letter in self.free:
@@ -288,7 +295,7 @@ def plan(
     used: dict[str, str] = {}
     for letter, mesh_axes in axes.items():
         for name in mesh_axes:
-            if used.setdefault(name, letter) != letter:
+            if used.setdefault(name, letter) != letter and not rule.may_share(used[name], letter):
                 raise ValueError(
                     f"{where}: mesh axis {name!r} splits both {rule.dimension_name(used[name])} and "
                     f"{rule.dimension_name(letter)}; one mesh axis can shard only one of them"

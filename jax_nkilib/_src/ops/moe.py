@@ -1,0 +1,263 @@
+"""``jax_nkilib.moe``: a dropless mixture-of-experts layer in JAX layouts, with expert and tensor parallelism."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..framework.arguments import array_argument
+from ..framework.validation import check_operand_layouts, static_bool, static_int
+from ..moe.grouped_experts import ExpertWeights, routed_experts
+from ..sharding import auto
+from .mlp import ACTIVATIONS
+
+_WHERE = "jax_nkilib.moe"
+
+MOE_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.moe",
+        free=auto.LEADING,
+        collective={
+            "e": (
+                "experts",
+                "expert parallelism: tokens split over the same mesh axis are dispatched to the devices owning "
+                "their experts and combined back by all-to-alls; tokens replicated over it are computed by each "
+                "device for its own experts, then one all-reduce (psum)",
+            ),
+            "i": ("intermediate", "tensor parallelism: local expert MLPs + one all-reduce (psum) of the output"),
+        },
+        shared={"e": "".join(auto.LEADING)},
+        note="router logits and top-k selections split with the tokens; the experts' axis of the router logits "
+        "never splits",
+    )
+)
+
+
+def _routing(routing, leading: tuple[int, ...], num_experts: int, top_k, normalize: bool):
+    """The checked ``(route, top_k)``: ``route`` is ``(indices [..., K] int32, weights [..., K])`` (from such a pair
+    or an object with ``indices`` and ``weights``, ``jax_nkilib.Routing``; ``top_k`` None) or router logits
+    ``[..., E]`` (selected by :func:`_select`)."""
+    if hasattr(routing, "indices") and hasattr(routing, "weights"):
+        routing = (routing.indices, routing.weights)
+    if isinstance(routing, (tuple, list)):
+        if len(routing) != 2:
+            raise TypeError(f"{_WHERE}: `routing` must be router logits [..., num_experts] or (indices, weights)")
+        if top_k is not None or normalize:
+            raise ValueError(f"{_WHERE}: top_k and normalize apply to router logits, not to a given (indices, weights)")
+        indices = array_argument(_WHERE, "indices", routing[0], dtypes=None)
+        weights = array_argument(_WHERE, "weights", routing[1], dtypes="floating")
+        if not jnp.issubdtype(indices.dtype, jnp.integer):
+            raise TypeError(f"{_WHERE}: `indices` must be an integer array [..., top_k]; got {indices.dtype}")
+        expected = "leading axes of x, top_k"
+        if indices.shape[:-1] != leading or indices.ndim != len(leading) + 1:
+            raise ValueError(
+                f"{_WHERE}: `indices` must be [{expected}] with x's leading axes {leading}; got {indices.shape}"
+            )
+        if weights.shape != indices.shape:
+            raise ValueError(
+                f"{_WHERE}: `weights` must have the shape of `indices` {indices.shape}; got {weights.shape}"
+            )
+        return (indices.astype(jnp.int32), weights), None
+    logits = array_argument(_WHERE, "routing", routing, dtypes="floating")
+    if logits.shape != (*leading, num_experts):
+        raise ValueError(
+            f"{_WHERE}: router logits must be [leading axes of x, num_experts] = {(*leading, num_experts)}; got "
+            f"{logits.shape}"
+        )
+    if top_k is None:
+        raise TypeError(f"{_WHERE}: router logits need top_k (the number of experts per token)")
+    return logits, static_int(_WHERE, "top_k", top_k, minimum=1, maximum=num_experts)
+
+
+def _select(logits, top_k: int, normalize: bool):
+    """``(indices, weights)``: the ``top_k`` largest of ``softmax(logits)`` (over the last axis), divided by their
+    sum with ``normalize``; computed on local shards (XLA's sharded TopK would gather every token)."""
+    probabilities = jax.nn.softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
+    weights, indices = jax.lax.top_k(probabilities, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return indices.astype(jnp.int32), weights.astype(logits.dtype)
+
+
+def _expert_weights(w_gate_up, w_down, gate_up_bias, down_bias, hidden: int, dtype) -> ExpertWeights:
+    """The experts' weights in the kernel layouts: ``gate_up [E, H, 2, I]`` (from a ``(w_gate, w_up)`` pair of
+    ``[E, H, I]`` too), ``down [E, I, H]``, biases ``[E, 2, I]`` (or a pair of ``[E, I]``) and ``[E, H]``."""
+    if isinstance(w_gate_up, (tuple, list)):
+        if len(w_gate_up) != 2:
+            raise TypeError(f"{_WHERE}: `w_gate_up` must be [E, H, 2, I] or a pair (w_gate, w_up), each [E, H, I]")
+        gate, up = (
+            array_argument(_WHERE, name, w, dtypes="floating") for name, w in zip(("w_gate", "w_up"), w_gate_up)
+        )
+        check_operand_layouts(
+            _WHERE, dict.fromkeys(("w_gate", "w_up"), "E, H, I"), known={"H": hidden}, w_gate=gate, w_up=up
+        )
+        w_gate_up = jnp.stack([gate, up], axis=2)
+    if isinstance(gate_up_bias, (tuple, list)):
+        if len(gate_up_bias) != 2:
+            raise TypeError(f"{_WHERE}: `gate_up_bias` must be [E, 2, I] or a pair (gate_bias, up_bias), each [E, I]")
+        gate_up_bias = jnp.stack([jnp.asarray(b) for b in gate_up_bias], axis=1)
+    dims = check_operand_layouts(
+        _WHERE,
+        {"w_gate_up": "E, H, 2, I", "w_down": "E, I, H", "gate_up_bias": "E, 2, I", "down_bias": "E, H"},
+        dtypes=dict.fromkeys(("w_gate_up", "w_down", "gate_up_bias", "down_bias"), "floating"),
+        positive=("E", "I"),
+        known={"H": hidden},
+        w_gate_up=w_gate_up,
+        w_down=w_down,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+    )
+    num_experts, inter = dims["E"], dims["I"]
+    cast = lambda w, shape: jnp.zeros(shape, dtype) if w is None else jnp.asarray(w).astype(dtype)  # noqa: E731
+    return ExpertWeights(
+        cast(w_gate_up, None),
+        cast(w_down, None),
+        cast(gate_up_bias, (num_experts, 2, inter)),
+        cast(down_bias, (num_experts, hidden)),
+    )
+
+
+def moe(
+    x,
+    routing,
+    w_gate_up,
+    w_down,
+    *,
+    top_k: int | None = None,
+    normalize: bool = False,
+    activation: str = "silu",
+    gate_up_bias=None,
+    down_bias=None,
+):
+    """A dropless mixture-of-experts layer: ``out[t] = sum_k weights[t, k] * MLP_{indices[t, k]}(x[t])`` with
+    ``MLP_e(x) = (act(x W_gate[e] + b_gate[e]) * (x W_up[e] + b_up[e])) W_down[e] + b_down[e]``.
+
+    Args:
+      x: ``[..., hidden]`` tokens.
+      routing: router logits ``[..., num_experts]`` (``weights`` = the ``top_k`` largest of ``softmax(logits)``,
+        divided by their sum with ``normalize``: Mixtral is ``top_k=2, normalize=True``), or the routing itself as
+        ``(indices, weights)`` / a ``jax_nkilib.Routing``: ``indices [..., top_k]`` int (an index outside
+        ``[0, num_experts)`` selects nothing), ``weights [..., top_k]`` float.
+      w_gate_up: ``[num_experts, hidden, 2, intermediate]`` (gate ``[:, :, 0]``, up ``[:, :, 1]``: the NKI
+        kernels' layout) or the pair ``(w_gate, w_up)``, each ``[num_experts, hidden, intermediate]``.
+      w_down: ``[num_experts, intermediate, hidden]``.
+      activation: ``"silu"`` (SwiGLU), ``"gelu"``, ``"gelu_tanh"``, ``"gelu_sigmoid"`` (``x sigmoid(1.702 x)``),
+        ``"relu"``.
+      gate_up_bias: ``[num_experts, 2, intermediate]`` or ``(gate_bias, up_bias)`` each ``[num_experts,
+        intermediate]``; down_bias: ``[num_experts, hidden]``.
+
+    Returns ``[..., hidden]`` in ``x``'s dtype (weights and biases are cast to it). No token is dropped and there
+    is no capacity factor. Differentiable in ``x``, the routing weights (or logits), the expert weights and
+    biases. Matmuls accumulate in float32 (float64 for float64 inputs).
+
+    Off Neuron the experts run as a blockwise grouped matmul over the tokens sorted by expert
+    (:mod:`jax_nkilib._src.moe.grouped_experts`), never a one-hot product over all experts. Under an explicit mesh,
+    the experts' axis of the weights may be split (expert parallelism: tokens split over the same mesh axis travel
+    to their experts' devices and back by all-to-alls) and the intermediate axis too (tensor parallelism: one
+    all-reduce).
+    """
+    x = array_argument(_WHERE, "x", x, dtypes="floating")
+    if x.ndim < 1:
+        raise ValueError(f"{_WHERE}: `x` must be [..., hidden]; got a scalar")
+    hidden = x.shape[-1]
+    normalize = static_bool(_WHERE, "normalize", normalize)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{_WHERE}: activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+    weights = _expert_weights(w_gate_up, w_down, gate_up_bias, down_bias, hidden, x.dtype)
+    route, top_k = _routing(routing, x.shape[:-1], weights.gate_up.shape[0], top_k, normalize)
+    fn = ACTIVATIONS[activation]
+    rows = auto.leading(x.ndim - 1, _WHERE)
+    route_dims = rows + "_" if top_k else (rows + "_",) * 2
+    sharded = auto.plan(
+        MOE_SHARDING,
+        [
+            auto.ShardedArgument("x", x, rows + "h"),
+            auto.ShardedArgument("routing", route, route_dims),
+            auto.ShardedArgument("w_gate_up", weights.gate_up, "eh_i"),
+            auto.ShardedArgument("w_down", weights.down, "eih"),
+            auto.ShardedArgument("gate_up_bias", weights.gate_up_bias, "e_i"),
+            auto.ShardedArgument("down_bias", weights.down_bias, "eh"),
+        ],
+    )
+    if not sharded:
+        return _moe_local(x, route, top_k, normalize, weights, fn, {})
+
+    def local(x, route, gate_up, down, gate_up_bias, down_bias, axes):
+        token_axes = {name for letter in rows for name in axes.get(letter, ())}
+        weights = ExpertWeights(gate_up, down, gate_up_bias, down_bias)
+        return _moe_local(x, route, top_k, normalize, weights, fn, axes, token_axes)
+
+    return sharded.run(local, rows + "h")
+
+
+def _moe_local(x, route, top_k, normalize, weights: ExpertWeights, fn, axes, token_axes=frozenset()):
+    """The layer on local shards; ``axes`` the mesh axes splitting experts (``"e"``) and intermediate (``"i"``)."""
+    leading, hidden = x.shape[:-1], x.shape[-1]
+    indices, routing_weights = _select(route, top_k, normalize) if top_k else route
+    x2 = x.reshape(-1, hidden)
+    top_k = indices.shape[-1]
+    token_of_pair = jnp.repeat(jnp.arange(x2.shape[0], dtype=jnp.int32), top_k)
+    pair_weights, pair_experts = routing_weights.reshape(-1), indices.reshape(-1)
+    expert_axes = tuple(axes.get("e", ()))
+    reduce_over = tuple(axes.get("i", ()))
+    if reduce_over:  # the intermediate is split: the partial outputs are summed, so one shard adds the down bias
+        first = jax.lax.axis_index(reduce_over) == 0
+        weights = weights._replace(down_bias=jnp.where(first, weights.down_bias, 0).astype(weights.down_bias.dtype))
+    if not expert_axes:
+        out = routed_experts(x2, token_of_pair, pair_weights, pair_experts, weights, fn)
+    else:
+        local_experts = weights.gate_up.shape[0]
+        rank = jax.lax.axis_index(expert_axes)
+        if set(expert_axes) <= set(token_axes):
+            out = _dispatched_experts(x2, token_of_pair, pair_weights, pair_experts, weights, fn, expert_axes)
+        elif not set(expert_axes) & set(token_axes):
+            local_ids = pair_experts - rank * local_experts  # other devices' experts fall outside [0, E_local)
+            out = routed_experts(x2, token_of_pair, pair_weights, local_ids, weights, fn)
+            reduce_over = expert_axes + reduce_over
+        else:
+            raise ValueError(
+                f"{_WHERE}: the experts are split over mesh axes {expert_axes} and the tokens over "
+                f"{tuple(token_axes)}; split the tokens over all of the experts' axes (all-to-all dispatch) or over "
+                "none of them"
+            )
+    if reduce_over:
+        out = jax.lax.psum(out, reduce_over)
+    return out.reshape(*leading, hidden)
+
+
+def _dispatched_experts(x, token_of_pair, pair_weights, pair_experts, weights: ExpertWeights, fn, expert_axes):
+    """Expert parallelism with tokens split over ``expert_axes`` (``P`` devices, ``E_l`` experts each): every pair
+    travels to the device owning its expert by an all-to-all (a static ``[P, M, hidden]`` buffer, ``M`` this
+    device's pairs: dropless whatever the load), runs there, and comes back by a second all-to-all to be combined."""
+    tokens, hidden = x.shape
+    (pairs,) = token_of_pair.shape
+    local_experts = weights.gate_up.shape[0]
+    devices = jax.lax.psum(1, expert_axes)
+    valid = (pair_experts >= 0) & (pair_experts < devices * local_experts)
+    destination = jnp.where(valid, pair_experts // local_experts, devices)  # invalid pairs go nowhere
+    order = jnp.argsort(destination, stable=True)
+    counts = jnp.bincount(destination, length=devices + 1)
+    rank = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[destination[order]]
+    slot = jnp.where(destination[order] < devices, destination[order] * pairs + rank, devices * pairs)
+    slot_pair = jnp.full((devices * pairs,), pairs, jnp.int32).at[slot].set(order.astype(jnp.int32), mode="drop")
+    empty = slot_pair == pairs
+    pair = jnp.minimum(slot_pair, pairs - 1)
+    send_x = jnp.where(empty[:, None], 0, x[token_of_pair[pair]]).reshape(devices, pairs, hidden)
+    send_expert = jnp.where(empty, -1, pair_experts[pair] % local_experts).reshape(devices, pairs)
+    recv_x = jax.lax.all_to_all(send_x, expert_axes, 0, 0)
+    recv_expert = jax.lax.all_to_all(send_expert, expert_axes, 0, 0).reshape(-1)
+    rows = devices * pairs
+    computed = routed_experts(
+        recv_x.reshape(rows, hidden),
+        jnp.arange(rows, dtype=jnp.int32),
+        jnp.ones((rows,), x.dtype),
+        recv_expert,
+        weights,
+        fn,
+    )
+    back = jax.lax.all_to_all(computed.reshape(devices, pairs, hidden), expert_axes, 0, 0).reshape(rows, hidden)
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    scale = jnp.where(empty, 0, pair_weights.astype(acc)[pair])
+    target = jnp.where(empty, tokens, token_of_pair[pair])
+    out = jnp.zeros((tokens + 1, hidden), acc).at[target].add(back.astype(acc) * scale[:, None])
+    return out[:tokens].astype(x.dtype)

@@ -1,0 +1,211 @@
+"""jax_nkilib.moe: a float64 dense oracle for top-1/2/8, 8 and 64 experts, uneven loads; gradients; jit and vmap;
+expert and tensor parallelism on 8 CPU devices (values, gradients and the collectives of the compiled program)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+import jax_nkilib
+from tests.support.data import random
+from tests.support.hlo import compiled_collectives
+from tests.support.numerics import assert_close
+from tests.support.sharding import make_mesh, use_mesh
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def moe_oracle(x, indices, weights, w_gate_up, w_down, gate_up_bias=None, down_bias=None, act=silu):
+    """``out[t] = sum_k weights[t, k] * (act(x W_g + b_g) * (x W_u + b_u)) W_d + b_d`` of expert ``indices[t, k]``,
+    in float64, one token at a time (an index outside [0, E) selects nothing)."""
+    x, weights, w_gate_up, w_down = (np.asarray(a, np.float64) for a in (x, weights, w_gate_up, w_down))
+    experts, _, _, inter = w_gate_up.shape
+    b_gu = np.zeros((experts, 2, inter)) if gate_up_bias is None else np.asarray(gate_up_bias, np.float64)
+    b_d = np.zeros((experts, x.shape[-1])) if down_bias is None else np.asarray(down_bias, np.float64)
+    flat, idx, wts = x.reshape(-1, x.shape[-1]), np.asarray(indices).reshape(-1, indices.shape[-1]), weights
+    wts = wts.reshape(idx.shape)
+    out = np.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        for k in range(idx.shape[1]):
+            e = idx[t, k]
+            if not 0 <= e < experts:
+                continue
+            gate = flat[t] @ w_gate_up[e, :, 0] + b_gu[e, 0]
+            up = flat[t] @ w_gate_up[e, :, 1] + b_gu[e, 1]
+            out[t] += wts[t, k] * ((act(gate) * up) @ w_down[e] + b_d[e])
+    return out.reshape(x.shape)
+
+
+def softmax_topk(logits, k, normalize):
+    logits = np.asarray(logits, np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    idx = np.argsort(-p, axis=-1, kind="stable")[..., :k]
+    w = np.take_along_axis(p, idx, -1)
+    return idx, (w / w.sum(-1, keepdims=True) if normalize else w)
+
+
+def experts(num_experts, hidden, inter, dtype=jnp.float32, seed=10):
+    return (
+        random((num_experts, hidden, 2, inter), dtype, seed, 0.3),
+        random((num_experts, inter, hidden), dtype, seed + 1, 0.3),
+    )
+
+
+def uneven_routing(tokens, num_experts, top_k, seed=0):
+    """Distinct experts per token, skewed towards low ids; the last expert never chosen when possible."""
+    rng = np.random.default_rng(seed)
+    pool = max(num_experts - 1, top_k)
+    p = 1.0 / np.arange(1, pool + 1) ** 1.5
+    idx = np.stack([rng.choice(pool, top_k, replace=False, p=p / p.sum()) for _ in range(tokens)])
+    return jnp.asarray(idx, jnp.int32), jnp.asarray(rng.uniform(0.1, 1.0, (tokens, top_k)), jnp.float32)
+
+
+@pytest.mark.parametrize("top_k, num_experts", [(1, 8), (2, 8), (8, 8), (2, 64), (8, 64)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_forward_matches_dense_oracle(top_k, num_experts, dtype):
+    tokens, hidden, inter = 37, 24, 20
+    x = random((tokens, hidden), dtype, 0)
+    idx, w = uneven_routing(tokens, num_experts, top_k)
+    w_gu, w_d = experts(num_experts, hidden, inter, dtype)
+    out = jax.jit(jax_nkilib.moe)(x, (idx, w.astype(dtype)), w_gu, w_d)
+    assert out.shape == x.shape and out.dtype == dtype
+    want = moe_oracle(x, idx, w.astype(dtype), w_gu, w_d)
+    assert_close(out, want, dtype, reduction=hidden + inter, ops=2 * top_k)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_router_logits_softmax_top_k(normalize):
+    tokens, hidden, inter, num_experts = 19, 16, 12, 8
+    x, logits = random((2, tokens, hidden), seed=0), random((2, tokens, num_experts), seed=1, scale=2.0)
+    w_gu, w_d = experts(num_experts, hidden, inter)
+    out = jax_nkilib.moe(x, logits, w_gu, w_d, top_k=2, normalize=normalize)
+    idx, w = softmax_topk(logits, 2, normalize)
+    assert_close(out, moe_oracle(x, idx, w, w_gu, w_d), jnp.float32, reduction=hidden + inter, ops=4)
+
+
+def test_split_weights_biases_and_activations():
+    tokens, hidden, inter, num_experts = 13, 16, 8, 4
+    x = random((tokens, hidden), seed=0)
+    idx, w = uneven_routing(tokens, num_experts, 2)
+    w_gu, w_d = experts(num_experts, hidden, inter)
+    b_gu, b_d = random((num_experts, 2, inter), seed=5, scale=0.2), random((num_experts, hidden), seed=6, scale=0.2)
+    gelu_tanh = lambda v: 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v**3)))  # noqa: E731
+    out = jax_nkilib.moe(
+        x,
+        (idx, w),
+        (w_gu[:, :, 0], w_gu[:, :, 1]),
+        w_d,
+        gate_up_bias=(b_gu[:, 0], b_gu[:, 1]),
+        down_bias=b_d,
+        activation="gelu_tanh",
+    )
+    want = moe_oracle(x, idx, w, w_gu, w_d, b_gu, b_d, act=gelu_tanh)
+    assert_close(out, want, jnp.float32, reduction=hidden + inter, ops=4)
+
+
+def test_out_of_range_indices_select_nothing():
+    x = random((5, 8), seed=0)
+    w_gu, w_d = experts(4, 8, 4)
+    idx = jnp.array([[0, 4], [-1, 1], [2, 3], [7, -3], [1, 1]], jnp.int32)
+    w = jnp.ones((5, 2), jnp.float32)
+    assert_close(jax_nkilib.moe(x, (idx, w), w_gu, w_d), moe_oracle(x, idx, w, w_gu, w_d), jnp.float32, reduction=12)
+
+
+def test_gradients_float64():
+    tokens, hidden, inter, num_experts = 7, 6, 4, 5
+    x = random((tokens, hidden), jnp.float64, 0)
+    idx, w = uneven_routing(tokens, num_experts, 2)
+    w_gu, w_d = experts(num_experts, hidden, inter, jnp.float64)
+    b_gu, b_d = random((num_experts, 2, inter), jnp.float64, 5), random((num_experts, hidden), jnp.float64, 6)
+
+    def fn(x, w, w_gu, w_d, b_gu, b_d):
+        return jax_nkilib.moe(x, (idx, w), w_gu, w_d, gate_up_bias=b_gu, down_bias=b_d)
+
+    check_grads(fn, (x, w.astype(jnp.float64), w_gu, w_d, b_gu, b_d), order=1, modes=["rev"])
+    logits = random((tokens, num_experts), jnp.float64, 7)
+    check_grads(lambda x, r: jax_nkilib.moe(x, r, w_gu, w_d, top_k=2, normalize=True), (x, logits), 1, modes=["rev"])
+
+
+def test_vmap_and_vmap_of_grad():
+    hidden, inter, num_experts = 8, 6, 4
+    x = random((3, 5, hidden), seed=0)
+    idx, w = uneven_routing(15, num_experts, 2)
+    idx, w = idx.reshape(3, 5, 2), w.reshape(3, 5, 2)
+    w_gu, w_d = experts(num_experts, hidden, inter)
+    fn = lambda x, w: jax_nkilib.moe(x, (idx_b, w), w_gu, w_d)  # noqa: E731
+    mapped = []
+    for b in range(3):
+        idx_b = idx[b]
+        mapped.append(fn(x[b], w[b]))
+    got = jax.vmap(lambda x, i, w: jax_nkilib.moe(x, (i, w), w_gu, w_d))(x, idx, w)
+    np.testing.assert_allclose(got, jnp.stack(mapped), rtol=1e-6, atol=1e-6)
+    loss = lambda x, i, w_d: jnp.sum(jax_nkilib.moe(x, (i, w[0]), w_gu, w_d) ** 2)  # noqa: E731
+    grads = jax.vmap(jax.grad(loss, argnums=2), in_axes=(0, 0, None))(x, idx, w_d)
+    for b in range(3):
+        np.testing.assert_allclose(grads[b], jax.grad(loss, argnums=2)(x[b], idx[b], w_d), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs():
+    x = jnp.ones((4, 8))
+    w_gu, w_d = experts(3, 8, 4)
+    idx, w = jnp.zeros((4, 2), jnp.int32), jnp.ones((4, 2))
+    cases = [
+        (lambda: jax_nkilib.moe(x, (idx, w), w_gu[:, :4], w_d), ValueError, "`w_gate_up` must have layout"),
+        (lambda: jax_nkilib.moe(x, (idx, w), w_gu, w_d[:, :, :5]), ValueError, "`w_down` must have layout"),
+        (lambda: jax_nkilib.moe(x, (idx.astype(jnp.float32), w), w_gu, w_d), TypeError, "`indices` must be an integer"),
+        (lambda: jax_nkilib.moe(x, (idx[:3], w[:3]), w_gu, w_d), ValueError, "`indices` must be [leading axes of x"),
+        (lambda: jax_nkilib.moe(x, jnp.ones((4, 3)), w_gu, w_d), TypeError, "router logits need top_k"),
+        (lambda: jax_nkilib.moe(x, jnp.ones((4, 5)), w_gu, w_d, top_k=1), ValueError, "router logits must be"),
+        (lambda: jax_nkilib.moe(x, (idx, w), w_gu, w_d, top_k=2), ValueError, "top_k and normalize apply to"),
+        (lambda: jax_nkilib.moe(x, (idx, w), w_gu, w_d, activation="tanh"), ValueError, "activation must be one of"),
+        (lambda: jax_nkilib.moe(x, jnp.ones((4, 3)), w_gu, w_d, top_k=4), ValueError, "`top_k`"),
+    ]
+    for call, error, fragment in cases:
+        with pytest.raises(error) as info:
+            call()
+        assert "jax_nkilib.moe" in str(info.value) and fragment in str(info.value), str(info.value)
+
+
+# ------------------------------------------------------------------------------------------- expert parallelism
+TOKENS, HIDDEN, INTER, EXPERTS = 32, 16, 12, 8
+
+
+def _layer(x, logits, w_gu, w_d, b_d):
+    return jax_nkilib.moe(x, logits, w_gu, w_d, top_k=2, normalize=True, down_bias=b_d)
+
+
+SPLITS = {  # name: (x / logits spec, w_gate_up, w_down, down_bias specs, expected collectives of the forward)
+    "ep_all_to_all": (P(("data", "expert")), P("expert"), P("expert"), P("expert"), {"all-to-all": 3}),
+    "ep_replicated_tokens": (P("data"), P("expert"), P("expert"), P("expert"), {"all-reduce": 1}),
+    "tp": (P("data"), P(None, None, None, "expert"), P(None, "expert"), P(), {"all-reduce": 1}),
+}
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_expert_and_tensor_parallel_match_single_device(split):
+    mesh = make_mesh((2, 4), ("data", "expert"))
+    x, logits = random((TOKENS, HIDDEN), seed=0), random((TOKENS, EXPERTS), seed=1, scale=2.0)
+    w_gu, w_d = experts(EXPERTS, HIDDEN, INTER)
+    b_d = random((EXPERTS, HIDDEN), seed=4, scale=0.2)
+    args = (x, logits, w_gu, w_d, b_d)
+    token_spec, *weight_specs, expected = SPLITS[split]
+    specs = (token_spec, token_spec, *weight_specs)
+    loss = lambda *a: jnp.sum(_layer(*a) ** 2)  # noqa: E731
+    want, want_grads = _layer(*args), jax.grad(loss, argnums=(0, 1, 2, 3, 4))(*args)
+    with use_mesh(mesh):
+        placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+        forward = jax.jit(_layer)
+        got = forward(*placed)
+        compiled = forward.lower(*placed).compile().as_text()
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*placed)
+    assert compiled_collectives(compiled) == expected
+    assert got.sharding.spec[0] == token_spec[0]
+    assert_close(got, want, jnp.float32, reduction=HIDDEN + INTER, ops=4)
+    for g, w in zip(grads, want_grads):
+        assert_close(g, w, jnp.float32, reduction=TOKENS * HIDDEN, ops=8)
