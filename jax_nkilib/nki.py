@@ -30,6 +30,7 @@ from jax_nkilib._src.collectives.hbm_collectives import (
 from jax_nkilib._src.framework.common_types import (
     ActFnType,
     DtypeMode,
+    ExpertAffinityScaleMode,
     MLPGateUpWeightLayout,
     NormType,
     QKVOutputLayout,
@@ -40,6 +41,7 @@ from jax_nkilib._src.framework.common_types import (
 from jax_nkilib._src.mlp.mlp import mlp
 from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
+from jax_nkilib._src.moe.moe_tkg import moe_tkg
 from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
 from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
 from jax_nkilib._src.norm.rmsnorm_mx_quantize_tkg import rmsnorm_mx_quantize_tkg
@@ -71,6 +73,7 @@ __all__ = [
     "AttnQBatchShardLayout",
     "dma_copy_rank_id_kernel",
     "DtypeMode",
+    "ExpertAffinityScaleMode",
     "fine_grained_allgather",
     "gen_mask_tkg",
     "gen_mask_tkg_hbm",
@@ -80,6 +83,7 @@ __all__ = [
     "mlp",
     "mlp_backward_mxfp8_nki",
     "mlp_forward_mxfp8_nki",
+    "moe_tkg",
     "MLPGateUpWeightLayout",
     "NormType",
     "output_projection_cte",

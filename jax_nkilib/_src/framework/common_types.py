@@ -81,3 +81,13 @@ class RouterActFnType(enum.Enum):
     SIGMOID = 0
     SOFTMAX = 1
     NOAUX_TC = 2
+
+
+class ExpertAffinityScaleMode(enum.Enum):
+    """When the MoE kernels weight an expert's output by its routing affinity: ``NO_SCALE`` never, ``POST_SCALE``
+    after the down projection, ``PRE_SCALE`` on the expert's input, ``PRE_SCALE_DELAYED`` on the intermediate."""
+
+    NO_SCALE = 0
+    POST_SCALE = 1
+    PRE_SCALE = 2
+    PRE_SCALE_DELAYED = 3

@@ -1,0 +1,1 @@
+"""The mixture-of-experts kernels (layer 1)."""

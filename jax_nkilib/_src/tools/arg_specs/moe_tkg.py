@@ -1,0 +1,101 @@
+"""Arg specs of the token-generation MoE kernels (``moe_tkg``, ``moe_block_tkg``, ``topk_reduce``)."""
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jax_nkilib import nki
+from jax_nkilib._src.tools.arg_specs.spec import ArgSpec, BadInput, Sharding, drop_last_axis, normal, register
+
+_DATA = (("data", 8),)
+_EXPERTS = ("hidden_input", "expert_gate_up_weights", "expert_down_weights", "expert_affinities", "expert_index")
+
+
+def distinct_experts(rng, tokens, experts, top_k):
+    """``[T, K]`` int32 expert ids, distinct within each row."""
+    return jnp.asarray(np.argsort(rng.uniform(size=(tokens, experts)), axis=1)[:, :top_k], jnp.int32)
+
+
+def _moe_tkg(t, h, i, e, k, dtype=jnp.float32, *, rank=False, bias=False, fp8=False, experts=None):
+    """moe_tkg's operands: hidden ``[T, H]``, weights ``[E_L, H, 2, I]`` / ``[E_L, I, H]``, affinities ``[T, E]``
+    (``E = experts`` or ``E_L``), indices ``[T, K]`` over the ``E`` experts, then ``rank_id`` (rank 1 of
+    ``E / E_L``), biases, FP8 weights with row scales, as asked."""
+    experts = experts or e
+
+    def build(rng):
+        gate_up, down = normal(rng, (e, h, 2, i), scale=h**-0.5), normal(rng, (e, i, h), scale=i**-0.5)
+        scales = ()
+        if fp8:
+            gate_up, down = gate_up.astype(jnp.float8_e4m3), down.astype(jnp.float8_e4m3)
+            scales = (
+                jnp.asarray(rng.uniform(0.5, 1.5, (e, 2, i)), jnp.float32),
+                jnp.asarray(rng.uniform(0.5, 1.5, (e, h)), jnp.float32),
+            )
+        out = (
+            normal(rng, (t, h), dtype),
+            gate_up.astype(dtype) if not fp8 else gate_up,
+            down.astype(dtype) if not fp8 else down,
+            jnp.asarray(rng.uniform(0.1, 1.0, (t, experts)), dtype),
+            distinct_experts(rng, t, experts, k),
+        )
+        if rank:
+            out += (jnp.full((1, 1), 1, jnp.int32),)
+        if bias:
+            out += (normal(rng, (e, 2, i), dtype, 0.1), normal(rng, (e, h), dtype, 0.1))
+        return out + scales
+
+    return build
+
+
+_SELECTIVE_SHARDING = Sharding(_DATA, (P("data"), P(), P(), P("data"), P("data"), P(), P()), P("data"))
+
+register(
+    ArgSpec(
+        "moe_tkg",
+        nki.moe_tkg,
+        _EXPERTS + ("expert_gate_up_bias", "expert_down_bias"),
+        _moe_tkg(8, 16, 8, 4, 2, bias=True),
+        kwargs={"is_all_expert": False, "expert_affinities_scaling_mode": "POST_SCALE"},
+        positional=5,
+        kernels=("moe_tkg",),
+        grad=_EXPERTS[:4] + ("expert_gate_up_bias", "expert_down_bias"),
+        sharding=_SELECTIVE_SHARDING,
+        neuron=_moe_tkg(4, 256, 128, 4, 2, jnp.bfloat16, bias=True),
+        bad=BadInput("expert_down_weights", drop_last_axis, "layout"),
+        notes="8 tokens, 4 experts, top-2: every local expert evaluated on every token (the dense path)",
+    ),
+    ArgSpec(
+        "moe_tkg.decode_fp8",
+        nki.moe_tkg,
+        _EXPERTS + ("expert_gate_up_weights_scale", "expert_down_weights_scale"),
+        _moe_tkg(2, 16, 8, 8, 2, fp8=True),
+        kwargs={
+            "is_all_expert": False,
+            "expert_affinities_scaling_mode": "POST_SCALE",
+            "activation_fn": "Swish",
+            "up_clamp_upper_limit": 8.0,
+            "up_clamp_lower_limit": -6.0,
+        },
+        positional=5,
+        kernels=("moe_tkg",),
+        grad=("hidden_input", "expert_affinities", "expert_gate_up_weights_scale", "expert_down_weights_scale"),
+        batch=("hidden_input", "expert_affinities", "expert_index"),
+        neuron=_moe_tkg(4, 256, 128, 8, 2, jnp.bfloat16, fp8=True),
+        bad=BadInput("expert_down_weights_scale", lambda s: None, "expert_gate_up_weights_scale"),
+        notes="2 tokens, 8 experts, top-2: only the chosen experts evaluated (the gathered path); FP8 row weights",
+    ),
+    ArgSpec(
+        "moe_tkg.all_expert",
+        nki.moe_tkg,
+        _EXPERTS + ("rank_id",),
+        _moe_tkg(8, 16, 8, 2, 2, rank=True, experts=6),
+        kwargs={"is_all_expert": True, "expert_affinities_scaling_mode": "POST_SCALE", "mask_unselected_experts": True},
+        kernels=("moe_tkg",),
+        grad=_EXPERTS[:4],
+        batch=("hidden_input", "expert_affinities", "expert_index"),
+        sharding=Sharding(_DATA, (P("data"), P(), P(), P("data"), P("data"), P()), P("data")),
+        neuron=_moe_tkg(4, 256, 128, 2, 2, jnp.bfloat16, rank=True, experts=6),
+        bad=BadInput("rank_id", lambda r: None, "rank_id"),
+        notes="rank 1 of 3 holds experts 2 and 3 of 6; affinities masked by the top-2 choices",
+    ),
+)
