@@ -42,6 +42,7 @@ from jax_nkilib._src.mlp.mlp import mlp
 from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
 from jax_nkilib._src.moe.moe_tkg import moe_tkg
+from jax_nkilib._src.moe.topk_reduce import topk_reduce
 from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
 from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
 from jax_nkilib._src.norm.rmsnorm_mx_quantize_tkg import rmsnorm_mx_quantize_tkg
@@ -109,4 +110,5 @@ __all__ = [
     "row_quantization",
     "static_quantization",
     "swa_fused_cte",
+    "topk_reduce",
 ]

@@ -1,19 +1,27 @@
-"""Adapter for the NKI Library's token-generation MoE subkernel (``nkilib.core.moe.moe_tkg.moe_tkg``).
+"""Adapters for the NKI Library's token-generation MoE subkernel (``nkilib.core.moe.moe_tkg.moe_tkg``) and for
+``topk_reduce`` (``nkilib.experimental.subkernels.topk_reduce``; main moved it to ``experimental.collectives``).
 
 ``moe_tkg`` is a plain function (not ``@nki.jit``) that allocates its ``[T, H]`` output in shared HBM and returns
 it: the adapter is the ``@nki.jit`` entry point that calls it with HBM operands, maps the enum member names and the
 NumPy output dtype to the library's, and keeps the output in HBM (``output_in_sbuf=False``). The MX-only and static
-quantization arguments are left at their defaults. Not yet run on Trainium by this project.
+quantization arguments are left at their defaults.
+
+``topk_reduce`` is an ``@nki.jit`` kernel whose 2.32 release adds ``token_base_index`` (default 1, ids packed
+1-based) where 2.29 reads ids 0-based: the adapter passes the keyword where the library takes it and refuses a
+nonzero base where it does not, so both releases compute the same thing. Not yet run on Trainium by this project.
 """
+
+import inspect
 
 import nki
 import nki.language as nl
 
-from jax_nkilib_kernels._library import load
+from jax_nkilib_kernels._library import body, load
 
 _library_moe_tkg = load("core.moe.moe_tkg.moe_tkg", "moe_tkg")
 ActFnType = load("core.utils.common_types", "ActFnType")
 ExpertAffinityScaleMode = load("core.utils.common_types", "ExpertAffinityScaleMode")
+_library_topk_reduce = load("experimental.subkernels.topk_reduce", "topk_reduce")
 
 
 def _library_enum(enum_class, value):
@@ -75,3 +83,15 @@ def moe_tkg(
         is_all_expert_dynamic=is_all_expert_dynamic,
         block_size=block_size,
     )
+
+
+@nki.jit
+def topk_reduce(input, T=None, K=None, token_base_index=0):
+    """``out [T, H]`` in HBM from ``topk_reduce``, its token ids read with base ``token_base_index``."""
+    kernel = body(_library_topk_reduce)
+    newer = {}
+    if "token_base_index" in inspect.signature(kernel).parameters:
+        newer["token_base_index"] = token_base_index
+    elif token_base_index != 0:
+        raise ValueError("the installed NKI Library's topk_reduce reads token ids 0-based (no token_base_index)")
+    return kernel(input, T, K, **newer)

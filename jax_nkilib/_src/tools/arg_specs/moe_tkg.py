@@ -1,5 +1,6 @@
 """Arg specs of the token-generation MoE kernels (``moe_tkg``, ``moe_block_tkg``, ``topk_reduce``)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -97,5 +98,39 @@ register(
         neuron=_moe_tkg(4, 256, 128, 2, 2, jnp.bfloat16, rank=True, experts=6),
         bad=BadInput("rank_id", lambda r: None, "rank_id"),
         notes="rank 1 of 3 holds experts 2 and 3 of 6; affinities masked by the top-2 choices",
+    ),
+)
+
+
+def pack_token_ids(values, token_ids):
+    """``values [N, H]`` (16-bit floats) with the int32 ``token_ids [N]`` appended as two 16-bit columns."""
+    ids = jax.lax.bitcast_convert_type(jnp.asarray(token_ids, jnp.int32), values.dtype)  # [N, 2]
+    return jnp.concatenate([values, ids], axis=1)
+
+
+def _topk_reduce(t, k, h, dtype=jnp.bfloat16, padding=3):
+    """topk_reduce's ``input [T*K + padding, H + 2]``: each token's K rows shuffled, padding rows with id -1."""
+
+    def build(rng):
+        ids = np.concatenate([np.repeat(np.arange(t), k), np.full(padding, -1)])
+        ids = ids[rng.permutation(ids.size)]
+        return (pack_token_ids(normal(rng, (ids.size, h), dtype), ids),)
+
+    return build
+
+
+register(
+    ArgSpec(
+        "topk_reduce",
+        nki.topk_reduce,
+        ("input",),
+        _topk_reduce(5, 3, 12),
+        kwargs={"T": 5, "K": 3},
+        kernels=("topk_reduce",),
+        sharding=Sharding(_DATA, (P(),), P()),
+        neuron=_topk_reduce(16, 4, 256),
+        neuron_kwargs={"T": 16, "K": 4},
+        bad=BadInput("input", drop_last_axis, "layout"),
+        notes="bfloat16/float16 only, so no float64 gradient check (tests/moe/test_topk_reduce.py checks the VJP)",
     ),
 )
