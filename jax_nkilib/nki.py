@@ -41,6 +41,7 @@ from jax_nkilib._src.framework.common_types import (
 from jax_nkilib._src.mlp.mlp import mlp
 from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
+from jax_nkilib._src.moe.moe_block_tkg import moe_block_tkg
 from jax_nkilib._src.moe.moe_tkg import moe_tkg
 from jax_nkilib._src.moe.topk_reduce import topk_reduce
 from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
@@ -84,6 +85,7 @@ __all__ = [
     "mlp",
     "mlp_backward_mxfp8_nki",
     "mlp_forward_mxfp8_nki",
+    "moe_block_tkg",
     "moe_tkg",
     "MLPGateUpWeightLayout",
     "NormType",

@@ -77,9 +77,9 @@ def moe_tkg_forward(operands, p):
     tokens, top_k = index.shape
     index = index.astype(jnp.int32)
     valid = (index >= 0) & (index < local)
-    if post_scale:
+    if post_scale:  # the selective path scales by the affinity as given (the all-expert path rounds it to io)
         picked = jnp.take_along_axis(affinities, jnp.clip(index, 0, affinities.shape[1] - 1), axis=1)
-        per_choice = _coefficient(picked, io, acc)
+        per_choice = picked.astype(acc)
     else:
         per_choice = jnp.ones(index.shape, acc)
     if tokens * top_k <= local:  # few tokens, many experts: evaluate only the chosen ones
@@ -112,13 +112,12 @@ def reference_moe_tkg(
 
 
 # ---------------------------------------------------------------------------------------------------- checks
-def check_expert_flags(call: CallInfo) -> None:
-    """The flag rules ``moe_tkg`` and ``moe_block_tkg`` share (the kernel's own assertions)."""
+def check_expert_flags(call: CallInfo, activation: str = "activation_fn") -> None:
+    """The flag rules ``moe_tkg`` and ``moe_block_tkg`` share (the kernel's own assertions); ``activation`` names
+    the experts' activation param."""
     p, f = call.params, call.function
-    if p["activation_fn"].name not in KERNEL_ACTIVATIONS:
-        raise ValueError(
-            f"{f}: `activation_fn` must be one of {', '.join(KERNEL_ACTIVATIONS)}; got {p['activation_fn']}"
-        )
+    if p[activation].name not in KERNEL_ACTIVATIONS:
+        raise ValueError(f"{f}: `{activation}` must be one of {', '.join(KERNEL_ACTIVATIONS)}; got {p[activation]}")
     if p["expert_affinities_scaling_mode"] in UNSUPPORTED_SCALING:
         raise ValueError(
             f"{f}: `expert_affinities_scaling_mode` must be NO_SCALE or POST_SCALE (the kernel does not support "

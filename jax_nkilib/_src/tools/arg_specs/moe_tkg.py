@@ -134,3 +134,71 @@ register(
         notes="bfloat16/float16 only, so no float64 gradient check (tests/moe/test_topk_reduce.py checks the VJP)",
     ),
 )
+
+
+def _moe_block(b, s, h, i, e, dtype=jnp.float32, *, local=None, rank=False):
+    """moe_block_tkg's ``inp [B, S, H]``, ``gamma [1, H]``, ``router_weights [H, E]``, expert weights for
+    ``E_L = local or E`` experts (and ``rank_id`` = 1)."""
+    local = local or e
+
+    def build(rng):
+        out = (
+            normal(rng, (b, s, h), dtype),
+            normal(rng, (1, h), dtype, 0.3) + 1,
+            normal(rng, (h, e), dtype, h**-0.5 * 2),
+            normal(rng, (local, h, 2, i), dtype, h**-0.5),
+            normal(rng, (local, i, h), dtype, i**-0.5),
+        )
+        return out + (jnp.full((1, 1), 1, jnp.int32),) if rank else out
+
+    return build
+
+
+_BLOCK = ("inp", "gamma", "router_weights", "expert_gate_up_weights", "expert_down_weights")
+
+register(
+    ArgSpec(
+        "moe_block_tkg",
+        nki.moe_block_tkg,
+        _BLOCK,
+        _moe_block(8, 1, 16, 8, 4),
+        kwargs={
+            "top_k": 2,
+            "expert_affinities_scaling_mode": "POST_SCALE",
+            "router_act_fn": "SOFTMAX",
+            "router_mm_dtype": jnp.float64,
+        },
+        positional=5,
+        kernels=("moe_block_tkg",),
+        grad=_BLOCK,
+        batch=("inp",),
+        sharding=Sharding(_DATA, (P("data"), P(), P(), P(), P()), (P("data"), P("data"))),
+        neuron=_moe_block(2, 2, 256, 128, 4, jnp.bfloat16),
+        neuron_kwargs={"top_k": 2, "expert_affinities_scaling_mode": "POST_SCALE", "router_act_fn": "SOFTMAX"},
+        neuron_lnc=2,
+        bad=BadInput("router_weights", drop_last_axis, "layout"),
+        notes="router_mm_dtype=float64 off Neuron so that the float64 gradient check sees no rounding; the Neuron "
+        "call (LNC=2) uses the kernel's bfloat16",
+    ),
+    ArgSpec(
+        "moe_block_tkg.all_expert",
+        nki.moe_block_tkg,
+        _BLOCK + ("rank_id",),
+        _moe_block(8, 1, 16, 8, 6, local=3, rank=True),
+        kwargs={
+            "top_k": 2,
+            "expert_affinities_scaling_mode": "POST_SCALE",
+            "is_all_expert": True,
+            "router_mm_dtype": jnp.float64,
+            "skip_router_logits": True,
+        },
+        positional=5,
+        kernels=("moe_block_tkg",),
+        batch=("inp",),
+        sharding=Sharding(_DATA, (P("data"), P(), P(), P(), P(), P()), P("data")),
+        neuron=_moe_block(2, 2, 256, 128, 6, jnp.bfloat16, local=3, rank=True),
+        neuron_kwargs={"top_k": 2, "expert_affinities_scaling_mode": "POST_SCALE", "is_all_expert": True},
+        neuron_lnc=2,
+        bad=BadInput("rank_id", lambda r: None, "rank_id"),
+    ),
+)
