@@ -43,6 +43,7 @@ from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
 from jax_nkilib._src.moe.moe_block_tkg import moe_block_tkg
 from jax_nkilib._src.moe.moe_tkg import moe_tkg
+from jax_nkilib._src.moe.rmsnorm_router_topk import rmsnorm_router_topk_a2av, rmsnorm_router_topk_tkg
 from jax_nkilib._src.moe.topk_reduce import topk_reduce
 from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
 from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
@@ -105,6 +106,8 @@ __all__ = [
     "rmsnorm_mx_prefill",
     "rmsnorm_mx_quantize_tkg",
     "rmsnorm_quant_kernel",
+    "rmsnorm_router_topk_a2av",
+    "rmsnorm_router_topk_tkg",
     "rmsnorm_tkg",
     "RoPE",
     "rope_hf",

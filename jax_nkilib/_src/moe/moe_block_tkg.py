@@ -27,13 +27,11 @@ experts, norm and router weights carry gradients.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from ..framework.common_types import ActFnType, ExpertAffinityScaleMode, RouterActFnType
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import FLOAT_DTYPES, CallInfo, KernelSpec, Operand, Param, accumulation_dtype
-from ..norm.rmsnorm_tkg import rms_statistics
 from .moe_tkg import (
     CLAMP_PARAMS,
     EXPERT_BIASES_AND_SCALES,
@@ -43,6 +41,7 @@ from .moe_tkg import (
     check_expert_flags,
     moe_tkg_forward,
 )
+from .routing import rms_normalized_rows, route
 
 HIDDEN_MULTIPLE = 256  # H % (128 * 2 cores)
 MAX_TOKENS = 128
@@ -59,36 +58,22 @@ PLACEHOLDER_OPERANDS = (
 )
 
 
-def route(normed, router_weights, router_bias, p):
-    """``(logits [T, E], index [T, K] int32, affinities [T, E])`` of the router (steps 2 and 3)."""
-    acc = jnp.promote_types(jnp.promote_types(normed.dtype, p["router_mm_dtype"]), jnp.float32)
-    x = normed.astype(p["router_mm_dtype"]).astype(acc)
-    logits = jnp.dot(x, router_weights.astype(p["router_mm_dtype"]).astype(acc), precision=jax.lax.Precision.HIGHEST)
-    if router_bias is not None:
-        logits = logits + router_bias.reshape(1, -1).astype(acc)
-    top_logits, index = jax.lax.top_k(logits, p["top_k"])
-    softmax = p["router_act_fn"] == RouterActFnType.SOFTMAX
-    act = (lambda v: jax.nn.softmax(v, axis=-1)) if softmax else jax.nn.sigmoid
-    chosen = jax.nn.one_hot(index, logits.shape[-1], dtype=acc)  # [T, K, E]
-    if p["router_pre_norm"]:
-        affinities = act(logits)
-        if p["norm_topk_prob"]:
-            kept = affinities * jnp.sum(chosen, axis=1)
-            affinities = kept / jnp.sum(kept, axis=-1, keepdims=True)
-    else:
-        affinities = jnp.einsum("tk,tke->te", act(top_logits), chosen)
-    return logits, index, affinities
-
-
 def reference_moe_block_tkg(inp, gamma, router_weights, expert_gate_up_weights, expert_down_weights, **rest):
     """JAX reference of ``moe_block_tkg``: ``(out [T, H], router_logits [T, E])`` (``(out,)`` when
     ``skip_router_logits``)."""
     p = {k: v for k, v in rest.items() if k not in _OPERAND_NAMES}
     io, acc = inp.dtype, accumulation_dtype(inp.dtype)
-    rows = inp.reshape(-1, inp.shape[-1]).astype(acc)
-    hidden_actual = p["hidden_actual"] or inp.shape[-1]
-    normed = (rows * gamma.reshape(1, -1).astype(acc) * rms_statistics(rows, hidden_actual, p["eps"])).astype(io)
-    logits, index, affinities = route(normed, router_weights, rest["router_bias"], p)
+    normed = rms_normalized_rows(inp, gamma, p["eps"], p["hidden_actual"]).astype(io)
+    logits, index, affinities = route(
+        normed,
+        router_weights,
+        rest["router_bias"],
+        top_k=p["top_k"],
+        act_fn=p["router_act_fn"],
+        pre_norm=p["router_pre_norm"],
+        norm_topk=p["norm_topk_prob"],
+        mm_dtype=p["router_mm_dtype"],
+    )
     expert_params = dict(
         is_all_expert=p["is_all_expert"],
         mask_unselected_experts=p["router_pre_norm"] and not p["norm_topk_prob"],

@@ -202,3 +202,53 @@ register(
         bad=BadInput("rank_id", lambda r: None, "rank_id"),
     ),
 )
+
+
+def _router(b, s, h, e, dtype=jnp.float32):
+    """The fused router kernels' ``hidden_states [B, S, H]``, ``gamma [1, H]``, ``router_weights [H, E]``,
+    ``router_bias [1, E]``."""
+    return lambda rng: (
+        normal(rng, (b, s, h), dtype),
+        normal(rng, (1, h), dtype, 0.3) + 1,
+        normal(rng, (h, e), dtype, 3 * h**-0.5),
+        normal(rng, (1, e), dtype, 0.5),
+    )
+
+
+_ROUTER = ("hidden_states", "gamma", "router_weights", "router_bias")
+_ROUTER_SHARDING = Sharding(_DATA, (P("data"), P(), P(), P()), (P("data"), P("data"), P("data")))
+_NORM_OUTPUT = lambda out: out[0]  # the affinities are bfloat16 by contract: outside a float64 gradient check
+
+register(
+    ArgSpec(
+        "rmsnorm_router_topk_a2av",
+        nki.rmsnorm_router_topk_a2av,
+        _ROUTER,
+        _router(8, 1, 16, 6),
+        kwargs={"top_k": 2, "router_act_fn": "SOFTMAX"},
+        kernels=("rmsnorm_router_topk_a2av",),
+        grad=_ROUTER[:2],
+        grad_output=_NORM_OUTPUT,
+        batch=("hidden_states",),
+        sharding=_ROUTER_SHARDING,
+        neuron=_router(2, 4, 256, 16, jnp.bfloat16),
+        bad=BadInput("router_bias", drop_last_axis, "router_bias"),
+    ),
+    ArgSpec(
+        "rmsnorm_router_topk_tkg",
+        nki.rmsnorm_router_topk_tkg,
+        _ROUTER,
+        _router(8, 1, 16, 6),
+        kwargs={"top_k": 2, "router_mm_dtype": jnp.float64},
+        kernels=("rmsnorm_router_topk_tkg",),
+        grad=_ROUTER[:2],
+        grad_output=_NORM_OUTPUT,
+        batch=("hidden_states",),
+        sharding=_ROUTER_SHARDING,
+        neuron=_router(2, 128, 256, 16, jnp.bfloat16),
+        neuron_kwargs={"top_k": 2},
+        neuron_lnc=2,
+        bad=BadInput("quantization_type", lambda _: "MX", "quantization_type"),
+        notes="router_mm_dtype=float64 off Neuron (the norm output's dtype) for the float64 gradient check",
+    ),
+)
