@@ -2,8 +2,9 @@
 ``topk_reduce`` (``nkilib.experimental.subkernels.topk_reduce``; main moved it to ``experimental.collectives``).
 
 ``moe_tkg`` is a plain function (not ``@nki.jit``) that allocates its ``[T, H]`` output in shared HBM and returns
-it: the adapter is the ``@nki.jit`` entry point that calls it with HBM operands, maps the enum member names and the
-NumPy output dtype to the library's, and keeps the output in HBM (``output_in_sbuf=False``). The MX-only and static
+it: the adapter is the ``@nki.jit`` entry point that calls it with HBM operands, views MX weight words (uint16 /
+uint32) as ``float4_e2m1fn_x4`` / ``float8_e4m3fn_x4``, maps the enum member names and the NumPy output dtype to the
+library's, and keeps the output in HBM (``output_in_sbuf=False``). The MX-only and static
 quantization arguments are left at their defaults.
 
 ``topk_reduce`` is an ``@nki.jit`` kernel whose 2.32 release adds ``token_base_index`` (default 1, ids packed
@@ -27,6 +28,15 @@ _library_topk_reduce = load("experimental.subkernels.topk_reduce", "topk_reduce"
 def _library_enum(enum_class, value):
     """The library's member of ``enum_class`` with the name of ``value`` (a jax_nkilib member or a name)."""
     return enum_class[getattr(value, "name", value)]
+
+
+def _x4(words):
+    """MX weight words (uint16 / 32-bit) viewed as the library's x4 type; dense weights unchanged."""
+    if words.dtype == nl.uint16:
+        return words.view(nl.float4_e2m1fn_x4)
+    if words.dtype == nl.uint32 or words.dtype == nl.int32:
+        return words.view(nl.float8_e4m3fn_x4)
+    return words
 
 
 def _nl_dtype(dtype):
@@ -61,8 +71,8 @@ def moe_tkg(
     """``out [T, H]`` in HBM from the ``moe_tkg`` subkernel."""
     return _library_moe_tkg(
         hidden_input,
-        expert_gate_up_weights,
-        expert_down_weights,
+        _x4(expert_gate_up_weights),
+        _x4(expert_down_weights),
         expert_affinities,
         expert_index,
         is_all_expert,

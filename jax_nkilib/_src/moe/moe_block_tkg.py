@@ -40,6 +40,7 @@ from .moe_tkg import (
     KERNEL_HIDDEN_DTYPES,
     check_expert_flags,
     moe_tkg_forward,
+    mx_format,
 )
 from .routing import rms_normalized_rows, route
 
@@ -96,6 +97,11 @@ def reference_moe_block_tkg(inp, gamma, router_weights, expert_gate_up_weights, 
 
 def _check(call: CallInfo) -> None:
     check_expert_flags(call, "hidden_act_fn")
+    if mx_format(call.avals["expert_gate_up_weights"].dtype) is not None:
+        raise TypeError(
+            f"{call.function}: MX expert weights (x4 words) are not bound for moe_block_tkg (its MX path quantizes "
+            "and routes in other layouts); use dense or FP8-row weights"
+        )
     p, f, dims = call.params, call.function, call.dims
     given = [name for name in PLACEHOLDER_OPERANDS if call.avals.get(name) is not None]
     if given:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from ..framework import runtime_checks
 from ..framework.common_types import ActFnType, ExpertAffinityScaleMode
 from ..framework.hardware import PARTITIONS
-from ..framework.primitive import make_kernel, reference_vjp
+from ..framework.primitive import make_kernel, pull_back
 from ..framework.spec import (
     FLOAT_DTYPES,
     FP8_DTYPES,
@@ -43,29 +43,48 @@ from ..framework.spec import (
     Param,
     accumulation_dtype,
 )
-from .expert_mlp import EXPERT_WEIGHTS, dense_combination, gathered_combination, local_affinities
+from ..mlp.mlp_reference import mx_quantize_hidden
+from .expert_mlp import EXPERT_WEIGHTS, Datapath, dense_combination, gathered_combination, local_affinities
 
 SELECTIVE_MAX_TOKENS = 128  # the selective path holds the tokens on the 128 partitions
 INDEX_DTYPES = (jnp.int32, jnp.uint32)
 KERNEL_ACTIVATIONS = ("SiLU", "GELU", "GELU_Tanh_Approx", "Swish")
 KERNEL_HIDDEN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 UNSUPPORTED_SCALING = (ExpertAffinityScaleMode.PRE_SCALE, ExpertAffinityScaleMode.PRE_SCALE_DELAYED)
+# MX x4 weight words (the kernel takes float4_e2m1fn_x4 and float8_e4m3fn_x4) and their element types
+MX_WORD_FORMATS = {
+    jnp.dtype(jnp.uint16): jnp.dtype(jnp.float4_e2m1fn),
+    jnp.dtype(jnp.uint32): jnp.dtype(jnp.float8_e4m3fn),
+    jnp.dtype(jnp.int32): jnp.dtype(jnp.float8_e4m3fn),
+}
+MX_INTERMEDIATE_MULTIPLE = 32  # the MX down layout [min(128, I/4), ceil(I/512), H] x4 bound here
 
 
 def _coefficient(affinity, io, acc):
     return affinity.astype(io).astype(acc)
 
 
-def moe_tkg_forward(operands, p):
-    """The kernel's math on operands by name (see the module docstring), in the accumulation dtype."""
+def mx_format(words_dtype):
+    """The MX element type of x4 weight words (uint16: ``float4_e2m1fn``; 32-bit: ``float8_e4m3fn``), or ``None``
+    for dense weights."""
+    return MX_WORD_FORMATS.get(jnp.dtype(words_dtype))
+
+
+def moe_tkg_forward(operands, p, exact: bool = False):
+    """The kernel's math on operands by name (see the module docstring), in the accumulation dtype. ``exact``
+    leaves out the MXFP8 activation round trips (the straight-through function the VJP differentiates)."""
     x = operands["hidden_input"]
     io, acc = x.dtype, accumulation_dtype(x.dtype)
+    fmt = mx_format(operands["expert_gate_up_weights"].dtype)
     xa = x.astype(acc)
+    if fmt is not None and not exact:
+        xa = mx_quantize_hidden(xa)
     weights = [operands[name] for name in EXPERT_WEIGHTS]
     local = weights[0].shape[0]
     index, affinities = operands["expert_index"], operands["expert_affinities"]
     post_scale = p["expert_affinities_scaling_mode"] == ExpertAffinityScaleMode.POST_SCALE
     if p["is_all_expert"]:
+        path = Datapath(io, round_intermediate=False, mx_format=fmt, quantize=not exact)
         if post_scale:
             local_aff = local_affinities(
                 affinities, index, operands["rank_id"], local, p["mask_unselected_experts"], acc
@@ -73,7 +92,8 @@ def moe_tkg_forward(operands, p):
             coefficients = _coefficient(local_aff, io, acc)
         else:
             coefficients = jnp.ones((x.shape[0], local), acc)
-        return dense_combination(xa, weights, coefficients, p, io, round_intermediate=False)
+        return dense_combination(xa, weights, coefficients, p, path)
+    path = Datapath(io, round_intermediate=True, mx_format=fmt, quantize=not exact)
     tokens, top_k = index.shape
     index = index.astype(jnp.int32)
     valid = (index >= 0) & (index < local)
@@ -83,11 +103,11 @@ def moe_tkg_forward(operands, p):
     else:
         per_choice = jnp.ones(index.shape, acc)
     if tokens * top_k <= local:  # few tokens, many experts: evaluate only the chosen ones
-        out = gathered_combination(xa, weights, index, per_choice, p, io, round_intermediate=True)
+        out = gathered_combination(xa, weights, index, per_choice, p, path)
     else:
         chosen = (index[:, :, None] == jnp.arange(local)[None, None, :]).astype(acc)  # [T, K, E_L]
         coefficients = jnp.einsum("tk,tke->te", per_choice, chosen)
-        out = dense_combination(xa, weights, coefficients, p, io, round_intermediate=True)
+        out = dense_combination(xa, weights, coefficients, p, path)
     return jnp.where(jnp.all(valid, axis=1, keepdims=True), out, jnp.nan)
 
 
@@ -130,12 +150,57 @@ def check_expert_flags(call: CallInfo, activation: str = "activation_fn") -> Non
             f"{f}: FP8 row scales come in pairs: give both `expert_gate_up_weights_scale` [E_L, 2, I] and "
             "`expert_down_weights_scale` [E_L, H], or neither"
         )
+    _check_weight_format(call)
     fp8 = [jnp.dtype(call.avals[n].dtype) in FP8_DTYPES for n in ("expert_gate_up_weights", "expert_down_weights")]
     if any(fp8) and not all(scales):
         raise ValueError(
             f"{f}: FP8 expert weights ({weights.dtype}) need their row scales `expert_gate_up_weights_scale` "
             "[E_L, 2, I] and `expert_down_weights_scale` [E_L, H]"
         )
+
+
+def _check_weight_format(call: CallInfo) -> None:
+    """Dense (float or FP8) weights with dense biases and float row scales, or MX x4 words with MX biases and uint8
+    scales, never a mix."""
+    f, avals = call.function, call.avals
+    words = [mx_format(avals[n].dtype) for n in ("expert_gate_up_weights", "expert_down_weights")]
+    if words[0] != words[1]:
+        raise TypeError(
+            f"{f}: `expert_gate_up_weights` and `expert_down_weights` must both be MX x4 words of one type or both "
+            f"dense; got {avals['expert_gate_up_weights'].dtype} and {avals['expert_down_weights'].dtype}"
+        )
+    mx = words[0] is not None
+    ranks = {
+        "expert_gate_up_weights": (4, 5),
+        "expert_down_weights": (3, 4),
+        "expert_gate_up_bias": (3, 5),
+        "expert_gate_up_weights_scale": (3, 5),
+        "expert_down_weights_scale": (2, 4),
+    }
+    for name, (dense_rank, mx_rank) in ranks.items():
+        aval = avals.get(name)
+        if aval is not None and aval.ndim != (mx_rank if mx else dense_rank):
+            kind = "MX (x4 words)" if mx else "dense"
+            raise ValueError(
+                f"{f}: with {kind} expert weights, `{name}` must have rank {mx_rank if mx else dense_rank}; got shape "
+                f"{tuple(aval.shape)}"
+            )
+    for name in ("expert_gate_up_weights_scale", "expert_down_weights_scale"):
+        aval = avals.get(name)
+        if aval is not None and (jnp.dtype(aval.dtype) == jnp.uint8) != mx:
+            raise TypeError(f"{f}: `{name}` must be uint8 MX scales with MX weights, float row scales otherwise")
+    if mx:
+        inter, dims = call.dims["I"], call.dims
+        if inter % MX_INTERMEDIATE_MULTIPLE:
+            raise ValueError(f"{f}: MX expert weights are bound for I % {MX_INTERMEDIATE_MULTIPLE} == 0; got I={inter}")
+        want = (min(128, inter // 4), -(-inter // 512))
+        if (dims["P_I"], dims["N_I"]) != want:
+            raise ValueError(
+                f"{f}: MX `expert_down_weights` must be [E_L, P_I={want[0]}, N_I={want[1]}, H] for I={inter}; got "
+                f"{tuple(avals['expert_down_weights'].shape)}"
+            )
+        if not all(avals.get(n) is not None for n in ("expert_gate_up_weights_scale", "expert_down_weights_scale")):
+            raise ValueError(f"{f}: MX expert weights need their uint8 scales (both weight scales)")
 
 
 def _check_block_size(call: CallInfo) -> None:
@@ -194,7 +259,7 @@ def _neuron_limits(call: CallInfo) -> list[str]:
         unmet.append(f"the kernel takes bfloat16 or float16 hidden states; got {hidden}")
     for name in ("expert_gate_up_weights", "expert_down_weights"):
         dtype = jnp.dtype(call.avals[name].dtype)
-        if dtype not in FP8_DTYPES and dtype != hidden:
+        if dtype not in FP8_DTYPES and dtype not in MX_WORD_FORMATS and dtype != hidden:
             unmet.append(f"`{name}` must be FP8 or have the hidden states' dtype {hidden}; got {dtype}")
     if not call.params["is_all_expert"] and dims["T"] > SELECTIVE_MAX_TOKENS:
         unmet.append(f"selective mode takes T <= {SELECTIVE_MAX_TOKENS} tokens; got T={dims['T']}")
@@ -217,17 +282,46 @@ def _mac_count(call: CallInfo) -> int:
 
 
 # The expert weight operands moe_tkg and moe_block_tkg share, in the kernels' order
+_WEIGHT_DTYPES = FLOAT_DTYPES + FP8_DTYPES + tuple(MX_WORD_FORMATS)
+_SCALE_DTYPES = FLOAT_DTYPES + (jnp.dtype(jnp.uint8),)
+# Dense layouts first, then the MX ones (x4 words; H/512 and I tiles; P_I = min(128, I/4), N_I = ceil(I/512))
 EXPERT_WEIGHT_OPERANDS = (
-    Operand.of("expert_gate_up_weights", "E_L, H, 2, I", dtypes=FLOAT_DTYPES + FP8_DTYPES, doc="[:, :, 0] gate, 1 up"),
-    Operand.of("expert_down_weights", "E_L, I, H", dtypes=FLOAT_DTYPES + FP8_DTYPES, doc="down projection"),
+    Operand.of(
+        "expert_gate_up_weights",
+        "E_L, H, 2, I",
+        "E_L, 128, 2, H/512, I",
+        dtypes=_WEIGHT_DTYPES,
+        doc="[:, :, 0] gate, [:, :, 1] up; MX: x4 words, lane j of [e, p, c, t, i] is row j H/4 + 128 t + p",
+    ),
+    Operand.of(
+        "expert_down_weights",
+        "E_L, I, H",
+        "E_L, P_I, N_I, H",
+        dtypes=_WEIGHT_DTYPES,
+        doc="down projection; MX: x4 words along I in the MLP TKG MX layout",
+    ),
 )
 
 
 EXPERT_BIASES_AND_SCALES = (
-    Operand.of("expert_gate_up_bias", "E_L, 2, I", optional=True, doc="gate/up bias"),
+    Operand.of("expert_gate_up_bias", "E_L, 2, I", "E_L, P_I, 2, N_I, 4", optional=True, doc="gate/up bias"),
     Operand.of("expert_down_bias", "E_L, H", optional=True, doc="down bias"),
-    Operand.of("expert_gate_up_weights_scale", "E_L, 2, I", optional=True, doc="FP8 row dequant scales"),
-    Operand.of("expert_down_weights_scale", "E_L, H", optional=True, doc="FP8 row dequant scales"),
+    Operand.of(
+        "expert_gate_up_weights_scale",
+        "E_L, 2, I",
+        "E_L, 16, 2, H/512, I",
+        dtypes=_SCALE_DTYPES,
+        optional=True,
+        doc="FP8 row dequant scales (float), or MX uint8 scales",
+    ),
+    Operand.of(
+        "expert_down_weights_scale",
+        "E_L, H",
+        "E_L, P_I/8, N_I, H",
+        dtypes=_SCALE_DTYPES,
+        optional=True,
+        doc="FP8 row dequant scales (float), or MX uint8 scales",
+    ),
 )
 
 
@@ -288,4 +382,17 @@ MOE_TKG_SPEC = KernelSpec(
 )
 
 
-moe_tkg = make_kernel(MOE_TKG_SPEC, reference_vjp)
+def _straight_through_vjp(kernel, operands, params, outs, cotangents):
+    """Reverse mode of the reference without the MXFP8 activation round trips (for dense weights, the reference
+    itself): the hidden states, affinities, float weights, biases and row scales get cotangents."""
+    names = [
+        name
+        for name, value in operands.items()
+        if value is not None and jnp.issubdtype(value.dtype, jnp.floating) and jnp.dtype(value.dtype) not in FP8_DTYPES
+    ]
+    out_dtype = params["output_dtype"] or operands["hidden_input"].dtype
+    forward = lambda named: (moe_tkg_forward(named, params, exact=True).astype(out_dtype),)  # noqa: E731
+    return pull_back(forward, operands, names, cotangents)
+
+
+moe_tkg = make_kernel(MOE_TKG_SPEC, _straight_through_vjp)

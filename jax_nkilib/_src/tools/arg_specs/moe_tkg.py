@@ -48,6 +48,27 @@ def _moe_tkg(t, h, i, e, k, dtype=jnp.float32, *, rank=False, bias=False, fp8=Fa
     return build
 
 
+def _moe_tkg_mxfp4(t, h, i, e, k, dtype=jnp.float32):
+    """moe_tkg's operands with MXFP4 weights: uint16 ``float4_e2m1fn_x4`` words ``[E, 128, 2, H/512, I]`` /
+    ``[E, min(128, I/4), ceil(I/512), H]`` (any nibble is an e2m1 code) with uint8 scales near 2**-6."""
+    p_i, n_i = min(128, i // 4), -(-i // 512)
+
+    def build(rng):
+        words = lambda shape: jnp.asarray(rng.integers(0, 2**16, shape), jnp.uint16)
+        scales = lambda shape: jnp.asarray(rng.integers(118, 124, shape), jnp.uint8)
+        return (
+            normal(rng, (t, h), dtype),
+            words((e, 128, 2, h // 512, i)),
+            words((e, p_i, n_i, h)),
+            jnp.asarray(rng.uniform(0.1, 1.0, (t, e)), dtype),
+            distinct_experts(rng, t, e, k),
+            scales((e, 16, 2, h // 512, i)),
+            scales((e, p_i // 8, n_i, h)),
+        )
+
+    return build
+
+
 _SELECTIVE_SHARDING = Sharding(_DATA, (P("data"), P(), P(), P("data"), P("data"), P(), P()), P("data"))
 
 register(
@@ -84,6 +105,22 @@ register(
         neuron=_moe_tkg(4, 256, 128, 8, 2, jnp.bfloat16, fp8=True),
         bad=BadInput("expert_down_weights_scale", lambda s: None, "expert_gate_up_weights_scale"),
         notes="2 tokens, 8 experts, top-2: only the chosen experts evaluated (the gathered path); FP8 row weights",
+    ),
+    ArgSpec(
+        "moe_tkg.mxfp4",
+        nki.moe_tkg,
+        _EXPERTS + ("expert_gate_up_weights_scale", "expert_down_weights_scale"),
+        _moe_tkg_mxfp4(8, 512, 64, 3, 2),
+        kwargs={"is_all_expert": False, "expert_affinities_scaling_mode": "POST_SCALE"},
+        positional=5,
+        kernels=("moe_tkg",),
+        grad=("hidden_input", "expert_affinities"),
+        check_grads=False,
+        batch=("hidden_input", "expert_affinities", "expert_index"),
+        sharding=Sharding(_DATA, (P("data"), P(), P(), P("data"), P("data"), P(), P()), P("data")),
+        neuron=_moe_tkg_mxfp4(4, 512, 64, 3, 2, jnp.bfloat16),
+        bad=BadInput("expert_down_weights_scale", lambda s: s.astype(jnp.float32), "expert_down_weights_scale"),
+        notes="the VJP is straight-through the MXFP8 activation round trips, so no numerical gradient check",
     ),
     ArgSpec(
         "moe_tkg.all_expert",
