@@ -220,3 +220,4 @@ MOE_BLOCK_TKG_SPEC = KernelSpec(
 _OPERAND_NAMES = tuple(op.name for op in MOE_BLOCK_TKG_SPEC.operands)
 
 moe_block_tkg = make_kernel(MOE_BLOCK_TKG_SPEC, reference_vjp)
+moe_block_tkg.__doc__ += "\nSemantics (from the module documentation):\n\n" + __doc__

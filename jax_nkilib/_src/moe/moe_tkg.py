@@ -2,12 +2,27 @@
 token-generation mixture-of-experts MLP, a subkernel that the adapter ``jax_nkilib_kernels/moe_tkg.py`` wraps.
 
 Operands (``T`` tokens, ``H`` hidden, ``I`` intermediate, ``E`` global experts, ``E_L`` experts held here, ``K``
-top-k): ``hidden_input [T, H]``; ``expert_gate_up_weights [E_L, H, 2, I]`` (``[:, :, 0]`` gate, ``[:, :, 1]`` up);
-``expert_down_weights [E_L, I, H]``; ``expert_affinities [T, E]``; ``expert_index [T, K]`` (int32/uint32);
-``rank_id [1, 1]``; biases ``[E_L, 2, I]`` / ``[E_L, H]``; FP8 row scales ``[E_L, 2, I]`` / ``[E_L, H]`` (float32,
-per output column; both or neither). Output ``out [T, H]`` in ``output_dtype`` (default: ``hidden_input``'s).
+top-k), all row-major JAX arrays:
 
-Modes (expert math in :mod:`.expert_mlp`):
+* ``hidden_input [T, H]`` (float; the kernel takes bfloat16/float16);
+* ``expert_gate_up_weights [E_L, H, 2, I]``: ``[e, :, 0, :]`` is expert ``e``'s gate projection ``[H, I]``,
+  ``[e, :, 1, :]`` its up projection (``x @ W``, in -> out); ``expert_down_weights [E_L, I, H]``;
+* ``expert_affinities [T, E]`` (float; scores over the *global* experts) and ``expert_index [T, K]`` (int32 or
+  uint32 expert ids);
+* ``rank_id [1, 1]`` (int32/uint32, all-expert mode with ``POST_SCALE``);
+* ``expert_gate_up_bias [E_L, 2, I]``, ``expert_down_bias [E_L, H]``;
+* FP8 row scales (float32, one per output column; both or neither; required for FP8 weights):
+  ``expert_gate_up_weights_scale [E_L, 2, I]``, ``expert_down_weights_scale [E_L, H]``.
+
+MX weights instead: x4 words, uint16 for MXFP4 (``float4_e2m1fn_x4``) or uint32 for MXFP8 (``float8_e4m3fn_x4``),
+``expert_gate_up_weights [E_L, 128, 2, H/512, I]`` (lane ``j`` of word ``[e, p, c, t, i]`` is row ``j H/4 + 128 t +
+p`` of projection ``c``), ``expert_down_weights [E_L, P_I, N_I, H]`` (``P_I = min(128, I/4)``, ``N_I =
+ceil(I/512)``, lanes along ``I`` as the MLP TKG MX layout), uint8 scales ``[E_L, 16, 2, H/512, I]`` /
+``[E_L, P_I/8, N_I, H]`` (required), gate/up bias ``[E_L, P_I, 2, N_I, 4]``; ``I % 32 == 0``. The hidden states
+and the intermediate then take the kernel's MXFP8 round trips (:mod:`..mlp.mlp_reference`).
+
+Output ``out [T, H]`` in ``output_dtype`` (default: ``hidden_input``'s). Modes (expert math in
+:mod:`.expert_mlp`):
 
 * selective (``is_all_expert=False``): ``out[t] = sum_k c_tk * y_{index[t, k]}(x_t)`` with ``c_tk =
   affinities[t, index[t, k]]`` under ``POST_SCALE``, 1 under ``NO_SCALE``. Indices address the ``E_L`` weights
@@ -18,11 +33,11 @@ Modes (expert math in :mod:`.expert_mlp`):
   times token ``t`` lists that expert in ``expert_index``. ``is_all_expert_dynamic`` / ``block_size`` select the
   kernel's block-skipping loop for MX weights; they do not change the result.
 
-Not bound: MXFP4/MXFP8 weights (``[E_L, 128, 2, H/512, I]`` x4 words with the MX swizzles), the SBUF-resident input
-and output (``hidden_input_scale``, ``output_in_sbuf``), ``expert_affinities_eager`` (read only by the MX selective
-path) and the static-quantization input scales (the kernel asserts they are None). ``PRE_SCALE*`` modes are refused
-as the kernel refuses them. Reverse mode differentiates this reference (no backward kernel): hidden states,
-affinities, float weights, biases and scales get gradients; FP8 weights and integer operands none.
+Not bound: the SBUF-resident input and output (``hidden_input_scale``, ``output_in_sbuf``),
+``expert_affinities_eager`` (read only by the MX selective path) and the static-quantization input scales (the
+kernel asserts they are None). ``PRE_SCALE*`` modes are refused as the kernel refuses them. Reverse mode
+differentiates this reference (no backward kernel), straight through the MX activation round trips: hidden states,
+affinities, float weights, biases and row scales get gradients; FP8 and MX weights and integer operands none.
 """
 
 from __future__ import annotations
@@ -376,8 +391,9 @@ MOE_TKG_SPEC = KernelSpec(
     catalog="1.11",
     support={
         "vjp": "JAX (the reference differentiated; no backward kernel)",
-        "notes": "bf16/fp16 and FP8-row weights, selective and all-expert (rank_id, masking, dynamic); MXFP4/MXFP8 "
-        "weights and SBUF I/O n/a; selective T <= 128 on Neuron; device adapter jax_nkilib_kernels/moe_tkg.py",
+        "notes": "bf16/fp16, FP8-row and MXFP4/MXFP8 (x4 words) weights; selective and all-expert (rank_id, "
+        "masking, dynamic); SBUF I/O and the MX-only eager affinities n/a; selective T <= 128 on Neuron; device "
+        "adapter jax_nkilib_kernels/moe_tkg.py",
     },
 )
 
@@ -396,3 +412,4 @@ def _straight_through_vjp(kernel, operands, params, outs, cotangents):
 
 
 moe_tkg = make_kernel(MOE_TKG_SPEC, _straight_through_vjp)
+moe_tkg.__doc__ += "\nSemantics (from the module documentation):\n\n" + __doc__

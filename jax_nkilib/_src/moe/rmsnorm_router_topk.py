@@ -194,3 +194,5 @@ def _float_outputs_vjp(kernel, operands, params, outs, cotangents):
 
 rmsnorm_router_topk_a2av = make_kernel(RMSNORM_ROUTER_TOPK_A2AV_SPEC, _float_outputs_vjp)
 rmsnorm_router_topk_tkg = make_kernel(RMSNORM_ROUTER_TOPK_TKG_SPEC, _float_outputs_vjp)
+for _kernel in (rmsnorm_router_topk_a2av, rmsnorm_router_topk_tkg):
+    _kernel.__doc__ += "\nSemantics (from the module documentation):\n\n" + __doc__

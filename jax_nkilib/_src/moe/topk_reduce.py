@@ -107,3 +107,4 @@ TOPK_REDUCE_SPEC = KernelSpec(
 
 
 topk_reduce = make_kernel(TOPK_REDUCE_SPEC, reference_vjp)
+topk_reduce.__doc__ += "\nSemantics (from the module documentation):\n\n" + __doc__
