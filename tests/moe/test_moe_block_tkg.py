@@ -216,3 +216,85 @@ def test_selective_mode_needs_every_routed_expert_here():
     inp, gamma, router, gate_up, down = make(2, 2, 16, 8, 4)
     with pytest.raises(ValueError, match="E_L=2"):
         moe_block_tkg(inp, gamma, router, gate_up[:2], down[:2])
+
+
+# ----------------------------------------------------------------------------------------------------- MX experts
+def mx_block_oracle(x, gamma, router, w, fmt, *, top_k, all_expert, rank=0, softmax=False, pre_norm=True):
+    """RMSNorm, router, then each chosen (or local) expert's MX datapath (tests/moe/test_moe_tkg_mx.py)."""
+    from tests.mlp.test_mlp_mx import quantize_hidden
+    from tests.moe.test_moe_tkg_mx import mx_expert_oracle
+
+    rows = f64(x).reshape(-1, x.shape[-1])
+    normed = rows * f64(gamma) / np.sqrt(np.mean(rows * rows, axis=1, keepdims=True) + 1e-6)
+    logits, index, affinities = router_oracle(normed, router, None, top_k, softmax, pre_norm, False)
+    a = quantize_hidden(normed)
+    local, (h, i) = w["gate_up"].shape[0], (x.shape[-1], w["gate_up"].shape[-1])
+    out = np.zeros_like(normed)
+    for t in range(rows.shape[0]):
+        if all_expert:
+            chosen = [
+                (j, affinities[t, rank * local + j] * np.count_nonzero(index[t] == rank * local + j))
+                for j in range(local)
+            ]
+        else:
+            chosen = [(int(e), affinities[t, e]) for e in index[t]]
+        for e, c in chosen:
+            out[t] += c * mx_expert_oracle(a[t : t + 1], e, w, fmt, "SiLU", np.dtype(x.dtype), h, i)[0]
+    return out, logits
+
+
+def test_mx_selective_block_matches_oracle():
+    from tests.moe.test_moe_tkg_mx import moe_mx_weights
+
+    inp, gamma, router, _, _ = make(2, 2, 512, 64, 4, seed=13)
+    w = moe_mx_weights(4, 512, 64, "fp4", dtype=jnp.float32)
+    flags = dict(top_k=2, router_act_fn="SOFTMAX", router_pre_norm=False, expert_affinities_scaling_mode="POST_SCALE")
+    out, logits = moe_block_tkg(
+        inp,
+        gamma,
+        router,
+        w["gate_up"],
+        w["down"],
+        expert_gate_up_weights_scale=w["gate_up_scale"],
+        expert_down_weights_scale=w["down_scale"],
+        router_mm_dtype=jnp.float32,
+        **flags,
+    )
+    want, want_logits = mx_block_oracle(
+        inp, gamma, router, w, "fp4", top_k=2, all_expert=False, softmax=True, pre_norm=False
+    )
+    assert_separated(want_logits, 2)
+    assert_close(out, want, jnp.float32, reduction=2, ops=8)
+
+
+def test_mx_all_expert_block_with_the_fused_residual_add():
+    from tests.moe.test_moe_tkg_mx import moe_mx_weights
+
+    inp, gamma, router, _, _ = make(1, 4, 512, 64, 4, seed=17)
+    residual = random(inp.shape, jnp.float32, 19, 0.5)
+    w = moe_mx_weights(2, 512, 64, "e4m3", dtype=jnp.float32)
+    out, residual_out = moe_block_tkg(
+        inp,
+        gamma,
+        router,
+        w["gate_up"],
+        w["down"],
+        expert_gate_up_weights_scale=w["gate_up_scale"],
+        expert_down_weights_scale=w["down_scale"],
+        rank_id=jnp.ones((1, 1), jnp.uint32),
+        residual=residual,
+        top_k=2,
+        is_all_expert=True,
+        expert_affinities_scaling_mode="POST_SCALE",
+        router_mm_dtype=jnp.float32,
+        skip_router_logits=True,
+    )
+    x = f64(inp) + f64(residual)
+    np.testing.assert_allclose(np.asarray(residual_out), x.reshape(4, 512), rtol=1e-6)
+    want, want_logits = mx_block_oracle(
+        jnp.asarray(x, jnp.float32), gamma, router, w, "e4m3", top_k=2, all_expert=True, rank=1
+    )
+    assert_separated(want_logits, 2)
+    assert_close(out, want, jnp.float32, reduction=2, ops=8)
+    with pytest.raises(ValueError, match="residual"):
+        moe_block_tkg(inp, gamma, router, *make(1, 4, 512, 64, 4)[3:], residual=residual, top_k=2)

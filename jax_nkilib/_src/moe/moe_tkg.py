@@ -298,6 +298,15 @@ def _mac_count(call: CallInfo) -> int:
 
 # The expert weight operands moe_tkg and moe_block_tkg share, in the kernels' order
 _WEIGHT_DTYPES = FLOAT_DTYPES + FP8_DTYPES + tuple(MX_WORD_FORMATS)
+
+
+def _mx_device_dtype(params, dtype) -> str | None:
+    """MX words reach a library kernel as its x4 type (``float4_e2m1fn_x4`` / ``float8_e4m3fn_x4``); the moe_tkg
+    adapter views them itself."""
+    fmt = MX_WORD_FORMATS.get(jnp.dtype(dtype))
+    return None if fmt is None else f"{fmt.name}_x4"
+
+
 _SCALE_DTYPES = FLOAT_DTYPES + (jnp.dtype(jnp.uint8),)
 # Dense layouts first, then the MX ones (x4 words; H/512 and I tiles; P_I = min(128, I/4), N_I = ceil(I/512))
 EXPERT_WEIGHT_OPERANDS = (
@@ -307,6 +316,7 @@ EXPERT_WEIGHT_OPERANDS = (
         "E_L, 128, 2, H/512, I",
         dtypes=_WEIGHT_DTYPES,
         doc="[:, :, 0] gate, [:, :, 1] up; MX: x4 words, lane j of [e, p, c, t, i] is row j H/4 + 128 t + p",
+        device_dtype=_mx_device_dtype,
     ),
     Operand.of(
         "expert_down_weights",
@@ -314,6 +324,7 @@ EXPERT_WEIGHT_OPERANDS = (
         "E_L, P_I, N_I, H",
         dtypes=_WEIGHT_DTYPES,
         doc="down projection; MX: x4 words along I in the MLP TKG MX layout",
+        device_dtype=_mx_device_dtype,
     ),
 )
 

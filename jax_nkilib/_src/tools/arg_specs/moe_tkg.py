@@ -193,6 +193,21 @@ def _moe_block(b, s, h, i, e, dtype=jnp.float32, *, local=None, rank=False):
 
 _BLOCK = ("inp", "gamma", "router_weights", "expert_gate_up_weights", "expert_down_weights")
 
+
+def _moe_block_mxfp4(b, s, h, i, e, dtype=jnp.float32, *, local):
+    """moe_block_tkg's operands with MXFP4 experts: ``inp``, ``gamma``, ``router_weights`` as :func:`_moe_block`,
+    x4 words and uint8 scales as :func:`_moe_tkg_mxfp4`, ``rank_id`` = 1 and a ``residual [B, S, H]``."""
+
+    def build(rng):
+        inp, gamma, router = _moe_block(b, s, h, i, e, dtype)(rng)[:3]
+        experts = _moe_tkg_mxfp4(b * s, h, i, local, 1, dtype)(rng)
+        words, scales = experts[1:3], experts[5:7]
+        rank = jnp.full((1, 1), 1, jnp.int32)
+        return (inp, gamma, router, *words, *scales, rank, normal(rng, (b, s, h), dtype, 0.5))
+
+    return build
+
+
 register(
     ArgSpec(
         "moe_block_tkg",
@@ -216,6 +231,32 @@ register(
         bad=BadInput("router_weights", drop_last_axis, "layout"),
         notes="router_mm_dtype=float64 off Neuron so that the float64 gradient check sees no rounding; the Neuron "
         "call (LNC=2) uses the kernel's bfloat16",
+    ),
+    ArgSpec(
+        "moe_block_tkg.mxfp4_all_expert",
+        nki.moe_block_tkg,
+        _BLOCK + ("expert_gate_up_weights_scale", "expert_down_weights_scale", "rank_id", "residual"),
+        _moe_block_mxfp4(8, 1, 512, 64, 4, local=2),
+        kwargs={
+            "top_k": 2,
+            "expert_affinities_scaling_mode": "POST_SCALE",
+            "is_all_expert": True,
+            "router_mm_dtype": jnp.float64,
+        },
+        positional=5,
+        kernels=("moe_block_tkg",),
+        grad=("inp", "gamma", "residual"),
+        check_grads=False,
+        batch=("inp", "residual"),
+        sharding=Sharding(
+            _DATA, (P("data"), P(), P(), P(), P(), P(), P(), P(), P("data")), (P("data"), P("data"), P("data"))
+        ),
+        neuron=_moe_block_mxfp4(1, 4, 512, 64, 4, jnp.bfloat16, local=2),
+        neuron_kwargs={"top_k": 2, "expert_affinities_scaling_mode": "POST_SCALE", "is_all_expert": True},
+        neuron_lnc=2,
+        bad=BadInput("residual", drop_last_axis, "residual"),
+        notes="MXFP4 experts, rank 1 of 2, the fused residual add; the VJP is straight-through the MXFP8 "
+        "activation round trips, so no numerical gradient check",
     ),
     ArgSpec(
         "moe_block_tkg.all_expert",
