@@ -51,6 +51,7 @@ from jax_nkilib._src.moe.blockwise_mm_bwd import (
 )
 from jax_nkilib._src.moe.bwmm_shard_on_h import blockwise_mm_baseline_shard_hidden
 from jax_nkilib._src.moe.dispatch_metadata import build_all2all_dispatch_metadata, build_all_to_all_v_metadata
+from jax_nkilib._src.moe.moe_block_tkg import moe_block_tkg
 from jax_nkilib._src.moe.moe_cte import moe_cte
 from jax_nkilib._src.moe.moe_cte_config import (
     BlockShardStrategy,
@@ -60,7 +61,10 @@ from jax_nkilib._src.moe.moe_cte_config import (
     ShardOnIConfig,
     SkipMode,
 )
+from jax_nkilib._src.moe.moe_tkg import moe_tkg
 from jax_nkilib._src.moe.permute_routed_tokens import permute_routed_tokens
+from jax_nkilib._src.moe.rmsnorm_router_topk import rmsnorm_router_topk_a2av, rmsnorm_router_topk_tkg
+from jax_nkilib._src.moe.topk_reduce import topk_reduce
 from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
 from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
 from jax_nkilib._src.norm.rmsnorm_mx_quantize_tkg import rmsnorm_mx_quantize_tkg
@@ -113,6 +117,8 @@ __all__ = [
     "MoECTEImplementation",
     "MoECTESpec",
     "moe_cte",
+    "moe_block_tkg",
+    "moe_tkg",
     "MLPGateUpWeightLayout",
     "NormType",
     "output_projection_cte",
@@ -133,6 +139,8 @@ __all__ = [
     "rmsnorm_mx_prefill",
     "rmsnorm_mx_quantize_tkg",
     "rmsnorm_quant_kernel",
+    "rmsnorm_router_topk_a2av",
+    "rmsnorm_router_topk_tkg",
     "rmsnorm_tkg",
     "RoPE",
     "rope_hf",
@@ -145,4 +153,5 @@ __all__ = [
     "static_quantization",
     "swa_fused_cte",
     "unpermute_a2av",
+    "topk_reduce",
 ]
