@@ -40,6 +40,10 @@ from jax_nkilib._src.framework.common_types import (
 from jax_nkilib._src.mlp.mlp import mlp
 from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
+from jax_nkilib._src.moe.cascaded_max import cascaded_max
+from jax_nkilib._src.moe.router_topk import router_topk
+from jax_nkilib._src.moe.subkernels import find_nonzero_indices, indexed_flatten
+from jax_nkilib._src.moe.topk import RotationalTopkConfig, SupportedTopkMethods, rotational_topk, topk
 from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
 from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
 from jax_nkilib._src.norm.rmsnorm_mx_quantize_tkg import rmsnorm_mx_quantize_tkg
@@ -69,11 +73,14 @@ __all__ = [
     "attention_tkg",
     "attn_q_batch_shard",
     "AttnQBatchShardLayout",
+    "cascaded_max",
     "dma_copy_rank_id_kernel",
     "DtypeMode",
     "fine_grained_allgather",
+    "find_nonzero_indices",
     "gen_mask_tkg",
     "gen_mask_tkg_hbm",
+    "indexed_flatten",
     "layernorm_tkg",
     "matmul_mxfp8",
     "matmul_mxfp8_backward",
@@ -101,8 +108,13 @@ __all__ = [
     "rmsnorm_tkg",
     "RoPE",
     "rope_hf",
+    "rotational_topk",
+    "RotationalTopkConfig",
+    "router_topk",
     "RouterActFnType",
     "row_quantization",
     "static_quantization",
+    "SupportedTopkMethods",
     "swa_fused_cte",
+    "topk",
 ]

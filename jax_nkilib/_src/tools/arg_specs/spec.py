@@ -220,7 +220,7 @@ def public_name(fn) -> str:
     raise ValueError(f"{fn} is neither in jax_nkilib.nki nor in jax_nkilib")
 
 
-_FAMILIES = ("rope", "attention", "norm", "projection", "mlp", "quant", "parallel")
+_FAMILIES = ("rope", "attention", "norm", "projection", "mlp", "quant", "parallel", "routing")
 _loaded = False
 
 

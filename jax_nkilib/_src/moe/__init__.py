@@ -1,0 +1,1 @@
+"""Mixture-of-experts kernels: routing and top-k (``router_topk``, ``topk``, ``cascaded_max``, subkernels)."""
