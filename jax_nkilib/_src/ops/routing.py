@@ -254,7 +254,7 @@ def router(
         )
         logits, indices, affinities = router_topk.call({"x": x2, "w": w, "w_bias": bias}, params)
         indices = indices.astype(jnp.int32)
-        weights = jnp.take_along_axis(affinities, indices, axis=-1)
+        weights = jnp.take_along_axis(affinities, indices, axis=-1, mode="clip")  # indices < E by construction
     lead_shape = x.shape[:-1]
     return Routing(
         indices.astype(jnp.int32).reshape(lead_shape + (top_k,)),
