@@ -42,8 +42,15 @@ from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
 from jax_nkilib._src.moe.cascaded_max import cascaded_max
 from jax_nkilib._src.moe.router_topk import router_topk
-from jax_nkilib._src.moe.subkernels import find_nonzero_indices, indexed_flatten
-from jax_nkilib._src.moe.topk import RotationalTopkConfig, SupportedTopkMethods, rotational_topk, topk
+from jax_nkilib._src.moe.subkernels import argsort_unstable, find_nonzero_indices, indexed_flatten
+from jax_nkilib._src.moe.topk import (
+    GpsimdTopkConfig,
+    RotationalTopkConfig,
+    SupportedTopkMethods,
+    gpsimd_topk,
+    rotational_topk,
+    topk,
+)
 from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
 from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
 from jax_nkilib._src.norm.rmsnorm_mx_quantize_tkg import rmsnorm_mx_quantize_tkg
@@ -65,6 +72,7 @@ __all__ = [
     "allgather_compute_matmul",
     "allgather_sb2sb",
     "allgather_sb2sb_tiled",
+    "argsort_unstable",
     "attention_bwd",
     "attention_cte",
     "attention_kv_parallel_segmented_cte",
@@ -80,6 +88,8 @@ __all__ = [
     "find_nonzero_indices",
     "gen_mask_tkg",
     "gen_mask_tkg_hbm",
+    "gpsimd_topk",
+    "GpsimdTopkConfig",
     "indexed_flatten",
     "layernorm_tkg",
     "matmul_mxfp8",

@@ -8,7 +8,8 @@ with ``return_eager_affi`` it also stores the kernel's SBUF ``[T, K]`` float32 t
 for the input shape and the LNC degree, writes the algorithm's constants to files and launches
 ``rotational_topk[lnc]``. The adapters do the same inside one ``@nki.jit`` kernel (launched with the call's LNC
 grid): the library's config factories run on the traced shape, and the undecorated ``rotational_topk`` is traced
-inline. The constants' temporary files are left in place (the compiler reads them after tracing). Not yet run on
+inline. ``gpsimd_topk`` (2.32) likewise builds its config with the library's ``create_gpsimd_topk_config``.
+The constants' temporary files are left in place (the compiler reads them after tracing). Not yet run on
 Trainium by this project.
 """
 
@@ -26,8 +27,11 @@ _library_rotational_topk = load("core.topk.rotational_topk", "rotational_topk")
 prepare_rotational_constants = load("core.topk.rotational_topk", "prepare_rotational_constants")
 create_topk_config = load("core.topk.rotational_topk_utils", "create_topk_config")
 create_rotational_topk_config = load("core.topk.rotational_topk_utils", "create_rotational_topk_config")
+_library_gpsimd_topk = load("experimental.topk.gpsimd_topk", "gpsimd_topk")  # 2.32
+create_gpsimd_topk_config = load("experimental.topk.gpsimd_topk", "create_gpsimd_topk_config")
 
 _rotational_topk_body = body(_library_rotational_topk)
+_gpsimd_topk_body = body(_library_gpsimd_topk)
 
 
 @nki.jit
@@ -111,3 +115,16 @@ def topk(inp, k=None, sorted_flag=True, method="ROTATIONAL"):
 def rotational_topk(inp, config=None):
     """``(topk_values [R, k], topk_indices [R, k] uint32)`` for jax_nkilib's ``RotationalTopkConfig``."""
     return _rotational(inp, config.orig_k, config.sorted)
+
+
+@nki.jit
+def gpsimd_topk(inp, config=None):
+    """``(topk_values [R, k] bf16, topk_indices [R, k] uint32)`` for jax_nkilib's ``GpsimdTopkConfig``."""
+    library_config = create_gpsimd_topk_config(
+        inp_shape=tuple(inp.shape),
+        inp_dtype=nl.bfloat16,
+        k=config.k,
+        sorted=config.sorted,
+        num_programs=nl.num_programs(0),
+    )
+    return _gpsimd_topk_body(inp, library_config)

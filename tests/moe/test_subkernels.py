@@ -9,7 +9,7 @@ import pytest
 import jax_nkilib
 from jax_nkilib._src.neuron import lowering as neuron_lowering
 from jax_nkilib.neuron import NeuronFallbackWarning, NeuronUnsupportedError
-from jax_nkilib.nki import find_nonzero_indices, indexed_flatten
+from jax_nkilib.nki import argsort_unstable, find_nonzero_indices, indexed_flatten
 from tests.moe import oracles
 from tests.support.hlo import kernel_configs, neuron_text
 
@@ -113,3 +113,30 @@ def test_lnc2_kernels_run_at_lnc2_and_fall_back_at_lnc1(monkeypatch, fn, args):
                 assert kernel_configs(neuron_text(fn, *args)) == []
             with jax_nkilib.config(on_unsupported="error"), pytest.raises(NeuronUnsupportedError, match="LNC=2"):
                 neuron_text(fn, *args)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float32])
+@pytest.mark.parametrize("shape", [(1, 48), (40,)])
+@pytest.mark.parametrize("descending", [False, True])
+def test_argsort_unstable_sorts_tie_free_data(dtype, shape, descending):
+    n = shape[-1]
+    data = jnp.asarray((np.random.default_rng(n).permutation(n) - n // 3).reshape(shape), dtype)
+    indices = argsort_unstable(data, descending=descending)
+    assert indices.shape == shape and indices.dtype == jnp.uint32
+    order = np.argsort(np.asarray(data, np.float64).reshape(-1))
+    np.testing.assert_array_equal(np.asarray(indices).reshape(-1), order[::-1] if descending else order)
+
+
+def test_argsort_unstable_lowering_and_limits(monkeypatch):
+    monkeypatch.setattr(neuron_lowering, "_warned", set())
+    with jax_nkilib.neuron.dry_run():
+        (config,) = kernel_configs(
+            neuron_text(lambda d: argsort_unstable(d, descending=True), jnp.zeros((1, 64), jnp.float32))
+        )
+        assert config["params"] == {"descending": True, "output_in_sbuf": False}
+        with pytest.warns(NeuronFallbackWarning, match="multiple of 8"):
+            assert kernel_configs(neuron_text(argsort_unstable, jnp.zeros((1, 12), jnp.float32))) == []
+    with pytest.raises(ValueError, match="output_in_sbuf"):
+        argsort_unstable(jnp.zeros((1, 16), jnp.float32), output_in_sbuf=True)
+    with pytest.raises(TypeError, match="`data`"):
+        argsort_unstable(jnp.zeros((1, 16), jnp.bfloat16))

@@ -9,7 +9,15 @@ import pytest
 import jax_nkilib
 from jax_nkilib._src.neuron import lowering as neuron_lowering
 from jax_nkilib.neuron import NeuronFallbackWarning
-from jax_nkilib.nki import RotationalTopkConfig, SupportedTopkMethods, cascaded_max, rotational_topk, topk
+from jax_nkilib.nki import (
+    GpsimdTopkConfig,
+    RotationalTopkConfig,
+    SupportedTopkMethods,
+    cascaded_max,
+    gpsimd_topk,
+    rotational_topk,
+    topk,
+)
 from tests.moe import oracles
 from tests.support.hlo import kernel_configs, neuron_text
 
@@ -118,3 +126,28 @@ def test_neuron_limits_fall_back(monkeypatch, fn, shape, reason):
     monkeypatch.setattr(neuron_lowering, "_warned", set())
     with jax_nkilib.neuron.dry_run(), pytest.warns(NeuronFallbackWarning, match=reason):
         assert kernel_configs(neuron_text(fn, distinct(shape, jnp.float32))) == []
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpsimd_topk_matches_the_oracle_and_ranks_nan_last(dtype):
+    x = distinct((6, 120), dtype, seed=7).at[2, 5].set(jnp.nan)
+    values, indices = gpsimd_topk(x, config=GpsimdTopkConfig(k=120))
+    folded = np.where(
+        np.isnan(np.asarray(x, np.float64)), float(jnp.finfo(jnp.bfloat16).min), np.asarray(x, np.float64)
+    )
+    want_values, want_indices = oracles.topk(folded, 120)
+    np.testing.assert_array_equal(np.asarray(indices), want_indices)
+    np.testing.assert_array_equal(np.asarray(values, np.float64), want_values)
+    assert int(indices[2, -1]) == 5 and float(values[2, -1]) == float(jnp.finfo(jnp.bfloat16).min)
+
+
+def test_gpsimd_topk_lowering_and_its_bfloat16_limit(monkeypatch):
+    monkeypatch.setattr(neuron_lowering, "_warned", set())
+    fn = lambda x: gpsimd_topk(x, config=GpsimdTopkConfig(k=16, sorted=False))
+    with jax_nkilib.neuron.dry_run():
+        (config,) = kernel_configs(neuron_text(fn, distinct((8, 500), jnp.bfloat16)))
+        assert config["params"] == {"config": {"k": 16, "sorted": False}}
+        with pytest.warns(NeuronFallbackWarning, match="bfloat16 only"):
+            assert kernel_configs(neuron_text(fn, distinct((8, 500), jnp.float32))) == []
+    with pytest.raises(TypeError, match="GpsimdTopkConfig"):
+        gpsimd_topk(distinct((8, 50), jnp.float32), config=RotationalTopkConfig(3))

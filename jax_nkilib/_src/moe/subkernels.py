@@ -1,4 +1,5 @@
-"""The MoE index subkernels of section 1.19: ``find_nonzero_indices`` (row 19) and ``indexed_flatten`` (row 20).
+"""The MoE index subkernels: ``find_nonzero_indices`` (row 19) and ``indexed_flatten`` (row 20) of section 1.19, and
+the docs-only ``argsort_unstable`` (row 77).
 
 Sources: nki-library ``src/nkilib_src/nkilib/core/subkernels/find_nonzero_indices.py`` and ``indexed_flatten.py``
 (HBM-in/HBM-out ``@nki.jit`` kernels) with their torch references ``*_torch.py``. Both kernels split their work over
@@ -24,6 +25,13 @@ core overwrites an earlier one), and the result is the **elementwise maximum of 
 both cores overlap the larger value wins, and a written value below ``padding_val`` is replaced by ``padding_val``
 unless both copies hold values there (the torch reference, a plain overwrite, agrees when written values are
 ``>= padding_val`` and rows of different cores do not overlap, the kernel's intended use: token ids >= 0, -1 pad).
+
+``argsort_unstable(data [1, N] or [N] float32/int32, descending=False, output_in_sbuf=False) -> indices (data's
+shape) uint32`` (docs-only: nki-library 2.32 ``experimental/subkernels/argsort_unstable.py``, read from the NKI
+Library API reference and the newer source in the public code index): the permutation that sorts ``data``
+ascending (or descending); equal values may come in any order (here: their original order). The kernel compares in
+float32 and marks sorted slots with -inf, so ``-inf`` data and int32 values that collide in float32 are not sorted
+faithfully there. Neuron limit: ``N % 8 == 0``. ``output_in_sbuf=True`` (an SBUF result) is refused.
 """
 
 from __future__ import annotations
@@ -227,3 +235,64 @@ INDEXED_FLATTEN_SPEC = KernelSpec(
 )
 
 indexed_flatten = make_kernel(INDEXED_FLATTEN_SPEC, _no_cotangents)
+
+
+# ---------------------------------------------------------------------------------------------- argsort_unstable
+ARGSORT_PASS = 8  # max8 + nc_match_replace8: 8 elements per pass
+
+
+def reference_argsort_unstable(data, *, descending, output_in_sbuf):
+    """The sorting permutation as uint32 (ties: original order here; the kernel's order on ties is arbitrary)."""
+    del output_in_sbuf  # checked: HBM output only
+    return (jnp.argsort(data, axis=-1, stable=True, descending=descending).astype(jnp.uint32),)
+
+
+def _check_argsort(call: CallInfo) -> None:
+    if call.params["output_in_sbuf"]:
+        raise ValueError(
+            f"{call.function}: output_in_sbuf=True returns an SBUF tensor, which cannot be a JAX array; leave it False"
+        )
+
+
+def _argsort_limits(call: CallInfo) -> list[str]:
+    n = call.dims["N"]
+    if n < ARGSORT_PASS or n % ARGSORT_PASS:
+        return [f"N={n} must be a positive multiple of {ARGSORT_PASS}"]
+    return []
+
+
+def _argsort_notes(call: CallInfo) -> list[str]:
+    notes = ["the kernel compares in float32 (int32 data past 2**24 can tie) and marks sorted slots with -inf"]
+    return notes
+
+
+ARGSORT_UNSTABLE_SPEC = KernelSpec(
+    name="argsort_unstable",
+    entry_point="nkilib.experimental.subkernels.argsort_unstable:argsort_unstable",
+    operands=(
+        Operand.of(
+            "data", "1, N", "N", dtypes=(jnp.dtype(jnp.float32),) + INT_DTYPES, doc="values to sort (finite, > -inf)"
+        ),
+    ),
+    params=(
+        Param("descending", False, bool, "indices of the descending order (default ascending)"),
+        Param("output_in_sbuf", False, bool, "not supported: an SBUF output is no JAX array"),
+    ),
+    outputs=(),
+    output_avals=lambda call: [("indices", tuple(call.avals["data"].shape), jnp.uint32)],
+    reference=reference_argsort_unstable,
+    check=_check_argsort,
+    neuron_limits=_argsort_limits,
+    neuron_notes=_argsort_notes,
+    mac_count=lambda call: call.dims["N"] * call.dims["N"] // ARGSORT_PASS,
+    nondifferentiable_outputs=("indices",),
+    family="sort",
+    catalog="3",
+    support={
+        "vjp": "none (index output: zero gradients)",
+        "notes": f"docs-only (2.32); N % {ARGSORT_PASS} == 0 on Neuron; ties in any order; -inf data not "
+        "supported by the kernel (its sorted-slot marker)",
+    },
+)
+
+argsort_unstable = make_kernel(ARGSORT_UNSTABLE_SPEC, _no_cotangents)

@@ -15,6 +15,14 @@ and the torch reference ``topk/torch_ref.py`` (``torch.topk``); tests ``test/int
   the config holds the caller's choices and the adapter runs the library's factory on the traced shape, so the two
   always agree.
 
+* ``gpsimd_topk(inp [R, V], config=GpsimdTopkConfig(k, sorted))`` (docs-only, row 81: nki-library 2.32
+  ``experimental/topk/gpsimd_topk.py``, read from the NKI Library API reference and the newer source in the public
+  code index) -> ``[R, k]`` values and uint32 indices through the GpSimd ``nisa.topk`` instruction. Its config is
+  built by ``create_gpsimd_topk_config(inp_shape, inp_dtype, k, sorted, num_programs)``, which the adapter runs on
+  the traced shape and the LNC degree. The kernel folds NaN inputs to the most negative finite bfloat16 (so a NaN
+  ranks last and comes back as that value); this reference does the same. Neuron limits: bfloat16,
+  ``8 <= V``, ``16 * ceil(V / 16) < 65536``, ``k < 32768``.
+
 Semantics: the values are exactly the k largest of each row, in descending order; the indices are their positions
 (ties are broken towards the lower index here; the kernel's order on ties is unspecified, as its torch reference
 says). With ``sorted_flag=False`` / ``sorted=False`` the kernel returns the same set in an unspecified order; this
@@ -55,17 +63,30 @@ class RotationalTopkConfig:
     sorted: bool = True
 
 
-def _config(value, where: str) -> RotationalTopkConfig:
-    if not isinstance(value, RotationalTopkConfig):
-        raise TypeError(
-            f"{where} must be a jax_nkilib.nki.RotationalTopkConfig(orig_k, sorted=True); got {type(value).__name__}"
-        )
-    k = value.orig_k
-    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"{where}: orig_k must be a Python int >= 1; got {k!r}")
-    if not isinstance(value.sorted, (bool, np.bool_)):
-        raise TypeError(f"{where}: sorted must be a Python bool; got {value.sorted!r}")
-    return RotationalTopkConfig(int(k), bool(value.sorted))
+@dataclasses.dataclass(frozen=True)
+class GpsimdTopkConfig:
+    """The caller's part of the library's frozen ``GpsimdTopkConfig`` (docs-only, 2.32): ``k`` and ``sorted``
+    (descending order; else the same set in an unspecified order). Its shape- and LNC-derived fields (``BxS``,
+    ``vocab_size``, ``n_prgs``, ``per_lnc_BxS``, ...) come from ``create_gpsimd_topk_config`` in the adapter."""
+
+    k: int
+    sorted: bool = True
+
+
+def _config_normalizer(kind: type, k_field: str):
+    def normalize(value, where: str):
+        if not isinstance(value, kind):
+            raise TypeError(
+                f"{where} must be a jax_nkilib.nki.{kind.__name__}({k_field}, sorted=True); got {type(value).__name__}"
+            )
+        k = getattr(value, k_field)
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"{where}: {k_field} must be a Python int >= 1; got {k!r}")
+        if not isinstance(value.sorted, (bool, np.bool_)):
+            raise TypeError(f"{where}: sorted must be a Python bool; got {value.sorted!r}")
+        return kind(int(k), bool(value.sorted))
+
+    return normalize
 
 
 def top_values(inp, k: int):
@@ -74,18 +95,34 @@ def top_values(inp, k: int):
 
 
 def _k(params) -> int:
-    return params["k"] if "k" in params else params["config"].orig_k
+    if "k" in params:
+        return params["k"]
+    config = params["config"]
+    return config.orig_k if isinstance(config, RotationalTopkConfig) else config.k
 
 
 def reference_topk(inp, **params):
-    """JAX reference of both kernels: ``(topk_values, topk_indices uint32)``."""
+    """JAX reference of topk and rotational_topk: ``(topk_values, topk_indices uint32)``."""
     values, indices = top_values(inp, _k(params))
+    return values, indices.astype(jnp.uint32)
+
+
+BFLOAT16_LOWEST = float(jnp.finfo(jnp.bfloat16).min)  # gpsimd_topk's NaN fold target
+
+
+def _nan_folded(inp):
+    return jnp.where(jnp.isnan(inp), jnp.asarray(BFLOAT16_LOWEST, inp.dtype), inp)
+
+
+def reference_gpsimd_topk(inp, *, config):
+    """JAX reference of gpsimd_topk: NaN ranks (and reads back) as the lowest finite bfloat16."""
+    values, indices = top_values(_nan_folded(inp), config.k)
     return values, indices.astype(jnp.uint32)
 
 
 def _values_vjp(kernel, operands, params, outs, cotangents):
     """The values' cotangents scattered to the selected positions (``jax.lax.top_k``'s rule)."""
-    return pull_back(lambda named: (top_values(named["inp"], _k(params))[0],), operands, ["inp"], cotangents[:1])
+    return pull_back(lambda named: kernel.reference(named, params)[:1], operands, ["inp"], cotangents[:1])
 
 
 def _check_k(call: CallInfo) -> None:
@@ -153,7 +190,14 @@ ROTATIONAL_TOPK_SPEC = KernelSpec(
     entry_point="jax_nkilib_kernels.routing:rotational_topk",
     operands=(Operand.of("inp", "R, V", doc="values [B*S, V]; top-k along the last axis"),),
     params=(
-        Param("config", None, "config", "RotationalTopkConfig(orig_k, sorted)", required=True, normalizer=_config),
+        Param(
+            "config",
+            None,
+            "config",
+            "RotationalTopkConfig(orig_k, sorted)",
+            required=True,
+            normalizer=_config_normalizer(RotationalTopkConfig, "orig_k"),
+        ),
     ),
     outputs=(),
     output_avals=_outputs,
@@ -168,5 +212,53 @@ ROTATIONAL_TOPK_SPEC = KernelSpec(
     support={**_SUPPORT, "idiomatic": ""},
 )
 
+GPSIMD_MAX_SNAKE = 65536  # nisa.topk: the 16-padded vocab must stay below this
+GPSIMD_MAX_K = 32768
+
+
+def _gpsimd_limits(call: CallInfo) -> list[str]:
+    v, k, unmet = call.dims["V"], _k(call.params), []
+    if np.dtype(call.avals["inp"].dtype) != np.dtype(jnp.bfloat16):
+        unmet.append(f"the kernel takes bfloat16 only; got {call.avals['inp'].dtype}")
+    if v < 8 or 16 * -(-v // 16) >= GPSIMD_MAX_SNAKE:
+        unmet.append(f"V={v} must be >= 8 with 16*ceil(V/16) < {GPSIMD_MAX_SNAKE}")
+    if k >= GPSIMD_MAX_K:
+        unmet.append(f"k={k} must be < {GPSIMD_MAX_K}")
+    return unmet
+
+
+GPSIMD_TOPK_SPEC = KernelSpec(
+    name="gpsimd_topk",
+    entry_point="jax_nkilib_kernels.routing:gpsimd_topk",
+    operands=(Operand.of("inp", "R, V", doc="values [B*S, V]; top-k along the last axis"),),
+    params=(
+        Param(
+            "config",
+            None,
+            "config",
+            "GpsimdTopkConfig(k, sorted)",
+            required=True,
+            normalizer=_config_normalizer(GpsimdTopkConfig, "k"),
+        ),
+    ),
+    outputs=(),
+    output_avals=_outputs,
+    reference=reference_gpsimd_topk,
+    check=_check_k,
+    neuron_limits=_gpsimd_limits,
+    fold_plans=(FoldPlan({"inp": "R"}, outputs=_OUT_AXES),),
+    mac_count=lambda call: int(np.prod(call.avals["inp"].shape)),
+    nondifferentiable_outputs=("topk_indices",),
+    family="topk",
+    catalog="3",
+    support={
+        "idiomatic": "",
+        "vjp": _SUPPORT["vjp"],
+        "notes": "docs-only (2.32); NaN ranks last as the lowest finite bf16; Neuron: bfloat16, 8 <= V, "
+        "16*ceil(V/16) < 65536, k < 32768; device adapter jax_nkilib_kernels/routing.py",
+    },
+)
+
 topk = make_kernel(TOPK_SPEC, _values_vjp)
+gpsimd_topk = make_kernel(GPSIMD_TOPK_SPEC, _values_vjp)
 rotational_topk = make_kernel(ROTATIONAL_TOPK_SPEC, _values_vjp)

@@ -1,5 +1,6 @@
-"""Arg specs of the routing and top-k kernels (``router_topk``, ``topk``, ``rotational_topk``, ``cascaded_max``,
-``find_nonzero_indices``, ``indexed_flatten``) and of ``jax_nkilib.topk`` / ``argmax`` / ``router``."""
+"""Arg specs of the routing and top-k kernels (``router_topk``, ``topk``, ``rotational_topk``, ``gpsimd_topk``,
+``cascaded_max``, ``find_nonzero_indices``, ``indexed_flatten``, ``argsort_unstable``) and of ``jax_nkilib.topk`` /
+``argmax`` / ``router``."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -129,6 +130,37 @@ register(
         grad_output=lambda out: out[0],
         sharding=Sharding(_DATA, (P("data"),), (P("data"), P("data"))),
         bad=BadInput("config", lambda _: 7, "RotationalTopkConfig"),
+    ),
+    ArgSpec(
+        "gpsimd_topk",
+        nki.gpsimd_topk,
+        ("inp",),
+        lambda rng: (normal(rng, (16, 100)),),
+        kwargs={"config": nki.GpsimdTopkConfig(k=6)},
+        neuron=lambda rng: (normal(rng, (16, 100), jnp.bfloat16),),
+        kernels=("gpsimd_topk",),
+        grad=("inp",),
+        grad_output=lambda out: out[0],
+        sharding=Sharding(_DATA, (P("data"),), (P("data"), P("data"))),
+        bad=BadInput("config", lambda _: nki.RotationalTopkConfig(6), "GpsimdTopkConfig"),
+    ),
+    ArgSpec(
+        "argsort_unstable",
+        nki.argsort_unstable,
+        ("data",),
+        lambda rng: (jnp.asarray(rng.permutation(64)[None, :] - 20, jnp.int32),),
+        kwargs={"descending": True},
+        kernels=("argsort_unstable",),
+        bad=BadInput("output_in_sbuf", lambda _: True, "output_in_sbuf"),
+    ),
+    ArgSpec(
+        "argsort_unstable.float_vector",
+        nki.argsort_unstable,
+        ("data",),
+        lambda rng: (normal(rng, (40,)),),
+        kernels=("argsort_unstable",),
+        sharding=Sharding(_DATA, (P(),), P()),
+        bad=BadInput("data", lambda x: x.astype(jnp.bfloat16), "data"),
     ),
     ArgSpec(
         "cascaded_max",
