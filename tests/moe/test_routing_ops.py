@@ -136,7 +136,7 @@ def test_router_gradients_against_the_oracle():
     def loss(x, w, bias):
         return jnp.sum(jax_nkilib.router(x, w, top_k=3, normalize=True, bias=bias).weights * g)
 
-    grads = jax.grad(loss, argnums=(0, 1, 2))(x, w, bias)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, bias)
 
     def oracle_loss(x, w, bias):
         return np.sum(router_oracle(x, w, 3, normalize=True, bias=bias)[1] * np.asarray(g))
