@@ -119,7 +119,8 @@ def test_neuron_lowerings_are_the_kernels():
         (lambda x: topk(x, k=x.shape[-1]), (4, 64), "k == V"),
         (lambda x: topk(x, k=3, method=SupportedTopkMethods.SCANNING), (4, 64), "method=SCANNING"),
         (cascaded_max, (300, 256), "rows per core"),
-        (cascaded_max, (4, 100), "V=100 must be >= 128"),
+        (cascaded_max, (4, 100), r"V=100 must be in \[128, 16384\]"),
+        (cascaded_max, (4, 20000), "V=20000 must be in"),
     ],
 )
 def test_neuron_limits_fall_back(monkeypatch, fn, shape, reason):

@@ -8,7 +8,8 @@ max_indices [..., 1] uint32)`` (the kernel's ``nl.uint32`` index dtype). The ind
 along ``V``; with ties this reference gives the lowest such position (the kernel's choice on ties is not
 documented). Reverse mode: the value's cotangent goes to the maximum's position (``jnp.max``'s rule); the index
 carries none. Neuron limits: at most 128 rows per core (``ceil(B*S / LNC) <= 128``; the kernel splits rows over the
-LNC cores and runs on one core when ``B*S == 1``), ``V >= 128`` (its stages fold ``V`` in 128-wide chunks).
+LNC cores and runs on one core when ``B*S == 1``), ``128 <= V <= 16384`` (its stages fold ``V`` in 128-wide chunks;
+the library's tests rule out ``V > 2**14``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import numpy as np
 from ..framework.hardware import PARTITIONS
 from ..framework.primitive import make_kernel, pull_back
 from ..framework.spec import NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand
+
+MAX_VOCAB = 2**14  # the library's test filter: larger vocabularies are invalid
 
 
 def reference_cascaded_max(input_tensor):
@@ -48,8 +51,8 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     per_core = rows if rows == 1 else -(-rows // call.lnc)
     if per_core > PARTITIONS:
         unmet.append(f"B*S={rows} gives {per_core} rows per core at LNC={call.lnc}; at most {PARTITIONS}")
-    if call.dims["V"] < PARTITIONS:
-        unmet.append(f"V={call.dims['V']} must be >= {PARTITIONS}")
+    if not PARTITIONS <= call.dims["V"] <= MAX_VOCAB:
+        unmet.append(f"V={call.dims['V']} must be in [{PARTITIONS}, {MAX_VOCAB}]")
     if np.dtype(call.avals["input_tensor"].dtype) not in NEURON_FLOAT_DTYPES:
         unmet.append(f"dtype {call.avals['input_tensor'].dtype} is not a Neuron dtype")
     return unmet

@@ -94,7 +94,7 @@ def argmax(x):
 
     Returns ``[...]`` int32 (not differentiable). Ties give the lowest index here (the kernel's choice on ties is
     unspecified). On Neuron this is the ``cascaded_max`` kernel on ``x`` reshaped to ``[B*S, V]`` (its limits apply:
-    at most 128 rows per core, ``V >= 128``; otherwise the reference runs with a ``NeuronFallbackWarning``).
+    at most 128 rows per core, ``128 <= V <= 16384``; otherwise the reference runs with a ``NeuronFallbackWarning``).
     """
     where = "jax_nkilib.argmax"
     x = _check_x(where, x)
