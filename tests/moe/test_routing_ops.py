@@ -65,13 +65,24 @@ def test_topk_is_lax_top_k(dtype, shape, k):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape", [(3, 5, 129), (1000,), (2, 1, 7)])
+@pytest.mark.parametrize("shape", [(3, 5, 129), (1000,), (2, 1, 7), (2, 20000)])
 def test_argmax_is_jnp_argmax(dtype, shape):
     x = random(shape, dtype, seed=4)
     got = jax_nkilib.argmax(x)
     assert got.shape == shape[:-1] and got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(x, axis=-1)))
     np.testing.assert_array_equal(np.asarray(got), oracles.topk(x, 1)[1][..., 0])
+
+
+def test_integer_inputs_run_in_xla_like_lax():
+    x = jnp.asarray(np.random.default_rng(0).permutation(60).reshape(3, 20), jnp.int32)
+    values, indices = jax_nkilib.topk(x, 4)
+    want = jax.lax.top_k(x, 4)
+    np.testing.assert_array_equal(values, want[0])
+    np.testing.assert_array_equal(indices, want[1])
+    np.testing.assert_array_equal(jax_nkilib.argmax(x), jnp.argmax(x, axis=-1))
+    with jax_nkilib.neuron.dry_run():
+        assert kernel_configs(neuron_text(jax_nkilib.argmax, x)) == []
 
 
 def test_topk_and_argmax_under_jit_vmap_and_grad():
@@ -189,6 +200,8 @@ def test_routing_ops_shard_tokens_with_no_collective():
     [
         ("topk", lambda x: jax_nkilib.topk(x, 8), (4, 16, 512), "topk"),
         ("argmax", jax_nkilib.argmax, (2, 3, 1024), "cascaded_max"),
+        ("argmax_large_vocab", jax_nkilib.argmax, (2, 3, 32000), "topk"),
+        ("argmax_many_rows", jax_nkilib.argmax, (64, 8, 512), "topk"),
         (
             "router",
             lambda x: jax_nkilib.router(x, jnp.ones((256, 64), x.dtype), top_k=4, normalize=True),
@@ -228,7 +241,7 @@ def test_router_past_the_kernel_limits_falls_back(monkeypatch):
             "selection_bias",
         ),
         (lambda x, w: jax_nkilib.topk(x, 129), ValueError, "`k`"),
-        (lambda x, w: jax_nkilib.topk(x.astype(jnp.int32), 2), TypeError, "`x`"),
+        (lambda x, w: jax_nkilib.topk(x.astype(jnp.bool_), 2), TypeError, "`x`"),
         (lambda x, w: jax_nkilib.argmax(3.0), TypeError, "`x`"),
     ],
 )

@@ -1,7 +1,8 @@
 """Routing and selection in JAX layouts: ``topk``, ``argmax`` and the mixture-of-experts ``router``.
 
 Each works over the last axis of its input, with any leading axes (folded into the kernels' token axis). On Neuron
-``topk`` is the ``topk`` kernel, ``argmax`` is ``cascaded_max`` and ``router`` is ``router_topk``; elsewhere the
+``topk`` is the ``topk`` kernel, ``argmax`` is ``cascaded_max`` (or ``topk`` with k=1 past its limits) and ``router``
+is ``router_topk``; elsewhere the
 kernels' JAX references run. The kernels' uint32 indices are returned as int32 (like ``jax.lax.top_k``).
 """
 
@@ -12,10 +13,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..framework.common_types import RouterActFnType
-from ..framework.spec import accumulation_dtype
-from ..framework.validation import check_operand_layouts, static_bool, static_int
+from ..framework.spec import FLOAT_DTYPES, accumulation_dtype
+from ..framework.validation import check_call, check_operand_layouts, static_bool, static_int
 from ..moe.cascaded_max import cascaded_max
 from ..moe.router_topk import activate, router_topk
 from ..moe.topk import topk as topk_kernel
@@ -49,9 +51,23 @@ class Routing(NamedTuple):
 
 
 def _check_x(where: str, x):
-    check_operand_layouts(where, {"x": "..., V"}, positive=("V",), x=x)
-    auto.leading(jnp.ndim(x) - 1, where)
-    return jnp.asarray(x)
+    check_operand_layouts(where, {"x": "..., V"}, dtypes=None, positive=("V",), x=x)
+    x = jnp.asarray(x)
+    if not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)):
+        raise TypeError(f"{where}: `x` [..., V] must have a floating or integer dtype; got {x.dtype}")
+    auto.leading(x.ndim - 1, where)
+    return x
+
+
+def _kernel_dtype(x) -> bool:
+    """Whether the kernels take ``x``'s dtype (the other floats and integers run in XLA)."""
+    return np.dtype(x.dtype) in FLOAT_DTYPES
+
+
+def _unmet_limits(kernel, operands, params) -> list[str]:
+    """The Neuron limits ``kernel`` would not meet for these operands (shapes only)."""
+    avals = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in operands.items()}
+    return kernel.spec.neuron_limits(check_call(kernel.spec, avals, params))
 
 
 def _rows(x):
@@ -63,13 +79,14 @@ def topk(x, k: int):
     """The ``k`` largest values along the last axis and their indices, like ``jax.lax.top_k``.
 
     Args:
-      x: ``[..., V]``, float32, bfloat16, float16 or float64.
+      x: ``[..., V]``, any float or integer dtype.
       k: a static int in ``[1, V]``.
 
     Returns ``(values [..., k] in x's dtype, indices [..., k] int32)``, in descending order of value (ties: the lower
     index first here; the kernel's order on ties is unspecified). Differentiable in ``x`` through the values, like
-    ``jax.lax.top_k``. On Neuron this is the ``topk`` kernel on ``x`` reshaped to ``[B*S, V]`` (its limits, e.g.
-    ``k < V``, apply; otherwise the reference runs with a ``NeuronFallbackWarning``).
+    ``jax.lax.top_k``. On Neuron a float32, bfloat16, float16 or float64 ``x`` is the ``topk`` kernel on ``x``
+    reshaped to ``[B*S, V]`` (its limits, e.g. ``k < V``, apply; otherwise the reference runs with a
+    ``NeuronFallbackWarning``); other dtypes run ``jax.lax.top_k`` in XLA.
     """
     where = "jax_nkilib.topk"
     x = _check_x(where, x)
@@ -78,9 +95,9 @@ def topk(x, k: int):
     if sharded:
         dims = auto.leading(x.ndim - 1) + "_"
         return sharded.run(lambda x, axes: topk(x, k), (dims, dims))
-    if x.size == 0:
+    if x.size == 0 or not _kernel_dtype(x):
         values, indices = jax.lax.top_k(x, k)
-        return values, indices
+        return values, indices.astype(jnp.int32)
     values, indices = topk_kernel.call({"inp": _rows(x)}, topk_kernel.params(k=k))
     shape = x.shape[:-1] + (k,)
     return values.reshape(shape), indices.astype(jnp.int32).reshape(shape)
@@ -90,11 +107,14 @@ def argmax(x):
     """The index of the largest value along the last axis, like ``jnp.argmax(x, axis=-1)`` (for greedy sampling).
 
     Args:
-      x: ``[..., V]``, float32, bfloat16, float16 or float64.
+      x: ``[..., V]``, any float or integer dtype.
 
-    Returns ``[...]`` int32 (not differentiable). Ties give the lowest index here (the kernel's choice on ties is
-    unspecified). On Neuron this is the ``cascaded_max`` kernel on ``x`` reshaped to ``[B*S, V]`` (its limits apply:
-    at most 128 rows per core, ``128 <= V <= 16384``; otherwise the reference runs with a ``NeuronFallbackWarning``).
+    Returns ``[...]`` int32 (not differentiable). Ties give the lowest index here (the kernels' choice on ties is
+    unspecified). On Neuron a float32, bfloat16, float16 or float64 ``x`` is the ``cascaded_max`` kernel on ``x``
+    reshaped to ``[B*S, V]`` where it fits (at most 128 rows per core, ``128 <= V <= 16384``), else the ``topk``
+    kernel with ``k=1`` (large vocabularies, many rows); a call neither fits runs the reference with a
+    ``NeuronFallbackWarning``. Other dtypes run ``jnp.argmax`` in XLA. NaN handling off the kernels is XLA's
+    (``jnp.argmax``'s first NaN for ``cascaded_max``'s reference, ``jax.lax.top_k``'s order for ``topk``'s).
     """
     where = "jax_nkilib.argmax"
     x = _check_x(where, x)
@@ -102,9 +122,17 @@ def argmax(x):
     sharded = auto.plan(ARGMAX_SHARDING, [auto.ShardedArgument("x", x, dims + "_")])
     if sharded:
         return sharded.run(lambda x, axes: argmax(x), dims)
-    if x.size == 0:
-        return jnp.zeros(x.shape[:-1], jnp.int32)
-    _, indices = cascaded_max.call({"input_tensor": _rows(x)}, cascaded_max.params())
+    if x.size == 0 or not _kernel_dtype(x):
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    rows = _rows(x)
+    params = cascaded_max.params()
+    top1 = topk_kernel.params(k=1)
+    if _unmet_limits(cascaded_max, {"input_tensor": rows}, params) and not _unmet_limits(
+        topk_kernel, {"inp": rows}, top1
+    ):
+        _, indices = topk_kernel.call({"inp": rows}, top1)
+    else:
+        _, indices = cascaded_max.call({"input_tensor": rows}, params)
     return indices.astype(jnp.int32).reshape(x.shape[:-1])
 
 

@@ -254,7 +254,7 @@ register(
         kernels=("cascaded_max",),
         only_kernels=False,
         sharding=Sharding(_DATA, (P("data"),), P("data")),
-        bad=BadInput("x", lambda x: x.astype(jnp.int32), "x"),
+        bad=BadInput("x", lambda x: x.astype(jnp.bool_), "x"),
     ),
     ArgSpec(
         "router",
