@@ -46,6 +46,7 @@ from ..framework.spec import NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec
 
 MAX_K = 8  # the kernel's max8 instruction
 MAX_EXPERTS = 512  # gemm moving free size
+MIN_EXPERTS = 8  # nisa.max8 reads 8 to 16384 values per partition (token)
 MAX_TOKENS = 2048  # the kernel's intended range (docstring); longer calls are split along T
 SUPPORTED_ACTIVATIONS = (RouterActFnType.SOFTMAX, RouterActFnType.SIGMOID)
 
@@ -158,8 +159,8 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     t = dims["T"]
     if p["k"] > MAX_K:
         unmet.append(f"k={p['k']} must be <= {MAX_K}")
-    if dims["E"] > MAX_EXPERTS:
-        unmet.append(f"E={dims['E']} must be <= {MAX_EXPERTS}")
+    if not MIN_EXPERTS <= dims["E"] <= MAX_EXPERTS:
+        unmet.append(f"E={dims['E']} must be in [{MIN_EXPERTS}, {MAX_EXPERTS}]")
     if dims["H"] % PARTITIONS:
         unmet.append(f"H={dims['H']} must be a multiple of {PARTITIONS}")
     if t > MAX_TOKENS:
@@ -233,7 +234,8 @@ ROUTER_TOPK_SPEC = KernelSpec(
     support={
         "idiomatic": "router",
         "vjp": "JAX (through the reference's logits, activation and scatter; no backward kernel)",
-        "notes": f"k <= {MAX_K}, E <= {MAX_EXPERTS}, H % 128 == 0 on Neuron (T > {MAX_TOKENS} split along T); "
+        "notes": f"k <= {MAX_K}, {MIN_EXPERTS} <= E <= {MAX_EXPERTS}, H % 128 == 0 on Neuron "
+        f"(T > {MAX_TOKENS} split along T); "
         "router_pre_norm without norm_topk_prob returns the full activation; norm_topk_prob is ignored without "
         "router_pre_norm; SBUF x / SBUF outputs n/a; device adapter jax_nkilib_kernels/routing.py",
     },

@@ -233,7 +233,8 @@ def router(
 
     On Neuron a call without ``selection_bias`` is one ``router_topk`` kernel call over the tokens (``[T, hidden]``,
     ``x_hbm_layout=1``) followed by a gather of the weights; the kernel's limits (``top_k <= 8``,
-    ``num_experts <= 512``, ``hidden % 128 == 0``) otherwise make it the reference with a ``NeuronFallbackWarning``.
+    ``8 <= num_experts <= 512``, ``hidden % 128 == 0``) otherwise make it the reference with a
+    ``NeuronFallbackWarning``.
     ``selection_bias`` has no kernel: that call runs in JAX (XLA) on every platform.
     """
     top_k, normalize, activation_before_topk = _check_router(
@@ -263,7 +264,7 @@ def router(
         )
     compute = jnp.promote_types(x.dtype, w_router.dtype)
     x2, w = _rows(x).astype(compute), w_router.astype(compute)
-    bias = None if bias is None else jnp.asarray(bias)
+    bias = None if bias is None else jnp.asarray(bias).astype(compute)  # the kernel's bias is in x's dtype
     act_fn = ACTIVATIONS[activation]
     experts = w.shape[-1]
     if selection_bias is not None or x2.shape[0] == 0:
