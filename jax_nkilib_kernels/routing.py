@@ -113,18 +113,22 @@ def topk(inp, k=None, sorted_flag=True, method="ROTATIONAL"):
 
 @nki.jit
 def rotational_topk(inp, config=None):
-    """``(topk_values [R, k], topk_indices [R, k] uint32)`` for jax_nkilib's ``RotationalTopkConfig``."""
-    return _rotational(inp, config.orig_k, config.sorted)
+    """``(topk_values [R, k], topk_indices [R, k] uint32)``; ``config`` is jax_nkilib's ``RotationalTopkConfig`` as
+    the tuple ``(orig_k, sorted)``."""
+    orig_k, sorted_flag = config
+    return _rotational(inp, orig_k, sorted_flag)
 
 
 @nki.jit
 def gpsimd_topk(inp, config=None):
-    """``(topk_values [R, k] bf16, topk_indices [R, k] uint32)`` for jax_nkilib's ``GpsimdTopkConfig``."""
+    """``(topk_values [R, k] bf16, topk_indices [R, k] uint32)``; ``config`` is jax_nkilib's ``GpsimdTopkConfig`` as
+    the tuple ``(k, sorted)``."""
+    k, sorted_flag = config
     library_config = create_gpsimd_topk_config(
         inp_shape=tuple(inp.shape),
         inp_dtype=nl.bfloat16,
-        k=config.k,
-        sorted=config.sorted,
+        k=k,
+        sorted=sorted_flag,
         num_programs=nl.num_programs(0),
     )
     return _gpsimd_topk_body(inp, library_config)
