@@ -182,3 +182,16 @@ def test_neuron_limits_fall_back_with_the_reason(monkeypatch, lnc, change, reaso
             assert kernel_configs(neuron_text(fn, x, w)) == []
         with jax_nkilib.config(on_unsupported="error"), pytest.raises(NeuronUnsupportedError, match=reason):
             neuron_text(fn, x, w)
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_vmap_over_tokens_folds_into_t(layout):
+    """A vmapped x (w and the bias shared) becomes one kernel call over n*T tokens, equal to a loop."""
+    xs = jnp.stack([inputs(jnp.float32, layout, seed=s)[0] for s in range(3)])
+    _, w, b = inputs(jnp.float32, layout)
+    f = flags("SOFTMAX", 3, layout, True, True)
+    batched = jax.vmap(lambda x: router_topk(x, w, b, **f))
+    text = str(jax.make_jaxpr(batched)(xs))
+    assert "router_topk[" in text and f"f32[{3 * T},{E}]" in text and "scan" not in text
+    for got, want in zip(batched(xs), [jnp.stack(o) for o in zip(*(router_topk(x, w, b, **f) for x in xs))]):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
