@@ -14,7 +14,7 @@ from jax_nkilib.nki import router_topk
 from tests.moe import oracles
 from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text
-from tests.support.numerics import assert_close
+from tests.support.numerics import assert_close, assert_no_worse_than_plain
 
 T, H, E = 13, 256, 24  # odd token and expert counts
 
@@ -195,3 +195,25 @@ def test_vmap_over_tokens_folds_into_t(layout):
     assert "router_topk[" in text and f"f32[{3 * T},{E}]" in text and "scan" not in text
     for got, want in zip(batched(xs), [jnp.stack(o) for o in zip(*(router_topk(x, w, b, **f) for x in xs))]):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_bfloat16_gradients_are_no_worse_than_plain_jax():
+    """The VJP (which recomputes bf16 logits wide rather than differentiate their rounded copies) is within a small
+    multiple of plain bf16 JAX autodiff's error against the float64 gradient."""
+    x, w, b = inputs(jnp.bfloat16, t=64, h=256, e=32)
+    g = random((64, 32), jnp.float32, 5)
+
+    def plain(x, w, b):  # the same math, written directly in JAX at x's precision
+        logits = jnp.dot(x, w, preferred_element_type=jnp.float32) + b.astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        top, index = jax.lax.top_k(probs, 4)
+        kept = jnp.zeros_like(probs).at[jnp.arange(64)[:, None], index].set(top / top.sum(-1, keepdims=True))
+        return jnp.sum(kept.astype(x.dtype).astype(jnp.float32) * g)
+
+    ours = lambda x, w, b: jnp.sum(router_topk(x, w, b, **flags("SOFTMAX", 4, 1, True, True))[2] * g)
+    wide = [a.astype(jnp.float64) for a in (x, w, b)]
+    want = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(*wide)
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(x, w, b)
+    baseline = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(x, w, b)
+    for ours_grad, plain_grad, oracle in zip(got, baseline, want):
+        assert_no_worse_than_plain(ours_grad, plain_grad, oracle, factor=3.0)

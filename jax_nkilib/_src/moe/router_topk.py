@@ -29,8 +29,10 @@ documented. ``x_sb_layout``, ``use_column_tiling``, ``use_indirect_dma_scatter``
 ``T <= 128`` (the kernel's ``[T, K]`` layout) and a path that computes the top-K affinities
 (``router_pre_norm=False`` or ``norm_topk_prob=True``).
 
-Reverse mode: JAX math through this reference (differentiable in ``x``, ``w``, ``w_bias`` through the logits and the
-affinities; ``expert_index`` carries no gradient).
+Reverse mode: JAX math written from this formula (differentiable in ``x``, ``w``, ``w_bias`` through the logits and
+the affinities; ``expert_index`` carries no gradient). It starts from the saved selection and, for float32/float64
+inputs, the saved ``router_logits`` (no second matmul); bfloat16/float16 logits are recomputed wide instead of
+differentiating their rounded copies.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import numpy as np
 
 from ..framework.common_types import RouterActFnType
 from ..framework.hardware import PARTITIONS
-from ..framework.primitive import make_kernel, pull_back
+from ..framework.primitive import make_kernel
 from ..framework.spec import NEURON_FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param, accumulation_dtype
 
 MAX_K = 8  # the kernel's max8 instruction
@@ -61,7 +63,7 @@ def activate(values, act_fn: RouterActFnType):
 def scatter_topk(values, index, experts: int):
     """``[T, E]`` zeros with ``values [T, K]`` at the columns ``index [T, K]``."""
     rows = jnp.arange(values.shape[0])[:, None]
-    return jnp.zeros((values.shape[0], experts), values.dtype).at[rows, index].set(values)
+    return jnp.zeros((values.shape[0], experts), values.dtype).at[rows, index].set(values, unique_indices=True)
 
 
 def router_logits_wide(x, w, w_bias, x_hbm_layout: int):
@@ -74,49 +76,67 @@ def router_logits_wide(x, w, w_bias, x_hbm_layout: int):
     return logits
 
 
-def route(logits, act_fn, k: int, router_pre_norm: bool, norm_topk_prob: bool):
-    """``(expert_index [T, K], expert_affinities [T, E], top-K affinities [T, K] or None)`` from wide logits."""
-    experts = logits.shape[-1]
-    if router_pre_norm:
+def selected_affinities(logits, index, params):
+    """``(expert_affinities [T, E], top-K affinities [T, K] or None)`` of wide ``logits`` for the selection
+    ``index [T, K]`` (differentiable in ``logits``)."""
+    act_fn = params["act_fn"]
+    if params["router_pre_norm"]:
         full = activate(logits, act_fn)
-        top, index = jax.lax.top_k(full, k)
-        if not norm_topk_prob:
-            return index, full, None
+        if not params["norm_topk_prob"]:
+            return full, None
+        top = jnp.take_along_axis(full, index, axis=-1)
         weights = top / jnp.sum(top, axis=-1, keepdims=True)
     else:
-        top, index = jax.lax.top_k(logits, k)
-        weights = activate(top, act_fn)
-    return index, scatter_topk(weights, index, experts), weights
+        weights = activate(jnp.take_along_axis(logits, index, axis=-1), act_fn)
+    return scatter_topk(weights, index, logits.shape[-1]), weights
 
 
-def _differentiable_outputs(x, w, w_bias, params):
-    """``(router_logits, expert_affinities[, expert_affinities_topk])`` and ``expert_index``."""
-    logits = router_logits_wide(x, w, w_bias, params["x_hbm_layout"])
-    index, affinities, weights = route(
-        logits, params["act_fn"], params["k"], params["router_pre_norm"], params["norm_topk_prob"]
-    )
-    outs = (logits.astype(x.dtype), affinities.astype(x.dtype))
-    if params["return_eager_affi"]:
-        outs += (weights.astype(accumulation_dtype(x.dtype)),)
-    return outs, index
+def select(logits, params):
+    """``expert_index [T, K]`` int32: top-K of the activated scores (``router_pre_norm``) or of the logits."""
+    scores = activate(logits, params["act_fn"]) if params["router_pre_norm"] else logits
+    return jax.lax.top_k(scores, params["k"])[1]
 
 
 def reference_router_topk(x, w, w_bias=None, **params):
     """JAX reference: ``(router_logits, expert_index, expert_affinities[, expert_affinities_topk])``."""
-    outs, index = _differentiable_outputs(x, w, w_bias, params)
-    return (outs[0], index.astype(jnp.uint32)) + outs[1:]
+    logits = router_logits_wide(x, w, w_bias, params["x_hbm_layout"])
+    index = select(logits, params)
+    affinities, weights = selected_affinities(logits, index, params)
+    outs = (logits.astype(x.dtype), index.astype(jnp.uint32), affinities.astype(x.dtype))
+    return outs + ((weights.astype(accumulation_dtype(x.dtype)),) if params["return_eager_affi"] else ())
 
 
 def _router_topk_vjp(kernel, operands, params, outs, cotangents):
-    """Pull back through the logits, the activation and the scatter (``expert_index`` has none)."""
-    names = [name for name in ("x", "w", "w_bias") if operands[name] is not None]
-    wanted = (cotangents[0], cotangents[2]) + tuple(cotangents[3:])
-    return pull_back(
-        lambda named: _differentiable_outputs(named["x"], named["w"], named["w_bias"], params)[0],
-        operands,
-        names,
-        wanted,
-    )
+    """``d logits`` through the activation, the normalisation and the scatter for the saved selection, from the
+    saved ``router_logits`` for float32/float64 inputs (exact: no second matmul) and from recomputed wide logits for
+    bfloat16/float16 ones (whose saved logits are rounded); then ``dx = d logits w^T``, ``dw = x^T d logits``,
+    ``dw_bias = sum_T d logits``."""
+    x, w, bias = operands["x"], operands["w"], operands["w_bias"]
+    wide = accumulation_dtype(x.dtype)
+    index = outs[1].astype(jnp.int32)
+    eager = params["return_eager_affi"]
+
+    def affinity_outputs(logits):
+        affinities, weights = selected_affinities(logits, index, params)
+        return (affinities.astype(x.dtype),) + ((weights.astype(wide),) if eager else ())
+
+    if jnp.finfo(x.dtype).bits >= 32:  # router_logits hold the wide logits exactly
+        logits = outs[0].astype(wide)
+    else:  # rounded to 8 or 11 bits: recompute them (one matmul) rather than differentiate rounded values
+        logits = router_logits_wide(x, w, bias, params["x_hbm_layout"])
+    primal, pull = jax.vjp(affinity_outputs, logits)
+    wanted = (cotangents[2],) + ((cotangents[3],) if eager else ())
+    (d_logits,) = pull(tuple(jnp.zeros_like(p) if c is None else c.astype(p.dtype) for c, p in zip(wanted, primal)))
+    if cotangents[0] is not None:
+        d_logits = d_logits + cotangents[0].astype(wide)
+    product = dict(preferred_element_type=wide, precision=jax.lax.Precision.HIGHEST)
+    tokens_first = params["x_hbm_layout"] == 1
+    d_x = jnp.einsum("te,he->th" if tokens_first else "te,he->ht", d_logits, w, **product)
+    d_w = jnp.einsum("th,te->he" if tokens_first else "ht,te->he", x, d_logits, **product)
+    grads = {"x": d_x, "w": d_w}
+    if bias is not None:
+        grads["w_bias"] = jnp.sum(d_logits, axis=0).reshape(bias.shape)
+    return grads
 
 
 def _tokens(call: CallInfo) -> int:
