@@ -253,7 +253,7 @@ ROUTER_TOPK_SPEC = KernelSpec(
     catalog="1.17",
     support={
         "idiomatic": "router",
-        "vjp": "JAX (through the reference's logits, activation and scatter; no backward kernel)",
+        "vjp": "JAX (hand-written from the formula, from the saved selection and logits; no backward kernel)",
         "notes": f"k <= {MAX_K}, {MIN_EXPERTS} <= E <= {MAX_EXPERTS}, H % 128 == 0 on Neuron "
         f"(T > {MAX_TOKENS} split along T); "
         "router_pre_norm without norm_topk_prob returns the full activation; norm_topk_prob is ignored without "
