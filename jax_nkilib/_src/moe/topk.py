@@ -1,5 +1,5 @@
-"""``topk`` and ``rotational_topk`` (catalog row 18, section 1.18): the k largest values along the last axis and
-their indices.
+"""``topk`` and ``rotational_topk`` (catalog row 18, section 1.18) and the docs-only ``gpsimd_topk`` (row 81,
+section 3): the k largest values along the last axis and their indices.
 
 Source: nki-library ``src/nkilib_src/nkilib/core/topk/rotational_topk.py`` (``topk``, ``rotational_topk``),
 ``rotational_topk_utils.py`` (``RotationalTopkConfig``, ``create_topk_config``, ``create_rotational_topk_config``)
@@ -14,7 +14,6 @@ and the torch reference ``topk/torch_ref.py`` (``torch.topk``); tests ``test/int
   ``vocab_size``, ``n_stages``, ``stage_free_size``, ``tile_size``, ``padded_k``, ...), built by its factory; here
   the config holds the caller's choices and the adapter runs the library's factory on the traced shape, so the two
   always agree.
-
 * ``gpsimd_topk(inp [R, V], config=GpsimdTopkConfig(k, sorted))`` (docs-only, row 81: nki-library 2.32
   ``experimental/topk/gpsimd_topk.py``, read from the NKI Library API reference and the newer source in the public
   code index) -> ``[R, k]`` values and uint32 indices through the GpSimd ``nisa.topk`` instruction. Its config is
