@@ -256,3 +256,12 @@ def test_token_free_calls_return_empty_results():
     routing = jax_nkilib.router(x, w, top_k=2)
     assert routing.indices.shape == (0, 2) and routing.logits.shape == (0, 16)
     assert jax_nkilib.topk(x, 3)[0].shape == (0, 3) and jax_nkilib.argmax(x).shape == (0,)
+
+
+def test_router_gradient_lowers_to_one_kernel_call():
+    """Reverse mode reuses the forward's kernel outputs: one router_topk call, the backward in XLA."""
+    x, w = random((64, 256), jnp.bfloat16), random((256, 16), jnp.bfloat16, 1)
+    loss = lambda x, w: jnp.sum(jax_nkilib.router(x, w, top_k=2, normalize=True).weights.astype(jnp.float32))
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(jax.grad(loss, argnums=(0, 1)), x, w)
+    assert [c["func_name"] for c in kernel_configs(text)] == ["router_topk"]
