@@ -17,6 +17,7 @@ from jax_nkilib._src.ops.projection import output_projection, qkv_projection
 from jax_nkilib._src.ops.quant import dequantize_mx, mxfp8_matmul, quantize_mx
 from jax_nkilib._src.ops.ring_attention import ring_attention
 from jax_nkilib._src.ops.rope import rope
+from jax_nkilib._src.ops.routing import Routing, argmax, router, topk
 from jax_nkilib._src.quant.weights import QuantizedWeight, quantize_weight_fp8
 from jax_nkilib._src.sharding.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_nkilib._src.sharding.sequence_layouts import from_ring_layout, to_ring_layout, token_positions
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "all_gather_matmul",
+    "argmax",
     "attention",
     "checkpoint_policies",
     "config",
@@ -58,7 +60,10 @@ __all__ = [
     "ring_attention",
     "rms_norm",
     "rope",
+    "router",
+    "Routing",
     "support_matrix",
     "to_ring_layout",
     "token_positions",
+    "topk",
 ]

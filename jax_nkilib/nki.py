@@ -50,6 +50,7 @@ from jax_nkilib._src.moe.blockwise_mm_bwd import (
     blockwise_mm_bwd,
 )
 from jax_nkilib._src.moe.bwmm_shard_on_h import blockwise_mm_baseline_shard_hidden
+from jax_nkilib._src.moe.cascaded_max import cascaded_max
 from jax_nkilib._src.moe.dispatch_metadata import build_all2all_dispatch_metadata, build_all_to_all_v_metadata
 from jax_nkilib._src.moe.moe_block_tkg import moe_block_tkg
 from jax_nkilib._src.moe.moe_cte import moe_cte
@@ -64,6 +65,16 @@ from jax_nkilib._src.moe.moe_cte_config import (
 from jax_nkilib._src.moe.moe_tkg import moe_tkg
 from jax_nkilib._src.moe.permute_routed_tokens import permute_routed_tokens
 from jax_nkilib._src.moe.rmsnorm_router_topk import rmsnorm_router_topk_a2av, rmsnorm_router_topk_tkg
+from jax_nkilib._src.moe.router_topk import router_topk
+from jax_nkilib._src.moe.subkernels import argsort_unstable, find_nonzero_indices, indexed_flatten
+from jax_nkilib._src.moe.topk import (
+    GpsimdTopkConfig,
+    RotationalTopkConfig,
+    SupportedTopkMethods,
+    gpsimd_topk,
+    rotational_topk,
+    topk,
+)
 from jax_nkilib._src.moe.topk_reduce import topk_reduce
 from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
 from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
@@ -87,6 +98,7 @@ __all__ = [
     "allgather_compute_matmul",
     "allgather_sb2sb",
     "allgather_sb2sb_tiled",
+    "argsort_unstable",
     "attention_bwd",
     "attention_cte",
     "attention_kv_parallel_segmented_cte",
@@ -101,13 +113,18 @@ __all__ = [
     "build_all2all_dispatch_metadata",
     "build_all_to_all_v_metadata",
     "AttnQBatchShardLayout",
+    "cascaded_max",
     "dma_copy_rank_id_kernel",
     "DtypeMode",
     "ExpertAffinityScaleMode",
     "fine_grained_allgather",
+    "find_nonzero_indices",
     "gen_mask_tkg",
     "gen_mask_tkg_hbm",
     "KernelTypeOption",
+    "gpsimd_topk",
+    "GpsimdTopkConfig",
+    "indexed_flatten",
     "layernorm_tkg",
     "matmul_mxfp8",
     "matmul_mxfp8_backward",
@@ -144,6 +161,9 @@ __all__ = [
     "rmsnorm_tkg",
     "RoPE",
     "rope_hf",
+    "rotational_topk",
+    "RotationalTopkConfig",
+    "router_topk",
     "RouterActFnType",
     "row_quantization",
     "ShardOnBlockConfig",
@@ -151,7 +171,9 @@ __all__ = [
     "ShardOption",
     "SkipMode",
     "static_quantization",
+    "SupportedTopkMethods",
     "swa_fused_cte",
     "unpermute_a2av",
     "topk_reduce",
+    "topk",
 ]

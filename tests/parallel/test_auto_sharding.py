@@ -69,6 +69,14 @@ def _cases():
             {},
         ),
         "jax_nkilib.rms_norm": (jax_nkilib.rms_norm, (x3, gain), (P("data", "model"), P()), {}),
+        "jax_nkilib.topk": (lambda x: jax_nkilib.topk(x, 3), (x3,), (P("data", "model"),), {}),
+        "jax_nkilib.argmax": (jax_nkilib.argmax, (x3,), (P("data", "model"),), {}),
+        "jax_nkilib.router": (
+            lambda x, w: jax_nkilib.router(x, w, top_k=2, normalize=True),
+            (x3, w_gate[:, :16]),
+            (P("data", "model"), P()),
+            {},
+        ),
         "jax_nkilib.layer_norm": (jax_nkilib.layer_norm, (x3, gain, gain), (P("data", "model"), P(), P()), {}),
         "jax_nkilib.quantize_fp8": (_quantized(jax_nkilib.quantize_fp8), (x3,), (P("data", "model"),), {}),
         "jax_nkilib.dequantize_fp8": (

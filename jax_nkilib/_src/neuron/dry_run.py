@@ -10,6 +10,7 @@ it keeps the spec's operand order.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from typing import Any
 
@@ -24,6 +25,8 @@ from .kernel_arguments import TensorArgument, call_arguments
 def _json_value(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.name
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a config object (RotationalTopkConfig)
+        return {field.name: _json_value(getattr(value, field.name)) for field in dataclasses.fields(value)}
     if isinstance(value, (tuple, list)):
         return [_json_value(item) for item in value]
     if isinstance(value, np.dtype) or isinstance(value, type):

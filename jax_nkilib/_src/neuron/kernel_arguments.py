@@ -9,8 +9,8 @@ who receives them:
   them in the installed library), dtypes as ``nki.language`` dtypes, replica groups as
   ``nki.collectives.ReplicaGroup``, tensors as placeholders with the operand's shape and dtype;
 * a device adapter in ``jax_nkilib_kernels`` (our own ``@nki.jit`` wrappers) gets plain values it converts itself:
-  enum member names, NumPy dtypes, rank lists, and tensors as placeholders in their JAX dtype (packed words stay
-  unsigned words; the adapter views them as the x4 type).
+  enum member names, NumPy dtypes, rank lists, config dataclasses as the tuple of their field values, and tensors
+  as placeholders in their JAX dtype (packed words stay unsigned words; the adapter views them as the x4 type).
 """
 
 from __future__ import annotations
@@ -169,6 +169,8 @@ def adapter_values(arguments: Mapping[str, Any], placeholder: Callable[[TensorAr
             values[name] = placeholder(value)
         elif isinstance(value, enum.Enum):
             values[name] = value.name
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # a config object: its field values
+            values[name] = dataclasses.astuple(value)
         else:  # replica groups arrive as rank lists already (the lowering resolves the mesh axes)
             values[name] = value
     return values

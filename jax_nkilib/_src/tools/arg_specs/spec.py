@@ -220,7 +220,19 @@ def public_name(fn) -> str:
     raise ValueError(f"{fn} is neither in jax_nkilib.nki nor in jax_nkilib")
 
 
-_FAMILIES = ("rope", "attention", "norm", "projection", "mlp", "quant", "parallel", "moe_a2a", "moe_cte", "moe_tkg")
+_FAMILIES = (
+    "rope",
+    "attention",
+    "norm",
+    "projection",
+    "mlp",
+    "quant",
+    "parallel",
+    "moe_a2a",
+    "moe_cte",
+    "moe_tkg",
+    "routing",
+)
 _loaded = False
 
 
