@@ -161,7 +161,11 @@ def test_bad_inputs():
         (lambda: jax_nkilib.moe(x, (idx.astype(jnp.float32), w), w_gu, w_d), TypeError, "`indices` must be an integer"),
         (lambda: jax_nkilib.moe(x, (idx[:3], w[:3]), w_gu, w_d), ValueError, "`indices` must be [leading axes of x"),
         (lambda: jax_nkilib.moe(x, jnp.ones((4, 3)), w_gu, w_d), TypeError, "router logits need top_k"),
-        (lambda: jax_nkilib.moe(x, jnp.ones((4, 5)), w_gu, w_d, top_k=1), ValueError, "router logits must be"),
+        (
+            lambda: jax_nkilib.moe(x, jnp.ones((4, 5)), w_gu, w_d, top_k=1),
+            ValueError,
+            "`routing` (router logits) must be",
+        ),
         (lambda: jax_nkilib.moe(x, (idx, w), w_gu, w_d, top_k=2), ValueError, "top_k and normalize apply to"),
         (lambda: jax_nkilib.moe(x, (idx, w), w_gu, w_d, activation="tanh"), ValueError, "activation must be one of"),
         (lambda: jax_nkilib.moe(x, jnp.ones((4, 3)), w_gu, w_d, top_k=4), ValueError, "`top_k`"),

@@ -7,11 +7,16 @@ import jax.numpy as jnp
 
 from ..framework.arguments import array_argument
 from ..framework.validation import check_operand_layouts, static_bool, static_int
+from ..moe.blockwise_routing import blockwise_routing
 from ..moe.grouped_experts import ExpertWeights, routed_experts
+from ..moe.moe_cte import moe_cte
+from ..moe.moe_tkg import moe_tkg
 from ..sharding import auto
 from .mlp import ACTIVATIONS
 
 _WHERE = "jax_nkilib.moe"
+DECODE_TOKENS = 128  # up to this many tokens (per device) moe runs on moe_tkg, above on moe_cte
+PREFILL_BLOCK = 256  # moe_cte's block size (shard_on_i: a multiple of 256)
 
 MOE_SHARDING = auto.register_rule(
     auto.ShardingRule(
@@ -61,7 +66,8 @@ def _routing(routing, leading: tuple[int, ...], num_experts: int, top_k, normali
     logits = array_argument(_WHERE, "routing", routing, dtypes="floating")
     if logits.shape != (*leading, num_experts):
         raise ValueError(
-            f"{_WHERE}: router logits must be [leading axes of x, num_experts] = {(*leading, num_experts)}; got "
+            f"{_WHERE}: `routing` (router logits) must be [leading axes of x, num_experts] = "
+            f"{(*leading, num_experts)}; got "
             f"{logits.shape}"
         )
     if top_k is None:
@@ -204,7 +210,9 @@ def _moe_local(x, route, top_k, normalize, weights: ExpertWeights, fn, axes, tok
         first = jax.lax.axis_index(reduce_over) == 0
         weights = weights._replace(down_bias=jnp.where(first, weights.down_bias, 0).astype(weights.down_bias.dtype))
     if not expert_axes:
-        out = routed_experts(x2, token_of_pair, pair_weights, pair_experts, weights, fn)
+        out = _experts(
+            x2, indices.reshape(x2.shape[0], top_k), routing_weights.reshape(x2.shape[0], top_k), weights, fn
+        )
     else:
         local_experts = weights.gate_up.shape[0]
         rank = jax.lax.axis_index(expert_axes)
@@ -212,7 +220,7 @@ def _moe_local(x, route, top_k, normalize, weights: ExpertWeights, fn, axes, tok
             out = _dispatched_experts(x2, token_of_pair, pair_weights, pair_experts, weights, fn, expert_axes)
         elif not set(expert_axes) & set(token_axes):
             local_ids = pair_experts - rank * local_experts  # other devices' experts fall outside [0, E_local)
-            out = routed_experts(x2, token_of_pair, pair_weights, local_ids, weights, fn)
+            out = _experts(x2, local_ids.reshape(-1, top_k), pair_weights.reshape(-1, top_k), weights, fn)
             reduce_over = expert_axes + reduce_over
         else:
             raise ValueError(
@@ -247,17 +255,72 @@ def _dispatched_experts(x, token_of_pair, pair_weights, pair_experts, weights: E
     recv_x = jax.lax.all_to_all(send_x, expert_axes, 0, 0)
     recv_expert = jax.lax.all_to_all(send_expert, expert_axes, 0, 0).reshape(-1)
     rows = devices * pairs
-    computed = routed_experts(
-        recv_x.reshape(rows, hidden),
-        jnp.arange(rows, dtype=jnp.int32),
-        jnp.ones((rows,), x.dtype),
-        recv_expert,
-        weights,
-        fn,
-    )
+    ones = jnp.ones((rows, 1), x.dtype)
+    computed = _experts(recv_x.reshape(rows, hidden), recv_expert.reshape(rows, 1), ones, weights, fn)
     back = jax.lax.all_to_all(computed.reshape(devices, pairs, hidden), expert_axes, 0, 0).reshape(rows, hidden)
     acc = jnp.promote_types(x.dtype, jnp.float32)
     scale = jnp.where(empty, 0, pair_weights.astype(acc)[pair])
     target = jnp.where(empty, tokens, token_of_pair[pair])
     out = jnp.zeros((tokens + 1, hidden), acc).at[target].add(back.astype(acc) * scale[:, None])
     return out[:tokens].astype(x.dtype)
+
+
+def _experts(x, indices, routing_weights, weights: ExpertWeights, fn):
+    """``sum_k routing_weights[t, k] * MLP_{indices[t, k]}(x[t])`` for ``x [T, H]``, ``indices [T, K]``: on Neuron
+    the NKI kernels (:func:`_on_kernels`), elsewhere the blockwise grouped matmul."""
+
+    def reference(x, indices, routing_weights, weights):
+        tokens, top_k = indices.shape
+        token_of_pair = jnp.repeat(jnp.arange(tokens, dtype=jnp.int32), top_k)
+        return routed_experts(x, token_of_pair, routing_weights.reshape(-1), indices.reshape(-1), weights, fn)
+
+    def kernels(x, indices, routing_weights, weights):
+        return _on_kernels(x, indices, routing_weights, weights, fn)
+
+    return jax.lax.platform_dependent(x, indices, routing_weights, weights, neuron=kernels, default=reference)
+
+
+def _on_kernels(x, indices, routing_weights, weights: ExpertWeights, fn):
+    """The Neuron route: ``moe_tkg`` (selective, ``POST_SCALE``) for at most :data:`DECODE_TOKENS` tokens, else
+    ``moe_cte`` (``shard_on_i``, blocks of :data:`PREFILL_BLOCK`, whose VJP is ``blockwise_mm_bwd``) on the routing
+    operands :func:`blockwise_routing` builds. An index outside ``[0, E)`` gets weight 0 (on expert 0)."""
+    tokens, hidden = x.shape
+    num_experts = weights.gate_up.shape[0]
+    valid = (indices >= 0) & (indices < num_experts)
+    indices = jnp.where(valid, indices, 0).astype(jnp.int32)
+    routing_weights = jnp.where(valid, routing_weights, 0).astype(x.dtype)
+    biases = dict(
+        gate_up_bias=weights.gate_up_bias,
+        down_bias=weights.down_bias,
+    )
+    if tokens <= DECODE_TOKENS:
+        affinities = (
+            jnp.zeros((tokens, num_experts), x.dtype).at[jnp.arange(tokens)[:, None], indices].add(routing_weights)
+        )
+        return moe_tkg(
+            x,
+            weights.gate_up,
+            weights.down,
+            affinities,
+            indices,
+            expert_gate_up_bias=biases["gate_up_bias"],
+            expert_down_bias=biases["down_bias"],
+            is_all_expert=False,
+            expert_affinities_scaling_mode="POST_SCALE",
+            activation_fn=fn,
+        )
+    routing = blockwise_routing(indices, routing_weights, num_experts=num_experts, block_size=PREFILL_BLOCK)
+    out = moe_cte(
+        jnp.concatenate([x, jnp.zeros((1, hidden), x.dtype)]),
+        routing.expert_affinities_masked,
+        weights.gate_up,
+        weights.down,
+        routing.token_position_to_id,
+        routing.block_to_expert,
+        gate_and_up_proj_bias=biases["gate_up_bias"],
+        down_proj_bias=biases["down_bias"],
+        block_size=PREFILL_BLOCK,
+        implementation="shard_on_i",
+        activation_function=fn,
+    )
+    return out[:tokens]

@@ -232,6 +232,7 @@ _FAMILIES = (
     "moe_cte",
     "moe_tkg",
     "routing",
+    "moe",
 )
 _loaded = False
 
