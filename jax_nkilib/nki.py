@@ -43,6 +43,7 @@ from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
 from jax_nkilib._src.moe.moe_block_tkg import moe_block_tkg
 from jax_nkilib._src.moe.moe_tkg import moe_tkg
+from jax_nkilib._src.moe.mx_moe_block_tkg_wrapper import mx_moe_block_tkg_wrapper
 from jax_nkilib._src.moe.rmsnorm_router_topk import rmsnorm_router_topk_a2av, rmsnorm_router_topk_tkg
 from jax_nkilib._src.moe.topk_reduce import topk_reduce
 from jax_nkilib._src.norm.layernorm_tkg import layernorm_tkg
@@ -88,6 +89,7 @@ __all__ = [
     "mlp_forward_mxfp8_nki",
     "moe_block_tkg",
     "moe_tkg",
+    "mx_moe_block_tkg_wrapper",
     "MLPGateUpWeightLayout",
     "NormType",
     "output_projection_cte",
