@@ -63,6 +63,7 @@ from jax_nkilib._src.moe.moe_cte_config import (
     SkipMode,
 )
 from jax_nkilib._src.moe.moe_tkg import moe_tkg
+from jax_nkilib._src.moe.mx_moe_block_tkg_wrapper import mx_moe_block_tkg_wrapper
 from jax_nkilib._src.moe.permute_routed_tokens import permute_routed_tokens
 from jax_nkilib._src.moe.rmsnorm_router_topk import rmsnorm_router_topk_a2av, rmsnorm_router_topk_tkg
 from jax_nkilib._src.moe.router_topk import router_topk
@@ -136,6 +137,7 @@ __all__ = [
     "moe_cte",
     "moe_block_tkg",
     "moe_tkg",
+    "mx_moe_block_tkg_wrapper",
     "MLPGateUpWeightLayout",
     "NormType",
     "output_projection_cte",

@@ -298,3 +298,28 @@ def test_mx_all_expert_block_with_the_fused_residual_add():
     assert_close(out, want, jnp.float32, reduction=2, ops=8)
     with pytest.raises(ValueError, match="residual"):
         moe_block_tkg(inp, gamma, router, *make(1, 4, 512, 64, 4)[3:], residual=residual, top_k=2)
+
+
+def test_mx_wrapper_is_the_block_on_unsigned_words():
+    from jax_nkilib.nki import mx_moe_block_tkg_wrapper
+    from tests.moe.test_moe_tkg_mx import moe_mx_weights
+
+    inp, gamma, router, _, _ = make(2, 2, 512, 64, 4, seed=23)
+    w = moe_mx_weights(4, 512, 64, "fp4", dtype=jnp.float32)
+    flags = dict(top_k=2, expert_affinities_scaling_mode="POST_SCALE", router_mm_dtype=jnp.float32)
+    enums = dict(router_act_fn="SIGMOID", hidden_act_fn="SiLU")
+    operands = (inp, gamma, router, w["gate_up"], w["down"])
+    scales = dict(expert_gate_up_weights_scale=w["gate_up_scale"], expert_down_weights_scale=w["down_scale"])
+    wrapped = mx_moe_block_tkg_wrapper(*operands, **scales, **flags, **enums)
+    for got, want in zip(wrapped, moe_block_tkg(*operands, **scales, **flags, **enums)):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="router_act_fn"):
+        mx_moe_block_tkg_wrapper(*operands, **scales, **flags, hidden_act_fn="SiLU")
+    with pytest.raises(TypeError, match="MX x4 words"):
+        mx_moe_block_tkg_wrapper(*make(2, 2, 512, 64, 4), **flags, **enums)
+    bf16 = [a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a for a in operands]
+    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(lnc=2):
+        text = neuron_text(lambda *a: mx_moe_block_tkg_wrapper(*a, **scales, **flags, **enums), *bf16)
+    (config,) = kernel_configs(text)
+    assert config["func_name"] == "mx_moe_block_tkg_wrapper"
+    assert "tensor<4x128x2x1x64xui16>" in text  # the words reach the wrapper as unsigned words

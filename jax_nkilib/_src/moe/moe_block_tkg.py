@@ -129,7 +129,7 @@ def block_forward(rest, p, exact: bool = False):
     return tuple(outs)
 
 
-def _check(call: CallInfo) -> None:
+def check_block(call: CallInfo) -> None:
     check_expert_flags(call, "hidden_act_fn")
     mx = mx_format(call.avals["expert_gate_up_weights"].dtype) is not None
     p, f, dims = call.params, call.function, call.dims
@@ -158,7 +158,7 @@ def _check(call: CallInfo) -> None:
         raise TypeError(f"{f}: `router_mm_dtype` must be a float dtype; got {p['router_mm_dtype']}")
 
 
-def _neuron_limits(call: CallInfo) -> list[str]:
+def block_neuron_limits(call: CallInfo) -> list[str]:
     p, dims, unmet = call.params, call.dims, []
     if call.lnc != 2:
         unmet.append(f"the kernel runs only with LNC=2; got LNC={call.lnc}")
@@ -179,7 +179,7 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
-def _outputs(call: CallInfo):
+def block_outputs(call: CallInfo):
     dims, dtype = call.dims, call.avals["inp"].dtype
     tokens = dims["B"] * dims["S"]
     out = [("out", (tokens, dims["H"]), dtype)]
@@ -190,7 +190,7 @@ def _outputs(call: CallInfo):
     return out
 
 
-def _mac_count(call: CallInfo) -> int:
+def block_mac_count(call: CallInfo) -> int:
     d = call.dims
     tokens, experts = d["B"] * d["S"], d["E_L"] if call.params["is_all_expert"] else call.params["top_k"]
     return tokens * d["H"] * (d["E"] + 3 * experts * d["I"])
@@ -240,11 +240,11 @@ MOE_BLOCK_TKG_SPEC = KernelSpec(
         Param("is_all_expert", False, bool, "every local expert on every token"),
     ),
     outputs=(),
-    output_avals=_outputs,
+    output_avals=block_outputs,
     reference=reference_moe_block_tkg,
-    check=_check,
-    neuron_limits=_neuron_limits,
-    mac_count=_mac_count,
+    check=check_block,
+    neuron_limits=block_neuron_limits,
+    mac_count=block_mac_count,
     family="moe",
     catalog="1.12",
     support={
@@ -258,7 +258,7 @@ MOE_BLOCK_TKG_SPEC = KernelSpec(
 _OPERAND_NAMES = tuple(op.name for op in MOE_BLOCK_TKG_SPEC.operands)
 
 
-def _straight_through_vjp(kernel, operands, params, outs, cotangents):
+def block_vjp(kernel, operands, params, outs, cotangents):
     """Reverse mode of the reference, straight through the MX activation round trips (for dense weights, the
     reference itself)."""
     names = [
@@ -269,5 +269,5 @@ def _straight_through_vjp(kernel, operands, params, outs, cotangents):
     return pull_back(lambda named: block_forward(named, params, exact=True), operands, names, cotangents)
 
 
-moe_block_tkg = make_kernel(MOE_BLOCK_TKG_SPEC, _straight_through_vjp)
+moe_block_tkg = make_kernel(MOE_BLOCK_TKG_SPEC, block_vjp)
 moe_block_tkg.__doc__ += "\nSemantics (from the module documentation):\n\n" + __doc__

@@ -76,6 +76,7 @@ MX_INTERMEDIATE_MULTIPLE = 32  # the MX down layout [min(128, I/4), ceil(I/512),
 
 
 def _coefficient(affinity, io, acc):
+    """The all-expert path's affinity as the kernel multiplies it: rounded to the io dtype."""
     return affinity.astype(io).astype(acc)
 
 
@@ -127,23 +128,21 @@ def moe_tkg_forward(operands, p, exact: bool = False):
 
 
 def reference_moe_tkg(
-    hidden_input,
-    expert_gate_up_weights,
-    expert_down_weights,
-    expert_affinities,
-    expert_index,
-    rank_id=None,
-    expert_gate_up_bias=None,
-    expert_down_bias=None,
-    expert_gate_up_weights_scale=None,
-    expert_down_weights_scale=None,
-    **params,
+    hidden_input, expert_gate_up_weights, expert_down_weights, expert_affinities, expert_index, **rest
 ):
-    """JAX reference of ``moe_tkg``: ``(out [T, H],)``."""
-    operands = dict(locals())
-    del operands["params"]
-    out = moe_tkg_forward(operands, params)
-    return (out.astype(params["output_dtype"] or hidden_input.dtype),)
+    """JAX reference of ``moe_tkg``: ``(out [T, H],)``; ``rest`` holds the optional operands (by name) and the
+    params."""
+    operands = dict(
+        hidden_input=hidden_input,
+        expert_gate_up_weights=expert_gate_up_weights,
+        expert_down_weights=expert_down_weights,
+        expert_affinities=expert_affinities,
+        expert_index=expert_index,
+        rank_id=rest["rank_id"],
+        **{name: rest[name] for name in EXPERT_WEIGHTS[2:]},
+    )
+    out = moe_tkg_forward(operands, rest)
+    return (out.astype(rest["output_dtype"] or hidden_input.dtype),)
 
 
 # ---------------------------------------------------------------------------------------------------- checks

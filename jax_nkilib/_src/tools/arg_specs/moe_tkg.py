@@ -330,3 +330,41 @@ register(
         notes="router_mm_dtype=float64 off Neuron (the norm output's dtype) for the float64 gradient check",
     ),
 )
+
+
+register(
+    ArgSpec(
+        "mx_moe_block_tkg_wrapper",
+        nki.mx_moe_block_tkg_wrapper,
+        _BLOCK + ("expert_gate_up_weights_scale", "expert_down_weights_scale", "rank_id", "residual"),
+        _moe_block_mxfp4(8, 1, 512, 64, 4, local=2),
+        kwargs={
+            "top_k": 2,
+            "router_act_fn": "SIGMOID",
+            "expert_affinities_scaling_mode": "POST_SCALE",
+            "hidden_act_fn": "SiLU",
+            "router_mm_dtype": jnp.float64,
+            "is_all_expert": True,
+        },
+        positional=5,
+        kernels=("mx_moe_block_tkg_wrapper",),
+        grad=("inp", "gamma", "residual"),
+        check_grads=False,
+        batch=("inp", "residual"),
+        sharding=Sharding(
+            _DATA, (P("data"), P(), P(), P(), P(), P(), P(), P(), P("data")), (P("data"), P("data"), P("data"))
+        ),
+        neuron=_moe_block_mxfp4(1, 4, 512, 64, 4, jnp.bfloat16, local=2),
+        neuron_kwargs={
+            "top_k": 2,
+            "router_act_fn": "SIGMOID",
+            "expert_affinities_scaling_mode": "POST_SCALE",
+            "hidden_act_fn": "SiLU",
+            "router_mm_dtype": jnp.bfloat16,
+            "is_all_expert": True,
+        },
+        neuron_lnc=2,
+        bad=BadInput("router_act_fn", lambda _: None, "router_act_fn"),
+        notes="moe_block_tkg.mxfp4_all_expert's call through the wrapper: the same outputs (tests/moe)",
+    ),
+)
