@@ -3,8 +3,10 @@
 Run: python examples/moe.py   (on CPU it asks XLA for 8 host devices)
 
 The block is pre-norm attention (``rms_norm -> qkv_projection (RoPE) -> attention -> output_projection``) and a
-sparse MoE feed-forward: ``rms_norm -> router logits -> jax_nkilib.moe`` with 8 SwiGLU experts, each token sent to
-its top-2 experts with their renormalised softmax weights (Mixtral's routing). ``jax_nkilib.moe`` is dropless: no
+sparse MoE feed-forward: ``rms_norm -> jax_nkilib.router -> jax_nkilib.moe`` with 8 SwiGLU experts, each token sent
+to its top-2 experts with their renormalised softmax weights (Mixtral's routing). Lowered for Neuron the MoE half is
+the ``router_topk`` kernel and ``moe_cte`` (``moe_tkg`` for a decode step of few tokens), and its gradient adds
+``blockwise_mm_bwd``. ``jax_nkilib.moe`` is dropless: no
 token is dropped whatever the experts' loads. The script
 
 1. trains the block for a few steps on one device;
@@ -28,7 +30,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_nkilib  # noqa: E402
 
-BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM = 4, 32, 4, 2, 32
+BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM = 4, 64, 4, 2, 32
 MODEL, EXPERTS, TOP_K, INTERMEDIATE = HEADS * HEAD_DIM, 8, 2, 96
 # jax.set_mesh (also a context manager) is JAX >= 0.8; JAX 0.7 has the context manager as jax.sharding.use_mesh
 set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
@@ -55,14 +57,19 @@ def init_params(key):
     }
 
 
+def moe_layer(params, x):
+    """The MoE feed-forward with its residual: x [..., model] -> [..., model]."""
+    h = jax_nkilib.rms_norm(x, params["moe_norm"])
+    routing = jax_nkilib.router(h, params["router"], top_k=TOP_K, normalize=True)
+    return x + jax_nkilib.moe(h, routing, params["gate_up"], params["down"])
+
+
 def moe_block(params, x, cos, sin):
     """x: [batch, seq, model] -> [batch, seq, model]."""
     h = jax_nkilib.rms_norm(x, params["attn_norm"])
     q, k, v = jax_nkilib.qkv_projection(h, params["qkv"], num_q_heads=HEADS, num_kv_heads=KV_HEADS, rope=(cos, sin))
     x = x + jax_nkilib.output_projection(jax_nkilib.attention(q, k, v, causal=True), params["out"])
-    h = jax_nkilib.rms_norm(x, params["moe_norm"])
-    logits = h @ params["router"]
-    return x + jax_nkilib.moe(h, logits, params["gate_up"], params["down"], top_k=TOP_K, normalize=True)
+    return moe_layer(params, x)
 
 
 def loss_fn(params, x, target, cos, sin):
@@ -76,7 +83,8 @@ def train_step(params, x, target, cos, sin, learning_rate=0.5):
 
 
 def expert_parallel(params, x, target, cos, sin):
-    """The block and its gradients on a data x expert mesh; returns (output, gradients, compiled collectives)."""
+    """The MoE layer and its gradients on a data x expert mesh (attention needs whole sequences, so this splits
+    the tokens freely); returns (output, gradients, compiled collectives)."""
     mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)
     expert_split = {"gate_up": P("expert"), "down": P("expert")}
     specs = {name: expert_split.get(name, P()) for name in params}
@@ -85,18 +93,12 @@ def expert_parallel(params, x, target, cos, sin):
         placed = {name: put(value, specs[name]) for name, value in params.items()}
         tokens = P(("data", "expert"))  # the batch over both axes: each device holds one sequence's half
         xs, ts = put(x.reshape(-1, SEQ // 2, MODEL), tokens), put(target.reshape(-1, SEQ // 2, MODEL), tokens)
-        forward = jax.jit(lambda p, a: moe_layer_only(p, a))
+        forward = jax.jit(moe_layer)
         out = forward(placed, xs)
         compiled = forward.lower(placed, xs).compile().as_text()
-        grads = jax.jit(jax.grad(lambda p, a, t: jnp.mean((moe_layer_only(p, a) - t) ** 2)))(placed, xs, ts)
+        grads = jax.jit(jax.grad(lambda p, a, t: jnp.mean((moe_layer(p, a) - t) ** 2)))(placed, xs, ts)
     counts = {name: len(re.findall(rf"\s{name}(?:-start)?\(", compiled)) for name in COLLECTIVES}
     return jax.device_get(out).reshape(x.shape), jax.device_get(grads), {name: n for name, n in counts.items() if n}
-
-
-def moe_layer_only(params, x):
-    """The block's MoE half (attention needs whole sequences, so the expert-parallel demo splits tokens freely)."""
-    h = jax_nkilib.rms_norm(x, params["moe_norm"])
-    return x + jax_nkilib.moe(h, h @ params["router"], params["gate_up"], params["down"], top_k=TOP_K, normalize=True)
 
 
 def main():
@@ -113,8 +115,8 @@ def main():
     print("training losses:", " ".join(f"{loss:.4f}" for loss in losses))
 
     out, grads, collectives = expert_parallel(params, x, target, cos, sin)
-    single = moe_layer_only(params, x)
-    single_grads = jax.grad(lambda p: jnp.mean((moe_layer_only(p, x) - target) ** 2))(params)
+    single = moe_layer(params, x)
+    single_grads = jax.grad(lambda p: jnp.mean((moe_layer(p, x) - target) ** 2))(params)
     error = float(jnp.max(jnp.abs(out - single)))
     grad_error = max(
         float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(single_grads))

@@ -11,7 +11,7 @@ from jax.test_util import check_grads
 
 import jax_nkilib
 from tests.support.data import random
-from tests.support.hlo import compiled_collectives
+from tests.support.hlo import compiled_collectives, kernel_configs, neuron_text, operations
 from tests.support.numerics import assert_close
 from tests.support.sharding import make_mesh, use_mesh
 
@@ -213,3 +213,26 @@ def test_expert_and_tensor_parallel_match_single_device(split):
     assert_close(got, want, jnp.float32, reduction=HIDDEN + INTER, ops=4)
     for g, w in zip(grads, want_grads):
         assert_close(g, w, jnp.float32, reduction=TOKENS * HIDDEN, ops=8)
+
+
+# ----------------------------------------------------------------------------------------------------------- Neuron
+@pytest.mark.parametrize("tokens, kernels", [(512, ["router_topk", "moe_cte"]), (4, ["router_topk", "moe_tkg"])])
+def test_on_neuron_a_layer_is_the_router_and_expert_kernels(tokens, kernels):
+    """Prefill: router_topk + moe_cte, whose VJP adds blockwise_mm_bwd; decode (<= 128 tokens): moe_tkg. Between the
+    kernels only routing metadata and layout (no matmul, no activation: the experts run in the kernels)."""
+    experts_, hidden, inter = 8, 512, 256
+    x = random((tokens, hidden), jnp.bfloat16, 0)
+    w_router = random((hidden, experts_), jnp.bfloat16, 1, 0.05)
+    w_gu, w_d = experts(experts_, hidden, inter, jnp.bfloat16)
+
+    def layer(x, w_router, w_gu, w_d):
+        return jax_nkilib.moe(x, jax_nkilib.router(x, w_router, top_k=2, normalize=True), w_gu, w_d)
+
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(layer, x, w_router, w_gu, w_d)
+        assert [cfg["func_name"] for cfg in kernel_configs(text)] == kernels
+        assert not {"stablehlo.dot_general", "stablehlo.logistic", "stablehlo.exponential"} & set(operations(text))
+        if tokens > 128:
+            loss = lambda *a: jnp.sum(layer(*a).astype(jnp.float32))  # noqa: E731
+            text = neuron_text(jax.grad(loss, argnums=(0, 1, 2, 3)), x, w_router, w_gu, w_d)
+            assert [cfg["func_name"] for cfg in kernel_configs(text)] == kernels + ["blockwise_mm_bwd"]

@@ -400,6 +400,7 @@ MOE_TKG_SPEC = KernelSpec(
     family="moe",
     catalog="1.11",
     support={
+        "idiomatic": "moe (decode: <= 128 tokens)",
         "vjp": "JAX (the reference differentiated; no backward kernel)",
         "notes": "bf16/fp16, FP8-row and MXFP4/MXFP8 (x4 words) weights; selective and all-expert (rank_id, "
         "masking, dynamic); SBUF I/O and the MX-only eager affinities n/a; selective T <= 128 on Neuron; device "
