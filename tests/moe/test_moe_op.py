@@ -1,6 +1,8 @@
 """jax_nkilib.moe: a float64 dense oracle for top-1/2/8, 8 and 64 experts, uneven loads; gradients; jit and vmap;
 expert and tensor parallelism on 8 CPU devices (values, gradients and the collectives of the compiled program)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,6 +132,43 @@ def test_gradients_float64():
     check_grads(fn, (x, w.astype(jnp.float64), w_gu, w_d, b_gu, b_d), order=1, modes=["rev"])
     logits = random((tokens, num_experts), jnp.float64, 7)
     check_grads(lambda x, r: jax_nkilib.moe(x, r, w_gu, w_d, top_k=2, normalize=True), (x, logits), 1, modes=["rev"])
+
+
+def dense_moe_float64(x, w_router, w_gate_up, w_down, *, top_k, activation):
+    """A dense float64 MoE written in jnp for its gradients: every expert on every token, weighted by the routing
+    (softmax over all experts then the top-k renormalised, or sigmoid scores of the top-k renormalised)."""
+    logits = x @ w_router
+    scores = jax.nn.softmax(logits, axis=-1) if activation == "softmax" else jax.nn.sigmoid(logits)
+    top, idx = jax.lax.top_k(scores, top_k)
+    combine = jnp.zeros_like(scores).at[jnp.arange(x.shape[0])[:, None], idx].set(top / top.sum(-1, keepdims=True))
+    h = jnp.einsum("th,ehki->tkei", x, w_gate_up)
+    y = jnp.einsum("tei,eih->teh", jax.nn.silu(h[:, 0]) * h[:, 1], w_down)
+    return jnp.einsum("te,teh->th", combine, y)
+
+
+@pytest.mark.parametrize("top_k, num_experts", [(1, 8), (2, 8), (8, 8), (2, 64), (8, 64)])
+@pytest.mark.parametrize("activation", ["softmax", "sigmoid"])
+def test_router_and_moe_gradients_match_a_dense_float64_oracle(top_k, num_experts, activation):
+    """x, w_router and both expert weights: jax_nkilib.router + moe against a dense float64 layer (experts that
+    receive no token included: 24 tokens, 64 experts)."""
+    tokens, hidden, inter = 24, 16, 8
+    x = random((tokens, hidden), jnp.float64, 0)
+    w_router = random((hidden, num_experts), jnp.float64, 1)
+    w_gu, w_d = experts(num_experts, hidden, inter, jnp.float64)
+
+    def ours(x, w_router, w_gu, w_d):
+        routing = jax_nkilib.router(x, w_router, top_k=top_k, activation=activation, normalize=True)
+        return jax_nkilib.moe(x, routing, w_gu, w_d)
+
+    oracle = functools.partial(dense_moe_float64, top_k=top_k, activation=activation)
+    cotangent = random((tokens, hidden), jnp.float64, 9)
+    args = (x, w_router, w_gu, w_d)
+    np.testing.assert_allclose(ours(*args), oracle(*args), rtol=1e-10, atol=1e-12)
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a) * cotangent)  # noqa: E731
+    for got, want in zip(
+        jax.grad(loss(ours), argnums=(0, 1, 2, 3))(*args), jax.grad(loss(oracle), argnums=(0, 1, 2, 3))(*args)
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-11)
 
 
 def test_vmap_and_vmap_of_grad():

@@ -1,7 +1,7 @@
 """Every kernel of the NKI Library catalog (``nkilib_catalog.md``, summary table), for the support matrix.
 
-Each entry: catalog row, public function names, module family, and the project issue that plans its binding
-(``None`` where no issue covers it yet).
+Each entry: catalog row, public function names, module family, the project issue that plans its binding
+(``None`` where no issue covers it yet), and for a kernel that its issue left unbound, the reason.
 """
 
 from __future__ import annotations
@@ -15,10 +15,17 @@ class CatalogEntry:
     names: tuple[str, ...]
     family: str
     issue: int | None
+    reason: str = ""
 
 
 def _entries(rows):
-    return tuple(CatalogEntry(row, tuple(names.split()), family, issue) for row, names, family, issue in rows)
+    return tuple(CatalogEntry(row, tuple(names.split()), family, *rest) for row, names, family, *rest in rows)
+
+
+_MX_MOE_DOCS = (
+    "docs-only, and the API reference does not say which operands each matmul quantizes to MXFP8, along which axis "
+    "and blocks, or where bfloat16 rounding happens: binding it would guess the numerics"
+)
 
 
 CATALOG = _entries(
@@ -104,9 +111,16 @@ CATALOG = _entries(
         (67, "mlp_forward_mxfp8_nki", "mlp", 4),
         (68, "mlp_backward_mxfp8_nki", "mlp", 4),
         (69, "mx_moe_block_tkg_wrapper", "moe", 14),
-        (70, "bwmm_shard_on_block", "moe", 14),
-        (71, "blockwise_mm_fwd_mxfp8", "moe", 14),
-        (72, "blockwise_mm_bwd_mxfp8", "moe", 14),
+        (
+            70,
+            "bwmm_shard_on_block",
+            "moe",
+            14,
+            "docs-only (v2), and the API reference gives its [T, 2, H+E] output's trailing E columns as holding "
+            '"expert affinities" without saying which values',
+        ),
+        (71, "blockwise_mm_fwd_mxfp8", "moe", 14, _MX_MOE_DOCS),
+        (72, "blockwise_mm_bwd_mxfp8", "moe", 14, _MX_MOE_DOCS),
         (73, "rmsnorm_router_topk_a2av", "moe", 14),
         (74, "rmsnorm_router_topk_tkg", "moe", 14),
         (75, "build_all2all_dispatch_metadata", "moe", 14),

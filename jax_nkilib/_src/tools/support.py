@@ -69,7 +69,13 @@ def support_matrix() -> list[KernelSupport]:
             else:
                 planned = f" (planned in issue {entry.issue})" if entry.issue else ""
                 rows.append(
-                    KernelSupport(kernel=name, catalog_row=entry.row, family=entry.family, status=NOT_BOUND + planned)
+                    KernelSupport(
+                        kernel=name,
+                        catalog_row=entry.row,
+                        family=entry.family,
+                        status=NOT_BOUND + planned,
+                        notes=entry.reason,
+                    )
                 )
     return rows
 
@@ -86,11 +92,13 @@ def markdown_table(rows: list[KernelSupport] | None = None) -> str:
         f"{r.shard_map} | {r.neuron} | {r.notes} |"
         for r in bound
     ]
-    pending = [row for row in rows if row.status != "bound"]
+    pending = [row for row in rows if row.status != "bound" and not row.notes]
+    explained = [row for row in rows if row.status != "bound" and row.notes]
     summary = (
         f"\n{len(bound)} of {len(rows)} catalog kernels are bound. Not bound yet: "
         + ", ".join(f"`{r.kernel}`" for r in pending)
         + "."
+        + "".join(f"\n\nNot bound: `{r.kernel}`: {r.notes}." for r in explained)
     )
     return "\n".join(header + lines) + "\n" + summary + "\n\n" + sharding_table()
 
