@@ -21,6 +21,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ..framework import compat
+
 
 class BlockwiseRouting(NamedTuple):
     """Every routing operand of the blockwise MoE kernels (``T`` tokens, ``E`` experts, ``N`` blocks of ``B``)."""
@@ -89,7 +91,7 @@ def _build(expert_index, expert_weights, num_experts, block_size, n_blocks):
     slot = first_block[sorted_expert] * block_size + rank
     token_position_to_id = jnp.full(n_blocks * block_size, tokens, jnp.int32).at[slot].set(flat_token[order])
 
-    block = jnp.arange(n_blocks, dtype=jnp.int32)
+    block = compat.varying_like(jnp.arange(n_blocks, dtype=jnp.int32), block_end)  # JAX 0.7's searchsorted in shard_map
     block_to_expert = jnp.minimum(jnp.searchsorted(block_end, block, side="right"), num_experts - 1)
     used = block_end[-1]
     conditions = (jnp.arange(n_blocks + 1) < used).astype(jnp.int32)

@@ -63,7 +63,7 @@ def block_layout(expert_ids, num_experts: int, block: int | None = None) -> Bloc
     rank = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[sorted_ids]  # rank in its group
     target = jnp.where(sorted_ids < num_experts, (padded_end - padded)[sorted_ids] + rank, blocks * block)
     row_pair = jnp.full((blocks * block,), pairs, jnp.int32).at[target].set(order.astype(jnp.int32), mode="drop")
-    first_row = jnp.arange(blocks, dtype=jnp.int32) * block
+    first_row = compat.varying_like(jnp.arange(blocks, dtype=jnp.int32) * block, padded_end)  # JAX 0.7's searchsorted
     block_expert = jnp.searchsorted(padded_end[:num_experts], first_row, side="right").astype(jnp.int32)
     block_used = block_expert < num_experts
     return BlockLayout(row_pair, jnp.minimum(block_expert, num_experts - 1), block_used, block)
