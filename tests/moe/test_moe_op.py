@@ -12,6 +12,8 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_nkilib
+from jax_nkilib._src.framework.common_types import ActFnType
+from jax_nkilib._src.ops import moe as moe_module
 from tests.support.data import random
 from tests.support.hlo import compiled_collectives, kernel_configs, neuron_text, operations
 from tests.support.numerics import assert_close
@@ -275,3 +277,52 @@ def test_on_neuron_a_layer_is_the_router_and_expert_kernels(tokens, kernels):
             loss = lambda *a: jnp.sum(layer(*a).astype(jnp.float32))  # noqa: E731
             text = neuron_text(jax.grad(loss, argnums=(0, 1, 2, 3)), x, w_router, w_gu, w_d)
             assert [cfg["func_name"] for cfg in kernel_configs(text)] == kernels + ["blockwise_mm_bwd"]
+
+
+def _a2av_layer(x, indices, routing_weights, w_gu, w_d):
+    """The Neuron branch of the expert-parallel exchange (a2av kernels), called directly so that it runs (as the
+    kernels' JAX references) on CPU: inside shard_map over `expert`, 2 of 16 experts per device."""
+    num_experts, _, _, inter = w_gu.shape
+    zeros = jnp.zeros((num_experts, 2, inter), x.dtype), jnp.zeros((num_experts, x.shape[1]), x.dtype)
+    weights = moe_module.ExpertWeights(w_gu, w_d, *zeros)
+    return moe_module._a2av_experts(x, routing_weights, indices, weights, ActFnType.SiLU, ("expert",))
+
+
+def test_the_neuron_exchange_through_the_a2av_kernels_matches_the_oracle_and_one_device():
+    mesh = make_mesh((8,), ("expert",))
+    tokens, hidden, inter, num_experts = 48, 8, 6, 16
+    x = random((tokens, hidden), jnp.float64, 0)
+    idx, w = uneven_routing(tokens, num_experts, 2)
+    w = w.astype(jnp.float64)
+    w_gu, w_d = experts(num_experts, hidden, inter, jnp.float64)
+    specs = (P("expert"),) * 5
+    body = jax.jit(jax.shard_map(_a2av_layer, mesh=mesh, in_specs=specs, out_specs=P("expert")))
+    placed = [jax.device_put(a, NamedSharding(mesh, P("expert"))) for a in (x, idx, w, w_gu, w_d)]
+    np.testing.assert_allclose(body(*placed), moe_oracle(x, idx, w, w_gu, w_d), rtol=1e-10, atol=1e-12)
+    cotangent = random((tokens, hidden), jnp.float64, 5)
+    argnums = (0, 2, 3, 4)
+    with use_mesh(mesh):
+        got = jax.jit(jax.grad(lambda *a: jnp.sum(body(*a) * cotangent), argnums=argnums))(*placed)
+    single = lambda x, i, w, gu, d: jax_nkilib.moe(x, (i, w), gu, d)  # noqa: E731
+    want = jax.grad(lambda *a: jnp.sum(single(*a) * cotangent), argnums=argnums)(x, idx, w, w_gu, w_d)
+    for g, v in zip(got, want):
+        np.testing.assert_allclose(g, v, rtol=1e-9, atol=1e-11)
+
+
+def test_on_neuron_expert_parallel_moe_exchanges_through_the_a2av_kernels():
+    mesh = make_mesh((8,), ("expert",))
+    tokens, hidden, inter, num_experts = 8 * 64, 512, 256, 16
+    args = (
+        random((tokens, hidden), jnp.bfloat16, 0),
+        random((tokens, num_experts), jnp.bfloat16, 1),
+        *experts(num_experts, hidden, inter, jnp.bfloat16),
+    )
+    specs = (P("expert"), P("expert"), P("expert"), P("expert"))
+    layer = lambda x, r, gu, d: jax_nkilib.moe(x, r, gu, d, top_k=2)  # noqa: E731
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+    with use_mesh(mesh), jax_nkilib.neuron.dry_run():
+        text = jax.jit(layer).trace(*shapes).lower(lowering_platforms=("neuron",)).as_text()
+    names = [cfg["func_name"] for cfg in kernel_configs(text)]
+    # the experts see the static receive buffer, 8 ranks x 128 pairs: moe_cte
+    assert names == ["build_all_to_all_v_metadata", "permute_a2av", "moe_cte", "unpermute_a2av"], names
+    assert "stablehlo.all_to_all" not in operations(text)

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 
 from ..framework.arguments import array_argument
 from ..framework.validation import check_operand_layouts, static_bool, static_int
+from ..moe.a2av import permute_a2av, unpermute_a2av
 from ..moe.blockwise_routing import blockwise_routing
+from ..moe.dispatch_metadata import build_all_to_all_v_metadata
 from ..moe.grouped_experts import ExpertWeights, routed_experts
 from ..moe.moe_cte import moe_cte
 from ..moe.moe_tkg import moe_tkg
@@ -234,6 +236,57 @@ def _moe_local(x, route, top_k, normalize, weights: ExpertWeights, fn, axes, tok
 
 
 def _dispatched_experts(x, token_of_pair, pair_weights, pair_experts, weights: ExpertWeights, fn, expert_axes):
+    """Expert parallelism with tokens split over ``expert_axes``: on Neuron the ``permute_a2av`` /
+    ``unpermute_a2av`` kernels (:func:`_a2av_experts`), elsewhere XLA all-to-alls (:func:`_all_to_all_experts`)."""
+    top_k = pair_experts.shape[0] // x.shape[0]
+
+    def a2av(x, pair_weights, pair_experts, weights):
+        return _a2av_experts(
+            x, pair_weights.reshape(-1, top_k), pair_experts.reshape(-1, top_k), weights, fn, expert_axes
+        )
+
+    def all_to_all(x, pair_weights, pair_experts, weights):
+        return _all_to_all_experts(x, token_of_pair, pair_weights, pair_experts, weights, fn, expert_axes)
+
+    return jax.lax.platform_dependent(x, pair_weights, pair_experts, weights, neuron=a2av, default=all_to_all)
+
+
+def _a2av_experts(x, routing_weights, indices, weights: ExpertWeights, fn, expert_axes):
+    """The exchange by the NKI Library's all-to-all-v kernels: each routed row ``[x_t, weight, local expert]``
+    (``[T*K, H+2]``) goes to its expert's rank by ``permute_a2av`` (rank ``s``'s rows land at ``s*T*K``; slots past
+    the received counts are masked), runs there (weighted by its routing weight), and ``unpermute_a2av`` brings the
+    results back to their ``T*K`` rows, summed over ``k``. ``build_all_to_all_v_metadata`` counts the rows per rank."""
+    tokens, hidden = x.shape
+    top_k = indices.shape[1]
+    pairs = tokens * top_k
+    local_experts = weights.gate_up.shape[0]
+    ranks = jax.lax.psum(1, expert_axes)
+    num_experts = ranks * local_experts
+    valid = (indices >= 0) & (indices < num_experts)
+    indices = jnp.where(valid, indices, 0).astype(jnp.int32)  # an invalid pair rides along with weight 0
+    routing_weights = jnp.where(valid, routing_weights, 0).astype(x.dtype)
+    counts = build_all_to_all_v_metadata(indices, replica_group_size=ranks, E=num_experts)[0].astype(jnp.int32)
+    destination = indices.reshape(pairs) // local_experts
+    to_rank = destination[:, None] == jnp.arange(ranks)[None, :]
+    order = jnp.argsort(~to_rank, axis=0, stable=True)  # per destination: its rows first, in row order
+    active = jnp.arange(pairs)[:, None] < counts[None, :]
+    send_indices = jnp.where(active, order, pairs).astype(jnp.int32)  # then the sentinel T*K
+    local_id = jax.lax.stop_gradient((indices % local_experts).astype(x.dtype))
+    rows = jnp.concatenate(
+        [jnp.repeat(x, top_k, axis=0), routing_weights.reshape(pairs, 1), local_id.reshape(pairs, 1)], axis=1
+    )
+    received, metadata = permute_a2av(rows, send_indices, counts[None], replica_group=expert_axes)
+    recv_counts = (metadata[2] // (hidden + 2)).astype(jnp.int32)  # rows from each source rank
+    slot = jnp.arange(ranks * pairs)
+    live = (slot % pairs) < recv_counts[slot // pairs]  # the kernel leaves the other slots undefined
+    received = jnp.where(live[:, None], received, 0)
+    expert = jnp.where(live, received[:, hidden + 1].astype(jnp.int32), -1)
+    out = _experts(received[:, :hidden], expert[:, None], received[:, hidden : hidden + 1], weights, fn)
+    back = unpermute_a2av(out, send_indices, recv_counts[None], replica_group=expert_axes)
+    return back.reshape(tokens, top_k, hidden).sum(axis=1)
+
+
+def _all_to_all_experts(x, token_of_pair, pair_weights, pair_experts, weights: ExpertWeights, fn, expert_axes):
     """Expert parallelism with tokens split over ``expert_axes`` (``P`` devices, ``E_l`` experts each): every pair
     travels to the device owning its expert by an all-to-all (a static ``[P, M, hidden]`` buffer, ``M`` this
     device's pairs: dropless whatever the load), runs there, and comes back by a second all-to-all to be combined."""
