@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from ..framework.common_types import ActFnType, ExpertAffinityScaleMode
 from ..framework.primitive import make_kernel, reference_vjp
-from ..framework.spec import INT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, KernelSpec, Operand, Param
+from ..framework.spec import NEURON_FLOAT_DTYPES, CallInfo, KernelSpec, Operand
 from .blockwise_math import BlockOptions, blockwise_forward
-from .moe_cte_config import skip_mode
+from .moe_cte_config import BLOCK_SIZE, BLOCKWISE_LOOP_PARAMS, BLOCKWISE_OPERANDS
 
 Mode = ExpertAffinityScaleMode
 
@@ -107,21 +107,13 @@ BWMM_SHARD_ON_H_SPEC = KernelSpec(
     name="blockwise_mm_baseline_shard_hidden",
     entry_point="jax_nkilib_kernels.moe_cte:blockwise_mm_baseline_shard_hidden",
     operands=(
-        Operand.of("hidden_states", "T, H", doc="[T+1, H]: the tokens and the padding row T"),
-        Operand.of("expert_affinities_masked", "TE, 1", doc="[(T+1)*E, 1]"),
-        Operand.of("gate_up_proj_weight", "E, H, 2, I"),
-        Operand.of("down_proj_weight", "E, I, H"),
-        Operand.of("token_position_to_id", "NB", dtypes=INT_DTYPES),
-        Operand.of("block_to_expert", "N, 1", dtypes=INT_DTYPES),
+        *BLOCKWISE_OPERANDS,
         Operand.of("gate_up_activations_T", "N, 2, I, B", optional=True, doc="checkpoint buffer (filled)"),
         Operand.of("down_activations", "N, B, H", optional=True, doc="checkpoint buffer (filled)"),
     ),
     params=(
-        Param("block_size", None, int, "tokens per block", required=True),
-        Param("skip_dma", None, tuple, "SkipMode(skip_token, skip_weight)", normalizer=skip_mode),
-        Param("compute_dtype", "bfloat16", "dtype", "the kernel's on-chip dtype (no effect on the reference)"),
-        Param("is_tensor_update_accumulating", True, bool, "accumulate blocks into the output (top_k > 1)"),
-        Param("expert_affinities_scaling_mode", "POST_SCALE", ExpertAffinityScaleMode),
+        BLOCK_SIZE,
+        *BLOCKWISE_LOOP_PARAMS,
     ),
     outputs=(),
     output_avals=_output_avals,

@@ -43,10 +43,12 @@ from ..framework.spec import FLOAT_DTYPES, INT_DTYPES, NEURON_FLOAT_DTYPES, Call
 from .blockwise_math import BlockOptions, blockwise_forward
 from .blockwise_mm_bwd import blockwise_mm_bwd
 from .moe_cte_config import (
+    BLOCK_SIZE,
+    BLOCKWISE_LOOP_PARAMS,
+    BLOCKWISE_OPERANDS,
     BlockShardStrategy,
     MoECTEImplementation,
     moe_cte_spec,
-    skip_mode,
     spec_fields,
 )
 
@@ -303,18 +305,13 @@ MOE_CTE_SPEC = KernelSpec(
     name="moe_cte",
     entry_point="jax_nkilib_kernels.moe_cte:moe_cte",
     operands=(
-        Operand.of("hidden_states", "T, H", doc="[T+1, H]: the tokens and the padding row T"),
-        Operand.of("expert_affinities_masked", "TE, 1", doc="[(T+1)*E, 1]: token t's weight for expert e at t*E+e"),
-        Operand.of("gate_up_proj_weight", "E, H, 2, I"),
-        Operand.of("down_proj_weight", "E, I, H"),
-        Operand.of("token_position_to_id", "NB", dtypes=INT_DTYPES, doc="[N*B] token id per block slot"),
-        Operand.of("block_to_expert", "N, 1", dtypes=INT_DTYPES),
+        *BLOCKWISE_OPERANDS,
         Operand.of("conditions", "N1", dtypes=INT_DTYPES, optional=True, doc="[N+1] used blocks (hybrid)"),
         Operand.of("gate_and_up_proj_bias", "E, 2, I", optional=True),
         Operand.of("down_proj_bias", "E, H", "E, 1, H", dtypes=FLOAT_DTYPES, optional=True),
     ),
     params=(
-        Param("block_size", None, int, "tokens per block", required=True),
+        BLOCK_SIZE,
         Param("spec", None, object, "MoECTESpec (or give its fields)", to_kernel=False, normalizer=moe_cte_spec),
         Param("implementation", None, MoECTEImplementation, "MoECTESpec.implementation"),
         Param("n_block_per_iter", 1, int, "ShardOnBlockConfig: blocks per loop iteration (performance)"),
@@ -325,10 +322,7 @@ MOE_CTE_SPEC = KernelSpec(
         Param("expert_affinity_multiply_on_I", False, bool, "ShardOnIConfig: scale act(g)*u by the affinity"),
         Param("num_static_block", None, int, "ShardOnIConfig: hybrid static blocks (default N - E)"),
         Param("activation_function", "SiLU", ActFnType),
-        Param("skip_dma", None, tuple, "SkipMode(skip_token, skip_weight)", normalizer=skip_mode),
-        Param("compute_dtype", "bfloat16", "dtype", "the kernel's on-chip dtype (no effect on the reference)"),
-        Param("is_tensor_update_accumulating", True, bool, "accumulate blocks into the output (top_k > 1)"),
-        Param("expert_affinities_scaling_mode", "POST_SCALE", ExpertAffinityScaleMode),
+        *BLOCKWISE_LOOP_PARAMS,
         *(Param(name, None, float, "clamp of the projection (min(., upper) then max(., lower))") for name in _CLAMPS),
     ),
     outputs=(),

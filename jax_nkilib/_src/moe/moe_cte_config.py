@@ -14,6 +14,9 @@ import dataclasses
 import enum
 from typing import Any
 
+from ..framework.common_types import ExpertAffinityScaleMode
+from ..framework.spec import INT_DTYPES, Operand, Param
+
 
 class MoECTEImplementation(enum.Enum):
     """The kernel behind ``moe_cte``: ``shard_on_block`` (blocks split over the cores), ``shard_on_i`` (the
@@ -112,3 +115,21 @@ def moe_cte_spec(value: Any, where: str) -> MoECTESpec | None:
     if value is None or isinstance(value, MoECTESpec):
         return value
     raise TypeError(f"{where} must be a jax_nkilib.nki.MoECTESpec or None; got {value!r}")
+
+
+# The operands and loop parameters that moe_cte and blockwise_mm_baseline_shard_hidden share (in the kernels' order).
+BLOCKWISE_OPERANDS = (
+    Operand.of("hidden_states", "T, H", doc="[T+1, H]: the tokens and the padding row T"),
+    Operand.of("expert_affinities_masked", "TE, 1", doc="[(T+1)*E, 1]: token t's weight for expert e at t*E+e"),
+    Operand.of("gate_up_proj_weight", "E, H, 2, I"),
+    Operand.of("down_proj_weight", "E, I, H"),
+    Operand.of("token_position_to_id", "NB", dtypes=INT_DTYPES, doc="[N*B] token id per block slot"),
+    Operand.of("block_to_expert", "N, 1", dtypes=INT_DTYPES),
+)
+BLOCK_SIZE = Param("block_size", None, int, "tokens per block", required=True)
+BLOCKWISE_LOOP_PARAMS = (
+    Param("skip_dma", None, tuple, "SkipMode(skip_token, skip_weight)", normalizer=skip_mode),
+    Param("compute_dtype", "bfloat16", "dtype", "the kernel's on-chip dtype (no effect on the reference)"),
+    Param("is_tensor_update_accumulating", True, bool, "accumulate blocks into the output (top_k > 1)"),
+    Param("expert_affinities_scaling_mode", "POST_SCALE", ExpertAffinityScaleMode),
+)

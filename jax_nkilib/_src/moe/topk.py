@@ -184,31 +184,46 @@ TOPK_SPEC = KernelSpec(
     support=_SUPPORT,
 )
 
-ROTATIONAL_TOPK_SPEC = KernelSpec(
-    name="rotational_topk",
-    entry_point="jax_nkilib_kernels.routing:rotational_topk",
-    operands=(Operand.of("inp", "R, V", doc="values [B*S, V]; top-k along the last axis"),),
-    params=(
-        Param(
-            "config",
-            None,
-            "config",
-            "RotationalTopkConfig(orig_k, sorted)",
-            required=True,
-            normalizer=_config_normalizer(RotationalTopkConfig, "orig_k"),
+
+def _config_spec(name: str, config_class, key: str, reference, limits, catalog: str, support: dict) -> KernelSpec:
+    """The spec of a top-k kernel taking ``inp [B*S, V]`` and a ``config`` dataclass (``key`` its k field)."""
+    fields = ", ".join(field.name for field in dataclasses.fields(config_class))
+    return KernelSpec(
+        name=name,
+        entry_point=f"jax_nkilib_kernels.routing:{name}",
+        operands=(Operand.of("inp", "R, V", doc="values [B*S, V]; top-k along the last axis"),),
+        params=(
+            Param(
+                "config",
+                None,
+                "config",
+                f"{config_class.__name__}({fields})",
+                required=True,
+                normalizer=_config_normalizer(config_class, key),
+            ),
         ),
-    ),
-    outputs=(),
-    output_avals=_outputs,
-    reference=reference_topk,
-    check=_check_k,
-    neuron_limits=_common_limits,
-    fold_plans=(FoldPlan({"inp": "R"}, outputs=_OUT_AXES),),
-    mac_count=lambda call: int(np.prod(call.avals["inp"].shape)),
-    nondifferentiable_outputs=("topk_indices",),
-    family="topk",
-    catalog="1.18",
-    support={**_SUPPORT, "idiomatic": ""},
+        outputs=(),
+        output_avals=_outputs,
+        reference=reference,
+        check=_check_k,
+        neuron_limits=limits,
+        fold_plans=(FoldPlan({"inp": "R"}, outputs=_OUT_AXES),),
+        mac_count=lambda call: int(np.prod(call.avals["inp"].shape)),
+        nondifferentiable_outputs=("topk_indices",),
+        family="topk",
+        catalog=catalog,
+        support=support,
+    )
+
+
+ROTATIONAL_TOPK_SPEC = _config_spec(
+    "rotational_topk",
+    RotationalTopkConfig,
+    "orig_k",
+    reference_topk,
+    _common_limits,
+    "1.18",
+    {**_SUPPORT, "idiomatic": ""},
 )
 
 GPSIMD_MAX_SNAKE = 65536  # nisa.topk: the 16-padded vocab must stay below this
@@ -226,31 +241,14 @@ def _gpsimd_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
-GPSIMD_TOPK_SPEC = KernelSpec(
-    name="gpsimd_topk",
-    entry_point="jax_nkilib_kernels.routing:gpsimd_topk",
-    operands=(Operand.of("inp", "R, V", doc="values [B*S, V]; top-k along the last axis"),),
-    params=(
-        Param(
-            "config",
-            None,
-            "config",
-            "GpsimdTopkConfig(k, sorted)",
-            required=True,
-            normalizer=_config_normalizer(GpsimdTopkConfig, "k"),
-        ),
-    ),
-    outputs=(),
-    output_avals=_outputs,
-    reference=reference_gpsimd_topk,
-    check=_check_k,
-    neuron_limits=_gpsimd_limits,
-    fold_plans=(FoldPlan({"inp": "R"}, outputs=_OUT_AXES),),
-    mac_count=lambda call: int(np.prod(call.avals["inp"].shape)),
-    nondifferentiable_outputs=("topk_indices",),
-    family="topk",
-    catalog="3",
-    support={
+GPSIMD_TOPK_SPEC = _config_spec(
+    "gpsimd_topk",
+    GpsimdTopkConfig,
+    "k",
+    reference_gpsimd_topk,
+    _gpsimd_limits,
+    "3",
+    {
         "idiomatic": "",
         "vjp": _SUPPORT["vjp"],
         "notes": "docs-only (2.32); NaN ranks last as the lowest finite bf16; Neuron: bfloat16, 8 <= V, "
