@@ -47,6 +47,15 @@ def params(*selectors, slow=()):
 # Op-by-op dispatch of the rings takes 10-20 s per call on a small CPU machine: their eager runs stay slow, as the
 # per-file eager checks they replace were (the ring kernels' own specs run eagerly in CI).
 EAGER_IS_SLOW = ("ring_attention", "all_gather_matmul", "matmul_reduce_scatter")
+# Variants of a kernel whose main spec runs every check in CI: their vmap and shard_map checks run with `-m slow`.
+VARIANTS_ARE_SLOW = (
+    "moe_block_tkg.mxfp4_all_expert",
+    "moe_tkg.mxfp4",
+    "mx_moe_block_tkg_wrapper",
+    "moe_cte.shard_on_i_hybrid",
+    "moe_cte.shard_on_i_dropping",
+    "blockwise_mm_baseline_shard_hidden.checkpoints",
+)
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
@@ -150,7 +159,7 @@ def test_jit_matches_eager(spec):
     assert_same(jitted(spec)(*args), function(spec)(*args))
 
 
-@params("batched")
+@params("batched", slow=VARIANTS_ARE_SLOW)
 def test_vmap_partial_and_nested_match_loops(spec):
     """Three vmaps, compiled as one program, each equal to a loop of single calls: over every batchable operand;
     over the last batchable operand alone, along its last axis (partial ``in_axes`` on a trailing axis); and vmap
@@ -185,7 +194,7 @@ def test_gradients_float64(spec):
     check_grads(jax.jit(fn), tuple(args[i] for i in argnums), order=spec.grad_order, modes=["rev"])
 
 
-@params("grad")
+@params("grad", slow=VARIANTS_ARE_SLOW)
 def test_vmap_of_grad_matches_a_loop(spec):
     fn, argnums, args = differentiable(spec)
     grad = jax.jit(jax.grad(lambda *g: squared_sum(fn(*g)), argnums=tuple(range(len(argnums)))))
@@ -195,7 +204,7 @@ def test_vmap_of_grad_matches_a_loop(spec):
     assert_same(jax.jit(jax.vmap(grad, in_axes=axes))(first, *rest), loop(grad, (first, *rest), axes))
 
 
-@params("sharding")
+@params("sharding", slow=VARIANTS_ARE_SLOW)
 def test_inside_shard_map_on_8_devices(spec):
     sharding, args = spec.sharding, spec.args()
     mesh = mesh_of(spec)
