@@ -155,6 +155,22 @@ def _cases() -> dict[str, Case]:
             ("x", "logits", "gu", "d"),
             ({"0": "data", "e": "model"},),  # tensor parallelism: tests/moe/test_moe_op.py
         ),
+        "router": Case(
+            "jax_nkilib.router",
+            lambda x, w: jax_nkilib.router(x, w, top_k=2, normalize=True).weights,
+            {"x": tokens, "w": random((H, 8), seed=25, scale=0.1)},
+            {"x": "01h"},
+            ("x", "w"),
+            (data,),
+        ),
+        "topk": Case(
+            "jax_nkilib.topk",
+            lambda x: jax_nkilib.topk(x, 3)[0],
+            {"x": moe_logits},
+            {"x": "01_"},
+            ("x",),
+            (data,),
+        ),
         "mxfp8_matmul": Case(
             "jax_nkilib.mxfp8_matmul",
             lambda x, w: jax_nkilib.mxfp8_matmul(x, w),
@@ -178,6 +194,7 @@ def test_every_differentiable_op_in_the_sharding_table_has_a_case():
         "jax_nkilib.all_gather_matmul",
         "jax_nkilib.matmul_reduce_scatter",
         "jax_nkilib.ring_attention",
+        "jax_nkilib.argmax",  # integer output
     }
     assert {case.rule for case in CASES.values()} == differentiable
 
