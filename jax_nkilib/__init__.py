@@ -11,7 +11,7 @@ from jax_nkilib._src.ops.attention import attention, decode_attention
 from jax_nkilib._src.ops.dot_product_attention import dot_product_attention
 from jax_nkilib._src.ops.flax_attention import flax_attention_fn
 from jax_nkilib._src.ops.mlp import mlp
-from jax_nkilib._src.ops.moe import moe
+from jax_nkilib._src.ops.moe import moe, moe_block
 from jax_nkilib._src.ops.norm import dequantize_fp8, layer_norm, quantize_fp8, rms_norm
 from jax_nkilib._src.ops.projection import output_projection, qkv_projection
 from jax_nkilib._src.ops.quant import dequantize_mx, mxfp8_matmul, quantize_mx
@@ -47,6 +47,7 @@ __all__ = [
     "matmul_reduce_scatter",
     "mlp",
     "moe",
+    "moe_block",
     "mxfp8_matmul",
     "neuron",
     "neuron_hlo",

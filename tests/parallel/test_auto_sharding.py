@@ -136,6 +136,12 @@ def _cases():
             (P("data"), P("data"), P("model"), P("model")),
             {"all-reduce": 1},
         ),
+        "jax_nkilib.moe_block": (  # tokens over `data`: no communication
+            lambda x, g, r, gu, d: jax_nkilib.moe_block(x, g, r, gu, d, top_k=2),
+            (x3, gain, random((H, 8), seed=22), random((8, H, 2, 32), seed=23, scale=0.1), random((8, 32, H), seed=24)),
+            (P("data"), P(), P(), P(), P()),
+            {},
+        ),
         "jax_nkilib.mlp": (
             lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d, norm="rms"),
             (x3, w_gate, w_up, w_down),

@@ -155,6 +155,14 @@ def _cases() -> dict[str, Case]:
             ("x", "logits", "gu", "d"),
             ({"0": "data", "e": "model"},),  # tensor parallelism: tests/moe/test_moe_op.py
         ),
+        "moe_block": Case(
+            "jax_nkilib.moe_block",
+            lambda x, g, r, gu, d: jax_nkilib.moe_block(x, g, r, gu, d, top_k=2),
+            {"x": tokens, "g": gain, "r": random((H, 8), seed=25, scale=0.1), "gu": moe_gate_up, "d": moe_down},
+            {"x": "01h"},
+            ("x", "g", "r", "gu", "d"),
+            (data,),
+        ),
         "router": Case(
             "jax_nkilib.router",
             lambda x, w: jax_nkilib.router(x, w, top_k=2, normalize=True).weights,

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
 from ..framework.arguments import array_argument
+from ..framework.config import current_lnc
 from ..framework.validation import check_operand_layouts, static_bool, static_int
 from ..moe.a2av import permute_a2av, unpermute_a2av
 from ..moe.blockwise_routing import blockwise_routing
 from ..moe.dispatch_metadata import build_all_to_all_v_metadata
 from ..moe.grouped_experts import ExpertWeights, routed_experts
+from ..moe.moe_block_tkg import moe_block_tkg
 from ..moe.moe_cte import moe_cte
 from ..moe.moe_tkg import moe_tkg
 from ..sharding import auto
 from .mlp import ACTIVATIONS
+from .norm import rms_norm
+from .routing import router
 
 _WHERE = "jax_nkilib.moe"
 DECODE_TOKENS = 128  # up to this many tokens (per device) moe runs on moe_tkg, above on moe_cte
@@ -377,3 +383,118 @@ def _on_kernels(x, indices, routing_weights, weights: ExpertWeights, fn):
         activation_function=fn,
     )
     return out[:tokens]
+
+
+MOE_BLOCK_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        "jax_nkilib.moe_block",
+        free=auto.LEADING,
+        note="tokens shard freely; the norm, router and expert weights are replicated (for expert or tensor "
+        "parallelism compose rms_norm, router and moe)",
+    )
+)
+_BLOCK = "jax_nkilib.moe_block"
+
+
+def moe_block(
+    x,
+    norm_weight,
+    w_router,
+    w_gate_up,
+    w_down,
+    *,
+    top_k: int,
+    activation: str = "softmax",
+    normalize: bool = False,
+    router_bias=None,
+    eps: float = 1e-6,
+    expert_activation: str = "silu",
+):
+    """A mixture-of-experts block: ``h = rms_norm(x, norm_weight, eps)``, ``r = router(h, w_router, top_k=top_k,
+    activation=activation, normalize=normalize, bias=router_bias)``, ``out = moe(h, r, w_gate_up, w_down,
+    activation=expert_activation)``; returns ``(out [..., hidden], r.logits [..., num_experts])`` in ``x``'s dtype.
+
+    Layouts and semantics are those of :func:`jax_nkilib.rms_norm` (``norm_weight [hidden]``),
+    :func:`jax_nkilib.router` (``w_router [hidden, num_experts]``, ``router_bias [num_experts]``, the activation
+    before the top-k) and :func:`jax_nkilib.moe` (``w_gate_up [E, H, 2, I]`` or a ``(w_gate, w_up)`` pair,
+    ``w_down [E, I, H]``). Differentiable like them. On Neuron a decode call (at most 128 tokens) at LNC 2 is one
+    ``moe_block_tkg`` kernel (RMSNorm, router top-k and experts fused; its router matmul in ``x``'s dtype); any other
+    call is the three ops' kernels (``rmsnorm_tkg``, ``router_topk``, ``moe_tkg`` or ``moe_cte``).
+    """
+    x = array_argument(_BLOCK, "x", x, dtypes="kernel")
+    if x.ndim < 1:
+        raise ValueError(f"{_BLOCK}: `x` must be [..., hidden]; got a scalar")
+    check_operand_layouts(
+        _BLOCK,
+        {"norm_weight": "H", "w_router": "H, E", "router_bias": "E"},
+        known={"H": x.shape[-1]},
+        norm_weight=norm_weight,
+        w_router=w_router,
+        router_bias=router_bias,
+    )
+    if expert_activation not in ACTIVATIONS:
+        raise ValueError(
+            f"{_BLOCK}: expert_activation must be one of {', '.join(ACTIVATIONS)}; got {expert_activation!r}"
+        )
+    rows = auto.leading(x.ndim - 1, _BLOCK)
+    sharded = auto.plan(
+        MOE_BLOCK_SHARDING,
+        [
+            auto.ShardedArgument("x", x, rows + "h"),
+            auto.ShardedArgument("norm_weight", norm_weight),
+            auto.ShardedArgument("w_router", w_router),
+            auto.ShardedArgument("w_gate_up", w_gate_up),
+            auto.ShardedArgument("w_down", w_down),
+            auto.ShardedArgument("router_bias", router_bias),
+        ],
+    )
+    options = dict(
+        top_k=top_k, activation=activation, normalize=normalize, eps=eps, expert_activation=expert_activation
+    )
+    if sharded:
+        return sharded.run(
+            lambda *operands, axes: moe_block(*operands[:5], router_bias=operands[5], **options),
+            (rows + "h", rows + "_"),
+        )
+    return _moe_block_local(x, norm_weight, w_router, w_gate_up, w_down, router_bias, **options)
+
+
+def _moe_block_local(x, norm_weight, w_router, w_gate_up, w_down, router_bias, **options):
+    def composed(x, norm_weight, w_router, w_gate_up, w_down, router_bias):
+        h = rms_norm(x, norm_weight, eps=options["eps"])
+        routing = router(
+            h,
+            w_router,
+            top_k=options["top_k"],
+            activation=options["activation"],
+            normalize=options["normalize"],
+            bias=router_bias,
+        )
+        return moe(h, routing, w_gate_up, w_down, activation=options["expert_activation"]), routing.logits
+
+    tokens = math.prod(x.shape[:-1])
+    if tokens > DECODE_TOKENS or current_lnc() != 2 or isinstance(w_gate_up, (tuple, list)):
+        return composed(x, norm_weight, w_router, w_gate_up, w_down, router_bias)
+
+    def fused(x, norm_weight, w_router, w_gate_up, w_down, router_bias):
+        hidden = x.shape[-1]
+        out, logits = moe_block_tkg(
+            x.reshape(1, tokens, hidden),
+            jnp.asarray(norm_weight, x.dtype).reshape(1, hidden),
+            jnp.asarray(w_router, x.dtype),
+            jnp.asarray(w_gate_up, x.dtype),
+            jnp.asarray(w_down, x.dtype),
+            router_bias=None if router_bias is None else jnp.asarray(router_bias, x.dtype).reshape(1, -1),
+            eps=options["eps"],
+            top_k=options["top_k"],
+            router_act_fn=options["activation"].upper(),
+            router_pre_norm=True,
+            norm_topk_prob=options["normalize"],
+            expert_affinities_scaling_mode="POST_SCALE",
+            hidden_act_fn=ACTIVATIONS[options["expert_activation"]],
+            router_mm_dtype=x.dtype,
+        )
+        return out.reshape(x.shape), logits.reshape(*x.shape[:-1], -1)
+
+    operands = (x, norm_weight, w_router, w_gate_up, w_down, router_bias)
+    return jax.lax.platform_dependent(*operands, neuron=fused, default=composed)
