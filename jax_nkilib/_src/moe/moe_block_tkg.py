@@ -248,6 +248,7 @@ MOE_BLOCK_TKG_SPEC = KernelSpec(
     family="moe",
     catalog="1.12",
     support={
+        "idiomatic": "moe_block (decode at LNC 2)",
         "vjp": "JAX (the reference differentiated; no backward kernel)",
         "notes": "LNC=2 only (falls back at LNC 1); bf16/fp16, FP8-row and MXFP4/MXFP8 weights, selective and "
         "all-expert, MX all-expert residual add; the shared expert (a placeholder in the kernel) n/a; H % 256 == 0, "
