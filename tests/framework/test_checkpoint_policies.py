@@ -151,6 +151,24 @@ def test_the_blockwise_dot_product_attention_names_its_residuals():
     )
 
 
+def test_moe_residuals_follow_the_policies():
+    """jax_nkilib.moe's grouped experts (a JAX-level custom_vjp) name their blocked rows ``moe.x_blocks`` and output
+    ``moe.y`` [blocks, rows, hidden]. They sit in a ``lax.platform_dependent`` branch, whose residuals JAX reports as
+    unnamed outputs of the ``cond``; the policies still decide them: the outputs policy saves ``y``, the residuals
+    policy ``x_blocks`` too, and ``nothing_saveable`` neither."""
+    if jax.__version_info__ < (0, 8):
+        pytest.skip("JAX 0.7's print_saved_residuals does not show a remat residual's origin")
+    x, logits = jnp.ones((8, 16)), jnp.arange(32.0).reshape(8, 4)
+    w_gu, w_d = jnp.full((4, 16, 2, 8), 0.1), jnp.full((4, 8, 16), 0.1)
+    layer = lambda x: jnp.tanh(jax_nkilib.moe(x, logits, w_gu, w_d, top_k=2))  # noqa: E731
+    blocked = lambda policy: sum(  # noqa: E731  # the [6 blocks, 8 rows, 16] residuals saved
+        "[6,8,16]" in n for n in saved_names(jax.checkpoint(layer, policy=policy), x)
+    )
+    assert blocked(save_kernel_outputs) == 1
+    assert blocked(save_kernel_residuals) == 2
+    assert blocked(jax.checkpoint_policies.nothing_saveable) == 0
+
+
 @pytest.mark.parametrize("policy", [save_kernel_outputs, save_kernel_residuals], ids=lambda p: p.__name__)
 def test_policies_keep_the_gradient(policy):
     args = model_args()
