@@ -34,8 +34,9 @@ MOE_SHARDING = auto.register_rule(
             "e": (
                 "experts",
                 "expert parallelism: tokens split over the same mesh axis are dispatched to the devices owning "
-                "their experts and combined back by all-to-alls; tokens replicated over it are computed by each "
-                "device for its own experts, then one all-reduce (psum)",
+                "their experts and combined back by all-to-alls (on Neuron the permute_a2av / unpermute_a2av "
+                "kernels); tokens replicated over it are computed by each device for its own experts, then one "
+                "all-reduce (psum)",
             ),
             "i": ("intermediate", "tensor parallelism: local expert MLPs + one all-reduce (psum) of the output"),
         },
