@@ -1,4 +1,5 @@
-"""jax_nkilib.nki.moe_cte with implementation shard_on_block_mx (MXFP4/MXFP8 x4 weights with uint8 scales) against a
+"""jax_nkilib.nki.moe_cte with implementations shard_on_block_mx and shard_on_i_mx (MXFP4/MXFP8 x4 weights with uint8
+scales) against a
 float64 NumPy oracle: the experts' words decoded from the formats' definitions and the MXFP8 round trips of the
 gathered rows and of the intermediate with the explicit loops of tests/mlp/test_mlp_mx.py, then the blockwise MoE of
 the library's MX golden (test_utils.generate_blockwise_numpy_golden) block by block, with the kernel's tiles: rows in
@@ -25,13 +26,13 @@ T, H, INTER, E, K, B = 9, 512, 64, 3, 2, 4
 MX = "shard_on_block_mx"
 
 
-def problem(dtype=jnp.float32, fmt="fp4", bias=False, tokens=T, block=B, seed=0):
+def problem(dtype=jnp.float32, fmt="fp4", bias=False, tokens=T, block=B, seed=0, inter=INTER):
     rng = np.random.default_rng(seed)
     index = np.stack([rng.permutation(E)[:K] for _ in range(tokens)])
     affinities, slots, owners, _ = routing(index, rng.uniform(0.2, 1.0, (tokens, K)), E, block)
     x = rng.standard_normal((tokens + 1, H))
     x[tokens] = 0
-    w = moe_mx_weights(E, H, INTER, fmt, bias=bias, dtype=dtype)
+    w = moe_mx_weights(E, H, inter, fmt, bias=bias, dtype=dtype)
     ops = {
         "hidden_states": jnp.asarray(x, dtype),
         "expert_affinities_masked": jnp.asarray(affinities, dtype),
@@ -48,16 +49,17 @@ def problem(dtype=jnp.float32, fmt="fp4", bias=False, tokens=T, block=B, seed=0)
     return ops, w
 
 
-def call(ops, block=B, **kwargs):
-    return nki.moe_cte(**ops, block_size=block, implementation=MX, **kwargs)
+def call(ops, block=B, implementation=MX, **kwargs):
+    return nki.moe_cte(**ops, block_size=block, implementation=implementation, **kwargs)
 
 
 def _round(v, dtype):
     return np.asarray(v, np.float64).astype(np.dtype(dtype)).astype(np.float64)
 
 
-def oracle(ops, w, fmt, block=B, act_name="SiLU", gate_clamp=(None, None)):
-    """``[2, T+1, H]``: slot 0 the blockwise sum, slot 1 zeros (the kernel's reduced per-core slots)."""
+def oracle(ops, w, fmt, block=B, act_name="SiLU", gate_clamp=(None, None), slots=True, accumulate=True):
+    """``[2, T+1, H]`` (``slots``): slot 0 the blockwise sum, slot 1 zeros (shard_on_block_mx's reduced per-core
+    slots), else ``[T+1, H]`` (shard_on_i_mx), the rows overwritten instead of accumulated without ``accumulate``."""
     io = np.dtype(ops["hidden_states"].dtype)
     x = f64(ops["hidden_states"])
     aff = f64(ops["expert_affinities_masked"]).reshape(x.shape[0], E)
@@ -87,8 +89,8 @@ def oracle(ops, w, fmt, block=B, act_name="SiLU", gate_clamp=(None, None)):
             d = d + f64(ops["down_proj_bias"])[e]
         y = a * d
         for r, row in enumerate(rows):
-            out[row] = _round(out[row] + _round(y[r], io), io)
-    return np.stack([out, np.zeros_like(out)])
+            out[row] = _round(out[row] + _round(y[r], io), io) if accumulate else _round(y[r], io)
+    return np.stack([out, np.zeros_like(out)]) if slots else out
 
 
 @pytest.mark.parametrize(
@@ -101,6 +103,15 @@ def test_output_matches_the_mx_block_oracle(dtype, fmt, bias):
     assert_close(out, oracle(ops, w, fmt), dtype, reduction=2, ops=8)
 
 
+@pytest.mark.parametrize("dtype, fmt, accumulate", [(jnp.float32, "e4m3", True), (jnp.bfloat16, "fp4", False)])
+def test_shard_on_i_mx_matches_the_oracle(dtype, fmt, accumulate):
+    ops, w = problem(dtype, fmt, bias=True, seed=5)
+    out = call(ops, implementation="shard_on_i_mx", is_tensor_update_accumulating=accumulate)
+    assert out.shape == (T + 1, H) and out.dtype == dtype
+    want = oracle(ops, w, fmt, slots=False, accumulate=accumulate)
+    assert_close(out, want, dtype, reduction=2, ops=8)
+
+
 def test_swish_with_clamp_and_odd_token_count():
     ops, w = problem(jnp.float32, "e4m3", tokens=6, seed=3)
     out = call(ops, activation_function="Swish", gate_clamp_upper_limit=1.5)
@@ -109,7 +120,7 @@ def test_swish_with_clamp_and_odd_token_count():
 
 
 def test_gradients_are_straight_through_the_quantization():
-    ops, _ = problem(jnp.float32, "fp4", bias=True)
+    ops, _ = problem(jnp.float32, "fp4", bias=True, tokens=5)
 
     def loss(x, aff, gb, db):
         o = call(dict(ops, hidden_states=x, expert_affinities_masked=aff, gate_and_up_proj_bias=gb, down_proj_bias=db))
@@ -121,12 +132,18 @@ def test_gradients_are_straight_through_the_quantization():
         assert g.shape == ops[n].shape and bool(jnp.all(jnp.isfinite(g))) and bool(jnp.any(g != 0)), n
 
 
-def test_neuron_lowering_is_one_moe_cte_call_on_trn3_at_lnc2():
-    ops, _ = problem(jnp.bfloat16, "fp4", tokens=128, block=128)
-    fn = lambda x: call(dict(ops, hidden_states=x), block=128)  # noqa: E731
+@pytest.mark.parametrize(
+    "implementation, tokens, block, inter",
+    [(MX, 128, 128, INTER), ("shard_on_i_mx", 200, 256, 1024)],
+    ids=["block", "i"],
+)
+def test_neuron_lowering_is_one_moe_cte_call_on_trn3_at_lnc2(implementation, tokens, block, inter):
+    ops, _ = problem(jnp.bfloat16, "fp4", tokens=tokens, block=block, inter=inter)
+    fn = lambda x: call(dict(ops, hidden_states=x), block=block, implementation=implementation)  # noqa: E731
     with jax_nkilib.neuron.dry_run(), jax_nkilib.config(target="trn3", lnc=2, on_unsupported="error"):
         (config,) = kernel_configs(neuron_text(fn, ops["hidden_states"]))
     assert config["entry_point"] == "jax_nkilib_kernels.moe_cte:moe_cte"
+    assert implementation in str(config)
 
 
 @pytest.mark.parametrize("target, lnc, reason", [("trn2", 2, "trn3"), ("trn3", 1, "LNC=2")], ids=["trn2", "lnc1"])
@@ -165,13 +182,14 @@ def test_bad_inputs_name_the_argument(change, error, match):
         call(change(ops))
 
 
-def test_post_scale_accumulating_only_and_no_dispatch_for_shard_on_i_mx():
+def test_post_scale_accumulating_only_and_the_unbound_hybrid():
     ops, _ = problem(jnp.float32, "fp4")
     with pytest.raises(ValueError, match="is_tensor_update_accumulating"):
         call(ops, is_tensor_update_accumulating=False)
     for mode in ("PRE_SCALE", "NO_SCALE"):
         with pytest.raises(ValueError, match="expert_affinities_scaling_mode=POST_SCALE"):
             call(ops, expert_affinities_scaling_mode=mode)
-    for impl in ("shard_on_i_mx", "shard_on_i_mx_hybrid"):
-        with pytest.raises(ValueError, match="dispatcher has no branch"):
-            nki.moe_cte(**ops, block_size=B, implementation=impl)
+    with pytest.raises(ValueError, match="dispatcher has no branch"):
+        nki.moe_cte(**ops, block_size=B, implementation="shard_on_i_mx_hybrid")
+    with pytest.raises(TypeError, match="dense float weights"):
+        nki.moe_cte(**ops, block_size=B, implementation="shard_on_i")

@@ -24,9 +24,10 @@ operands. The math is :mod:`.blockwise_math`'s, with the implementations' differ
   ``down_proj_scale`` (the library's ``QuantizationConfig``), on-chip MXFP8 quantization of the gathered rows and of
   the intermediate; output ``[2, T+1, H]`` (slot 0 the sum, slot 1 zeros); no ``conditions`` (its dynamic loop is
   not bound). Layouts and math: :mod:`.moe_cte_mx`.
-* ``shard_on_i_mx`` / ``shard_on_i_mx_hybrid`` are not bound: the library's ``moe_cte`` dispatcher has no branch
-  for them (it returns ``None``); their kernels are reachable only as their own ``@nki.jit`` entry points
-  (``bwmm_shard_on_I_mx.blockwise_mm_shard_intermediate_mx[_hybrid]``).
+* ``shard_on_i_mx`` (Trainium3, LNC 2): the same MX operands and math, ``I`` split over the cores, output
+  ``[T+1, H]``. The library's ``moe_cte`` dispatcher has no branch for it (it returns ``None``): the device adapter
+  calls its own entry point ``bwmm_shard_on_I_mx.blockwise_mm_shard_intermediate_mx``.
+* ``shard_on_i_mx_hybrid`` is not bound (no dispatcher branch either, and its dynamic loop is not bound).
 
 Every block's contribution is rounded to the output dtype and accumulated in it. The padding row ``T`` of the
 output holds what the padding slots add there (the kernel's row ``T`` is not meaningful either). ``compute_dtype``,
@@ -63,8 +64,9 @@ from .moe_tkg import _mx_device_dtype as mx_device_dtype
 
 Impl = MoECTEImplementation
 I_SHARDED = (Impl.shard_on_i, Impl.shard_on_i_hybrid, Impl.shard_on_i_dropping)
-BOUND = (Impl.shard_on_block,) + I_SHARDED + (Impl.shard_on_block_mx,)
-NO_DISPATCH = (Impl.shard_on_i_mx, Impl.shard_on_i_mx_hybrid)  # the library dispatcher returns None for these
+MX_IMPLEMENTATIONS = (Impl.shard_on_block_mx, Impl.shard_on_i_mx)
+BOUND = (Impl.shard_on_block,) + I_SHARDED + MX_IMPLEMENTATIONS
+UNBOUND = (Impl.shard_on_i_mx_hybrid,)
 KERNEL_ACTIVATIONS = (ActFnType.SiLU, ActFnType.Swish)  # compute_intermediate_states implements only these
 TILE = 128
 SHARD_ON_I_BLOCK_MULTIPLE = 256
@@ -89,7 +91,7 @@ def returns_checkpoints(params) -> bool:
 
 def block_options(params) -> BlockOptions:
     impl = params["implementation"]
-    hooks = moe_cte_mx.quantizers(params["compute_dtype"]) if impl == Impl.shard_on_block_mx else {}
+    hooks = moe_cte_mx.quantizers(params["compute_dtype"]) if impl in MX_IMPLEMENTATIONS else {}
     return BlockOptions(
         **hooks,
         block_size=params["block_size"],
@@ -129,7 +131,7 @@ def reference_moe_cte(
 ):
     """JAX reference of ``moe_cte`` (see the module docstring): ``output`` (+ checkpoints)."""
     rows, experts = hidden_states.shape[0], gate_up_proj_weight.shape[0]
-    if params["implementation"] == Impl.shard_on_block_mx:
+    if params["implementation"] in MX_IMPLEMENTATIONS:
         gate_up_proj_weight, down_proj_weight, gate_and_up_proj_bias = moe_cte_mx.decode_weights(
             gate_up_proj_weight, down_proj_weight, gate_up_proj_scale, down_proj_scale, gate_and_up_proj_bias
         )
@@ -178,12 +180,12 @@ def _prepare(function, operands, params):
 def _check(call: CallInfo) -> None:
     dims, p, function = call.dims, call.params, call.function
     impl = p["implementation"]
-    if impl in NO_DISPATCH:
+    if impl in UNBOUND:
         raise ValueError(
             f"{function}: implementation {impl.name} is not bound: the library's moe_cte dispatcher has no branch for "
-            f"it (it returns None); use one of {', '.join(i.name for i in BOUND)}"
+            f"it (it returns None) and its dynamic loop is not bound; use one of {', '.join(i.name for i in BOUND)}"
         )
-    if impl == Impl.shard_on_block_mx:
+    if impl in MX_IMPLEMENTATIONS:
         moe_cte_mx.check(call)
     else:
         moe_cte_mx.check_dense(call)
@@ -243,7 +245,7 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     unmet = []
     if p["activation_function"] not in KERNEL_ACTIVATIONS:
         unmet.append("activation_function SiLU or Swish (the kernels compute no other)")
-    if impl == Impl.shard_on_block_mx:
+    if impl in MX_IMPLEMENTATIONS:
         return unmet + moe_cte_mx.neuron_limits(call)
     if any(call.avals[n].dtype not in NEURON_FLOAT_DTYPES for n in ("hidden_states", "gate_up_proj_weight")):
         unmet.append("float32/bfloat16/float16 tensors")
@@ -406,8 +408,9 @@ MOE_CTE_SPEC = KernelSpec(
         "idiomatic": "moe",
         "vjp": "blockwise_mm_bwd for shard_on_i/shard_on_i_dropping (POST_SCALE, SiLU/Swish); JAX elsewhere",
         "notes": "implementations shard_on_block, shard_on_i, shard_on_i_hybrid, shard_on_i_dropping, "
-        "shard_on_block_mx (MXFP4/MXFP8, trn3, LNC 2, no conditions); shard_on_i_mx[_hybrid] unbound (the library "
-        "dispatcher has no branch for them); shard_on_block accumulating output [T+1, 2, H], shard_on_block_mx "
+        "shard_on_block_mx and shard_on_i_mx (MXFP4/MXFP8, trn3, LNC 2, POST_SCALE, no conditions; shard_on_i_mx "
+        "through its own entry point: the library dispatcher has no branch for it); shard_on_i_mx_hybrid unbound (no "
+        "dispatcher branch, dynamic loop); shard_on_block accumulating output [T+1, 2, H], shard_on_block_mx "
         "[2, T+1, H]; device adapter jax_nkilib_kernels/moe_cte.py",
     },
 )

@@ -1,6 +1,9 @@
-"""``moe_cte``'s MX implementation ``shard_on_block_mx`` (``nkilib/core/moe/moe_cte/bwmm_shard_on_block_mx.py``,
-golden ``test/integration/nkilib/core/moe/moe_cte/test_utils.generate_blockwise_numpy_golden`` with MX weights):
-the operand layouts, their decode to the dense blockwise math, the checks and the Neuron limits.
+"""``moe_cte``'s MX implementations ``shard_on_block_mx`` (``nkilib/core/moe/moe_cte/bwmm_shard_on_block_mx.py``) and
+``shard_on_i_mx`` (``bwmm_shard_on_I_mx.py:blockwise_mm_shard_intermediate_mx``; golden of both
+``test/integration/nkilib/core/moe/moe_cte/test_utils.generate_blockwise_numpy_golden`` with MX weights): the operand
+layouts, their decode to the dense blockwise math, the checks and the Neuron limits. The library's ``moe_cte``
+dispatcher has no branch for ``shard_on_i_mx`` (it falls through and returns ``None``), so the device adapter calls
+``blockwise_mm_shard_intermediate_mx`` itself for it; ``shard_on_i_mx_hybrid`` is not bound.
 
 Weights are MX x4 words as in the MLP TKG MX layout (:mod:`..mlp.mlp_reference`), uint16 for MXFP4
 (``float4_e2m1fn_x4``) or 32-bit for MXFP8 (``float8_e4m3fn_x4``; the kernel views them itself):
@@ -14,10 +17,12 @@ one scale per 8 partitions x 4 lanes of a token), runs the MX matmuls with the d
 adds the bias, clamps, forms ``act(g) * u`` in a bfloat16 tile (hard-coded), quantizes it to MXFP8 in the down
 layout, projects, adds the down bias, multiplies by the affinity and accumulates into its core's slot of the output
 ``[2, T+1, H]`` in the I/O dtype; the final reduction leaves the sum in slot 0 and zeros in slot 1 (the reference
-sums the blocks in order: the two cores' partial sums differ from it by rounding only). The kernel multiplies the
-output by the affinity whatever ``expert_affinities_scaling_mode`` says (it stores the mode and never reads it), so
-only ``POST_SCALE`` is bound; the library's MX golden pre-scales the input for ``PRE_SCALE`` and its tests run
-``POST_SCALE`` only.
+sums the blocks in order: the two cores' partial sums differ from it by rounding only). ``shard_on_i_mx`` splits
+``I`` over the two cores (their down-projection halves summed), writes ``[T+1, H]`` and may overwrite instead of
+accumulate (``is_tensor_update_accumulating=False``). Only ``POST_SCALE`` is bound: ``shard_on_block_mx`` multiplies
+the output by the affinity whatever ``expert_affinities_scaling_mode`` says (it stores the mode and never reads it),
+``shard_on_i_mx`` asserts "PRE_SCALE mode not implemented" (its own default) and leaves the affinity undefined for
+``NO_SCALE``; the library's MX golden pre-scales the input for ``PRE_SCALE`` and its tests run ``POST_SCALE`` only.
 Reverse mode differentiates this reference straight through the two MXFP8 round trips (hidden states, affinities and
 biases get gradients; the integer words and scales none).
 """
@@ -35,6 +40,8 @@ from .moe_tkg import MX_INTERMEDIATE_MULTIPLE, MX_WORD_FORMATS, mx_format
 
 MX_TILE = 512
 BLOCK_TILE = 128
+SHARD_ON_I_BLOCK_MULTIPLE = 256  # shard_on_i_mx: B/128 tiles split over the two cores
+SHARD_ON_I_INTER_MULTIPLE = 1024  # shard_on_i_mx: whole 512-tiles of I on each core
 H_RANGE = (512, 8192)
 SHARDS = 2  # the kernel asserts exactly two cores
 SCALES = ("gate_up_proj_scale", "down_proj_scale")
@@ -78,13 +85,14 @@ def is_mx(avals) -> bool:
 
 
 def check(call: CallInfo) -> None:
-    """``shard_on_block_mx``'s operands: MX words of one format with their uint8 scales, the MX layouts, the static
-    loop only, accumulating output."""
+    """The MX implementations' operands: MX words of one format with their uint8 scales, the MX layouts, no
+    ``conditions``, POST_SCALE (shard_on_block_mx: accumulating output)."""
     f, avals, d, p = call.function, call.avals, call.dims, call.params
+    impl = p["implementation"].name
     words = [mx_format(avals[n].dtype) for n in ("gate_up_proj_weight", "down_proj_weight")]
     if words[0] is None or words[0] != words[1]:
         raise TypeError(
-            f"{f}: shard_on_block_mx takes MX x4 words of one format for gate_up_proj_weight [E, 128, 2, H/512, I] "
+            f"{f}: {impl} takes MX x4 words of one format for gate_up_proj_weight [E, 128, 2, H/512, I] "
             "and down_proj_weight [E, P_I, N_I, H] (uint16 MXFP4 or uint32/int32 MXFP8); got "
             f"{avals['gate_up_proj_weight'].dtype} and {avals['down_proj_weight'].dtype}"
         )
@@ -94,7 +102,7 @@ def check(call: CallInfo) -> None:
         aval = avals.get(name)
         if aval is None or jnp.dtype(aval.dtype) != jnp.uint8:
             raise TypeError(
-                f"{f}: shard_on_block_mx needs uint8 MX scales gate_up_proj_scale [E, 16, 2, H/512, I] and "
+                f"{f}: {impl} needs uint8 MX scales gate_up_proj_scale [E, 16, 2, H/512, I] and "
                 f"down_proj_scale [E, P_I/8, N_I, H]; `{name}` is {None if aval is None else aval.dtype}"
             )
     inter, hidden = d["I"], d["H"]
@@ -116,18 +124,18 @@ def check(call: CallInfo) -> None:
             )
     if avals.get("conditions") is not None:
         raise ValueError(
-            f"{f}: shard_on_block_mx with `conditions` (its static/dynamic block loop, conditions [N+2]) is not bound; "
-            "call it without conditions (every block processed)"
+            f"{f}: {impl} takes no `conditions` here (shard_on_block_mx's static/dynamic block loop over conditions "
+            "[N+2] is not bound; shard_on_i_mx has none); every block is processed"
         )
     if p["expert_affinities_scaling_mode"] != ExpertAffinityScaleMode.POST_SCALE:
         raise ValueError(
-            f"{f}: shard_on_block_mx takes expert_affinities_scaling_mode=POST_SCALE only (the kernel multiplies the "
-            f"expert output by the affinity whatever the mode); got {p['expert_affinities_scaling_mode'].name}"
+            f"{f}: {impl} takes expert_affinities_scaling_mode=POST_SCALE only (the MX kernels scale the expert "
+            f"output by the affinity or fail otherwise); got {p['expert_affinities_scaling_mode'].name}"
         )
-    if not p["is_tensor_update_accumulating"]:
+    if impl == "shard_on_block_mx" and not p["is_tensor_update_accumulating"]:
         raise ValueError(f"{f}: shard_on_block_mx requires is_tensor_update_accumulating=True (the kernel asserts it)")
     if p["checkpoint_activation"] or p["expert_affinity_multiply_on_I"]:
-        raise ValueError(f"{f}: shard_on_block_mx returns no checkpoints and scales on H only")
+        raise ValueError(f"{f}: {impl} returns no checkpoints and scales on H only")
 
 
 def check_dense(call: CallInfo) -> None:
@@ -135,7 +143,7 @@ def check_dense(call: CallInfo) -> None:
     if is_mx(call.avals) or any(call.avals.get(n) is not None for n in SCALES):
         raise TypeError(
             f"{call.function}: MX weights and gate_up_proj_scale/down_proj_scale are for implementation "
-            f"shard_on_block_mx; {call.params['implementation'].name} takes dense float weights"
+            f"shard_on_block_mx and shard_on_i_mx; {call.params['implementation'].name} takes dense float weights"
         )
 
 
@@ -145,14 +153,22 @@ def neuron_limits(call: CallInfo) -> list[str]:
     if not is_trn3(call.target):
         unmet.append("Neuron platform target trn3 (the MX matmuls are Trainium3's)")
     if call.lnc != SHARDS:
-        unmet.append("LNC=2 (the kernel shards blocks over exactly two cores)")
-    if p["block_size"] % BLOCK_TILE:
-        unmet.append(f"block_size % {BLOCK_TILE} == 0")
+        unmet.append("LNC=2 (the kernel runs on exactly two cores)")
     low, high = H_RANGE
     if not low <= d["H"] <= high:
         unmet.append(f"{low} <= H <= {high}")
     if call.avals["hidden_states"].dtype != jnp.bfloat16:
         unmet.append("bfloat16 hidden_states (the library runs and tests the MX kernel in bfloat16 only)")
+    if p["implementation"].name == "shard_on_i_mx":
+        if p["block_size"] % SHARD_ON_I_BLOCK_MULTIPLE:
+            unmet.append(f"block_size % {SHARD_ON_I_BLOCK_MULTIPLE} == 0")
+        if d["I"] % SHARD_ON_I_INTER_MULTIPLE:
+            unmet.append(f"I % {SHARD_ON_I_INTER_MULTIPLE} == 0")
+        if p["skip_dma"][1]:
+            unmet.append("skip_dma.skip_weight False (the kernel asserts it)")
+        return unmet
+    if p["block_size"] % BLOCK_TILE:
+        unmet.append(f"block_size % {BLOCK_TILE} == 0")
     reduced = d["T"] - (0 if p["skip_dma"][0] else 1)
     if reduced % BLOCK_TILE:
         unmet.append(f"T % {BLOCK_TILE} == 0 (the final reduction runs over whole tiles of {BLOCK_TILE} tokens)")

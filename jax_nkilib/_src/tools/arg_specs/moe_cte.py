@@ -189,7 +189,7 @@ register(
         grad_output=lambda out: out[0],
         batch=_FLOATS,
         sharding=Sharding(_DATA, (P(),) * 6, (P(), P(), P())),
-        bad=BadInput("implementation", lambda _: "shard_on_i_mx", "implementation"),
+        bad=BadInput("implementation", lambda _: "shard_on_i_mx_hybrid", "implementation"),
         neuron=_moe(255, 512, 16, 2, 1, 256),
         neuron_kwargs={"block_size": 256, "implementation": "shard_on_i_dropping"},
     ),
@@ -214,6 +214,27 @@ register(
         notes="MXFP4 weights; the kernel is Trainium3's, so under the default trn2 target the reference runs "
         "(tests/moe/test_moe_cte_mx.py lowers it for trn3 at LNC 2); the VJP is straight-through the MXFP8 round "
         "trips, so no numerical gradient check",
+    ),
+    ArgSpec(
+        "moe_cte.shard_on_i_mx",
+        nki.moe_cte,
+        _MOE + ("gate_up_proj_scale", "down_proj_scale"),
+        _moe_mxfp4(5, 512, 32, 2, 1, 4),
+        kwargs={"block_size": 4, "implementation": "shard_on_i_mx", "is_tensor_update_accumulating": False},
+        positional=6,
+        kernels=(),
+        only_kernels=False,
+        grad=("hidden_states", "expert_affinities_masked"),
+        check_grads=False,
+        batch=("hidden_states", "expert_affinities_masked"),
+        sharding=_replicated(8),
+        bad=BadInput("expert_affinities_scaling_mode", lambda _: "PRE_SCALE", "expert_affinities_scaling_mode"),
+        neuron=_moe_mxfp4(200, 512, 1024, 2, 1, 256, jnp.bfloat16),
+        neuron_kwargs={"block_size": 256, "implementation": "shard_on_i_mx"},
+        neuron_lnc=2,
+        neuron_fallback="trn3",
+        notes="top-1, overwriting output; the library dispatcher has no shard_on_i_mx branch, so the adapter calls "
+        "blockwise_mm_shard_intermediate_mx itself; trn3 only (tests/moe/test_moe_cte_mx.py lowers it for trn3)",
     ),
     ArgSpec(
         "moe_cte.gelu_falls_back",
