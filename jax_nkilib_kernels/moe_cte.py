@@ -85,20 +85,6 @@ def moe_cte(
     ``QuantizationConfig`` of the uint8 MX scales; the kernel views the uint16/uint32 weight words as its x4 types
     itself): its output (and checkpoints). The library dispatcher has no ``shard_on_i_mx`` branch (it returns
     ``None``), so that implementation calls ``blockwise_mm_shard_intermediate_mx`` directly."""
-    library_spec = MoECTESpec(
-        implementation=_member(MoECTEImplementation, implementation),
-        shard_on_block=ShardOnBlockConfig(
-            n_block_per_iter=n_block_per_iter,
-            block_sharding_strategy=_member(BlockShardStrategy, block_sharding_strategy),
-            n_static_blocks=n_static_blocks,
-            n_dynamic_blocks=n_dynamic_blocks,
-        ),
-        shard_on_I=ShardOnIConfig(
-            checkpoint_activation=checkpoint_activation,
-            expert_affinity_multiply_on_I=expert_affinity_multiply_on_I,
-            num_static_block=num_static_block,
-        ),
-    )
     skip_token, skip_weight = skip_dma or (False, False)
     if getattr(implementation, "name", implementation) == "shard_on_i_mx":
         return _shard_on_i_mx_body(
@@ -123,6 +109,20 @@ def moe_cte(
             up_clamp_lower_limit=up_clamp_lower_limit,
             up_clamp_upper_limit=up_clamp_upper_limit,
         )
+    library_spec = MoECTESpec(
+        implementation=_member(MoECTEImplementation, implementation),
+        shard_on_block=ShardOnBlockConfig(
+            n_block_per_iter=n_block_per_iter,
+            block_sharding_strategy=_member(BlockShardStrategy, block_sharding_strategy),
+            n_static_blocks=n_static_blocks,
+            n_dynamic_blocks=n_dynamic_blocks,
+        ),
+        shard_on_I=ShardOnIConfig(
+            checkpoint_activation=checkpoint_activation,
+            expert_affinity_multiply_on_I=expert_affinity_multiply_on_I,
+            num_static_block=num_static_block,
+        ),
+    )
     return _moe_cte_body(
         hidden_states,
         expert_affinities_masked,

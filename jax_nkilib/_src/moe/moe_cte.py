@@ -30,14 +30,15 @@ operands. The math is :mod:`.blockwise_math`'s, with the implementations' differ
 * ``shard_on_i_mx_hybrid`` is not bound (no dispatcher branch either, and its dynamic loop is not bound).
 
 Every block's contribution is rounded to the output dtype and accumulated in it. The padding row ``T`` of the
-output holds what the padding slots add there (the kernel's row ``T`` is not meaningful either). ``compute_dtype``,
+output holds what the padding slots add there (the kernel's row ``T`` is not meaningful either). ``compute_dtype``
+(except for the MX implementations, where it types the gathered rows before their quantization),
 ``skip_dma.skip_weight`` and the shard-on-block loop knobs only change how the kernel runs.
 
 Reverse mode: for ``shard_on_i`` and ``shard_on_i_dropping`` with ``POST_SCALE``, no
 ``expert_affinity_multiply_on_I``, SiLU or Swish and ``is_tensor_update_accumulating``, the forward runs with
 ``checkpoint_activation`` and the VJP binds ``blockwise_mm_bwd`` on the checkpoints (gradients for hidden states,
-affinities, both weights and both biases); every other call differentiates the JAX reference. The checkpoint
-outputs carry no gradient.
+affinities, both weights and both biases); every other call differentiates the JAX reference (for the MX
+implementations straight through their MXFP8 round trips). The checkpoint outputs carry no gradient.
 """
 
 from __future__ import annotations

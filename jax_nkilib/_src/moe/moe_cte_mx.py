@@ -45,6 +45,7 @@ SHARD_ON_I_INTER_MULTIPLE = 1024  # shard_on_i_mx: whole 512-tiles of I on each 
 H_RANGE = (512, 8192)
 SHARDS = 2  # the kernel asserts exactly two cores
 SCALES = ("gate_up_proj_scale", "down_proj_scale")
+INTERMEDIATE_TILE_DTYPE = jnp.bfloat16  # the kernels' act(g) * u tile
 
 
 def decode_weights(gate_up, down, gate_up_scale, down_scale, gate_up_bias):
@@ -58,9 +59,6 @@ def decode_weights(gate_up, down, gate_up_scale, down_scale, gate_up_bias):
     if gate_up_bias is not None:
         bias = jax.vmap(jax.vmap(lambda b: mx_bias_vector(b, inter), in_axes=1))(gate_up_bias)
     return dense_gate_up, dense_down, bias
-
-
-INTERMEDIATE_TILE_DTYPE = jnp.bfloat16  # the kernel's act(g) * u tile
 
 
 def _straight_through(round_trip, tile_dtype):
