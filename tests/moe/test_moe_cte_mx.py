@@ -57,14 +57,15 @@ def _round(v, dtype):
     return np.asarray(v, np.float64).astype(np.dtype(dtype)).astype(np.float64)
 
 
-def oracle(ops, w, fmt, block=B, act_name="SiLU", gate_clamp=(None, None), slots=True, accumulate=True):
+def oracle(ops, w, fmt, block=B, act_name="SiLU", gate_clamp=(None, None), slots=True, accumulate=True, blocks=None):
     """``[2, T+1, H]`` (``slots``): slot 0 the blockwise sum, slot 1 zeros (shard_on_block_mx's reduced per-core
-    slots), else ``[T+1, H]`` (shard_on_i_mx), the rows overwritten instead of accumulated without ``accumulate``."""
+    slots), else ``[T+1, H]`` (shard_on_i_mx), the rows overwritten instead of accumulated without ``accumulate``;
+    only the first ``blocks`` blocks (all by default)."""
     io = np.dtype(ops["hidden_states"].dtype)
     x = f64(ops["hidden_states"])
     aff = f64(ops["expert_affinities_masked"]).reshape(x.shape[0], E)
     ids = np.asarray(ops["token_position_to_id"]).reshape(-1, block)
-    owners = np.asarray(ops["block_to_expert"]).reshape(-1)
+    owners = np.asarray(ops["block_to_expert"]).reshape(-1)[:blocks]
     experts = {}
     for e in range(E):
         c = w["codes"][e]
@@ -112,6 +113,27 @@ def test_shard_on_i_mx_matches_the_oracle(dtype, fmt, accumulate):
     assert_close(out, want, dtype, reduction=2, ops=8)
 
 
+@pytest.mark.parametrize(
+    "num_static_block, used, tokens", [(1, 2, 10), (None, 0, 9)], ids=["static-1-used-2", "default-static-odd"]
+)
+def test_shard_on_i_mx_hybrid_runs_the_static_blocks_then_the_used_ones(num_static_block, used, tokens):
+    """Blocks ``b < max(num_static_block, sum(conditions))``; without ``num_static_block`` the static loop has
+    ``N - E`` blocks rounded down to even (the MX kernel's default)."""
+    ops, w = problem(jnp.float32, "fp4", tokens=tokens, seed=7)
+    n_blocks = ops["block_to_expert"].shape[0]
+    if num_static_block is None:
+        assert (n_blocks - E) % 2 == 1  # N - E = 3 runs 2 static blocks (the bf16 hybrid would run 3)
+    conditions = jnp.asarray(np.arange(n_blocks + 1) < used, jnp.int32)
+    static = num_static_block if num_static_block is not None else (n_blocks - E) - (n_blocks - E) % 2
+    processed = max(static, used)
+    assert 0 < processed < n_blocks - 1  # real blocks are left out, so the count is observable
+    out = call(
+        dict(ops, conditions=conditions), implementation="shard_on_i_mx_hybrid", num_static_block=num_static_block
+    )
+    want = oracle(ops, w, "fp4", slots=False, blocks=processed)
+    assert_close(out, want, jnp.float32, reduction=2, ops=8)
+
+
 def test_swish_with_clamp_and_odd_token_count():
     ops, w = problem(jnp.float32, "e4m3", tokens=6, seed=3)
     out = call(ops, activation_function="Swish", gate_clamp_upper_limit=1.5)
@@ -134,11 +156,13 @@ def test_gradients_are_straight_through_the_quantization():
 
 @pytest.mark.parametrize(
     "implementation, tokens, block, inter",
-    [(MX, 128, 128, INTER), ("shard_on_i_mx", 200, 256, 1024)],
-    ids=["block", "i"],
+    [(MX, 128, 128, INTER), ("shard_on_i_mx", 200, 256, 1024), ("shard_on_i_mx_hybrid", 200, 256, 1024)],
+    ids=["block", "i", "i-hybrid"],
 )
 def test_neuron_lowering_is_one_moe_cte_call_on_trn3_at_lnc2(implementation, tokens, block, inter):
     ops, _ = problem(jnp.bfloat16, "fp4", tokens=tokens, block=block, inter=inter)
+    if implementation.endswith("hybrid"):
+        ops["conditions"] = jnp.ones((ops["block_to_expert"].shape[0] + 1,), jnp.int32).at[-1].set(0)
     fn = lambda x: call(dict(ops, hidden_states=x), block=block, implementation=implementation)  # noqa: E731
     with jax_nkilib.neuron.dry_run(), jax_nkilib.config(target="trn3", lnc=2, on_unsupported="error"):
         (config,) = kernel_configs(neuron_text(fn, ops["hidden_states"]))
@@ -182,14 +206,14 @@ def test_bad_inputs_name_the_argument(change, error, match):
         call(change(ops))
 
 
-def test_post_scale_accumulating_only_and_the_unbound_hybrid():
+def test_post_scale_accumulating_only_and_the_hybrid_needs_conditions():
     ops, _ = problem(jnp.float32, "fp4")
     with pytest.raises(ValueError, match="is_tensor_update_accumulating"):
         call(ops, is_tensor_update_accumulating=False)
     for mode in ("PRE_SCALE", "NO_SCALE"):
         with pytest.raises(ValueError, match="expert_affinities_scaling_mode=POST_SCALE"):
             call(ops, expert_affinities_scaling_mode=mode)
-    with pytest.raises(ValueError, match="dispatcher has no branch"):
+    with pytest.raises(TypeError, match="conditions"):
         nki.moe_cte(**ops, block_size=B, implementation="shard_on_i_mx_hybrid")
     with pytest.raises(TypeError, match="dense float weights"):
         nki.moe_cte(**ops, block_size=B, implementation="shard_on_i")

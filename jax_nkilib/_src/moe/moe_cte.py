@@ -24,10 +24,11 @@ operands. The math is :mod:`.blockwise_math`'s, with the implementations' differ
   ``down_proj_scale`` (the library's ``QuantizationConfig``), on-chip MXFP8 quantization of the gathered rows and of
   the intermediate; output ``[2, T+1, H]`` (slot 0 the sum, slot 1 zeros); no ``conditions`` (its dynamic loop is
   not bound). Layouts and math: :mod:`.moe_cte_mx`.
-* ``shard_on_i_mx`` (Trainium3, LNC 2): the same MX operands and math, ``I`` split over the cores, output
-  ``[T+1, H]``. The library's ``moe_cte`` dispatcher has no branch for it (it returns ``None``): the device adapter
-  calls its own entry point ``bwmm_shard_on_I_mx.blockwise_mm_shard_intermediate_mx``.
-* ``shard_on_i_mx_hybrid`` is not bound (no dispatcher branch either, and its dynamic loop is not bound).
+* ``shard_on_i_mx`` / ``shard_on_i_mx_hybrid`` (Trainium3, LNC 2): the same MX operands and math, ``I`` split over
+  the cores, output ``[T+1, H]``; the hybrid takes ``conditions [N+1]`` and processes blocks ``b < max(
+  num_static_block, sum(conditions))`` like ``shard_on_i_hybrid``, but ``num_static_block`` defaults to ``N - E``
+  rounded down to even. The library's ``moe_cte`` dispatcher has no branch for either (it returns ``None``): the
+  device adapter calls their own entry points ``bwmm_shard_on_I_mx.blockwise_mm_shard_intermediate_mx[_hybrid]``.
 
 Every block's contribution is rounded to the output dtype and accumulated in it. The padding row ``T`` of the
 output holds what the padding slots add there (the kernel's row ``T`` is not meaningful either). ``compute_dtype``
@@ -65,9 +66,8 @@ from .moe_tkg import _mx_device_dtype as mx_device_dtype
 
 Impl = MoECTEImplementation
 I_SHARDED = (Impl.shard_on_i, Impl.shard_on_i_hybrid, Impl.shard_on_i_dropping)
-MX_IMPLEMENTATIONS = (Impl.shard_on_block_mx, Impl.shard_on_i_mx)
-BOUND = (Impl.shard_on_block,) + I_SHARDED + MX_IMPLEMENTATIONS
-UNBOUND = (Impl.shard_on_i_mx_hybrid,)
+MX_IMPLEMENTATIONS = (Impl.shard_on_block_mx, Impl.shard_on_i_mx, Impl.shard_on_i_mx_hybrid)
+HYBRID = (Impl.shard_on_i_hybrid, Impl.shard_on_i_mx_hybrid)
 KERNEL_ACTIVATIONS = (ActFnType.SiLU, ActFnType.Swish)  # compute_intermediate_states implements only these
 TILE = 128
 SHARD_ON_I_BLOCK_MULTIPLE = 256
@@ -107,11 +107,18 @@ def block_options(params) -> BlockOptions:
     )
 
 
+def default_static_blocks(impl, n_blocks: int, n_experts: int) -> int:
+    """The hybrids' static loop length without ``num_static_block``: ``N - E`` (MX: rounded down to even)."""
+    static = n_blocks - n_experts
+    return static - static % 2 if impl == Impl.shard_on_i_mx_hybrid else static
+
+
 def _active_blocks(conditions, params, n_blocks, n_experts):
-    if params["implementation"] != Impl.shard_on_i_hybrid:
+    impl = params["implementation"]
+    if impl not in HYBRID:
         return None
     static = params["num_static_block"]
-    static = n_blocks - n_experts if static is None else static
+    static = default_static_blocks(impl, n_blocks, n_experts) if static is None else static
     count = jnp.maximum(jnp.sum(conditions.astype(jnp.int32)), static)
     return jnp.arange(n_blocks) < count
 
@@ -181,11 +188,6 @@ def _prepare(function, operands, params):
 def _check(call: CallInfo) -> None:
     dims, p, function = call.dims, call.params, call.function
     impl = p["implementation"]
-    if impl in UNBOUND:
-        raise ValueError(
-            f"{function}: implementation {impl.name} is not bound: the library's moe_cte dispatcher has no branch for "
-            f"it (it returns None) and its dynamic loop is not bound; use one of {', '.join(i.name for i in BOUND)}"
-        )
     if impl in MX_IMPLEMENTATIONS:
         moe_cte_mx.check(call)
     else:
@@ -203,8 +205,8 @@ def _check(call: CallInfo) -> None:
     conditions = call.avals.get("conditions")
     if conditions is not None and conditions.shape != (dims["N"] + 1,):
         raise ValueError(f"{function}: conditions must be [N+1] = [{dims['N'] + 1}]; got {list(conditions.shape)}")
-    if impl == Impl.shard_on_i_hybrid and conditions is None:
-        raise TypeError(f"{function}: shard_on_i_hybrid needs `conditions` [N+1] (1 for used blocks, then 0)")
+    if impl in HYBRID and conditions is None:
+        raise TypeError(f"{function}: {impl.name} needs `conditions` [N+1] (1 for used blocks, then 0)")
     if (call.avals.get("gate_and_up_proj_bias") is None) != (call.avals.get("down_proj_bias") is None):
         raise ValueError(
             f"{function}: give both gate_and_up_proj_bias [E, 2, I] and down_proj_bias [E, H], or neither (the "
@@ -409,9 +411,9 @@ MOE_CTE_SPEC = KernelSpec(
         "idiomatic": "moe",
         "vjp": "blockwise_mm_bwd for shard_on_i/shard_on_i_dropping (POST_SCALE, SiLU/Swish); JAX elsewhere",
         "notes": "implementations shard_on_block, shard_on_i, shard_on_i_hybrid, shard_on_i_dropping, "
-        "shard_on_block_mx and shard_on_i_mx (MXFP4/MXFP8, trn3, LNC 2, POST_SCALE, no conditions; shard_on_i_mx "
-        "through its own entry point: the library dispatcher has no branch for it); shard_on_i_mx_hybrid unbound (no "
-        "dispatcher branch, dynamic loop); shard_on_block accumulating output [T+1, 2, H], shard_on_block_mx "
+        "shard_on_block_mx, shard_on_i_mx, shard_on_i_mx_hybrid (MXFP4/MXFP8, trn3, LNC 2, POST_SCALE; "
+        "shard_on_block_mx without conditions; the I-sharded MX kernels through their own entry points: the library "
+        "dispatcher has no branch for them); shard_on_block accumulating output [T+1, 2, H], shard_on_block_mx "
         "[2, T+1, H]; device adapter jax_nkilib_kernels/moe_cte.py",
     },
 )

@@ -1,9 +1,10 @@
 """``moe_cte``'s MX implementations ``shard_on_block_mx`` (``nkilib/core/moe/moe_cte/bwmm_shard_on_block_mx.py``) and
-``shard_on_i_mx`` (``bwmm_shard_on_I_mx.py:blockwise_mm_shard_intermediate_mx``; golden of both
+``shard_on_i_mx`` / ``shard_on_i_mx_hybrid`` (``bwmm_shard_on_I_mx.py:blockwise_mm_shard_intermediate_mx[_hybrid]``;
+golden of all three
 ``test/integration/nkilib/core/moe/moe_cte/test_utils.generate_blockwise_numpy_golden`` with MX weights): the operand
 layouts, their decode to the dense blockwise math, the checks and the Neuron limits. The library's ``moe_cte``
-dispatcher has no branch for ``shard_on_i_mx`` (it falls through and returns ``None``), so the device adapter calls
-``blockwise_mm_shard_intermediate_mx`` itself for it; ``shard_on_i_mx_hybrid`` is not bound.
+dispatcher has no branch for the I-sharded two (it falls through and returns ``None``), so the device adapter calls
+their entry points itself.
 
 Weights are MX x4 words as in the MLP TKG MX layout (:mod:`..mlp.mlp_reference`), uint16 for MXFP4
 (``float4_e2m1fn_x4``) or 32-bit for MXFP8 (``float8_e4m3fn_x4``; the kernel views them itself):
@@ -18,11 +19,12 @@ adds the bias, clamps, forms ``act(g) * u`` in a bfloat16 tile (hard-coded), qua
 layout, projects, adds the down bias, multiplies by the affinity and accumulates into its core's slot of the output
 ``[2, T+1, H]`` in the I/O dtype; the final reduction leaves the sum in slot 0 and zeros in slot 1 (the reference
 sums the blocks in order: the two cores' partial sums differ from it by rounding only). ``shard_on_i_mx`` splits
-``I`` over the two cores (their down-projection halves summed), writes ``[T+1, H]`` and may overwrite instead of
-accumulate (``is_tensor_update_accumulating=False``). Only ``POST_SCALE`` is bound: ``shard_on_block_mx`` multiplies
-the output by the affinity whatever ``expert_affinities_scaling_mode`` says (it stores the mode and never reads it),
-``shard_on_i_mx`` asserts "PRE_SCALE mode not implemented" (its own default) and leaves the affinity undefined for
-``NO_SCALE``; the library's MX golden pre-scales the input for ``PRE_SCALE`` and its tests run ``POST_SCALE`` only.
+``I`` over the two cores (their down-projection halves summed), writes ``[T+1, H]`` (so does its hybrid) and may
+overwrite instead of accumulate (``is_tensor_update_accumulating=False``). Only ``POST_SCALE`` is bound:
+``shard_on_block_mx`` multiplies the output by the affinity whatever ``expert_affinities_scaling_mode`` says (it
+stores the mode and never reads it), ``shard_on_i_mx`` asserts "PRE_SCALE mode not implemented" (its own default)
+and leaves the affinity undefined for ``NO_SCALE``; the library's MX golden pre-scales the input for ``PRE_SCALE``
+and its tests run ``POST_SCALE`` only.
 Reverse mode differentiates this reference straight through the two MXFP8 round trips (hidden states, affinities and
 biases get gradients; the integer words and scales none).
 """
@@ -120,10 +122,10 @@ def check(call: CallInfo) -> None:
                 f"{f}: with MX weights (H={hidden}, I={inter}) `{name}` must be {list(shape)}; got "
                 f"{list(avals[name].shape)}"
             )
-    if avals.get("conditions") is not None:
+    if avals.get("conditions") is not None and impl != "shard_on_i_mx_hybrid":
         raise ValueError(
             f"{f}: {impl} takes no `conditions` here (shard_on_block_mx's static/dynamic block loop over conditions "
-            "[N+2] is not bound; shard_on_i_mx has none); every block is processed"
+            "[N+2] is not bound; shard_on_i_mx has none: use shard_on_i_mx_hybrid); every block is processed"
         )
     if p["expert_affinities_scaling_mode"] != ExpertAffinityScaleMode.POST_SCALE:
         raise ValueError(
@@ -157,7 +159,7 @@ def neuron_limits(call: CallInfo) -> list[str]:
         unmet.append(f"{low} <= H <= {high}")
     if call.avals["hidden_states"].dtype != jnp.bfloat16:
         unmet.append("bfloat16 hidden_states (the library runs and tests the MX kernel in bfloat16 only)")
-    if p["implementation"].name == "shard_on_i_mx":
+    if p["implementation"].name.startswith("shard_on_i_mx"):
         if p["block_size"] % SHARD_ON_I_BLOCK_MULTIPLE:
             unmet.append(f"block_size % {SHARD_ON_I_BLOCK_MULTIPLE} == 0")
         if d["I"] % SHARD_ON_I_INTER_MULTIPLE:
