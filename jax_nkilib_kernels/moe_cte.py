@@ -3,11 +3,11 @@
 (``nkilib.experimental.moe.forward.bwmm_shard_on_H``).
 
 jax_nkilib hands the config objects' fields over as plain values (enum member names, a ``(skip_token,
-skip_weight)`` pair, ``ClampLimits``' four limits, a dtype name): the adapters build the library's ``MoECTESpec``,
-``ShardOnBlockConfig``, ``ShardOnIConfig``, ``SkipMode`` and ``ClampLimits`` from them and call the kernel bodies
-inline. ``spec`` is merged into the fields before lowering (it always arrives as ``None``). The shard-on-H kernel
-fills its optional checkpoint buffers in place; its adapter returns them with the output. Not yet run on Trainium
-by this project.
+skip_weight)`` pair, ``ClampLimits``' four limits, the two MX scales, a dtype name): the adapters build the library's
+``MoECTESpec``, ``ShardOnBlockConfig``, ``ShardOnIConfig``, ``QuantizationConfig``, ``SkipMode`` and ``ClampLimits``
+from them and call the kernel bodies inline. ``spec`` is merged into the fields before lowering (it always arrives
+as ``None``). The shard-on-H kernel fills its optional checkpoint buffers in place; its adapter returns them with the
+output. Not yet run on Trainium by this project.
 """
 
 import nki
@@ -20,6 +20,7 @@ MoECTESpec = load("core.moe.moe_cte.moe_cte", "MoECTESpec")
 MoECTEImplementation = load("core.moe.moe_cte.moe_cte", "MoECTEImplementation")
 ShardOnBlockConfig = load("core.moe.moe_cte.moe_cte", "ShardOnBlockConfig")
 ShardOnIConfig = load("core.moe.moe_cte.moe_cte", "ShardOnIConfig")
+QuantizationConfig = load("core.moe.moe_cte.moe_cte", "QuantizationConfig")
 SkipMode = load("core.moe.moe_cte.moe_cte_utils", "SkipMode")
 BlockShardStrategy = load("core.moe.moe_cte.moe_cte_utils", "BlockShardStrategy")
 ActFnType = load("core.utils.common_types", "ActFnType")
@@ -35,7 +36,12 @@ KernelTypeOption = load("experimental.moe.bwd.moe_bwd_parameters", "KernelTypeOp
 
 _library_shard_hidden = load("experimental.moe.forward.bwmm_shard_on_H", "blockwise_mm_baseline_shard_hidden")
 
+_library_shard_on_i_mx = load("core.moe.moe_cte.bwmm_shard_on_I_mx", "blockwise_mm_shard_intermediate_mx")
+_library_shard_on_i_mx_hybrid = load("core.moe.moe_cte.bwmm_shard_on_I_mx", "blockwise_mm_shard_intermediate_mx_hybrid")
+
 _moe_cte_body = body(_library_moe_cte)
+_shard_on_i_mx_body = body(_library_shard_on_i_mx)
+_shard_on_i_mx_hybrid_body = body(_library_shard_on_i_mx_hybrid)
 _blockwise_mm_bwd_body = body(_library_blockwise_mm_bwd)
 _shard_hidden_body = body(_library_shard_hidden)
 
@@ -55,6 +61,8 @@ def moe_cte(
     conditions=None,
     gate_and_up_proj_bias=None,
     down_proj_bias=None,
+    gate_up_proj_scale=None,
+    down_proj_scale=None,
     block_size=None,
     spec=None,
     implementation=None,
@@ -75,7 +83,60 @@ def moe_cte(
     up_clamp_upper_limit=None,
     up_clamp_lower_limit=None,
 ):
-    """The library ``moe_cte`` with a ``MoECTESpec`` built from the fields: its output (and checkpoints)."""
+    """The library ``moe_cte`` with a ``MoECTESpec`` built from the fields (and, for ``shard_on_block_mx``, a
+    ``QuantizationConfig`` of the uint8 MX scales; the kernel views the uint16/uint32 weight words as its x4 types
+    itself): its output (and checkpoints). The library dispatcher has no ``shard_on_i_mx[_hybrid]`` branch (it
+    returns ``None``), so those implementations call ``blockwise_mm_shard_intermediate_mx[_hybrid]`` directly."""
+    skip_token, skip_weight = skip_dma or (False, False)
+    implementation_name = getattr(implementation, "name", implementation)
+    if implementation_name == "shard_on_i_mx_hybrid":
+        return _shard_on_i_mx_hybrid_body(
+            conditions,
+            hidden_states,
+            expert_affinities_masked,
+            gate_up_proj_weight,
+            down_proj_weight,
+            token_position_to_id,
+            block_to_expert,
+            gate_and_up_proj_bias=gate_and_up_proj_bias,
+            down_proj_bias=down_proj_bias,
+            gate_up_proj_scale=gate_up_proj_scale,
+            down_proj_scale=down_proj_scale,
+            block_size=block_size,
+            num_static_block=num_static_block,
+            activation_function=_member(ActFnType, activation_function),
+            skip_dma=SkipMode(skip_token, skip_weight),
+            compute_dtype=getattr(nl, str(compute_dtype)),
+            is_tensor_update_accumulating=is_tensor_update_accumulating,
+            expert_affinities_scaling_mode=_member(ExpertAffinityScaleMode, expert_affinities_scaling_mode),
+            gate_clamp_upper_limit=gate_clamp_upper_limit,
+            gate_clamp_lower_limit=gate_clamp_lower_limit,
+            up_clamp_lower_limit=up_clamp_lower_limit,
+            up_clamp_upper_limit=up_clamp_upper_limit,
+        )
+    if implementation_name == "shard_on_i_mx":
+        return _shard_on_i_mx_body(
+            hidden_states,
+            expert_affinities_masked,
+            gate_up_proj_weight,
+            down_proj_weight,
+            token_position_to_id,
+            block_to_expert,
+            gate_and_up_proj_bias=gate_and_up_proj_bias,
+            down_proj_bias=down_proj_bias,
+            gate_up_proj_scale=gate_up_proj_scale,
+            down_proj_scale=down_proj_scale,
+            block_size=block_size,
+            activation_function=_member(ActFnType, activation_function),
+            skip_dma=SkipMode(skip_token, skip_weight),
+            compute_dtype=getattr(nl, str(compute_dtype)),
+            is_tensor_update_accumulating=is_tensor_update_accumulating,
+            expert_affinities_scaling_mode=_member(ExpertAffinityScaleMode, expert_affinities_scaling_mode),
+            gate_clamp_upper_limit=gate_clamp_upper_limit,
+            gate_clamp_lower_limit=gate_clamp_lower_limit,
+            up_clamp_lower_limit=up_clamp_lower_limit,
+            up_clamp_upper_limit=up_clamp_upper_limit,
+        )
     library_spec = MoECTESpec(
         implementation=_member(MoECTEImplementation, implementation),
         shard_on_block=ShardOnBlockConfig(
@@ -90,7 +151,6 @@ def moe_cte(
             num_static_block=num_static_block,
         ),
     )
-    skip_token, skip_weight = skip_dma or (False, False)
     return _moe_cte_body(
         hidden_states,
         expert_affinities_masked,
@@ -103,6 +163,7 @@ def moe_cte(
         conditions=conditions,
         gate_and_up_proj_bias=gate_and_up_proj_bias,
         down_proj_bias=down_proj_bias,
+        quantization_config=QuantizationConfig(gate_up_proj_scale=gate_up_proj_scale, down_proj_scale=down_proj_scale),
         activation_function=_member(ActFnType, activation_function),
         skip_dma=SkipMode(skip_token, skip_weight),
         compute_dtype=getattr(nl, str(compute_dtype)),

@@ -54,6 +54,8 @@ VARIANTS_ARE_SLOW = (
     "mx_moe_block_tkg_wrapper",
     "moe_cte.shard_on_i_hybrid",
     "moe_cte.shard_on_i_dropping",
+    "moe_cte.shard_on_i_mx",
+    "moe_cte.shard_on_i_mx_hybrid",
     "blockwise_mm_baseline_shard_hidden.checkpoints",
 )
 

@@ -223,7 +223,7 @@ def test_spec_object_and_fields_are_the_same_call():
     "kwargs, drop, error, match",
     [
         ({}, (), TypeError, "implementation"),
-        ({"implementation": "shard_on_i_mx"}, (), ValueError, "not bound"),
+        ({"implementation": "shard_on_i_mx"}, (), TypeError, "gate_up_proj_weight"),
         ({"implementation": "shard_on_i_hybrid"}, (), TypeError, "conditions"),
         ({"implementation": "shard_on_i"}, ("down_proj_bias",), ValueError, "down_proj_bias"),
         (

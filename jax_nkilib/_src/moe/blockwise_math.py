@@ -6,6 +6,8 @@ into the output rows ``ids``. One ``lax.scan`` step per block: never a dense one
 Per block (``x`` the gathered rows, ``a = affinities[ids, e]`` rounded to ``hidden_states``' dtype):
 
 * ``PRE_SCALE`` on the input (``shard_on_block``): ``x <- a x``;
+* the MX kernels quantize ``x`` (``BlockOptions.quantize_input``) and, before the down projection, ``h``
+  (``quantize_intermediate``) on chip;
 * ``g, u = x @ W_gu[e, :, 0], x @ W_gu[e, :, 1]`` (+ bias ``b_gu[e]``), clamped (``min(., upper)`` then
   ``max(., lower)``); this ``[2, I, B]`` pair is the gate/up checkpoint;
 * ``PRE_SCALE`` on the projections (the I-sharded kernels): ``g, u <- a g, a u``;
@@ -23,6 +25,7 @@ contribute nothing. With ``skip_token`` a token id of ``-1`` reads a zero row an
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +49,8 @@ class BlockOptions:
     up_clamp: tuple[float | None, float | None] = (None, None)
     skip_token: bool = False
     accumulate: bool = True  # is_tensor_update_accumulating: add into the rows, else overwrite them
+    quantize_input: Callable | None = None  # the MX kernels' on-chip round trip of the (pre-scaled) input rows
+    quantize_intermediate: Callable | None = None  # ... and of act(g) * u before the down projection
 
     @property
     def prescale(self) -> bool:
@@ -76,6 +81,8 @@ def gate_up_block(x, affinity, w_gate_up, gate_up_bias, opts: BlockOptions):
     wide = x.dtype
     if opts.prescale and not opts.prescale_on_projections:
         x = affinity * x
+    if opts.quantize_input is not None:
+        x = opts.quantize_input(x)
     hidden, _, inter = w_gate_up.shape
     gu = _dot(x, w_gate_up.astype(wide).reshape(hidden, 2 * inter)).reshape(-1, 2, inter)
     g, u = gu[:, 0], gu[:, 1]
@@ -95,6 +102,8 @@ def expert_block(x, affinity, weights, opts: BlockOptions):
     h = activation(g_in, opts.activation_function) * u_in
     if opts.multiply_on_I:
         h = affinity * h
+    if opts.quantize_intermediate is not None:
+        h = opts.quantize_intermediate(h)
     d = _dot(h, w_down.astype(x.dtype))
     if down_bias is not None:
         d = d + down_bias.reshape(-1).astype(x.dtype)

@@ -20,17 +20,26 @@ operands. The math is :mod:`.blockwise_math`'s, with the implementations' differ
   (in the gate/up weight's dtype) and, unless ``expert_affinity_multiply_on_I``, ``down_activations [N, B, H]`` (the
   down weight's dtype). ``shard_on_i_hybrid`` processes blocks ``b < max(num_static_block, sum(conditions))``
   (``num_static_block`` defaults to ``N - E``): padding blocks beyond must hold only the padding token.
-* The MX implementations (MXFP4/MXFP8 weights, Trainium3) are not bound.
+* ``shard_on_block_mx`` (Trainium3, LNC 2): MXFP4/MXFP8 weights with uint8 scales ``gate_up_proj_scale`` /
+  ``down_proj_scale`` (the library's ``QuantizationConfig``), on-chip MXFP8 quantization of the gathered rows and of
+  the intermediate; output ``[2, T+1, H]`` (slot 0 the sum, slot 1 zeros); no ``conditions`` (its dynamic loop is
+  not bound). Layouts and math: :mod:`.moe_cte_mx`.
+* ``shard_on_i_mx`` / ``shard_on_i_mx_hybrid`` (Trainium3, LNC 2): the same MX operands and math, ``I`` split over
+  the cores, output ``[T+1, H]``; the hybrid takes ``conditions [N+1]`` and processes blocks ``b < max(
+  num_static_block, sum(conditions))`` like ``shard_on_i_hybrid``, but ``num_static_block`` defaults to ``N - E``
+  rounded down to even. The library's ``moe_cte`` dispatcher has no branch for either (it returns ``None``): the
+  device adapter calls their own entry points ``bwmm_shard_on_I_mx.blockwise_mm_shard_intermediate_mx[_hybrid]``.
 
 Every block's contribution is rounded to the output dtype and accumulated in it. The padding row ``T`` of the
-output holds what the padding slots add there (the kernel's row ``T`` is not meaningful either). ``compute_dtype``,
+output holds what the padding slots add there (the kernel's row ``T`` is not meaningful either). ``compute_dtype``
+(except for the MX implementations, where it types the gathered rows before their quantization),
 ``skip_dma.skip_weight`` and the shard-on-block loop knobs only change how the kernel runs.
 
 Reverse mode: for ``shard_on_i`` and ``shard_on_i_dropping`` with ``POST_SCALE``, no
 ``expert_affinity_multiply_on_I``, SiLU or Swish and ``is_tensor_update_accumulating``, the forward runs with
 ``checkpoint_activation`` and the VJP binds ``blockwise_mm_bwd`` on the checkpoints (gradients for hidden states,
-affinities, both weights and both biases); every other call differentiates the JAX reference. The checkpoint
-outputs carry no gradient.
+affinities, both weights and both biases); every other call differentiates the JAX reference (for the MX
+implementations straight through their MXFP8 round trips). The checkpoint outputs carry no gradient.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import jax.numpy as jnp
 from ..framework.common_types import ActFnType, ExpertAffinityScaleMode
 from ..framework.primitive import Vjp, make_kernel, reference_vjp
 from ..framework.spec import FLOAT_DTYPES, INT_DTYPES, NEURON_FLOAT_DTYPES, CallInfo, KernelSpec, Operand, Param
+from . import moe_cte_mx
 from .blockwise_math import BlockOptions, blockwise_forward
 from .blockwise_mm_bwd import blockwise_mm_bwd
 from .moe_cte_config import (
@@ -51,10 +61,13 @@ from .moe_cte_config import (
     moe_cte_spec,
     spec_fields,
 )
+from .moe_tkg import MX_WORD_FORMATS
+from .moe_tkg import _mx_device_dtype as mx_device_dtype
 
 Impl = MoECTEImplementation
 I_SHARDED = (Impl.shard_on_i, Impl.shard_on_i_hybrid, Impl.shard_on_i_dropping)
-BOUND = (Impl.shard_on_block,) + I_SHARDED
+MX_IMPLEMENTATIONS = (Impl.shard_on_block_mx, Impl.shard_on_i_mx, Impl.shard_on_i_mx_hybrid)
+HYBRID = (Impl.shard_on_i_hybrid, Impl.shard_on_i_mx_hybrid)
 KERNEL_ACTIVATIONS = (ActFnType.SiLU, ActFnType.Swish)  # compute_intermediate_states implements only these
 TILE = 128
 SHARD_ON_I_BLOCK_MULTIPLE = 256
@@ -63,8 +76,13 @@ PSUM_SIZE = 512
 
 
 def separate_outputs(params) -> bool:
-    """shard_on_block's per-core output slots ``[T+1, 2, H]``."""
-    return params["implementation"] == Impl.shard_on_block and params["is_tensor_update_accumulating"]
+    """shard_on_block's per-core output slots ``[T+1, 2, H]`` (shard_on_block_mx: ``[2, T+1, H]``)."""
+    impl = params["implementation"]
+    return impl in (Impl.shard_on_block, Impl.shard_on_block_mx) and params["is_tensor_update_accumulating"]
+
+
+def slot_axis(params) -> int:
+    return 0 if params["implementation"] == Impl.shard_on_block_mx else 1
 
 
 def returns_checkpoints(params) -> bool:
@@ -74,7 +92,9 @@ def returns_checkpoints(params) -> bool:
 
 def block_options(params) -> BlockOptions:
     impl = params["implementation"]
+    hooks = moe_cte_mx.quantizers(params["compute_dtype"]) if impl in MX_IMPLEMENTATIONS else {}
     return BlockOptions(
+        **hooks,
         block_size=params["block_size"],
         activation_function=params["activation_function"],
         scaling_mode=params["expert_affinities_scaling_mode"],
@@ -87,11 +107,18 @@ def block_options(params) -> BlockOptions:
     )
 
 
+def default_static_blocks(impl, n_blocks: int, n_experts: int) -> int:
+    """The hybrids' static loop length without ``num_static_block``: ``N - E`` (MX: rounded down to even)."""
+    static = n_blocks - n_experts
+    return static - static % 2 if impl == Impl.shard_on_i_mx_hybrid else static
+
+
 def _active_blocks(conditions, params, n_blocks, n_experts):
-    if params["implementation"] != Impl.shard_on_i_hybrid:
+    impl = params["implementation"]
+    if impl not in HYBRID:
         return None
     static = params["num_static_block"]
-    static = n_blocks - n_experts if static is None else static
+    static = default_static_blocks(impl, n_blocks, n_experts) if static is None else static
     count = jnp.maximum(jnp.sum(conditions.astype(jnp.int32)), static)
     return jnp.arange(n_blocks) < count
 
@@ -106,10 +133,16 @@ def reference_moe_cte(
     conditions,
     gate_and_up_proj_bias,
     down_proj_bias,
+    gate_up_proj_scale=None,
+    down_proj_scale=None,
     **params,
 ):
     """JAX reference of ``moe_cte`` (see the module docstring): ``output`` (+ checkpoints)."""
     rows, experts = hidden_states.shape[0], gate_up_proj_weight.shape[0]
+    if params["implementation"] in MX_IMPLEMENTATIONS:
+        gate_up_proj_weight, down_proj_weight, gate_and_up_proj_bias = moe_cte_mx.decode_weights(
+            gate_up_proj_weight, down_proj_weight, gate_up_proj_scale, down_proj_scale, gate_and_up_proj_bias
+        )
     n_blocks = block_to_expert.shape[0]
     out, gate_up_t, down = blockwise_forward(
         hidden_states,
@@ -124,7 +157,7 @@ def reference_moe_cte(
         active=_active_blocks(conditions, params, n_blocks, experts),
     )
     if separate_outputs(params):
-        out = jnp.stack([out, jnp.zeros_like(out)], axis=1)
+        out = jnp.stack([out, jnp.zeros_like(out)], axis=slot_axis(params))
     if not returns_checkpoints(params):
         return (out,)
     gate_up_t = gate_up_t.astype(gate_up_proj_weight.dtype)
@@ -155,11 +188,10 @@ def _prepare(function, operands, params):
 def _check(call: CallInfo) -> None:
     dims, p, function = call.dims, call.params, call.function
     impl = p["implementation"]
-    if impl not in BOUND:
-        raise ValueError(
-            f"{function}: implementation {impl.name} (MX weights, Trainium3) is not bound; use one of "
-            f"{', '.join(i.name for i in BOUND)}"
-        )
+    if impl in MX_IMPLEMENTATIONS:
+        moe_cte_mx.check(call)
+    else:
+        moe_cte_mx.check_dense(call)
     if dims["TE"] != dims["T"] * dims["E"]:
         raise ValueError(
             f"{function}: expert_affinities_masked must be [(T+1)*E, 1] = [{dims['T'] * dims['E']}, 1] for "
@@ -173,8 +205,8 @@ def _check(call: CallInfo) -> None:
     conditions = call.avals.get("conditions")
     if conditions is not None and conditions.shape != (dims["N"] + 1,):
         raise ValueError(f"{function}: conditions must be [N+1] = [{dims['N'] + 1}]; got {list(conditions.shape)}")
-    if impl == Impl.shard_on_i_hybrid and conditions is None:
-        raise TypeError(f"{function}: shard_on_i_hybrid needs `conditions` [N+1] (1 for used blocks, then 0)")
+    if impl in HYBRID and conditions is None:
+        raise TypeError(f"{function}: {impl.name} needs `conditions` [N+1] (1 for used blocks, then 0)")
     if (call.avals.get("gate_and_up_proj_bias") is None) != (call.avals.get("down_proj_bias") is None):
         raise ValueError(
             f"{function}: give both gate_and_up_proj_bias [E, 2, I] and down_proj_bias [E, H], or neither (the "
@@ -197,7 +229,9 @@ def _check(call: CallInfo) -> None:
 def _output_avals(call: CallInfo):
     p, d = call.params, call.dims
     hidden = call.avals["hidden_states"]
-    shape = (d["T"], 2, d["H"]) if separate_outputs(p) else (d["T"], d["H"])
+    shape = (d["T"], d["H"])
+    if separate_outputs(p):
+        shape = (2, d["T"], d["H"]) if slot_axis(p) == 0 else (d["T"], 2, d["H"])
     outs = [("output", shape, hidden.dtype)]
     if returns_checkpoints(p):
         outs.append(
@@ -214,6 +248,8 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     unmet = []
     if p["activation_function"] not in KERNEL_ACTIVATIONS:
         unmet.append("activation_function SiLU or Swish (the kernels compute no other)")
+    if impl in MX_IMPLEMENTATIONS:
+        return unmet + moe_cte_mx.neuron_limits(call)
     if any(call.avals[n].dtype not in NEURON_FLOAT_DTYPES for n in ("hidden_states", "gate_up_proj_weight")):
         unmet.append("float32/bfloat16/float16 tensors")
     if impl == Impl.shard_on_block:
@@ -299,16 +335,52 @@ def _backward(kernel, residuals, params, cotangents):
     return result
 
 
+# gate/up and down weights: dense (the bf16 implementations) or MX x4 words (shard_on_block_mx, :mod:`.moe_cte_mx`)
+MX_CAPABLE_WEIGHTS = (
+    Operand.of(
+        "gate_up_proj_weight",
+        "E, H, 2, I",
+        "E, 128, 2, H/512, I",
+        dtypes=FLOAT_DTYPES + tuple(MX_WORD_FORMATS),
+        doc="[E, H, 2, I]; MX: x4 words [E, 128, 2, H/512, I]",
+        device_dtype=mx_device_dtype,
+    ),
+    Operand.of(
+        "down_proj_weight",
+        "E, I, H",
+        "E, P_I, N_I, H",
+        dtypes=FLOAT_DTYPES + tuple(MX_WORD_FORMATS),
+        doc="[E, I, H]; MX: x4 words [E, P_I, N_I, H]",
+        device_dtype=mx_device_dtype,
+    ),
+)
+
 _CLAMPS = tuple(f"{which}_clamp_{side}_limit" for which in ("gate", "up") for side in ("upper", "lower"))
 
 MOE_CTE_SPEC = KernelSpec(
     name="moe_cte",
     entry_point="jax_nkilib_kernels.moe_cte:moe_cte",
     operands=(
-        *BLOCKWISE_OPERANDS,
+        *BLOCKWISE_OPERANDS[:2],
+        *MX_CAPABLE_WEIGHTS,
+        *BLOCKWISE_OPERANDS[4:],
         Operand.of("conditions", "N1", dtypes=INT_DTYPES, optional=True, doc="[N+1] used blocks (hybrid)"),
-        Operand.of("gate_and_up_proj_bias", "E, 2, I", optional=True),
+        Operand.of("gate_and_up_proj_bias", "E, 2, I", "E, P_I, 2, N_I, 4", optional=True, doc="MX: P_I, N_I tiles"),
         Operand.of("down_proj_bias", "E, H", "E, 1, H", dtypes=FLOAT_DTYPES, optional=True),
+        Operand.of(
+            "gate_up_proj_scale",
+            "E, 16, 2, H/512, I",
+            dtypes=(jnp.uint8,),
+            optional=True,
+            doc="shard_on_block_mx: uint8 MX scales (QuantizationConfig.gate_up_proj_scale)",
+        ),
+        Operand.of(
+            "down_proj_scale",
+            "E, P_I/8, N_I, H",
+            dtypes=(jnp.uint8,),
+            optional=True,
+            doc="shard_on_block_mx: uint8 MX scales (QuantizationConfig.down_proj_scale)",
+        ),
     ),
     params=(
         BLOCK_SIZE,
@@ -338,8 +410,11 @@ MOE_CTE_SPEC = KernelSpec(
     support={
         "idiomatic": "moe",
         "vjp": "blockwise_mm_bwd for shard_on_i/shard_on_i_dropping (POST_SCALE, SiLU/Swish); JAX elsewhere",
-        "notes": "implementations shard_on_block, shard_on_i, shard_on_i_hybrid, shard_on_i_dropping; MX variants "
-        "unbound; shard_on_block accumulating output [T+1, 2, H]; device adapter jax_nkilib_kernels/moe_cte.py",
+        "notes": "implementations shard_on_block, shard_on_i, shard_on_i_hybrid, shard_on_i_dropping, "
+        "shard_on_block_mx, shard_on_i_mx, shard_on_i_mx_hybrid (MXFP4/MXFP8, trn3, LNC 2, POST_SCALE; "
+        "shard_on_block_mx without conditions; the I-sharded MX kernels through their own entry points: the library "
+        "dispatcher has no branch for them); shard_on_block accumulating output [T+1, 2, H], shard_on_block_mx "
+        "[2, T+1, H]; device adapter jax_nkilib_kernels/moe_cte.py",
     },
 )
 

@@ -1,6 +1,7 @@
-"""Arg specs of the blockwise MoE kernels: ``moe_cte`` (each bf16 implementation), ``blockwise_mm_bwd`` and
-``blockwise_mm_baseline_shard_hidden``. The routing operands are built here in NumPy, in the kernels' layout (expert
-``e``'s tokens in consecutive blocks, padding slots and trailing blocks on the padding token ``T``)."""
+"""Arg specs of the blockwise MoE kernels: ``moe_cte`` (each bf16 implementation and ``shard_on_block_mx``),
+``blockwise_mm_bwd`` and ``blockwise_mm_baseline_shard_hidden``. The routing operands are built here in NumPy, in the
+kernels' layout (expert ``e``'s tokens in consecutive blocks, padding slots and trailing blocks on the padding token
+``T``)."""
 
 import math
 
@@ -56,6 +57,28 @@ def _moe(tokens, hidden, inter, experts, top_k, block, *, conditions=False, bias
         if bias:
             operands += (normal(rng, (experts, 2, inter), scale=0.1), normal(rng, (experts, hidden), scale=0.1))
         return operands
+
+    return build
+
+
+def _moe_mxfp4(tokens, hidden, inter, experts, top_k, block, dtype=jnp.float32, bias=False, conditions=False):
+    """``moe_cte`` operands for the MX implementations: MXFP4 uint16 words ``[E, 128, 2, H/512, I]`` /
+    ``[E, min(128, I/4), ceil(I/512), H]`` (any nibble is an e2m1 code) and uint8 scales near 2**-6 (biases
+    ``[E, P_I, 2, N_I, 4]``, ``[E, H]``) after the routing operands (and ``conditions``)."""
+    p_i, n_i = min(128, inter // 4), -(-inter // 512)
+
+    def build(rng):
+        x = normal(rng, (tokens + 1, hidden), dtype).at[tokens].set(0)
+        affinities, slots, owners, used = routing(rng, tokens, top_k, experts, block)
+        words = lambda shape: jnp.asarray(rng.integers(0, 2**16, shape), jnp.uint16)  # noqa: E731
+        scales = lambda shape: jnp.asarray(rng.integers(118, 124, shape), jnp.uint8)  # noqa: E731
+        operands = (x, affinities.astype(dtype), words((experts, 128, 2, hidden // 512, inter)))
+        operands += (words((experts, p_i, n_i, hidden)), slots, owners)
+        if conditions:
+            operands += (used,)
+        if bias:
+            operands += (normal(rng, (experts, p_i, 2, n_i, 4), dtype, 0.1), normal(rng, (experts, hidden), dtype, 0.1))
+        return operands + (scales((experts, 16, 2, hidden // 512, inter)), scales((experts, p_i // 8, n_i, hidden)))
 
     return build
 
@@ -168,9 +191,72 @@ register(
         grad_output=lambda out: out[0],
         batch=_FLOATS,
         sharding=Sharding(_DATA, (P(),) * 6, (P(), P(), P())),
-        bad=BadInput("implementation", lambda _: "shard_on_block_mx", "implementation"),
+        bad=BadInput("token_position_to_id", _shorter, "token_position_to_id"),
         neuron=_moe(255, 512, 16, 2, 1, 256),
         neuron_kwargs={"block_size": 256, "implementation": "shard_on_i_dropping"},
+    ),
+    ArgSpec(
+        "moe_cte.shard_on_block_mx",
+        nki.moe_cte,
+        _MOE + ("gate_and_up_proj_bias", "down_proj_bias", "gate_up_proj_scale", "down_proj_scale"),
+        _moe_mxfp4(5, 512, 32, 2, 2, 4, bias=True),
+        kwargs={"block_size": 4, "implementation": "shard_on_block_mx", "activation_function": "Swish"},
+        positional=6,
+        kernels=(),
+        only_kernels=False,
+        grad=("hidden_states", "expert_affinities_masked", "gate_and_up_proj_bias", "down_proj_bias"),
+        check_grads=False,
+        batch=("hidden_states", "expert_affinities_masked"),
+        sharding=_replicated(10),
+        bad=BadInput("down_proj_scale", lambda s: s.astype(jnp.float32), "down_proj_scale"),
+        neuron=_moe_mxfp4(128, 512, 64, 2, 2, 128, jnp.bfloat16, bias=True),
+        neuron_kwargs={"block_size": 128, "implementation": "shard_on_block_mx"},
+        neuron_lnc=2,
+        neuron_fallback="trn3",
+        notes="MXFP4 weights; the kernel is Trainium3's, so under the default trn2 target the reference runs "
+        "(tests/moe/test_moe_cte_mx.py lowers it for trn3 at LNC 2); the VJP is straight-through the MXFP8 round "
+        "trips, so no numerical gradient check",
+    ),
+    ArgSpec(
+        "moe_cte.shard_on_i_mx",
+        nki.moe_cte,
+        _MOE + ("gate_up_proj_scale", "down_proj_scale"),
+        _moe_mxfp4(5, 512, 32, 2, 1, 4),
+        kwargs={"block_size": 4, "implementation": "shard_on_i_mx", "is_tensor_update_accumulating": False},
+        positional=6,
+        kernels=(),
+        only_kernels=False,
+        grad=("hidden_states", "expert_affinities_masked"),
+        check_grads=False,
+        batch=("hidden_states", "expert_affinities_masked"),
+        sharding=_replicated(8),
+        bad=BadInput("expert_affinities_scaling_mode", lambda _: "PRE_SCALE", "expert_affinities_scaling_mode"),
+        neuron=_moe_mxfp4(200, 512, 1024, 2, 1, 256, jnp.bfloat16),
+        neuron_kwargs={"block_size": 256, "implementation": "shard_on_i_mx"},
+        neuron_lnc=2,
+        neuron_fallback="trn3",
+        notes="top-1, overwriting output; the library dispatcher has no shard_on_i_mx branch, so the adapter calls "
+        "blockwise_mm_shard_intermediate_mx itself; trn3 only (tests/moe/test_moe_cte_mx.py lowers it for trn3)",
+    ),
+    ArgSpec(
+        "moe_cte.shard_on_i_mx_hybrid",
+        nki.moe_cte,
+        _MOE + ("conditions", "gate_up_proj_scale", "down_proj_scale"),
+        _moe_mxfp4(6, 512, 32, 2, 2, 4, conditions=True),
+        kwargs={"block_size": 4, "implementation": "shard_on_i_mx_hybrid", "num_static_block": 1},
+        positional=6,
+        kernels=(),
+        only_kernels=False,
+        grad=("hidden_states", "expert_affinities_masked"),
+        check_grads=False,
+        batch=("hidden_states", "expert_affinities_masked"),
+        sharding=_replicated(9),
+        bad=BadInput("conditions", _shorter, "conditions"),
+        neuron=_moe_mxfp4(200, 512, 1024, 2, 1, 256, jnp.bfloat16, conditions=True),
+        neuron_kwargs={"block_size": 256, "implementation": "shard_on_i_mx_hybrid"},
+        neuron_lnc=2,
+        neuron_fallback="trn3",
+        notes="through blockwise_mm_shard_intermediate_mx_hybrid (no dispatcher branch); trn3 only",
     ),
     ArgSpec(
         "moe_cte.gelu_falls_back",
