@@ -47,17 +47,9 @@ def params(*selectors, slow=()):
 # Op-by-op dispatch of the rings takes 10-20 s per call on a small CPU machine: their eager runs stay slow, as the
 # per-file eager checks they replace were (the ring kernels' own specs run eagerly in CI).
 EAGER_IS_SLOW = ("ring_attention", "all_gather_matmul", "matmul_reduce_scatter")
-# Variants of a kernel whose main spec runs every check in CI: their vmap and shard_map checks run with `-m slow`.
-VARIANTS_ARE_SLOW = (
-    "moe_block_tkg.mxfp4_all_expert",
-    "moe_tkg.mxfp4",
-    "mx_moe_block_tkg_wrapper",
-    "moe_cte.shard_on_i_hybrid",
-    "moe_cte.shard_on_i_dropping",
-    "moe_cte.shard_on_i_mx",
-    "moe_cte.shard_on_i_mx_hybrid",
-    "blockwise_mm_baseline_shard_hidden.checkpoints",
-)
+# A variant spec (named `<kernel>.<variant>`) checks a flag or path of a kernel whose main spec runs every check in
+# CI: its jit, vmap, vmap-of-grad and shard_map checks run with `-m slow` (its gradients, lowering and bad input in CI).
+VARIANTS_ARE_SLOW = tuple(spec.name for spec in SPECS if "." in spec.name)
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
@@ -155,7 +147,7 @@ def squared_sum(out):
 
 
 # --------------------------------------------------------------------------------------------------------- tests
-@params(slow=EAGER_IS_SLOW)
+@params(slow=EAGER_IS_SLOW + VARIANTS_ARE_SLOW)
 def test_jit_matches_eager(spec):
     args = spec.args()
     assert_same(jitted(spec)(*args), function(spec)(*args))

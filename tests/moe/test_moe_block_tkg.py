@@ -171,6 +171,7 @@ def test_hidden_actual_ignores_the_padding():
     assert_close(out, want, jnp.float32, reduction=32, ops=16)
 
 
+@pytest.mark.slow  # CI: check_grads of the moe_block_tkg arg spec
 def test_gradient_flows_through_affinities_experts_norm_and_router():
     operands = [a.astype(jnp.float64) for a in make(2, 1, 8, 4, 3, seed=11)]
     flags = dict(top_k=2, expert_affinities_scaling_mode="POST_SCALE", router_mm_dtype=jnp.float64)

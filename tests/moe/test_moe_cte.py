@@ -312,6 +312,7 @@ def test_gradients_match_the_float64_oracle(implementation):
     assert uses_kernel == (implementation != "shard_on_block")
 
 
+@pytest.mark.slow  # CI: check_grads of the moe_cte.shard_on_block arg spec
 def test_reference_vjp_where_the_backward_kernel_does_not_apply():
     ops = problem(11, dtype=jnp.float64)
     for kwargs in (
