@@ -22,6 +22,8 @@ from tests.moe.test_moe_tkg_mx import moe_mx_weights
 from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.numerics import assert_close, f64
 
+pytestmark = pytest.mark.slow  # CI time: the MX variants; CI runs their arg specs' lowering and bad inputs
+
 T, H, INTER, E, K, B = 9, 512, 64, 3, 2, 4
 MX = "shard_on_block_mx"
 

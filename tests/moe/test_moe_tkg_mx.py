@@ -24,6 +24,8 @@ from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.numerics import assert_close, f64
 
+pytestmark = pytest.mark.slow  # CI time: the MX variants; CI runs their arg specs' lowering and bad inputs
+
 
 def moe_mx_weights(e, h, i, fmt, bias=False, dtype=jnp.bfloat16):
     """Per-expert MX weights stacked in moe_tkg's layouts, and the codes the oracle decodes."""
