@@ -17,7 +17,7 @@ from ..framework.common_types import ActFnType, ExpertAffinityScaleMode
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import NEURON_FLOAT_DTYPES, CallInfo, KernelSpec, Operand
 from .blockwise_math import BlockOptions, blockwise_forward
-from .moe_cte_config import BLOCK_SIZE, BLOCKWISE_LOOP_PARAMS, BLOCKWISE_OPERANDS
+from .moe_cte_config import BLOCK_SIZE, BLOCKWISE_LOOP_PARAMS, BLOCKWISE_OPERANDS, check_blockwise_routing
 
 Mode = ExpertAffinityScaleMode
 
@@ -70,16 +70,7 @@ def reference_blockwise_mm_baseline_shard_hidden(
 
 def _check(call: CallInfo) -> None:
     dims, p, function = call.dims, call.params, call.function
-    if dims["TE"] != dims["T"] * dims["E"]:
-        raise ValueError(
-            f"{function}: expert_affinities_masked must be [(T+1)*E, 1] = [{dims['T'] * dims['E']}, 1] for "
-            f"hidden_states [T+1={dims['T']}, H] and E={dims['E']}; got [{dims['TE']}, 1]"
-        )
-    if p["block_size"] < 1 or dims["NB"] != dims["N"] * p["block_size"]:
-        raise ValueError(
-            f"{function}: token_position_to_id must be [N*B] = [{dims['N'] * p['block_size']}] for N={dims['N']} "
-            f"blocks (block_to_expert [N, 1]) of block_size={p['block_size']}; got [{dims['NB']}]"
-        )
+    check_blockwise_routing(call)
     if "B" in dims and dims["B"] != p["block_size"]:
         raise ValueError(f"{function}: the checkpoint buffers' B={dims['B']} must equal block_size={p['block_size']}")
 

@@ -58,6 +58,7 @@ from .moe_cte_config import (
     BLOCKWISE_OPERANDS,
     BlockShardStrategy,
     MoECTEImplementation,
+    check_blockwise_routing,
     moe_cte_spec,
     spec_fields,
 )
@@ -192,16 +193,7 @@ def _check(call: CallInfo) -> None:
         moe_cte_mx.check(call)
     else:
         moe_cte_mx.check_dense(call)
-    if dims["TE"] != dims["T"] * dims["E"]:
-        raise ValueError(
-            f"{function}: expert_affinities_masked must be [(T+1)*E, 1] = [{dims['T'] * dims['E']}, 1] for "
-            f"hidden_states [T+1={dims['T']}, H] and E={dims['E']}; got [{dims['TE']}, 1]"
-        )
-    if p["block_size"] < 1 or dims["NB"] != dims["N"] * p["block_size"]:
-        raise ValueError(
-            f"{function}: token_position_to_id must be [N*B] = [{dims['N'] * p['block_size']}] for N={dims['N']} "
-            f"blocks (block_to_expert [N, 1]) of block_size={p['block_size']}; got [{dims['NB']}]"
-        )
+    check_blockwise_routing(call)
     conditions = call.avals.get("conditions")
     if conditions is not None and conditions.shape != (dims["N"] + 1,):
         raise ValueError(f"{function}: conditions must be [N+1] = [{dims['N'] + 1}]; got {list(conditions.shape)}")

@@ -133,3 +133,19 @@ BLOCKWISE_LOOP_PARAMS = (
     Param("is_tensor_update_accumulating", True, bool, "accumulate blocks into the output (top_k > 1)"),
     Param("expert_affinities_scaling_mode", "POST_SCALE", ExpertAffinityScaleMode),
 )
+
+
+def check_blockwise_routing(call) -> None:
+    """The shapes :data:`BLOCKWISE_OPERANDS` bind together: ``expert_affinities_masked [(T+1)*E, 1]`` and
+    ``token_position_to_id [N*B]`` (``block_size`` B, ``N`` blocks)."""
+    dims, p, function = call.dims, call.params, call.function
+    if dims["TE"] != dims["T"] * dims["E"]:
+        raise ValueError(
+            f"{function}: expert_affinities_masked must be [(T+1)*E, 1] = [{dims['T'] * dims['E']}, 1] for "
+            f"hidden_states [T+1={dims['T']}, H] and E={dims['E']}; got [{dims['TE']}, 1]"
+        )
+    if p["block_size"] < 1 or dims["NB"] != dims["N"] * p["block_size"]:
+        raise ValueError(
+            f"{function}: token_position_to_id must be [N*B] = [{dims['N'] * p['block_size']}] for N={dims['N']} "
+            f"blocks (block_to_expert [N, 1]) of block_size={p['block_size']}; got [{dims['NB']}]"
+        )
