@@ -8,6 +8,7 @@ On CPU/GPU each op runs a faithful JAX reference of its kernel; lowered for ``ne
 from jax_nkilib import checkpoint_policies, neuron, nki
 from jax_nkilib._src.framework.config import config, current_lnc
 from jax_nkilib._src.ops.attention import attention, decode_attention
+from jax_nkilib._src.ops.decode_block import decode_block
 from jax_nkilib._src.ops.dot_product_attention import dot_product_attention
 from jax_nkilib._src.ops.flax_attention import flax_attention_fn
 from jax_nkilib._src.ops.mlp import mlp
@@ -34,6 +35,7 @@ __all__ = [
     "config",
     "current_lnc",
     "decode_attention",
+    "decode_block",
     "dequantize_fp8",
     "dequantize_mx",
     "dot_product_attention",

@@ -38,6 +38,20 @@ def _qkv(x, wq, wk, wv):
     return jax_nkilib.qkv_projection(x, (wq, wk, wv), num_q_heads=N, num_kv_heads=K, norm="rms")
 
 
+def _decode_block(x, k_cache, v_cache, cache_len, wq, wk, wv, w_o, gain, cos, sin):
+    return jax_nkilib.decode_block(
+        x,
+        (k_cache, v_cache),
+        cache_len,
+        qkv_weight=(wq, wk, wv),
+        out_weight=w_o,
+        num_q_heads=N,
+        num_kv_heads=K,
+        rope=(cos, sin),
+        norm_weight=gain,
+    )
+
+
 def _quantized(fn):
     return lambda *args: tuple(jnp.asarray(o, jnp.float32) for o in fn(*args))
 
@@ -58,6 +72,7 @@ def _cases():
     caches = random((B, K, 64, D), seed=13), random((B, K, 64, D), seed=14)
     q1, k1, v1 = random((B, 1, N, D), seed=15), random((B, 1, K, D), seed=16), random((B, 1, K, D), seed=17)
     cache_len = jnp.array([5, 9], jnp.int32)
+    cos1, sin1 = angles((B, 1, D // 2))
     q8, s8 = jax_nkilib.quantize_fp8(x3)
     data_mx, scales_mx = jax_nkilib.quantize_mx(x3)
     # op -> (function, arguments, their specs, expected collectives)
@@ -117,6 +132,14 @@ def _cases():
             (q1, k1, v1, *caches, cache_len),
             (P("data", None, "model"), P("data", None, "model"), P(), P("data", "model"), P(), P()),
             {},
+        ),
+        "jax_nkilib.decode_block": (  # one kv head per `model` shard: the fused block, then one all-reduce
+            _decode_block,
+            (x3[:, :1], *caches, cache_len, w_q, w_k, w_v, w_o, gain, cos1, sin1),
+            (P("data"), P("data", "model"), P("data", "model"), P("data"))
+            + (P(None, "model"),) * 3
+            + (P("model"), P(), P(), P()),
+            {"all-reduce": 1},
         ),
         "jax_nkilib.qkv_projection": (
             _qkv,

@@ -1,0 +1,274 @@
+"""``jax_nkilib.decode_block``: one decoder layer's attention half for token generation, fused where the kernel
+allows it.
+
+Math (per sequence ``b``, new token ``i`` at position ``p = cache_len[b] + i``)::
+
+    h = rms_norm(x, norm_weight, eps)                       # skipped without norm_weight
+    q, k, v = split_heads(h @ qkv_weight + qkv_bias)        # columns [Q heads | K heads | V heads]
+    q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)         # per head, before RoPE (Qwen3 / OLMo-2 style), optional
+    q, k = rope(q, cos, sin), rope(k, cos, sin)             # halves [x1 | x2]
+    cache[b, :, p] = k, v                                   # the caches' functional update
+    o = softmax(q k^T * scale + causal mask over positions <= p) v
+    out = o @ out_weight + out_bias                         # [batch, seq, hidden]; no residual add
+
+Two equivalent routes compute it, chosen from the shapes alone (the same on every platform, so CPU results are the
+Neuron ones up to the kernels' fidelity):
+
+* **fused**, one ``attention_block_tkg`` kernel per call (:mod:`jax_nkilib._src.ops.decode_block_fused`), when the
+  call has one kv head (a tensor-parallel shard's usual count: the kernel's GQA has one KV head) and meets the
+  kernel's limits;
+* **composed** otherwise: ``qkv_projection`` -> (``rms_norm`` + ``rope`` on the heads) -> ``decode_attention`` ->
+  ``output_projection``, each its own kernel on Neuron.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..framework.validation import check_operand_layouts, static_float
+from ..sharding import auto
+from .attention import decode_attention
+from .layouts import KV_CACHE_LAYOUT
+from .norm import rms_norm
+from .projection import output_projection, qkv_projection
+from .rope import rope as apply_rope
+
+WHERE = "jax_nkilib.decode_block"
+
+DECODE_BLOCK_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        WHERE,
+        free={"b": "batch"},
+        collective={
+            "n": (
+                "heads (qkv_weight as (w_q, w_k, w_v), the caches' kv heads, out_weight's rows)",
+                "local blocks over the local heads + one all-reduce (psum) of the output projection, then out_bias",
+            )
+        },
+        note="heads shard when qkv_weight is given as (w_q, w_k, w_v); num_q_heads and num_kv_heads divisible by "
+        "the mesh axis size",
+    )
+)
+
+
+def _pair(name: str, value, what: str):
+    if not (isinstance(value, (tuple, list)) and len(value) == 2):
+        raise TypeError(f"{WHERE}: `{name}` must be a pair {what}; got {type(value).__name__}")
+    return tuple(jnp.asarray(v) for v in value)
+
+
+def _check(x, kv_cache, cache_len, qkv_weight, out_weight, num_q_heads, num_kv_heads, rope):
+    """Trace-time checks of what this op itself reads (the ops it composes check the rest): returns ``head_dim``."""
+    check_operand_layouts(WHERE, {"x": "batch, seq, hidden"}, positive=("batch", "seq", "hidden"), x=x)
+    k_cache, v_cache = _pair("kv_cache", kv_cache, f"(k_cache, v_cache), each [{KV_CACHE_LAYOUT}]")
+    dims = check_operand_layouts(
+        WHERE,
+        {"k_cache": KV_CACHE_LAYOUT, "v_cache": KV_CACHE_LAYOUT, "cache_len": "batch"},
+        dtypes={"k_cache": "floating", "v_cache": "floating", "cache_len": None},
+        known={"batch": x.shape[0], "kv_heads": num_kv_heads},
+        k_cache=k_cache,
+        v_cache=v_cache,
+        cache_len=cache_len,
+    )
+    if rope is not None:
+        _pair("rope", rope, "(cos, sin) of [seq, head_dim/2] or [batch, seq, head_dim/2] tables")
+    w_out = jnp.asarray(out_weight)
+    if w_out.ndim != 2 or w_out.shape != (num_q_heads * dims["head_dim"], x.shape[2]):
+        raise ValueError(
+            f"{WHERE}: `out_weight` must be [num_q_heads * head_dim, hidden] = "
+            f"[{num_q_heads * dims['head_dim']}, {x.shape[2]}]; got {tuple(w_out.shape)}"
+        )
+    del qkv_weight  # qkv_projection checks it against x, the head counts and head_dim
+    return dims["head_dim"]
+
+
+def _table_dims(rope):
+    """The RoPE tables' letters: a per-sequence table ``[batch, seq, head_dim/2]`` splits with the batch."""
+    if rope is None:
+        return None
+    table = jnp.asarray(rope[0])
+    dims = "b__" if table.ndim == 3 and table.shape[0] != 1 else "_" * table.ndim
+    return (dims, dims)
+
+
+def _static_heads(num_q_heads, num_kv_heads) -> tuple[int, int]:
+    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise TypeError(f"{WHERE}: `{name}` must be a static positive int; got {value!r}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{WHERE}: num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    return num_q_heads, num_kv_heads
+
+
+def decode_block(
+    x,
+    kv_cache,
+    cache_len,
+    *,
+    qkv_weight,
+    out_weight,
+    num_q_heads: int,
+    num_kv_heads: int,
+    rope=None,
+    norm_weight=None,
+    eps: float = 1e-6,
+    qkv_bias=None,
+    out_bias=None,
+    qk_norm=None,
+    qk_norm_eps: float = 1e-6,
+    scale: float | None = None,
+):
+    """One decoder layer's attention for ``seq`` new tokens per sequence against a KV cache (the math is in
+    :mod:`jax_nkilib._src.ops.decode_block`): RMSNorm -> QKV -> optional per-head Q/K RMSNorm -> RoPE -> cache
+    update -> attention -> output projection.
+
+    Args:
+      x: ``[batch, seq, hidden]``, the layer's input (the residual stream; the residual add is the caller's).
+      kv_cache: ``(k_cache, v_cache)``, each ``[batch, kv_heads, max_len, head_dim]`` (the library's one KV-cache
+        layout); as :func:`jax_nkilib.decode_attention`'s, the last ``seq`` slots of ``max_len`` are the kernel's
+        scratch: keep ``cache_len + 2 * seq <= max_len``.
+      cache_len: int ``[batch]``: the tokens already cached; new token ``i`` of sequence ``b`` has position
+        ``cache_len[b] + i`` (a runtime value).
+      qkv_weight: ``[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]`` (columns ``[Q | K | V]``) or
+        ``(w_q, w_k, w_v)``, as :func:`jax_nkilib.qkv_projection` takes it; ``qkv_bias`` likewise.
+      out_weight: ``[num_q_heads * head_dim, hidden]``; ``out_bias`` ``[hidden]``.
+      rope: ``(cos, sin)``, each ``[seq, head_dim/2]`` or ``[batch, seq, head_dim/2]`` (the tables at each new
+        token's position); ``None`` skips RoPE.
+      norm_weight: ``[hidden]`` RMSNorm gain over ``x`` (``None``: no norm); ``eps`` its epsilon.
+      qk_norm: ``(q_weight, k_weight)``, each ``[head_dim]``: RMSNorm of every query and key head before RoPE, with
+        ``qk_norm_eps``.
+      scale: the softmax scale, default ``1/sqrt(head_dim)``.
+
+    Returns ``(out [batch, seq, hidden], (k_cache, v_cache))`` in ``x``'s dtype, the caches holding the new keys
+    (after RoPE) and values at their positions (a functional update: under ``jax.jit(..., donate_argnums=...)`` of
+    the caches, XLA writes them in place). Differentiable in ``x`` and every weight.
+
+    On Neuron, a call with one kv head (``num_kv_heads == 1``, e.g. a tensor-parallel shard of a GQA model) that
+    fits the kernel is one ``attention_block_tkg`` kernel with the caches updated in place (aliased); other calls
+    are ``qkv`` + ``decode_attention``'s ``attention_tkg`` + ``output_projection_tkg``. Sharding: batch freely; heads
+    with ``qkv_weight`` as ``(w_q, w_k, w_v)`` (column-parallel QKV, the caches' kv heads, row-parallel output
+    projection with one all-reduce).
+    """
+    num_q_heads, num_kv_heads = _static_heads(num_q_heads, num_kv_heads)
+    x = jnp.asarray(x)
+    cache_len = jnp.asarray(cache_len)
+    head_dim = _check(x, kv_cache, cache_len, qkv_weight, out_weight, num_q_heads, num_kv_heads, rope)
+    eps = static_float(WHERE, "eps", eps, minimum=0.0)
+    qk_norm_eps = static_float(WHERE, "qk_norm_eps", qk_norm_eps, minimum=0.0)
+    if qk_norm is not None:
+        qk_norm = _pair("qk_norm", qk_norm, "(q_weight, k_weight), each [head_dim]")
+    flags = dict(eps=eps, qk_norm_eps=qk_norm_eps, scale=scale)
+    split = isinstance(qkv_weight, (tuple, list))
+    sharded = auto.plan(
+        DECODE_BLOCK_SHARDING,
+        [
+            auto.ShardedArgument("x", x, "b__"),
+            auto.ShardedArgument("kv_cache", tuple(kv_cache), ("bn__", "bn__")),
+            auto.ShardedArgument("cache_len", cache_len, "b"),
+            auto.ShardedArgument("qkv_weight", qkv_weight, ("_n",) * 3 if split else "__"),
+            auto.ShardedArgument("out_weight", out_weight, "n_"),
+            auto.ShardedArgument("rope", rope, _table_dims(rope)),
+            auto.ShardedArgument("norm_weight", norm_weight, "_"),
+            auto.ShardedArgument("qkv_bias", qkv_bias, ("n",) * 3 if split else "_"),
+            auto.ShardedArgument("out_bias", out_bias, "_"),
+            auto.ShardedArgument("qk_norm", qk_norm, ("_", "_")),
+        ],
+    )
+    if sharded:
+        return _run_sharded(
+            sharded,
+            x,
+            kv_cache,
+            cache_len,
+            qkv_weight,
+            out_weight,
+            rope,
+            norm_weight,
+            qkv_bias,
+            out_bias,
+            qk_norm,
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            **flags,
+        )
+    return _composed(
+        x,
+        tuple(kv_cache),
+        cache_len,
+        qkv_weight,
+        out_weight,
+        rope,
+        norm_weight,
+        qkv_bias,
+        out_bias,
+        qk_norm,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        **flags,
+    )
+
+
+def _run_sharded(sharded, *operands, num_q_heads, num_kv_heads, **flags):
+    """Local blocks on the shards: batch split freely; heads split with the weights and caches, each shard
+    projecting its own heads and the partial output projections summed (one psum), then ``out_bias``."""
+    parts = sharded.axis_size("n")
+    if num_q_heads % parts or num_kv_heads % parts:
+        raise ValueError(
+            f"{WHERE}: {num_q_heads} query and {num_kv_heads} kv heads cannot be split evenly over mesh "
+            f"axis {sharded.axes['n']} of size {parts}"
+        )
+
+    def local(x, kv_cache, cache_len, qkv_weight, out_weight, rope, norm_weight, qkv_bias, out_bias, qk_norm, axes):
+        heads = dict(num_q_heads=num_q_heads // parts, num_kv_heads=num_kv_heads // parts)
+        kwargs = dict(rope=rope, norm_weight=norm_weight, qkv_bias=qkv_bias, qk_norm=qk_norm, **heads, **flags)
+        if "n" not in axes:
+            return decode_block(
+                x, kv_cache, cache_len, qkv_weight=qkv_weight, out_weight=out_weight, out_bias=out_bias, **kwargs
+            )
+        out, cache = decode_block(x, kv_cache, cache_len, qkv_weight=qkv_weight, out_weight=out_weight, **kwargs)
+        out = jax.lax.psum(out, axes["n"])
+        return (out if out_bias is None else out + jnp.asarray(out_bias).astype(out.dtype)), cache
+
+    return sharded.run(local, ("b__", ("bn__", "bn__")))
+
+
+def _composed(
+    x,
+    kv_cache,
+    cache_len,
+    qkv_weight,
+    out_weight,
+    rope,
+    norm_weight,
+    qkv_bias,
+    out_bias,
+    qk_norm,
+    *,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    eps,
+    qk_norm_eps,
+    scale,
+):
+    """The block as the separate ops compute it."""
+    del head_dim
+    q, k, v = qkv_projection(
+        x,
+        qkv_weight,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        bias=qkv_bias,
+        norm=None if norm_weight is None else "rms",
+        norm_weight=norm_weight,
+        eps=eps,
+        rope=None if qk_norm is not None else rope,
+    )
+    if qk_norm is not None:
+        q, k = rms_norm(q, qk_norm[0], eps=qk_norm_eps), rms_norm(k, qk_norm[1], eps=qk_norm_eps)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    attn, k_cache, v_cache = decode_attention(q, k, v, kv_cache[0], kv_cache[1], cache_len, scale=scale)
+    return output_projection(attn, out_weight, out_bias), (k_cache, v_cache)
