@@ -474,11 +474,14 @@ def decode_attention(
     if sliding_window is not None and sliding_window >= capacity - s_new:
         sliding_window = None  # a valid token's position is < capacity - s_new: such a window hides no key
     lengths, table, valid = _valid_indices(cache_len, block_table, capacity, s_new, k_cache.shape[0])
-    out = _attend(q, k_new, v_new, k_cache, v_cache, lengths, table, scale, capacity, sliding_window, sinks)
-    out = jnp.where(valid[:, None, None, None], out, jnp.nan)
-    return (out,) + tuple(
+    # The new tokens are written first and the kernel reads the written caches: its prior, positions < cache_len,
+    # is unchanged by the write, and with the caches' only reader after their update, XLA updates a donated cache
+    # in place (reading the old cache beside its update would make it copy the whole cache every step).
+    k_cache, v_cache = (
         _write_new_tokens(cache, new, lengths, table, valid) for cache, new in ((k_cache, k_new), (v_cache, v_new))
     )
+    out = _attend(q, k_new, v_new, k_cache, v_cache, lengths, table, scale, capacity, sliding_window, sinks)
+    return jnp.where(valid[:, None, None, None], out, jnp.nan), k_cache, v_cache
 
 
 def _attend(q, k_new, v_new, k_cache, v_cache, lengths, table, scale, capacity, sliding_window, sinks):
