@@ -6,6 +6,10 @@ Math (see :mod:`.attention_block_tkg_math`): RMSNorm(X) -> QKV projection -> opt
 RoPE -> optional FP8 K/V -> attention over the KV cache with the mask -> optional cache update -> optional output
 projection. Every dtype is ``X``'s (accumulation and softmax in float32).
 
+Tensors: ``X, W_qkv, K_cache, V_cache, attention_mask`` positional (the kernel's required tensors, in its order), the
+optional ones by keyword. Flags by keyword with the kernel's names; where the kernel has no default the default here
+is the feature switched off (``rmsnorm_*_enabled=False``, ``update_cache=False``, ``QuantizationType.NONE``...).
+
 Layouts (``B`` batch, ``S`` = S_tkg new tokens, ``H`` hidden, ``d`` head dim, ``q`` query heads, ``I = d (q + 2)``;
 with ``KVDP > 1`` ``B_attn = B / KVDP`` and ``q_attn = q * KVDP``, else ``B_attn = B`` and ``q_attn = q``):
 
@@ -60,7 +64,7 @@ from .attention_block_tkg_math import FP8_KV_DTYPE, reference_attention_block_tk
 MAX_S_TKG = 8  # the kernel's documented limit on new tokens per call
 INDEX_DTYPES = (jnp.uint32,) + INT_DTYPES
 CACHE_DTYPES = FLOAT_DTYPES + (FP8_KV_DTYPE,)
-SCALE_OPERANDS = (
+SCALE_OPERANDS = (  # the required tensors first (positional), then the optional ones in the kernel's relative order
     "weight_dequant_scale_qkv",
     "input_dequant_scale_qkv",
     "weight_dequant_scale_out",
@@ -250,10 +254,13 @@ def _mac_count(call: CallInfo) -> int:
     return projections + 2 * dims["Ba"] * dims["Hq"] * dims["S"] * dims["S_ctx"] * dims["d"]
 
 
-_OPERANDS = (
+_OPERANDS = (  # required tensors first (positional), then the optional ones in the kernel's relative order
     Operand.of("X", "B, S, H", doc="hidden states"),
-    Operand.of("rmsnorm_X_gamma", "1, H", optional=True),
     Operand.of("W_qkv", "H, I", doc="[H, d (q + 2)]: Q heads, K, V"),
+    Operand.switched("K_cache", "K_cache_transposed", {False: "Bc, Sc, d", True: "Bc, d, Sc"}, dtypes=CACHE_DTYPES),
+    Operand.of("V_cache", "Bc, Sc, d", dtypes=CACHE_DTYPES, doc="flat [B_attn, S_max, d] or block pool"),
+    Operand.of("attention_mask", "S_ctx, Ba, Hq, S", dtypes=MASK_DTYPES),
+    Operand.of("rmsnorm_X_gamma", "1, H", optional=True),
     Operand.of("bias_qkv", "1, I", optional=True),
     Operand.of("weight_dequant_scale_qkv", "wq, 1", optional=True),
     Operand.of("input_dequant_scale_qkv", "iq, 1", optional=True),
@@ -264,9 +271,6 @@ _OPERANDS = (
     Operand.of("rmsnorm_QK_post_rope_W_Q", "1, d", optional=True),
     Operand.of("rmsnorm_QK_post_rope_W_K", "1, d", optional=True),
     Operand.of("active_blocks_table", "Ba, n_blocks", dtypes=INDEX_DTYPES, optional=True),
-    Operand.switched("K_cache", "K_cache_transposed", {False: "Bc, Sc, d", True: "Bc, d, Sc"}, dtypes=CACHE_DTYPES),
-    Operand.of("V_cache", "Bc, Sc, d", dtypes=CACHE_DTYPES, doc="flat [B_attn, S_max, d] or block pool"),
-    Operand.of("attention_mask", "S_ctx, Ba, Hq, S", dtypes=MASK_DTYPES),
     Operand.of("sink", "Hq, 1", optional=True),
     Operand.of("kv_cache_update_idx", "Ba, 1", dtypes=INDEX_DTYPES, optional=True),
     Operand.of("W_out", "QD, H", optional=True),
@@ -281,7 +285,7 @@ _PARAMS = (
     Param("X_hidden_dim_actual", None, int, "unpadded H for the RMSNorm mean (default H)"),
     Param("rmsnorm_X_enabled", False, bool, "RMSNorm of X (with rmsnorm_X_gamma) before the projection"),
     Param("rmsnorm_X_eps", None, float, "epsilon of the RMSNorm of X (None: the kernel's 1e-3)"),
-    Param("quantization_type_qkv", QuantizationType.NONE, QuantizationType, "only NONE is bound"),
+    Param("quantization_type_qkv", "NONE", QuantizationType, "only NONE is bound"),
     Param("rmsnorm_QK_pre_rope_enabled", False, bool),
     Param("rmsnorm_QK_pre_rope_eps", 1e-6, float),
     Param("rope_contiguous_layout", True, bool, "RoPE pairs (i, i + d/2); False: (2i, 2i + 1)"),
@@ -289,7 +293,7 @@ _PARAMS = (
     Param("rmsnorm_QK_post_rope_eps", 1e-6, float),
     Param("K_cache_transposed", False, bool, "flat K cache [B_attn, d, S_max]"),
     Param("update_cache", False, bool, "write the new tokens into the caches and return them (aliased)"),
-    Param("quantization_type_out", QuantizationType.NONE, QuantizationType, "only NONE is bound"),
+    Param("quantization_type_out", "NONE", QuantizationType, "only NONE is bound"),
     Param("transposed_out", False, bool, "output [128, LNC, H / LNC / 128, B * S] (needs W_out)"),
     Param("out_in_sb", False, bool, "must be False (SBUF output)"),
     Param("softmax_scale", None, float, "scale of the scores (None: 1/sqrt(d))"),
