@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
+from jax_nkilib._src.neuron import lowering as neuron_lowering
 from jax_nkilib.nki import attention_block_tkg
 from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.numerics import assert_close
@@ -398,3 +399,42 @@ def test_bad_mask_layout_names_the_expected_shape():
     args["attention_mask"] = args["attention_mask"][:, :, :2]
     with pytest.raises(ValueError, match="attention_mask"):
         attention_block_tkg(**args, **flags)
+
+
+def test_kvdp_lowering_marks_collectives_and_passes_rank_lists():
+    b_attn, d, s_ctx = 1, 64, 256
+    shapes = (
+        jax.ShapeDtypeStruct((8, 1, 256), jnp.bfloat16),
+        jax.ShapeDtypeStruct((256, d * 3), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b_attn, s_ctx, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((b_attn, s_ctx, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((s_ctx, b_attn, 8, 1), jnp.uint8),
+    )
+    body = jax.shard_map(
+        lambda *a: attention_block_tkg(*a, KVDP=8, KVDP_replica_group="kvdp"),
+        mesh=mesh_1d("kvdp"),
+        in_specs=(P(),) * 5,
+        out_specs=(P(), P(), P()),
+        check_vma=False,
+    )
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(body, *shapes)
+    (cfg,) = kernel_configs(text)
+    assert cfg["has_collectives"] is True and cfg["params"]["KVDP_replica_group"] == [list(range(8))]
+    assert 'has_collectives = "1"' in text
+
+
+def test_neuron_limits_fall_back_or_raise(monkeypatch):
+    monkeypatch.setattr(neuron_lowering, "_warned", set())  # the warning is once per call site and reasons
+    args, flags = make_args(jnp.bfloat16, B=2, S=1, q=2, d=64, H=256, s_max=256, s_ctx=256, qk_norm=True)
+    names = list(args)
+
+    def call(*v):
+        return attention_block_tkg(**dict(zip(names, v)), **flags)
+
+    with jax_nkilib.neuron.dry_run(), pytest.warns(jax_nkilib.neuron.NeuronFallbackWarning, match="d=128"):
+        text = neuron_text(call, *args.values())
+    assert kernel_configs(text) == []
+    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(on_unsupported="error"):
+        with pytest.raises(Exception, match="Q/K RMSNorm needs d=128"):
+            neuron_text(call, *args.values())

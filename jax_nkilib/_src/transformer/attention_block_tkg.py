@@ -315,8 +315,9 @@ ATTENTION_BLOCK_TKG_SPEC = KernelSpec(
     check=_check,
     neuron_limits=_neuron_limits,
     aliases={"K_cache": "K_cache", "V_cache": "V_cache"},
+    has_collectives=lambda call: call.params["KVDP"] > 1,
     mac_count=_mac_count,
-    family="attention",
+    family="transformer",
     catalog="1.20",
     support={
         "idiomatic": "decode_block",
