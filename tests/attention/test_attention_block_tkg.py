@@ -42,6 +42,13 @@ def _fp8(x):
     return np.clip(x, -240, 240).astype(ml_dtypes.float8_e4m3).astype(np.float64)
 
 
+def _fp8_weights(x, dtype):
+    """``x`` clipped to the FP8 ``dtype``'s range and rounded to it (the activation of a STATIC projection)."""
+    fmt = np.dtype(dtype)
+    top = float(ml_dtypes.finfo(fmt).max)
+    return np.clip(x, -top, top).astype(fmt).astype(np.float64)
+
+
 def oracle(args, flags, rank=None, kvdp=1, all_q=None):
     """``(out, K_out, V_out)`` in float64. ``all_q``: with KVDP, every rank's scaled queries ``[KVDP, B, q, S, d]``."""
     a = {k: _f64(v) for k, v in args.items()}
@@ -52,7 +59,13 @@ def oracle(args, flags, rank=None, kvdp=1, all_q=None):
     if flags.get("rmsnorm_X_enabled"):
         eps = flags.get("rmsnorm_X_eps") or 1e-3
         x = x * a["rmsnorm_X_gamma"][0] / np.sqrt(np.sum(x * x, -1, keepdims=True) / hidden + eps)
-    t = x @ a["W_qkv"] + (0 if a.get("bias_qkv") is None else a["bias_qkv"][0])
+    if flags.get("quantization_type_qkv") == "STATIC":
+        in_s, w_s = a["input_dequant_scale_qkv"][0, 0], a["weight_dequant_scale_qkv"][0]
+        seg = np.repeat(w_s, [q * d, d, d]) * in_s
+        t = _fp8_weights(x / in_s, args["W_qkv"].dtype) @ a["W_qkv"] * seg
+    else:
+        t = x @ a["W_qkv"]
+    t = t + (0 if a.get("bias_qkv") is None else a["bias_qkv"][0])
     heads = t.reshape(batch, seq, q + 2, d)
     qs, k, v = heads[:, :, :q], heads[:, :, q], heads[:, :, q + 1]
     for stage in ("pre", "post"):
@@ -105,7 +118,12 @@ def oracle(args, flags, rank=None, kvdp=1, all_q=None):
     if a.get("W_out") is None:
         return attn, K_out, V_out
     flat = attn.transpose(0, 3, 1, 2).reshape(batch * seq, q * d)
-    out = flat @ a["W_out"] + (0 if a.get("bias_out") is None else a["bias_out"][0])
+    if flags.get("quantization_type_out") == "STATIC":
+        in_s, w_s = a["input_dequant_scale_out"][0, 0], a["weight_dequant_scale_out"][0, 0]
+        out = _fp8_weights(flat / in_s, args["W_out"].dtype) @ a["W_out"] * (w_s * in_s)
+    else:
+        out = flat @ a["W_out"]
+    out = out + (0 if a.get("bias_out") is None else a["bias_out"][0])
     if flags.get("transposed_out"):
         lnc = flags.get("lnc", 1)
         out = out.reshape(batch * seq, lnc, 128, hidden // lnc // 128).transpose(2, 1, 3, 0)
@@ -375,7 +393,7 @@ def test_neuron_lowering_without_update_has_no_alias():
     [
         (dict(out_in_sb=True), ValueError, "out_in_sb"),
         (dict(skip_attention=True), ValueError, "skip_attention"),
-        (dict(quantization_type_qkv="STATIC"), ValueError, "quantization_type_qkv=STATIC"),
+        (dict(quantization_type_qkv="ROW"), ValueError, "quantization_type_qkv=ROW"),
         (dict(transposed_out=True, W_out=None, bias_out=None), ValueError, "transposed_out requires"),
         (dict(update_cache=True), ValueError, "kv_cache_update_idx"),
         (dict(rmsnorm_X_gamma=None), ValueError, "rmsnorm_X_gamma"),
@@ -438,3 +456,29 @@ def test_neuron_limits_fall_back_or_raise(monkeypatch):
     with jax_nkilib.neuron.dry_run(), jax_nkilib.config(on_unsupported="error"):
         with pytest.raises(Exception, match="Q/K RMSNorm needs d=128"):
             neuron_text(call, *args.values())
+
+
+@pytest.mark.parametrize("weights", [jnp.float8_e4m3, jnp.float8_e4m3fn])
+def test_static_fp8_projections(weights):
+    args, flags = make_args(B=2, S=1, q=2, d=16, norm=True)
+    rng = np.random.default_rng(7)
+    args["W_qkv"] = jnp.asarray(rng.standard_normal(args["W_qkv"].shape) * 4, weights)
+    args["W_out"] = jnp.asarray(rng.standard_normal(args["W_out"].shape) * 4, weights)
+    args.update(
+        weight_dequant_scale_qkv=jnp.asarray([[0.02, 0.03, 0.05]], jnp.float32),
+        input_dequant_scale_qkv=jnp.full((1, 1), 0.05, jnp.float32),
+        weight_dequant_scale_out=jnp.full((128, 1), 0.02, jnp.float32),
+        input_dequant_scale_out=jnp.full((128, 1), 0.01, jnp.float32),
+    )
+    flags.update(quantization_type_qkv="STATIC", quantization_type_out="STATIC")
+    outs = attention_block_tkg(**args, **flags)
+    # FP8 activations: a value near an FP8 rounding boundary may round the other way than in float64 (2^-4 relative)
+    for got, want in zip(outs, oracle(args, flags)):
+        error = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
+        assert error < 2**-4, error
+    with pytest.raises(TypeError, match="FP8 `W_qkv`"):
+        attention_block_tkg(**dict(args, W_qkv=args["W_qkv"].astype(jnp.float32)), **flags)
+    with pytest.raises(ValueError, match="need quantization_type_out=STATIC"):
+        attention_block_tkg(
+            **dict(args, W_out=args["W_out"].astype(jnp.float32)), **dict(flags, quantization_type_out="NONE")
+        )

@@ -40,8 +40,13 @@ all ``B`` rows of ``X`` and its own ``q`` heads; its caches, mask, table and ind
 ``r``: rows ``r B_attn ...``). Q heads are all-gathered (rank-major), each rank attends its rows with K/V from its
 own projection, the outputs are all-gathered over rows and each rank keeps its heads.
 
-Not bound: ``quantization_type_qkv``/``_out`` other than ``NONE`` (the STATIC scale layouts of the block differ from
-the standalone kernels' and are not verified; refused), ``out_in_sb=True`` and ``sbm`` (SBUF; refused/dropped),
+Quantization: ``quantization_type_qkv=STATIC`` takes an FP8 ``W_qkv`` with ``weight_dequant_scale_qkv [1 or 128, 3]``
+(one float32 scale per Q/K/V segment, as ``qkv`` takes it: the block hands it to ``qkv``; the block's docstring says
+``[128, 1]``) and ``input_dequant_scale_qkv [1 or 128, 1]``; ``quantization_type_out=STATIC`` an FP8 ``W_out`` with
+``weight_dequant_scale_out``, ``input_dequant_scale_out [128, 1]`` (``output_projection_tkg``'s). Their math is that
+of ``qkv`` and ``output_projection_tkg``.
+
+Not bound: ``ROW``/MX quantization (refused), ``out_in_sb=True`` and ``sbm`` (SBUF; refused/dropped),
 ``skip_attention=True`` (a debug path whose output layout differs; refused), 4-D caches with a unit head axis (give
 the 3-D view). Reverse mode differentiates the reference (no backward kernel).
 """
@@ -59,17 +64,13 @@ from ..framework.mesh_axes import bound_axis_size
 from ..framework.platform import before_trn2
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import FLOAT_DTYPES, INT_DTYPES, CallInfo, KernelSpec, Operand, Param
+from ..quant.fp8 import FP8_WEIGHT_DTYPES
 from .attention_block_tkg_math import FP8_KV_DTYPE, reference_attention_block_tkg
 
 MAX_S_TKG = 8  # the kernel's documented limit on new tokens per call
 INDEX_DTYPES = (jnp.uint32,) + INT_DTYPES
 CACHE_DTYPES = FLOAT_DTYPES + (FP8_KV_DTYPE,)
-SCALE_OPERANDS = (  # the required tensors first (positional), then the optional ones in the kernel's relative order
-    "weight_dequant_scale_qkv",
-    "input_dequant_scale_qkv",
-    "weight_dequant_scale_out",
-    "input_dequant_scale_out",
-)
+WEIGHT_DTYPES = FLOAT_DTYPES + FP8_WEIGHT_DTYPES
 
 
 def _fail(call: CallInfo, message: str, error=ValueError):
@@ -168,21 +169,40 @@ def _check_cache(call: CallInfo) -> None:
             _fail(call, f"`{name}` must be [1, 1] or [{PARTITIONS}, 1]; got {tuple(avals[name].shape)}")
 
 
+def _check_projection(call: CallInfo, weight: str, flag: str, scales: tuple[str, str]) -> None:
+    """``NONE``: ``weight`` in X's dtype, no scales; ``STATIC``: FP8 ``weight`` and both float32 scales."""
+    avals, qtype = call.avals, call.params[flag]
+    io = jnp.dtype(avals["X"].dtype)
+    given = [name for name in scales if avals.get(name) is not None]
+    if qtype not in (QuantizationType.NONE, QuantizationType.STATIC):
+        _fail(call, f"{flag}={qtype.name} is not bound in jax_nkilib (NONE or STATIC)")
+    if avals.get(weight) is None:
+        if given:
+            _fail(call, f"{', '.join(given)} given without `{weight}`")
+        return
+    dtype = jnp.dtype(avals[weight].dtype)
+    if qtype == QuantizationType.NONE:
+        if dtype != io:
+            _fail(call, f"`{weight}` must have X's dtype {io} with {flag}=NONE; got {dtype}", TypeError)
+        if given:
+            _fail(call, f"{', '.join(given)}: dequantization scales need {flag}=STATIC")
+        return
+    if dtype not in FP8_WEIGHT_DTYPES:
+        _fail(call, f"{flag}=STATIC needs an FP8 `{weight}` (float8_e4m3 or float8_e4m3fn); got {dtype}", TypeError)
+    for name in scales:
+        if avals.get(name) is None:
+            _fail(call, f"{flag}=STATIC needs `{name}`")
+        if jnp.dtype(avals[name].dtype) != jnp.float32:
+            _fail(call, f"`{name}` must be float32; got {avals[name].dtype}", TypeError)
+
+
 def _check(call: CallInfo) -> None:
     avals, p, dims = call.avals, call.params, call.dims
     q_heads, d = _check_heads(call)
     _check_kvdp(call, q_heads)
     _check_cache(call)
-    io = jnp.dtype(avals["X"].dtype)
-    for name in ("W_qkv", "W_out"):
-        if avals.get(name) is not None and jnp.dtype(avals[name].dtype) != io:
-            _fail(call, f"`{name}` must have X's dtype {io} (unquantized); got {avals[name].dtype}", TypeError)
-    for flag in ("quantization_type_qkv", "quantization_type_out"):
-        if p[flag] != QuantizationType.NONE:
-            _fail(call, f"{flag}={p[flag].name} is not bound in jax_nkilib (only NONE)")
-    given = [name for name in SCALE_OPERANDS if avals.get(name) is not None]
-    if given:
-        _fail(call, f"{', '.join(given)}: dequantization scales are only used with quantized projections (not bound)")
+    _check_projection(call, "W_qkv", "quantization_type_qkv", ("weight_dequant_scale_qkv", "input_dequant_scale_qkv"))
+    _check_projection(call, "W_out", "quantization_type_out", ("weight_dequant_scale_out", "input_dequant_scale_out"))
     if p["out_in_sb"]:
         _fail(call, "out_in_sb=True leaves the output in SBUF, which a JAX call cannot do")
     if p["skip_attention"]:
@@ -256,14 +276,14 @@ def _mac_count(call: CallInfo) -> int:
 
 _OPERANDS = (  # required tensors first (positional), then the optional ones in the kernel's relative order
     Operand.of("X", "B, S, H", doc="hidden states"),
-    Operand.of("W_qkv", "H, I", doc="[H, d (q + 2)]: Q heads, K, V"),
+    Operand.of("W_qkv", "H, I", dtypes=WEIGHT_DTYPES, doc="[H, d (q + 2)]: Q heads, K, V"),
     Operand.switched("K_cache", "K_cache_transposed", {False: "Bc, Sc, d", True: "Bc, d, Sc"}, dtypes=CACHE_DTYPES),
     Operand.of("V_cache", "Bc, Sc, d", dtypes=CACHE_DTYPES, doc="flat [B_attn, S_max, d] or block pool"),
     Operand.of("attention_mask", "S_ctx, Ba, Hq, S", dtypes=MASK_DTYPES),
     Operand.of("rmsnorm_X_gamma", "1, H", optional=True),
     Operand.of("bias_qkv", "1, I", optional=True),
-    Operand.of("weight_dequant_scale_qkv", "wq, 1", optional=True),
-    Operand.of("input_dequant_scale_qkv", "iq, 1", optional=True),
+    Operand.of("weight_dequant_scale_qkv", "wq, 3", dtypes=(jnp.float32,), optional=True, doc="STATIC: Q, K, V"),
+    Operand.of("input_dequant_scale_qkv", "iq, 1", dtypes=(jnp.float32,), optional=True, doc="STATIC: [0, 0]"),
     Operand.of("rmsnorm_QK_pre_rope_W_Q", "1, d", optional=True),
     Operand.of("rmsnorm_QK_pre_rope_W_K", "1, d", optional=True),
     Operand.of("cos", "d/2, B, S", optional=True),
@@ -273,10 +293,10 @@ _OPERANDS = (  # required tensors first (positional), then the optional ones in 
     Operand.of("active_blocks_table", "Ba, n_blocks", dtypes=INDEX_DTYPES, optional=True),
     Operand.of("sink", "Hq, 1", optional=True),
     Operand.of("kv_cache_update_idx", "Ba, 1", dtypes=INDEX_DTYPES, optional=True),
-    Operand.of("W_out", "QD, H", optional=True),
+    Operand.of("W_out", "QD, H", dtypes=WEIGHT_DTYPES, optional=True),
     Operand.of("bias_out", "1, H", optional=True),
-    Operand.of("weight_dequant_scale_out", "wo, 1", optional=True),
-    Operand.of("input_dequant_scale_out", "io, 1", optional=True),
+    Operand.of("weight_dequant_scale_out", "128, 1", dtypes=(jnp.float32,), optional=True, doc="STATIC: [0, 0]"),
+    Operand.of("input_dequant_scale_out", "128, 1", dtypes=(jnp.float32,), optional=True, doc="STATIC: [0, 0]"),
     Operand.of("k_scale", "ks, 1", optional=True),
     Operand.of("v_scale", "vs, 1", optional=True),
 )
@@ -285,7 +305,7 @@ _PARAMS = (
     Param("X_hidden_dim_actual", None, int, "unpadded H for the RMSNorm mean (default H)"),
     Param("rmsnorm_X_enabled", False, bool, "RMSNorm of X (with rmsnorm_X_gamma) before the projection"),
     Param("rmsnorm_X_eps", None, float, "epsilon of the RMSNorm of X (None: the kernel's 1e-3)"),
-    Param("quantization_type_qkv", "NONE", QuantizationType, "only NONE is bound"),
+    Param("quantization_type_qkv", "NONE", QuantizationType, "NONE or STATIC (FP8 W_qkv)"),
     Param("rmsnorm_QK_pre_rope_enabled", False, bool),
     Param("rmsnorm_QK_pre_rope_eps", 1e-6, float),
     Param("rope_contiguous_layout", True, bool, "RoPE pairs (i, i + d/2); False: (2i, 2i + 1)"),
@@ -293,7 +313,7 @@ _PARAMS = (
     Param("rmsnorm_QK_post_rope_eps", 1e-6, float),
     Param("K_cache_transposed", False, bool, "flat K cache [B_attn, d, S_max]"),
     Param("update_cache", False, bool, "write the new tokens into the caches and return them (aliased)"),
-    Param("quantization_type_out", "NONE", QuantizationType, "only NONE is bound"),
+    Param("quantization_type_out", "NONE", QuantizationType, "NONE or STATIC (FP8 W_out)"),
     Param("transposed_out", False, bool, "output [128, LNC, H / LNC / 128, B * S] (needs W_out)"),
     Param("out_in_sb", False, bool, "must be False (SBUF output)"),
     Param("softmax_scale", None, float, "scale of the scores (None: 1/sqrt(d))"),
@@ -324,7 +344,7 @@ ATTENTION_BLOCK_TKG_SPEC = KernelSpec(
         "vjp": "JAX (differentiates the reference, collectives included; no backward kernel)",
         "shard_map": "per-shard; KVDP > 1 inside jax.shard_map over KVDP_replica_group (all_gather)",
         "notes": "flat, transposed and block KV caches; update_cache aliases K_cache/V_cache; FP8 (float8_e4m3) "
-        "KV with k_scale/v_scale; QKV/output quantization not bound (NONE only); out_in_sb and skip_attention "
+        "KV with k_scale/v_scale; STATIC FP8 QKV/output projections (ROW/MX refused); out_in_sb and skip_attention "
         "refused; Neuron: trn2+, S_tkg <= 8, B_attn * q_attn * S_tkg <= 128, H % 128 == 0, QK norms need d = 128; "
         "device adapter jax_nkilib_kernels/transformer.py",
     },

@@ -2,7 +2,8 @@
 the NKI Library block calls, so that the block computes what they compute:
 
 1. ``qkv`` (TKG path for ``B * S_tkg <= 128``, else CTE): optional RMSNorm of ``X`` over ``H`` (``eps`` default
-   ``1e-3``, the block kernel's), ``t = X W_qkv (+ bias_qkv)`` ``[B, S_tkg, d (q + 2)]`` rounded to ``X``'s dtype;
+   ``1e-3``, the block kernel's), ``t = X W_qkv (+ bias_qkv)`` ``[B, S_tkg, d (q + 2)]`` rounded to ``X``'s dtype
+   (``STATIC``: FP8 weights and input, dequantized per Q/K/V segment, as ``qkv`` computes it);
 2. split heads: ``Q [d, B, q, S_tkg]``, ``K [d, B, 1, S_tkg]``, ``V [B, S_tkg, d]``;
 3. optional per-head RMSNorm of Q and K over ``d`` (float32, ``x * rsqrt(mean(x^2) + eps) * w``, rounded), then
    ``RoPE`` (``reference_rope`` on ``[d, B, n, S]`` with ``cos, sin [d/2, B, S_tkg]``), then the optional post-RoPE
@@ -16,7 +17,8 @@ the NKI Library block calls, so that the block computes what they compute:
 6. cache update (``update_cache``): row ``b``'s ``S_tkg`` new tokens go to positions ``idx[b] + s`` (flat caches)
    or flat pool slots ``idx[b] + s`` (block pools); positions outside the cache (``uint32`` max, negative) are
    skipped;
-7. optional ``output_projection_tkg`` (``[B * S_tkg, H]``, or its ``TRANSPOSE_OUT`` layout).
+7. optional ``output_projection_tkg`` (``[B * S_tkg, H]``, or its ``TRANSPOSE_OUT`` layout; ``STATIC``: FP8 weights
+   and attention, per-tensor scales, as that kernel computes it).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from jax import lax
 
 from ..attention.attention_tkg import reference_attention_tkg
 from ..framework import compat
-from ..framework.common_types import NormType, QuantizationType
+from ..framework.common_types import NormType
 from ..framework.mesh_axes import lax_axis
 from ..framework.spec import accumulation_dtype
 from ..projection.output_projection_tkg import reference_output_projection_tkg
@@ -66,7 +68,7 @@ def quantize_kv(x, scale):
     return compat.astype_float8(jnp.clip(scaled, -FP8_KV_MAX, FP8_KV_MAX), FP8_KV_DTYPE)
 
 
-def project_qkv(X, gamma, W_qkv, bias, params, q_heads: int, d: int):
+def project_qkv(X, gamma, W_qkv, bias, w_scale, in_scale, params, q_heads: int, d: int):
     """Steps 1-4: ``Q [d, B, q, S]``, ``K [d, B, S]``, ``V [B, S, d]`` (K, V in FP8 when quantized)."""
     batch, seq, _ = X.shape
     norm = params["rmsnorm_X_enabled"]
@@ -75,8 +77,11 @@ def project_qkv(X, gamma, W_qkv, bias, params, q_heads: int, d: int):
         X,
         W_qkv,
         bias,
+        qkv_w_scale=w_scale,
+        qkv_in_scale=in_scale,
         gamma_norm_weights=gamma if norm else None,
         tkg=uses_tkg(batch, seq, False),
+        quantization_type=params["quantization_type_qkv"],
         fused_norm_type=NormType.RMS_NORM if norm else NormType.NO_NORM,
         norm_eps=eps,
         hidden_actual=params["X_hidden_dim_actual"],
@@ -84,7 +89,7 @@ def project_qkv(X, gamma, W_qkv, bias, params, q_heads: int, d: int):
         num_q_heads=q_heads,
         num_kv_heads=1,
     )
-    heads = t.reshape(batch, seq, q_heads + 2, d)
+    heads = t.astype(X.dtype).reshape(batch, seq, q_heads + 2, d)
     qk = jnp.transpose(heads[:, :, : q_heads + 1], (3, 0, 2, 1))  # [d, B, q + 1, S]
     return qk, heads[:, :, q_heads + 1]
 
@@ -172,13 +177,13 @@ def reference_attention_block_tkg(
     **params,
 ):
     """JAX reference of ``attention_block_tkg``: ``(out, K_out, V_out)`` (see the module docstring)."""
-    del weight_dequant_scale_qkv, input_dequant_scale_qkv, weight_dequant_scale_out, input_dequant_scale_out
     io = X.dtype
     batch, seq, _ = X.shape
     d = V_cache.shape[-1]
     q_heads = W_qkv.shape[1] // d - 2
     block = active_blocks_table is not None
-    qk, V = project_qkv(X, rmsnorm_X_gamma, W_qkv, bias_qkv, params, q_heads, d)
+    scales_qkv = (weight_dequant_scale_qkv, input_dequant_scale_qkv)
+    qk, V = project_qkv(X, rmsnorm_X_gamma, W_qkv, bias_qkv, *scales_qkv, params, q_heads, d)
     gammas_q = (rmsnorm_QK_pre_rope_W_Q, rmsnorm_QK_post_rope_W_Q)
     gammas_k = (rmsnorm_QK_pre_rope_W_K, rmsnorm_QK_post_rope_W_K)
     Q = _qk_processing(qk[:, :, :q_heads], cos, sin, gammas_q, params, io)  # [d, B, q, S]
@@ -235,7 +240,9 @@ def reference_attention_block_tkg(
         jnp.transpose(attn, (2, 0, 1, 3)),
         W_out,
         bias_out,
-        quantization_type=QuantizationType.NONE,
+        weight_dequant_scale_out,
+        input_dequant_scale_out,
+        quantization_type=params["quantization_type_out"],
         TRANSPOSE_OUT=params["transposed_out"],
         lnc=lnc,
     )
