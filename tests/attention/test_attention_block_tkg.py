@@ -482,3 +482,30 @@ def test_static_fp8_projections(weights):
         attention_block_tkg(
             **dict(args, W_out=args["W_out"].astype(jnp.float32)), **dict(flags, quantization_type_out="NONE")
         )
+
+
+@pytest.mark.parametrize("layout", ["flat", "transposed", "block"])
+def test_donated_caches_are_updated_in_place_on_cpu(layout):
+    """Under ``donate_argnums`` the compiled reference aliases the caches and never copies them whole."""
+    args, flags = make_args(B=2, S=1, q=2, update=True, s_max=1024, s_ctx=20, transposed=layout == "transposed")
+    if layout == "block":
+        pool = jnp.zeros((64, 16, 16), jnp.float32)
+        args.update(
+            K_cache=pool,
+            V_cache=pool + 1,
+            active_blocks_table=jnp.arange(32, dtype=jnp.int32).reshape(2, 16),
+            attention_mask=jnp.ones((256, 2, 2, 1), jnp.uint8),
+        )
+    rest = {k: v for k, v in args.items() if k not in ("K_cache", "V_cache")}
+
+    def step(K, V, rest):
+        return attention_block_tkg(K_cache=K, V_cache=V, **rest, **flags)
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(args["K_cache"], args["V_cache"], rest).compile()
+    text = compiled.as_text()
+    shape = "f32[" + ",".join(map(str, args["K_cache"].shape)) + "]"
+    assert "input_output_alias={ {1}: (0" in text and "{2}: (1" in text
+    whole_copies = [
+        line for line in text.splitlines() if f"{shape}" in line and (" copy(" in line or "transpose(" in line)
+    ]
+    assert whole_copies == []
