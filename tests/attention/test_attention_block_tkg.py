@@ -509,3 +509,24 @@ def test_donated_caches_are_updated_in_place_on_cpu(layout):
         line for line in text.splitlines() if f"{shape}" in line and (" copy(" in line or "transpose(" in line)
     ]
     assert whole_copies == []
+
+
+def test_block_cache_mask_in_the_kernel_order_at_lnc2():
+    """A block-cache mask from gen_mask_tkg_hbm under LNC 2 (the kernel's tile order) means the natural mask."""
+    rng = np.random.default_rng(11)
+    s_prior, block_len, q, d, length = 512, 16, 2, 16, 300
+    args, flags = make_args(B=1, S=1, q=q, d=d, w_out=False)
+    pool_k, pool_v = (jnp.asarray(rng.standard_normal((48, block_len, d)), jnp.float32) for _ in range(2))
+    table = jnp.asarray(rng.permutation(48)[: s_prior // block_len][None], jnp.int32)
+    sizes = dict(bs=1, q_head=q, s_active=1, s_prior=s_prior, block_len=block_len)
+    with jax_nkilib.config(lnc=2):
+        mask = jax_nkilib.nki.gen_mask_tkg_hbm(
+            jnp.full((1, 1), length, jnp.int32), None, jnp.ones((1, 1, q, 1), jnp.float32), **sizes
+        )
+        args.update(K_cache=pool_k, V_cache=pool_v, active_blocks_table=table, attention_mask=mask)
+        outs = attention_block_tkg(**args, **flags)
+    natural = (np.arange(s_prior) < length) | (np.arange(s_prior) >= s_prior - 1)
+    expected = oracle(dict(args, attention_mask=jnp.broadcast_to(natural[:, None, None, None], mask.shape)), flags)
+    _check(outs, expected, jnp.float32, 128)
+    wrong = oracle(dict(args, attention_mask=mask), flags)[0]  # the tile order read as natural: another result
+    assert not np.allclose(np.asarray(outs[0]), wrong, atol=1e-3)
