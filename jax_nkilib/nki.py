@@ -89,6 +89,7 @@ from jax_nkilib._src.quant.fp8_quantize import pre_combine_dequant_scales, row_q
 from jax_nkilib._src.quant.matmul_mxfp8 import matmul_mxfp8, matmul_mxfp8_backward
 from jax_nkilib._src.quant.quantize_block_mxfp8 import quantize_block_mxfp8_kernel
 from jax_nkilib._src.rope.rope import RoPE, rope_hf
+from jax_nkilib._src.transformer.attention_block_tkg import attention_block_tkg
 
 __all__ = [
     "ActFnType",
@@ -100,6 +101,7 @@ __all__ = [
     "allgather_sb2sb",
     "allgather_sb2sb_tiled",
     "argsort_unstable",
+    "attention_block_tkg",
     "attention_bwd",
     "attention_cte",
     "attention_kv_parallel_segmented_cte",

@@ -315,7 +315,8 @@ class KernelSpec:
         be that axis' major part).
       aliases: ``{operand name: output name}`` for outputs written in place (the kernel updates the operand and
         returns it, e.g. a KV cache).
-      has_collectives: whether the kernel issues ``nki.collectives``.
+      has_collectives: whether the kernel issues ``nki.collectives``; a function of the call where that depends on
+        its flags (``attention_block_tkg`` gathers only with ``KVDP > 1``).
       mac_count: estimate of multiply-accumulates for the Neuron config.
       family: module family, for the support matrix.
       catalog: section of ``nkilib_catalog.md`` that is this kernel's contract.
@@ -346,7 +347,7 @@ class KernelSpec:
     fold_plans: tuple[FoldPlan, ...] = ()
     neuron_split_dims: tuple[str, ...] = ()
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    has_collectives: bool = False
+    has_collectives: bool | Callable[[CallInfo], bool] = False
     mac_count: Callable[[CallInfo], int] | None = None
     family: str = ""
     catalog: str = ""

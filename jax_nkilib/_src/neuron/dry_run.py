@@ -45,13 +45,14 @@ class DryRunCompiler:
         outputs = list(output_names(spec, call))
         inputs = [t.name for t in tensors]
         aliases = {inputs.index(i): outputs.index(o) for i, o in spec.aliases.items() if i in inputs and o in outputs}
+        collectives = spec.has_collectives(call) if callable(spec.has_collectives) else spec.has_collectives
         cfg = {
             "func_name": spec.name,
             "kernel_format": "dry-run",
             "entry_point": spec.entry_point,
             "grid": call.lnc,
             "platform_target": call.target,
-            "has_collectives": spec.has_collectives,
+            "has_collectives": collectives,
             "mac_count": int(spec.mac_count(call)) if spec.mac_count else 0,
             "input_names": inputs,
             "input_specs": [[list(t.shape), t.device_dtype or t.dtype.name] for t in tensors],
@@ -65,6 +66,6 @@ class DryRunCompiler:
             backend_config=encode_backend_config(cfg),
             output_specs=tuple((tuple(aval.shape), np.dtype(aval.dtype).name) for aval in output_avals),
             aliases=aliases,
-            has_collectives=spec.has_collectives,
+            has_collectives=collectives,
             operand_order=tuple(range(len(tensors))),
         )

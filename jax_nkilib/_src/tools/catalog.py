@@ -53,7 +53,7 @@ CATALOG = _entries(
         (21, "rmsnorm_tkg", "norm", 4),
         (22, "layernorm_tkg", "norm", 4),
         (23, "rmsnorm_mx_quantize_tkg", "norm", 4),
-        (24, "attention_block_tkg", "transformer", None),
+        (24, "attention_block_tkg", "transformer", 15),
         (25, "transformer_tkg", "transformer", None),
         (26, "cross_entropy_forward", "loss", None),
         (27, "cross_entropy_backward", "loss", None),

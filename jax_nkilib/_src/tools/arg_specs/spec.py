@@ -223,6 +223,7 @@ def public_name(fn) -> str:
 _FAMILIES = (
     "rope",
     "attention",
+    "attention_block_tkg",
     "norm",
     "projection",
     "mlp",
