@@ -16,7 +16,7 @@ from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.numerics import assert_close, f64
 
 
-def problem(batch=2, seq=1, hidden=128, heads=4, kv_heads=1, d=16, max_len=32, dtype=jnp.float32, extras=False):
+def problem(batch=2, seq=1, hidden=128, heads=4, kv_heads=1, d=16, max_len=128, dtype=jnp.float32, extras=False):
     """``(x, (k_cache, v_cache), cache_len, weights)``; ``extras`` adds biases and per-head Q/K norms."""
     width = (heads + 2 * kv_heads) * d
     weights = dict(
@@ -82,18 +82,25 @@ def call(x, caches, cache_len, weights, **flags):
     return jax_nkilib.decode_block(x, caches, cache_len, **weights, **flags)
 
 
+def fused(x, caches, cache_len, weights) -> bool:
+    """Whether the block runs as the one fused kernel (its jaxpr binds attention_block_tkg)."""
+    jaxpr = str(jax.make_jaxpr(lambda x, c, n: call(x, c, n, weights))(x, caches, cache_len))
+    return "attention_block_tkg" in jaxpr
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
-    "shape",
+    "shape, one_kernel",
     [
-        dict(),  # one kv head: the fused block
-        dict(kv_heads=2, heads=6, seq=2),  # GQA with two kv heads: the composed ops
-        dict(hidden=72, heads=3, d=8, batch=3, seq=3, extras=True),  # odd sizes, biases and Q/K norms
-        dict(extras=True),
+        (dict(), True),  # one kv head: the fused block
+        (dict(seq=3, batch=3, extras=True, d=128, heads=2, hidden=256, max_len=256), True),  # + biases, Q/K norms
+        (dict(kv_heads=2, heads=6, seq=2), False),  # GQA with two kv heads: the composed ops
+        (dict(hidden=72, heads=3, d=8, batch=3, seq=3, extras=True, max_len=32), False),  # odd sizes
     ],
 )
-def test_matches_the_oracle_and_updates_the_caches(dtype, shape):
+def test_matches_the_oracle_and_updates_the_caches(dtype, shape, one_kernel):
     x, caches, cache_len, weights = problem(dtype=dtype, **shape)
+    assert fused(x, caches, cache_len, weights) == one_kernel
     out, (k_cache, v_cache) = jax.jit(lambda x, c, n: call(x, c, n, weights))(x, caches, cache_len)
     want, k_want, v_want = oracle(x, caches, cache_len, weights)
     assert out.shape == x.shape and out.dtype == dtype and k_cache.dtype == dtype

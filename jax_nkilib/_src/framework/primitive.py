@@ -138,6 +138,17 @@ class Kernel:
         """Normalized params for ``flags`` (defaults filled, LNC resolved), for layer-2 ops calling :meth:`call`."""
         return normalize_params(self.spec, flags)
 
+    def unmet_neuron_limits(self, operands: Mapping[str, Any], params: Mapping[str, Any]) -> list[str]:
+        """The Neuron limits a call with these operands (by name, ``None`` for absent ones; only their shapes and
+        dtypes are read) and normalized params would not meet: for layer-2 ops choosing between a kernel and
+        another route before calling it."""
+        avals = {
+            name: None if value is None else jax.ShapeDtypeStruct(jnp.shape(value), jnp.result_type(value))
+            for name, value in operands.items()
+        }
+        limits = self.spec.neuron_limits
+        return [] if limits is None else limits(check_call(self.spec, avals, params))
+
     def call(
         self,
         operands: Mapping[str, Any],

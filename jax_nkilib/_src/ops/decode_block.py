@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from ..framework.validation import check_operand_layouts, static_float
 from ..sharding import auto
+from ..transformer.attention_block_tkg import attention_block_tkg
 from .attention import decode_attention
 from .layouts import KV_CACHE_LAYOUT
 from .norm import rms_norm
@@ -192,6 +193,22 @@ def decode_block(
             num_kv_heads=num_kv_heads,
             **flags,
         )
+    fused = _fused_operands(
+        x,
+        tuple(kv_cache),
+        cache_len,
+        qkv_weight,
+        out_weight,
+        rope,
+        norm_weight,
+        qkv_bias,
+        out_bias,
+        qk_norm,
+        num_kv_heads=num_kv_heads,
+        **flags,
+    )
+    if fused is not None:
+        return _run_fused(*fused)
     return _composed(
         x,
         tuple(kv_cache),
@@ -272,3 +289,102 @@ def _composed(
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     attn, k_cache, v_cache = decode_attention(q, k, v, kv_cache[0], kv_cache[1], cache_len, scale=scale)
     return output_projection(attn, out_weight, out_bias), (k_cache, v_cache)
+
+
+def _row(value, dtype):
+    return None if value is None else jnp.asarray(value).astype(dtype).reshape(1, -1)
+
+
+def _causal_cache_mask(cache_len, capacity: int, seq: int, q_heads: int):
+    """``attention_block_tkg``'s mask ``[capacity, batch, q_heads, seq]``: slot ``j < capacity - seq`` of the cache
+    is seen by every new token when ``j < cache_len[b]``; the last ``seq`` slots stand for the new tokens, token
+    ``i`` seeing new tokens ``t <= i``."""
+    slot = jnp.arange(capacity, dtype=jnp.int32)[:, None, None]  # [capacity, 1, 1]
+    token = jnp.arange(seq, dtype=jnp.int32)[None, None, :]  # [1, 1, seq]
+    prior = slot < cache_len.astype(jnp.int32)[None, :, None]  # [capacity, batch, 1]
+    active = (slot >= capacity - seq) & (slot - (capacity - seq) <= token)
+    visible = jnp.where(slot < capacity - seq, prior, active)  # [capacity, batch, seq]
+    return jnp.broadcast_to(visible[:, :, None, :], (capacity, cache_len.shape[0], q_heads, seq)).astype(jnp.uint8)
+
+
+def _fused_operands(
+    x,
+    kv_cache,
+    cache_len,
+    qkv_weight,
+    out_weight,
+    rope,
+    norm_weight,
+    qkv_bias,
+    out_bias,
+    qk_norm,
+    *,
+    num_kv_heads,
+    eps,
+    qk_norm_eps,
+    scale,
+):
+    """The ``attention_block_tkg`` call of this block, ``(operands, params, valid)``, or ``None`` when the block
+    does not fit the kernel: several kv heads, caches not in ``x``'s dtype, or a kernel limit unmet."""
+    k_cache, v_cache = kv_cache
+    io = x.dtype
+    if (
+        num_kv_heads != 1
+        or {k_cache.dtype, v_cache.dtype} != {io}
+        or io not in (jnp.bfloat16, jnp.float16, jnp.float32)
+    ):
+        return None
+    batch, seq, hidden = x.shape
+    capacity, d = k_cache.shape[2], k_cache.shape[3]
+    if isinstance(qkv_weight, (tuple, list)):
+        qkv_weight = jnp.concatenate([jnp.asarray(w) for w in qkv_weight], axis=1)
+        qkv_bias = None if qkv_bias is None else jnp.concatenate([jnp.asarray(b) for b in qkv_bias])
+    q_heads = qkv_weight.shape[1] // d - 2
+    # a cache_len outside [0, capacity - 2 seq] writes nothing and gives NaN rows, as decode_attention's
+    valid = (cache_len >= 0) & (cache_len <= capacity - 2 * seq)
+    lengths = jnp.where(valid, cache_len, 0).astype(jnp.int32)
+    operands = dict(
+        X=x,
+        W_qkv=jnp.asarray(qkv_weight).astype(io),
+        K_cache=k_cache.reshape(batch, capacity, d),
+        V_cache=v_cache.reshape(batch, capacity, d),
+        attention_mask=_causal_cache_mask(lengths, capacity, seq, q_heads),
+        rmsnorm_X_gamma=_row(norm_weight, io),
+        bias_qkv=_row(qkv_bias, io),
+        rmsnorm_QK_pre_rope_W_Q=None if qk_norm is None else _row(qk_norm[0], io),
+        rmsnorm_QK_pre_rope_W_K=None if qk_norm is None else _row(qk_norm[1], io),
+        cos=None if rope is None else _rope_table(rope[0], batch, seq, io),
+        sin=None if rope is None else _rope_table(rope[1], batch, seq, io),
+        kv_cache_update_idx=jnp.where(valid, lengths, jnp.iinfo(jnp.uint32).max).astype(jnp.uint32)[:, None],
+        W_out=jnp.asarray(out_weight).astype(io),
+        bias_out=_row(out_bias, io),
+    )
+    params = attention_block_tkg.params(
+        rmsnorm_X_enabled=norm_weight is not None,
+        rmsnorm_X_eps=eps,
+        rmsnorm_QK_pre_rope_enabled=qk_norm is not None,
+        rmsnorm_QK_pre_rope_eps=qk_norm_eps,
+        update_cache=True,
+        softmax_scale=scale,
+    )
+    if attention_block_tkg.unmet_neuron_limits(operands, params):
+        return None
+    return operands, params, valid
+
+
+def _rope_table(table, batch: int, seq: int, dtype):
+    """A ``[seq, d/2]`` or ``[batch | 1, seq, d/2]`` table as the kernel's ``[d/2, batch, seq]``."""
+    table = jnp.asarray(table).astype(dtype)
+    table = jnp.broadcast_to(table if table.ndim == 3 else table[None], (batch, seq, table.shape[-1]))
+    return jnp.transpose(table, (2, 0, 1))
+
+
+def _run_fused(operands, params, valid):
+    """One ``attention_block_tkg`` call: ``(out [batch, seq, hidden], (k_cache, v_cache))`` in the library's
+    layouts (the caches only reshaped)."""
+    x, k_cache = operands["X"], operands["K_cache"]
+    out, k_cache, v_cache = attention_block_tkg.call(operands, params)
+    batch, seq, hidden = x.shape
+    out = jnp.where(valid[:, None, None], out.reshape(batch, seq, hidden), jnp.nan)
+    shape = (batch, 1) + k_cache.shape[1:]
+    return out, (k_cache.reshape(shape), v_cache.reshape(shape))

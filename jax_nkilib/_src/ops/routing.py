@@ -17,7 +17,7 @@ import numpy as np
 
 from ..framework.common_types import RouterActFnType
 from ..framework.spec import FLOAT_DTYPES, accumulation_dtype
-from ..framework.validation import check_call, check_operand_layouts, static_bool, static_int
+from ..framework.validation import check_operand_layouts, static_bool, static_int
 from ..moe.cascaded_max import cascaded_max
 from ..moe.router_topk import activate, router_topk
 from ..moe.topk import topk as topk_kernel
@@ -62,12 +62,6 @@ def _check_x(where: str, x):
 def _kernel_dtype(x) -> bool:
     """Whether the kernels take ``x``'s dtype (the other floats and integers run in XLA)."""
     return np.dtype(x.dtype) in FLOAT_DTYPES
-
-
-def _unmet_limits(kernel, operands, params) -> list[str]:
-    """The Neuron limits ``kernel`` would not meet for these operands (shapes only)."""
-    avals = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in operands.items()}
-    return kernel.spec.neuron_limits(check_call(kernel.spec, avals, params))
 
 
 def _rows(x):
@@ -127,8 +121,8 @@ def argmax(x):
     rows = _rows(x)
     params = cascaded_max.params()
     top1 = topk_kernel.params(k=1)
-    if _unmet_limits(cascaded_max, {"input_tensor": rows}, params) and not _unmet_limits(
-        topk_kernel, {"inp": rows}, top1
+    if cascaded_max.unmet_neuron_limits({"input_tensor": rows}, params) and not topk_kernel.unmet_neuron_limits(
+        {"inp": rows}, top1
     ):
         _, indices = topk_kernel.call({"inp": rows}, top1)
     else:
