@@ -307,6 +307,7 @@ def test_transposed_out_follows_lnc():
     _check((out,), oracle(args, dict(flags, lnc=2))[:1], jnp.float32, 256)
 
 
+@pytest.mark.slow  # CI: the conformance checklist's full and partial vmaps of this kernel
 def test_vmap_matches_per_example_calls():
     batches = [make_args(seed=s, B=2, S=1, q=2, update=True) for s in range(3)]
     flags = batches[0][1]
