@@ -146,9 +146,9 @@ def test_vmap_over_requests_with_shared_weights():
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_gradients_in_the_input_and_weights(kv_heads):
-    x, caches, cache_len, weights = problem(
-        dtype=jnp.float64, kv_heads=kv_heads, heads=2 * kv_heads, hidden=128, d=8, max_len=8, extras=True
-    )
+    x, caches, cache_len, weights = problem(dtype=jnp.float64, kv_heads=kv_heads, heads=2 * kv_heads, d=8, extras=True)
+    del weights["qk_norm"]  # the kernel's Q/K norms need head_dim 128
+    assert fused(x, caches, cache_len, weights) == (kv_heads == 1)
     names = ("qkv_weight", "out_weight", "norm_weight", "qkv_bias")
 
     def loss(x, *tensors):
@@ -197,3 +197,17 @@ def test_bad_inputs_name_the_argument(change, error, fragment):
     with pytest.raises(error) as info:
         jax_nkilib.decode_block(*args, **weights)
     assert "jax_nkilib." in str(info.value) and fragment in str(info.value)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_an_invalid_cache_len_gives_nan_rows_and_keeps_the_valid_slots(kv_heads):
+    x, caches, _, weights = problem(kv_heads=kv_heads, heads=2 * kv_heads, batch=3, seq=2)
+    cache_len = jnp.array([4, 127, -1], jnp.int32)  # capacity 128 - 2 * seq = 124 is the largest valid length
+    out, (k_cache, v_cache) = call(x, caches, cache_len, weights)
+    want, k_want, _ = oracle(x[:1], jax.tree.map(lambda c: c[:1], caches), cache_len[:1], weights)
+    assert_close(out[:1], want, jnp.float32, reduction=128, ops=16)
+    assert_close(k_cache[:1], k_want, jnp.float32, reduction=128, ops=8)
+    assert np.isnan(np.asarray(out[1:])).all()
+    valid_slots = 128 - 2  # the scratch tail (the last seq slots) holds no valid position
+    np.testing.assert_array_equal(k_cache[1:, :, :valid_slots], caches[0][1:, :, :valid_slots])
+    np.testing.assert_array_equal(v_cache[1:, :, :valid_slots], caches[1][1:, :, :valid_slots])

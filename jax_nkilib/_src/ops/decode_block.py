@@ -72,6 +72,8 @@ def _check(x, kv_cache, cache_len, qkv_weight, out_weight, num_q_heads, num_kv_h
         v_cache=v_cache,
         cache_len=cache_len,
     )
+    if not jnp.issubdtype(cache_len.dtype, jnp.integer):
+        raise TypeError(f"{WHERE}: `cache_len` must be an integer array [batch]; got {cache_len.dtype}")
     if rope is not None:
         _pair("rope", rope, "(cos, sin) of [seq, head_dim/2] or [batch, seq, head_dim/2] tables")
     w_out = jnp.asarray(out_weight)
@@ -140,6 +142,9 @@ def decode_block(
       qk_norm: ``(q_weight, k_weight)``, each ``[head_dim]``: RMSNorm of every query and key head before RoPE, with
         ``qk_norm_eps``.
       scale: the softmax scale, default ``1/sqrt(head_dim)``.
+
+    An invalid ``cache_len[b]``, outside ``[0, max_len - 2 * seq]``, gives NaN rows for sequence ``b`` and stores
+    nothing in its valid slots (the fused kernel writes its tokens into the scratch tail).
 
     Returns ``(out [batch, seq, hidden], (k_cache, v_cache))`` in ``x``'s dtype, the caches holding the new keys
     (after RoPE) and values at their positions (a functional update: under ``jax.jit(..., donate_argnums=...)`` of
@@ -328,11 +333,7 @@ def _fused_operands(
     does not fit the kernel: several kv heads, caches not in ``x``'s dtype, or a kernel limit unmet."""
     k_cache, v_cache = kv_cache
     io = x.dtype
-    if (
-        num_kv_heads != 1
-        or {k_cache.dtype, v_cache.dtype} != {io}
-        or io not in (jnp.bfloat16, jnp.float16, jnp.float32)
-    ):
+    if num_kv_heads != 1 or {k_cache.dtype, v_cache.dtype} != {io}:
         return None
     batch, seq, hidden = x.shape
     capacity, d = k_cache.shape[2], k_cache.shape[3]
@@ -340,7 +341,9 @@ def _fused_operands(
         qkv_weight = jnp.concatenate([jnp.asarray(w) for w in qkv_weight], axis=1)
         qkv_bias = None if qkv_bias is None else jnp.concatenate([jnp.asarray(b) for b in qkv_bias])
     q_heads = qkv_weight.shape[1] // d - 2
-    # a cache_len outside [0, capacity - 2 seq] writes nothing and gives NaN rows, as decode_attention's
+    # A cache_len outside [0, capacity - 2 seq] gives NaN rows, as decode_attention's. Its tokens go to the scratch
+    # tail (the last seq slots, which hold no valid position): the kernel's skip index is honoured only by block
+    # caches (a flat cache's out-of-range write is undefined on the device).
     valid = (cache_len >= 0) & (cache_len <= capacity - 2 * seq)
     lengths = jnp.where(valid, cache_len, 0).astype(jnp.int32)
     operands = dict(
@@ -355,7 +358,7 @@ def _fused_operands(
         rmsnorm_QK_pre_rope_W_K=None if qk_norm is None else _row(qk_norm[1], io),
         cos=None if rope is None else _rope_table(rope[0], batch, seq, io),
         sin=None if rope is None else _rope_table(rope[1], batch, seq, io),
-        kv_cache_update_idx=jnp.where(valid, lengths, jnp.iinfo(jnp.uint32).max).astype(jnp.uint32)[:, None],
+        kv_cache_update_idx=jnp.where(valid, lengths, capacity - seq).astype(jnp.uint32)[:, None],
         W_out=jnp.asarray(out_weight).astype(io),
         bias_out=_row(out_bias, io),
     )
