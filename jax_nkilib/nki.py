@@ -89,6 +89,7 @@ from jax_nkilib._src.quant.fp8_quantize import pre_combine_dequant_scales, row_q
 from jax_nkilib._src.quant.matmul_mxfp8 import matmul_mxfp8, matmul_mxfp8_backward
 from jax_nkilib._src.quant.quantize_block_mxfp8 import quantize_block_mxfp8_kernel
 from jax_nkilib._src.rope.rope import RoPE, rope_hf
+from jax_nkilib._src.transformer.transformer_tkg import transformer_tkg
 
 __all__ = [
     "ActFnType",
@@ -178,4 +179,5 @@ __all__ = [
     "unpermute_a2av",
     "topk_reduce",
     "topk",
+    "transformer_tkg",
 ]
