@@ -183,12 +183,20 @@ def test_fp8_row_mlp_weights_and_clamp_bound_unused_on_the_tkg_path(fp8):
     np.testing.assert_array_equal(np.asarray(clamped[0]), np.asarray(result[0]))
 
 
-def test_mask_active_is_accepted_and_unused():
+def test_mask_active_is_unused_and_caches_may_carry_the_unit_kv_head_axis():
+    """The library test's layouts: mask_active given (the kernel never reads it), caches [L, B, 1, ...]."""
     ops = decode_inputs(5)
-    ops["mask_active"] = jnp.zeros((3, 3, 2, 2), jnp.int32)
-    out = jax.jit(call)(ops)[0]
-    del ops["mask_active"]
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(call)(ops)[0]))
+    expected = llama_decode_oracle(ops)
+    library_layout = dict(
+        ops,
+        mask_active=jnp.zeros((3, 3, 2, 2), jnp.int32),
+        K_caches=ops["K_caches"][:, :, None],
+        V_caches=ops["V_caches"][:, :, None],
+    )
+    out, k_caches, v_caches = jax.jit(call)(library_layout)
+    assert k_caches.shape == (2, 3, 1, 6, 9) and v_caches.shape == (2, 3, 1, 9, 6)
+    check_step((out, k_caches[:, :, 0], v_caches[:, :, 0]), ops, jnp.float32)
+    assert_close(out, expected[0], jnp.float32, reduction=40, ops=4)
 
 
 # ----------------------------------------------------------------------------------------------- transformations

@@ -20,9 +20,10 @@ S``, e.g. the library's ``uint32`` max "skip" value, or a negative int32) is not
 
 Layouts (JAX operands stacked on a leading layer axis ``L``; ``I = (q + 2) d`` with columns ``[Q heads | K | V]``):
 ``X [B, S, H]``; ``W_qkvs [L, H, I]``; ``W_outs [L, q d, H]``; ``W_gates, W_ups [L, H, F]``; ``W_downs [L, F, H]``;
-``W_gamma_qkvs, W_gamma_mlps [L, 1, H]``; ``K_caches [L, B, d, S_max]`` (transposed K); ``V_caches [L, B, S_max,
-d]``; ``RoPE_cos, RoPE_sin [d/2, B, S]``; ``mask_cache [S_ctx, B, q, S]`` (nonzero = attend); ``mask_active [B, q,
-S, S]`` (optional, **unused**: the kernel never reads it); ``position_ids [B, 1]`` int32/uint32 (optional);
+``W_gamma_qkvs, W_gamma_mlps [L, 1, H]``; ``K_caches [L, B, d, S_max]`` (transposed K) and ``V_caches [L, B, S_max,
+d]``, or both with the library test's unit KV-head axis (``[L, B, 1, d, S_max]``, ``[L, B, 1, S_max, d]``);
+``RoPE_cos, RoPE_sin [d/2, B, S]``; ``mask_cache [S_ctx, B, q, S]`` (nonzero = attend); ``mask_active [B, q, S, S]``
+(optional, **unused**: the kernel never reads it); ``position_ids [B, 1]`` int32/uint32 (optional);
 ``W_gate_scales, W_up_scales [L, 128, F]``, ``W_down_scales [L, 128, H]`` float32 (optional, all or none: FP8 ROW
 MLP weights). Returns ``(out [B, S, H], K_caches, V_caches)``: the library returns ``out`` only and updates the
 caches in place; the binding returns the updated caches too, aliased to the inputs on Neuron.
@@ -186,32 +187,32 @@ def reference_transformer_tkg(
     sbuf_residual_and_cc=False,
     clamp_bound=0.0,
 ):
-    """JAX reference of ``transformer_tkg``: ``(out, K_caches, V_caches)`` (see the module docstring)."""
+    """JAX reference of ``transformer_tkg``: ``(out, K_caches, V_caches)`` (see the module docstring), one
+    ``lax.scan`` step per layer."""
     del mask_active, sbuf_residual_and_cc  # never read by the kernel; refused by the checks
-    current = X
-    for layer in range(num_layers or W_qkvs.shape[0]):
+    layers, head_axis = num_layers or W_qkvs.shape[0], K_caches.ndim == 5  # [L, B, 1, ...]: one KV head axis
+    k_all, v_all = (c[:, :, 0] if head_axis else c for c in (K_caches, V_caches))
+    stacked = (W_qkvs, W_outs, W_gates, W_ups, W_downs, W_gamma_qkvs, W_gamma_mlps, k_all, v_all)
+    scales = (W_gate_scales, W_up_scales, W_down_scales)
+
+    def layer(current, weights):
+        w_qkv, w_out, gate, up, down, gamma_qkv, gamma_mlp, k_cache, v_cache, layer_scales = weights
         attn, k, v = _attention_block(
-            current,
-            W_gamma_qkvs[layer],
-            W_qkvs[layer],
-            W_outs[layer],
-            RoPE_cos,
-            RoPE_sin,
-            K_caches[layer],
-            V_caches[layer],
-            mask_cache,
-            eps,
+            current, gamma_qkv, w_qkv, w_out, RoPE_cos, RoPE_sin, k_cache, v_cache, mask_cache, eps
         )
         current = _residual(current, attn, replica_groups)
-        scales = tuple(None if s is None else s[layer] for s in (W_gate_scales, W_up_scales, W_down_scales))
-        mlp_out = _mlp_block(
-            current, W_gamma_mlps[layer], W_gates[layer], W_ups[layer], W_downs[layer], scales, eps, clamp_bound
-        )
+        mlp_out = _mlp_block(current, gamma_mlp, gate, up, down, layer_scales, eps, clamp_bound)
         current = _residual(current, mlp_out, replica_groups)
         if position_ids is not None:
-            k_cache, v_cache = write_tokens(K_caches[layer], V_caches[layer], k, v, position_ids)
-            K_caches, V_caches = K_caches.at[layer].set(k_cache), V_caches.at[layer].set(v_cache)
-    return current, K_caches, V_caches
+            k_cache, v_cache = write_tokens(k_cache, v_cache, k, v, position_ids)
+        return current, (k_cache, v_cache)
+
+    weights = tuple(t[:layers] for t in stacked) + (tuple(None if t is None else t[:layers] for t in scales),)
+    out, (k_new, v_new) = lax.scan(layer, X, weights)
+    k_all, v_all = k_all.at[:layers].set(k_new), v_all.at[:layers].set(v_new)
+    if head_axis:
+        k_all, v_all = k_all[:, :, None], v_all[:, :, None]
+    return out, k_all, v_all
 
 
 # ---------------------------------------------------------------------------------------------------- checks
@@ -243,6 +244,11 @@ def _check(call: CallInfo) -> None:
     layers = p["num_layers"]
     if layers is not None and not 1 <= layers <= dims["L"]:
         raise ValueError(f"{function}: num_layers={layers} must be in [1, L={dims['L']}] (the stacked layer axis)")
+    if avals["K_caches"].ndim != avals["V_caches"].ndim:
+        raise ValueError(
+            f"{function}: K_caches and V_caches must both have the KV-head axis ([L, B, 1, ...]) or both not; got "
+            f"shapes {tuple(avals['K_caches'].shape)} and {tuple(avals['V_caches'].shape)}"
+        )
     given = [name for name in _SCALES if avals.get(name) is not None]
     if given and len(given) != len(_SCALES):
         raise ValueError(f"{function}: give all of {', '.join(_SCALES)} (FP8 ROW MLP) or none; got only {given}")
@@ -308,8 +314,8 @@ TRANSFORMER_TKG_SPEC = KernelSpec(
         Operand.of("W_downs", "L, F, H", dtypes=_MLP_WEIGHT_DTYPES),
         Operand.of("W_gamma_qkvs", "L, 1, H", doc="attention RMSNorm gamma"),
         Operand.of("W_gamma_mlps", "L, 1, H", doc="MLP RMSNorm gamma"),
-        Operand.of("K_caches", "L, B, d, S_max", doc="transposed K cache, updated at position_ids"),
-        Operand.of("V_caches", "L, B, S_max, d", doc="V cache, updated at position_ids"),
+        Operand.of("K_caches", "L, B, d, S_max", "L, B, 1, d, S_max", doc="transposed K cache (one KV head)"),
+        Operand.of("V_caches", "L, B, S_max, d", "L, B, 1, S_max, d", doc="V cache (one KV head)"),
         Operand.of("RoPE_cos", "half, B, S"),
         Operand.of("RoPE_sin", "half, B, S"),
         Operand.of(
