@@ -12,9 +12,9 @@ from jax.test_util import check_grads
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
 from jax_nkilib.nki import transformer_tkg
-from tests.support.hlo import kernel_configs, neuron_text
+from tests.support.hlo import compiled_collectives, kernel_configs, neuron_text
 from tests.support.numerics import assert_close
-from tests.support.sharding import make_mesh, run_sharded
+from tests.support.sharding import make_mesh, place
 
 SKIP = np.iinfo(np.uint32).max  # the library's "do not write this row" position
 
@@ -208,9 +208,12 @@ def test_tensor_parallel_on_8_devices_matches_the_unsharded_oracle():
     sharded += (P(), P(), P(None, "tp"), P(None, "tp"), P(), P(), P(None, None, "tp"), P())
     mesh = make_mesh((8,), ("tp",))
     fn = lambda *a: transformer_tkg(*a[:13], position_ids=a[13], replica_groups="tp")
-    out, k_caches, v_caches = run_sharded(
-        fn, mesh, sharded, (P("tp"), P(None, "tp"), P(None, "tp")), *(ops[name] for name in TENSORS)
-    )
+    body = jax.shard_map(fn, mesh=mesh, in_specs=sharded, out_specs=(P("tp"), P(None, "tp"), P(None, "tp")))
+    placed = place(mesh, sharded, *(ops[name] for name in TENSORS))
+    compiled = jax.jit(body).lower(*placed).compile()
+    # the two all-reduces of a layer, once in the scan body over the layers
+    assert compiled_collectives(compiled.as_text()).get("all-reduce") == 2
+    out, k_caches, v_caches = compiled(*placed)
     expected = llama_decode_oracle(ops, ranks=8)
     for rank_out in np.split(np.asarray(out), 8):  # one copy per rank: all equal the unsharded model
         assert_close(rank_out, expected[0], jnp.float32, reduction=24, ops=4)
