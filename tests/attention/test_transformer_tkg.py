@@ -183,6 +183,7 @@ def test_fp8_row_mlp_weights_and_clamp_bound_unused_on_the_tkg_path(fp8):
     np.testing.assert_array_equal(np.asarray(clamped[0]), np.asarray(result[0]))
 
 
+@pytest.mark.slow
 def test_mask_active_is_unused_and_caches_may_carry_the_unit_kv_head_axis():
     """The library test's layouts: mask_active given (the kernel never reads it), caches [L, B, 1, ...]."""
     ops = decode_inputs(5)
