@@ -90,6 +90,7 @@ from jax_nkilib._src.quant.matmul_mxfp8 import matmul_mxfp8, matmul_mxfp8_backwa
 from jax_nkilib._src.quant.quantize_block_mxfp8 import quantize_block_mxfp8_kernel
 from jax_nkilib._src.rope.rope import RoPE, rope_hf
 from jax_nkilib._src.transformer.attention_block_tkg import attention_block_tkg
+from jax_nkilib._src.transformer.transformer_tkg import transformer_tkg
 
 __all__ = [
     "ActFnType",
@@ -180,4 +181,5 @@ __all__ = [
     "unpermute_a2av",
     "topk_reduce",
     "topk",
+    "transformer_tkg",
 ]

@@ -55,6 +55,9 @@ VARIANTS_ARE_SLOW = tuple(spec.name for spec in SPECS if "." in spec.name)
 _MOE_FAMILY = ("moe", "router", "topk", "blockwise", "mx_moe", "rmsnorm_router", "permute", "unpermute", "build_all")
 _MOE_FAMILY += ("cascaded_max", "argmax", "find_nonzero", "indexed_flatten", "gpsimd", "argsort")
 VARIANTS_ARE_SLOW += tuple(spec.name for spec in SPECS if spec.name.startswith(_MOE_FAMILY))
+# transformer_tkg (issue 15): its jit, vmap, vmap-of-grad and shard_map checks compile a multi-layer decode step
+# several times; tests/attention/test_transformer_tkg.py covers them fast.
+VARIANTS_ARE_SLOW += ("transformer_tkg",)
 
 
 # ------------------------------------------------------------------------------------------------------- helpers

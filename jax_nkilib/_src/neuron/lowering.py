@@ -106,7 +106,7 @@ def _with_replica_groups(spec: KernelSpec, ctx, call: CallInfo) -> CallInfo:
         return call
     params = dict(call.params)
     for name in axis_params:
-        if params[name] is None:  # an optional replica group left out (e.g. attention_block_tkg with KVDP=1)
+        if params[name] is None:  # an optional replica group left out: the kernel issues no collective
             continue
         groups = compat.replica_groups(ctx, params[name])
         if groups is None:

@@ -54,7 +54,7 @@ CATALOG = _entries(
         (22, "layernorm_tkg", "norm", 4),
         (23, "rmsnorm_mx_quantize_tkg", "norm", 4),
         (24, "attention_block_tkg", "transformer", 15),
-        (25, "transformer_tkg", "transformer", None),
+        (25, "transformer_tkg", "transformer", 15),
         (26, "cross_entropy_forward", "loss", None),
         (27, "cross_entropy_backward", "loss", None),
         (28, "blockwise_mm_bwd", "moe", 14),

@@ -1,2 +1,2 @@
-"""The fused transformer-block kernels (layer 1): ``attention_block_tkg``, built on the attention, projection, norm
-and RoPE references it fuses."""
+"""Fused multi-kernel blocks of the NKI Library (``experimental/transformer``): ``attention_block_tkg`` and
+``transformer_tkg`` compose the attention, MLP, projection, norm and RoPE kernels, so they sit above those families."""

@@ -234,6 +234,7 @@ _FAMILIES = (
     "moe_tkg",
     "routing",
     "moe",
+    "transformer_tkg",
 )
 _loaded = False
 
