@@ -51,8 +51,9 @@ class Llama3RopeScaling:
 class LlamaConfig:
     """A Llama-3-style decoder: GQA attention with RoPE (rotate-half convention), RMSNorm, SwiGLU MLP.
 
-    ``head_dim`` defaults to ``hidden // heads``; ``kv_heads`` divides ``heads``. ``max_len`` is the number of
-    tokens a KV cache from :func:`init_cache` holds. ``dtype`` names the parameters' and activations' dtype
+    ``head_dim`` defaults to ``hidden // heads``; ``kv_heads`` divides ``heads``. ``max_len`` is the length of a KV
+    cache from ``llama.init_cache``, which holds ``max_len - 1`` tokens (a multiple of 128 for Neuron's decode
+    attention kernel). ``dtype`` names the parameters' and activations' dtype
     (``"float32"``, ``"bfloat16"``, ...). Frozen and hashable: pass it to ``jax.jit`` as a static argument.
     """
 
@@ -146,7 +147,9 @@ def rope_frequencies(config: LlamaConfig) -> np.ndarray:
 
 
 def rope_tables(config: LlamaConfig, positions):
-    """``(cos, sin)`` of ``positions [...]`` (int) times the frequencies: ``[..., head_dim/2]`` float32 tables,
-    :func:`jax_nkilib.rope`'s layout (``[seq, d/2]`` for a shared ``[seq]``, ``[batch, seq, d/2]`` per sequence)."""
-    angles = jnp.asarray(positions, jnp.float32)[..., None] * jnp.asarray(rope_frequencies(config), jnp.float32)
+    """``(cos, sin)`` of ``positions [...]`` (int) times the frequencies: ``[..., head_dim/2]`` tables in float32
+    (float64 for a float64 model), :func:`jax_nkilib.rope`'s layout (``[seq, d/2]`` for a shared ``[seq]``,
+    ``[batch, seq, d/2]`` per sequence)."""
+    dtype = jnp.promote_types(config.param_dtype, jnp.float32)
+    angles = jnp.asarray(positions, dtype)[..., None] * jnp.asarray(rope_frequencies(config), dtype)
     return jnp.cos(angles), jnp.sin(angles)

@@ -13,9 +13,10 @@ accepted everywhere)::
                  intermediate], "w_down": [intermediate, hidden]}, ...]}
 
 Projections are ``x @ w`` (``[in, out]``; Hugging Face stores the transpose, see :mod:`jax_nkilib.models.hf`).
-The KV cache is a list with one ``(k_cache, v_cache)`` per layer, each ``[batch, kv_heads, max_len + 1,
-head_dim]`` (the ops' cache layout; the last slot is :func:`jax_nkilib.decode_attention`'s scratch). On Neuron
-every op is its NKI kernel; elsewhere the kernels' JAX references run.
+The KV cache is a list with one ``(k_cache, v_cache)`` per layer, each ``[batch, kv_heads, max_len, head_dim]``
+(the ops' cache layout) holding up to ``max_len - 1`` tokens: the last slot is
+:func:`jax_nkilib.decode_attention`'s scratch, and on Neuron its ``attention_tkg`` kernel needs ``max_len`` to be
+a multiple of 128. On Neuron every op is its NKI kernel; elsewhere the kernels' JAX references run.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 
 from .config import Llama3RopeScaling, LlamaConfig, rope_tables
 from .hf import load_hf_checkpoint
+from .parallel import param_specs
 from .sampling import sample
 
 __all__ = [
@@ -41,6 +45,7 @@ __all__ = [
     "init_params",
     "load_hf_checkpoint",
     "loss",
+    "param_specs",
     "prefill",
     "sample",
     "train_step",
@@ -88,9 +93,10 @@ def init_params(config: LlamaConfig, key) -> dict:
 
 
 def init_cache(config: LlamaConfig, batch: int, dtype=None) -> list:
-    """An empty KV cache for ``batch`` sequences of up to ``config.max_len`` tokens: per layer ``(k, v)``, each
-    ``[batch, kv_heads, max_len + 1, head_dim]`` zeros in ``dtype`` (default ``config.dtype``)."""
-    shape = (batch, config.kv_heads, config.max_len + 1, config.head_dim)
+    """An empty KV cache for ``batch`` sequences of up to ``config.max_len - 1`` tokens (the last slot is the
+    decode kernel's scratch): per layer ``(k, v)``, each ``[batch, kv_heads, max_len, head_dim]`` zeros in
+    ``dtype`` (default ``config.dtype``)."""
+    shape = (batch, config.kv_heads, config.max_len, config.head_dim)
     dtype = config.param_dtype if dtype is None else dtype
     return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(config.layers)]
 
@@ -144,18 +150,13 @@ def _write_token(cache, new, position):
 
 
 def mlp_residual(layer, config: LlamaConfig, x, attn_out):
-    """``s = x + attn_out``; returns ``s + mlp(rmsnorm(s))`` (the residual add fused into the MLP op)."""
-    out, s = jax_nkilib.mlp(
-        attn_out,
-        layer["w_gate"],
-        layer["w_up"],
-        layer["w_down"],
-        norm="rms",
-        norm_weight=layer["mlp_norm"],
-        eps=config.rms_eps,
-        residual=x,
-        return_residual=True,
-    )
+    """``s = x + attn_out``; returns ``s + mlp(rmsnorm(s))`` (the norm fused into the MLP op).
+
+    The residual add is written here rather than through ``mlp(residual=, return_residual=True)``: with the MLP's
+    intermediate split over a mesh axis, that op's returned residual fails ``shard_map``'s replication check."""
+    s = x + attn_out
+    weights = (layer["w_gate"], layer["w_up"], layer["w_down"])
+    out = jax_nkilib.mlp(s, *weights, norm="rms", norm_weight=layer["mlp_norm"], eps=config.rms_eps)
     return s + out
 
 
@@ -163,21 +164,31 @@ def _embed(params, config: LlamaConfig, tokens):
     tokens = jnp.asarray(tokens)
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"jax_nkilib.models.llama: tokens must be integers; got {tokens.dtype}")
-    return jnp.take(params["embed"], tokens, axis=0).astype(config.param_dtype)
+    table = params["embed"]
+    sharding = getattr(jax.typeof(tokens), "sharding", None)
+    spec = tuple(getattr(sharding, "spec", ()))
+    if any(entry is not None for entry in spec):  # explicit mesh axes: the rows follow the tokens' sharding
+        rows = table.at[tokens].get(out_sharding=NamedSharding(sharding.mesh, P(*spec, None)))
+    else:
+        rows = jnp.take(table, tokens, axis=0)
+    return rows.astype(config.param_dtype)
 
 
 def _logits(params, config: LlamaConfig, x):
-    """``rmsnorm(x) @ lm_head`` in float32 (``embed^T`` when the embeddings are tied)."""
+    """``rmsnorm(x) @ lm_head`` in float32 (float64 for a float64 model; ``embed^T`` when the embeddings are
+    tied)."""
     h = jax_nkilib.rms_norm(x, params["final_norm"], eps=config.rms_eps)
     head = params["embed"].T if config.tie_embeddings else params["lm_head"]
-    return jnp.matmul(h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+    return jnp.matmul(h, head.astype(h.dtype), preferred_element_type=jnp.promote_types(h.dtype, jnp.float32))
 
 
 def _check_tokens(tokens, config: LlamaConfig, where: str):
     if jnp.ndim(tokens) != 2:
         raise ValueError(f"{where}: tokens must be [batch, seq]; got shape {jnp.shape(tokens)}")
-    if jnp.shape(tokens)[1] > config.max_len:
-        raise ValueError(f"{where}: {jnp.shape(tokens)[1]} tokens exceed config.max_len={config.max_len}")
+    if jnp.shape(tokens)[1] > config.max_len - 1:
+        raise ValueError(
+            f"{where}: {jnp.shape(tokens)[1]} tokens exceed the cache's max_len - 1 = {config.max_len - 1} tokens"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -215,7 +226,7 @@ def _write_prefix(cache, new):
 
 def decode_step(params, config: LlamaConfig, token, position, cache):
     """One decoding step: ``token [batch]`` (int) at ``position`` (an int or ``[batch]``: the tokens already in
-    the cache, ``< config.max_len``). Returns ``(logits [batch, vocab] float32, cache)`` with the token's keys and
+    the cache, ``< config.max_len - 1``). Returns ``(logits [batch, vocab] float32, cache)`` with the token's keys and
     values written at ``position`` (a functional update: ``jax.jit(decode_step, donate_argnums=4)`` updates the
     cache in place)."""
     params = unwrap(params)
@@ -240,13 +251,14 @@ def generate(params, config: LlamaConfig, prompt, steps: int, *, key=None, tempe
 
     Greedy (:func:`jax_nkilib.argmax`) without ``key``; with a ``key``, sampling at ``temperature`` from the
     ``top_k`` most likely tokens and/or the smallest set whose probability reaches ``top_p`` (through
-    :func:`jax_nkilib.topk`, see :func:`jax_nkilib.models.sampling.sample`). ``seq + steps <= config.max_len``.
+    :func:`jax_nkilib.topk`, see :func:`jax_nkilib.models.sampling.sample`). ``seq + steps <= config.max_len``
+    (the last token generated is not cached).
     """
     _check_tokens(prompt, config, "jax_nkilib.models.llama.generate")
     batch, seq = prompt.shape
-    if steps < 1 or seq + steps > config.max_len + 1:
+    if steps < 1 or seq + steps > config.max_len:
         raise ValueError(
-            f"jax_nkilib.models.llama.generate: need 1 <= steps and seq + steps - 1 <= max_len; got seq={seq}, "
+            f"jax_nkilib.models.llama.generate: need 1 <= steps and seq + steps <= max_len; got seq={seq}, "
             f"steps={steps}, max_len={config.max_len}"
         )
     keys = jax.random.split(key, steps) if key is not None else [None] * steps
