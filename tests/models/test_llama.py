@@ -20,8 +20,10 @@ pytest.importorskip("safetensors")
 optax = pytest.importorskip("optax")
 from safetensors.numpy import save_file  # noqa: E402
 
+import jax_nkilib  # noqa: E402
 from jax_nkilib.models import llama  # noqa: E402
 from jax_nkilib.models.sampling import sample  # noqa: E402
+from tests.support.hlo import kernel_configs, neuron_text, operations  # noqa: E402
 from tests.support.numerics import relative_error, tolerance  # noqa: E402
 
 HF_CONFIG = {
@@ -353,6 +355,23 @@ def test_decode_step_under_donation_updates_the_cache_in_place():
     got, got_cache = step(params, config, token, 3, llama.init_cache(config, 2))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got_cache[1][0], want_cache[1][0])
+
+
+def test_decode_step_on_neuron_is_four_kernels_per_layer_and_never_moves_the_cache():
+    """Lowered for Neuron (dry run), a decode step is per layer qkv (RMSNorm and RoPE fused), attention_tkg,
+    output_projection_tkg and mlp (RMSNorm fused), then the final rmsnorm_tkg; the caches reach attention_tkg by a
+    reshape and are written by one scatter each (the new token), with no transpose, copy or select of a cache."""
+    config = llama.LlamaConfig(vocab=256, hidden=256, layers=2, heads=8, kv_heads=2, intermediate=512, max_len=128)
+    params = llama.init_params(config, jax.random.key(0))
+    step = lambda p, t, c: llama.decode_step(p, config, t, 5, c)
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(step, params, jnp.zeros(2, jnp.int32), llama.init_cache(config, 2))
+    kernels = [cfg["func_name"] for cfg in kernel_configs(text)]
+    assert kernels == ["qkv", "attention_tkg", "output_projection_tkg", "mlp"] * 2 + ["rmsnorm_tkg"], kernels
+    assert operations(text).count("stablehlo.scatter") == 2 * config.layers
+    cache_type = "tensor<2x2x128x32xf32>"
+    touching = {op for line in text.splitlines() if cache_type in line for op in operations(line)}
+    assert "stablehlo.reshape" in touching and touching <= {"stablehlo.reshape", "stablehlo.scatter"}, touching
 
 
 def test_load_hf_checkpoint_names_what_is_missing_or_misshapen(tmp_path):
