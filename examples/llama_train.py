@@ -47,19 +47,19 @@ def train(params, tokens, targets, optimizer, steps=STEPS, config=CONFIG):
     return params, losses
 
 
-def main(steps=STEPS):
+def main(steps=STEPS, config=CONFIG):
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
     key_params, key_data = jax.random.split(jax.random.key(0))
-    params = llama.init_params(CONFIG, key_params)
-    tokens, targets = synthetic_batch(key_data)
+    params = llama.init_params(config, key_params)
+    tokens, targets = synthetic_batch(key_data, config)
     optimizer = optax.sgd(0.5, momentum=0.9)  # SGD: rounding-level differences between layouts stay small
 
-    one_device, want = train(params, tokens, targets, optimizer, steps)
+    one_device, want = train(params, tokens, targets, optimizer, steps, config)
     with set_mesh(mesh):
         place = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
         sharded = jax.tree.map(place, params, llama.param_specs(params), is_leaf=lambda s: isinstance(s, P))
         tokens_s, targets_s = (place(a, P("data")) for a in (tokens, targets))
-        trained, got = train(sharded, tokens_s, targets_s, optimizer, steps)
+        trained, got = train(sharded, tokens_s, targets_s, optimizer, steps, config)
         layout = trained["layers"][0]["w_q"].sharding.spec
 
     difference = max(

@@ -16,7 +16,9 @@ Projections are ``x @ w`` (``[in, out]``; Hugging Face stores the transpose, see
 The KV cache is a list with one ``(k_cache, v_cache)`` per layer, each ``[batch, kv_heads, max_len, head_dim]``
 (the ops' cache layout) holding up to ``max_len - 1`` tokens: the last slot is
 :func:`jax_nkilib.decode_attention`'s scratch, and on Neuron its ``attention_tkg`` kernel needs ``max_len`` to be
-a multiple of 128. On Neuron every op is its NKI kernel; elsewhere the kernels' JAX references run.
+a multiple of 128. On Neuron each jax_nkilib op is its NKI kernel (the embedding lookup and the LM head are XLA);
+elsewhere the kernels' JAX references run. A decode step's per-layer attention half is :func:`attention_decode`,
+the one function a fused decode block replaces.
 """
 
 from __future__ import annotations

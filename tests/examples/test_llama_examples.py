@@ -36,10 +36,11 @@ def test_llama_generate_decodes_and_explains_one_step_as_kernels(capsys):
 
 
 def test_llama_train_on_a_2x4_mesh_matches_one_device(capsys):
-    result = load("llama_train").main(steps=2)
+    config = llama.LlamaConfig(vocab=128, hidden=128, layers=1, heads=4, kv_heads=4, intermediate=128, max_len=32)
+    result = load("llama_train").main(steps=2, config=config)
     assert result["losses"][1] < result["losses"][0]
     np.testing.assert_allclose(result["losses"], result["one_device_losses"], rtol=1e-5)
     # sums over the 4 tensor-parallel shards add in another order than on one device
-    assert result["difference"] <= tolerance("float32", reduction=256, ops=64)
+    assert result["difference"] <= tolerance("float32", reduction=128, ops=64)
     assert tuple(result["layout"]) == (None, "model")
     assert "losses, 2x4 mesh:" in capsys.readouterr().out
