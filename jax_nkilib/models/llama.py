@@ -15,10 +15,11 @@ accepted everywhere)::
 Projections are ``x @ w`` (``[in, out]``; Hugging Face stores the transpose, see :mod:`jax_nkilib.models.hf`).
 The KV cache is a list with one ``(k_cache, v_cache)`` per layer, each ``[batch, kv_heads, max_len, head_dim]``
 (the ops' cache layout) holding up to ``max_len - 1`` tokens: the last slot is
-:func:`jax_nkilib.decode_attention`'s scratch, and on Neuron its ``attention_tkg`` kernel needs ``max_len`` to be
+:func:`jax_nkilib.decode_block`'s scratch, and on Neuron its kernels need ``max_len`` to be
 a multiple of 128. On Neuron each jax_nkilib op is its NKI kernel (the embedding lookup and the LM head are XLA);
-elsewhere the kernels' JAX references run. A decode step's per-layer attention half is :func:`attention_decode`,
-the one function a fused decode block replaces.
+elsewhere the kernels' JAX references run. A decode step's per-layer attention half is
+:func:`jax_nkilib.decode_block` (:func:`attention_decode`), one fused ``attention_block_tkg`` kernel on Neuron where
+a device holds one kv head.
 """
 
 from __future__ import annotations
@@ -129,26 +130,23 @@ def attention_prefill(layer, config: LlamaConfig, x, cos, sin):
 
 
 def attention_decode(layer, config: LlamaConfig, x, cos, sin, kv_cache, position):
-    """A layer's attention half for one new token per sequence, against its cache: RMSNorm -> QKV -> RoPE ->
-    cache update -> attention -> output projection. ``x [batch, 1, hidden]``, ``position [batch]`` (the tokens
-    already cached); returns ``(out [batch, 1, hidden], (k_cache, v_cache))`` with the new key/value written at
-    ``position``. (The one function a fused decode block replaces.)
-
-    The new key and value are written first and the attention reads the updated caches (whose slot ``position``
-    it ignores: it takes the new token from ``k``/``v``), discarding the caches ``decode_attention`` returns: XLA
-    then updates a donated cache in place, whereas reading the old cache beside the op's own write makes XLA:CPU
-    copy the whole cache every step."""
-    q, k, v = _qkv(layer, config, x, cos, sin)
-    k_cache, v_cache = (_write_token(cache, new, position) for cache, new in zip(kv_cache, (k, v)))
-    out, _, _ = jax_nkilib.decode_attention(q, k, v, k_cache, v_cache, position)
-    return jax_nkilib.output_projection(out, layer["w_o"]), (k_cache, v_cache)
-
-
-def _write_token(cache, new, position):
-    """``new [batch, 1, kv_heads, d]`` into ``cache [batch, kv_heads, L, d]`` at ``position [batch]`` (a position
-    outside ``[0, L)`` writes nothing)."""
-    rows = jnp.arange(cache.shape[0])[:, None]
-    return cache.at[rows, :, position[:, None]].set(new.astype(cache.dtype), mode="drop")
+    """A layer's attention half for one new token per sequence, against its cache: :func:`jax_nkilib.decode_block`
+    (RMSNorm -> QKV -> RoPE -> cache update -> attention -> output projection; on Neuron one fused
+    ``attention_block_tkg`` kernel per layer where a device holds one kv head). ``x [batch, 1, hidden]``,
+    ``position [batch]`` (the tokens already cached); returns ``(out [batch, 1, hidden], (k_cache, v_cache))`` with
+    the new key/value written at ``position``."""
+    return jax_nkilib.decode_block(
+        x,
+        kv_cache,
+        position,
+        qkv_weight=(layer["w_q"], layer["w_k"], layer["w_v"]),
+        out_weight=layer["w_o"],
+        num_q_heads=config.heads,
+        num_kv_heads=config.kv_heads,
+        rope=(cos, sin),
+        norm_weight=layer["attn_norm"],
+        eps=config.rms_eps,
+    )
 
 
 def mlp_residual(layer, config: LlamaConfig, x, attn_out):

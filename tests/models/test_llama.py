@@ -382,6 +382,24 @@ def test_decode_step_on_neuron_is_four_kernels_per_layer_and_never_moves_the_cac
     assert "stablehlo.reshape" in touching and touching <= {"stablehlo.reshape", "stablehlo.scatter"}, touching
 
 
+def test_decode_step_with_one_kv_head_per_device_is_one_fused_attention_kernel_per_layer():
+    """Lowered for Neuron (dry run), a decode step whose layers hold one kv head (MQA, or a tensor-parallel shard of
+    GQA) is per layer one attention_block_tkg (RMSNorm, QKV, RoPE, cache update, attention and output projection,
+    the caches aliased in place) and one mlp, then the final rmsnorm_tkg; the caches are only reshaped."""
+    config = llama.LlamaConfig(vocab=256, hidden=256, layers=2, heads=4, kv_heads=1, intermediate=512, max_len=128)
+    params = llama.init_params(config, jax.random.key(0))
+    step = lambda p, t, c: llama.decode_step(p, config, t, jnp.array([5, 9]), c)
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(step, params, jnp.zeros(2, jnp.int32), llama.init_cache(config, 2))
+    configs = kernel_configs(text)
+    assert [cfg["func_name"] for cfg in configs] == ["attention_block_tkg", "mlp"] * 2 + ["rmsnorm_tkg"]
+    for cfg in configs[:-1:2]:  # K_cache and V_cache (inputs 2, 3) are outputs 1, 2
+        assert sorted(map(tuple, cfg["aliases"])) == [(2, 1), (3, 2)], cfg["aliases"]
+    cache_type = f"tensor<2x1x128x{config.head_dim}xf32>"
+    touching = {op for line in text.splitlines() if cache_type in line for op in operations(line)}
+    assert touching == {"stablehlo.reshape"}, touching
+
+
 def test_load_hf_checkpoint_names_what_is_missing_or_misshapen(tmp_path):
     tensors, path = write_checkpoint(tmp_path, HF_CONFIG)
     config = llama.LlamaConfig.from_hf_config(HF_CONFIG)
