@@ -188,6 +188,11 @@ def test_neuron_lowering_with_several_kv_heads_composes_the_kernels():
         (lambda a, w: (a, dict(w, num_q_heads=4.0)), TypeError, "`num_q_heads` must be a static positive int"),
         (lambda a, w: (a, dict(w, num_q_heads=3, num_kv_heads=2)), ValueError, "must be a multiple of num_kv_heads"),
         (lambda a, w: (a, dict(w, qk_norm=w["norm_weight"])), TypeError, "`qk_norm` must be a pair"),
+        (
+            lambda a, w: (a, dict(w, qkv_weight=w["qkv_weight"].reshape(128, 1, 6, 16)[:, :, :5])),
+            ValueError,
+            "a grouped `qkv_weight` must be [hidden, num_kv_heads, num_q_heads / num_kv_heads + 2, head_dim]",
+        ),
         (lambda a, w: ((a[0], a[1], a[2].astype(jnp.float32)), w), TypeError, "`cache_len` must be an integer"),
     ],
 )
@@ -211,3 +216,49 @@ def test_an_invalid_cache_len_gives_nan_rows_and_keeps_the_valid_slots(kv_heads)
     valid_slots = 128 - 2  # the scratch tail (the last seq slots) holds no valid position
     np.testing.assert_array_equal(k_cache[1:, :, :valid_slots], caches[0][1:, :, :valid_slots])
     np.testing.assert_array_equal(v_cache[1:, :, :valid_slots], caches[1][1:, :, :valid_slots])
+
+
+def grouped(weights):
+    """The weights with ``qkv_weight`` (and ``qkv_bias``) regrouped by kv head: ``[hidden, kv_heads, q_per_kv + 2,
+    head_dim]``, kv head ``g``'s query heads, then its key, then its value (the same projection)."""
+    nq, nkv = weights["num_q_heads"], weights["num_kv_heads"]
+    w = weights["qkv_weight"]
+    d = w.shape[1] // (nq + 2 * nkv)
+
+    def regroup(t):  # [..., (nq + 2 nkv) d] -> [..., nkv, nq / nkv + 2, d]
+        lead = t.shape[:-1]
+        q = t[..., : nq * d].reshape(*lead, nkv, nq // nkv, d)
+        k = t[..., nq * d : (nq + nkv) * d].reshape(*lead, nkv, 1, d)
+        v = t[..., (nq + nkv) * d :].reshape(*lead, nkv, 1, d)
+        return jnp.concatenate([q, k, v], axis=-2)
+
+    out = dict(weights, qkv_weight=regroup(w))
+    if weights.get("qkv_bias") is not None:
+        out["qkv_bias"] = regroup(weights["qkv_bias"])
+    return out
+
+
+@pytest.mark.parametrize("kv_heads, heads", [(1, 4), (2, 6)])
+def test_weights_grouped_by_kv_head_compute_the_same_block(kv_heads, heads):
+    x, caches, cache_len, weights = problem(kv_heads=kv_heads, heads=heads, seq=2, extras=True)
+    del weights["qk_norm"]
+    out, (k_cache, _) = call(x, caches, cache_len, grouped(weights))
+    want, k_want, _ = oracle(x, caches, cache_len, weights)
+    assert fused(x, caches, cache_len, grouped(weights)) == (kv_heads == 1)
+    assert_close(out, want, jnp.float32, reduction=128, ops=16)
+    assert_close(k_cache, k_want, jnp.float32, reduction=128, ops=8)
+
+
+def test_grouped_weights_reach_the_kernel_by_a_reshape():
+    """With grouped weights, a one-kv-head block lowers to the kernel with no concatenate (the (w_q, w_k, w_v)
+    form concatenates the layer's QKV weights on every call)."""
+    x, caches, cache_len, weights = problem(max_len=256)
+    regrouped = grouped(weights)
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(lambda c, x, n: call(x, c, n, regrouped), caches, x, cache_len)
+        split = dict(
+            weights, qkv_weight=(weights["qkv_weight"][:, :64], *jnp.split(weights["qkv_weight"][:, 64:], 2, 1))
+        )
+        split_text = neuron_text(lambda c, x, n: call(x, c, n, split), caches, x, cache_len)
+    assert "stablehlo.concatenate" not in text and "stablehlo.concatenate" in split_text
+    assert [c["func_name"] for c in kernel_configs(text)] == ["attention_block_tkg"]

@@ -4,7 +4,7 @@ allows it.
 Math (per sequence ``b``, new token ``i`` at position ``p = cache_len[b] + i``)::
 
     h = rms_norm(x, norm_weight, eps)                       # skipped without norm_weight
-    q, k, v = split_heads(h @ qkv_weight + qkv_bias)        # columns [Q heads | K heads | V heads]
+    q, k, v = split_heads(h @ qkv_weight + qkv_bias)        # [Q heads | K heads | V heads], or grouped by kv head
     q, k = rms_norm(q, q_norm), rms_norm(k, k_norm)         # per head, before RoPE (Qwen3 / OLMo-2 style), optional
     q, k = rope(q, cos, sin), rope(k, cos, sin)             # halves [x1 | x2]
     cache[b, :, p] = k, v                                   # the caches' functional update
@@ -43,12 +43,12 @@ DECODE_BLOCK_SHARDING = auto.register_rule(
         free={"b": "batch"},
         collective={
             "n": (
-                "heads (qkv_weight as (w_q, w_k, w_v), the caches' kv heads, out_weight's rows)",
+                "heads (qkv_weight grouped or as (w_q, w_k, w_v), the caches' kv heads, out_weight's rows)",
                 "local blocks over the local heads + one all-reduce (psum) of the output projection, then out_bias",
             )
         },
-        note="heads shard when qkv_weight is given as (w_q, w_k, w_v); num_q_heads and num_kv_heads divisible by "
-        "the mesh axis size",
+        note="heads shard when qkv_weight is grouped [hidden, kv_heads, q_per_kv + 2, head_dim] or given as (w_q, "
+        "w_k, w_v); num_q_heads and num_kv_heads divisible by the mesh axis size",
     )
 )
 
@@ -82,8 +82,32 @@ def _check(x, kv_cache, cache_len, qkv_weight, out_weight, num_q_heads, num_kv_h
             f"{WHERE}: `out_weight` must be [num_q_heads * head_dim, hidden] = "
             f"[{num_q_heads * dims['head_dim']}, {x.shape[2]}]; got {tuple(w_out.shape)}"
         )
-    del qkv_weight  # qkv_projection checks it against x, the head counts and head_dim
-    return dims["head_dim"]
+    if _grouped(qkv_weight):
+        expected = (x.shape[2], num_kv_heads, num_q_heads // num_kv_heads + 2, dims["head_dim"])
+        if tuple(jnp.shape(qkv_weight)) != expected:
+            raise ValueError(
+                f"{WHERE}: a grouped `qkv_weight` must be [hidden, num_kv_heads, num_q_heads / num_kv_heads + 2, "
+                f"head_dim] = {list(expected)}; got {tuple(jnp.shape(qkv_weight))}"
+            )
+    return dims["head_dim"]  # qkv_projection checks the other weight forms against x, the heads and head_dim
+
+
+def _grouped(qkv_weight) -> bool:
+    """Whether ``qkv_weight`` is the grouped ``[hidden, kv_heads, q_per_kv + 2, head_dim]`` form."""
+    return not isinstance(qkv_weight, (tuple, list)) and jnp.ndim(qkv_weight) == 4
+
+
+def _ungrouped(qkv_weight, qkv_bias):
+    """A grouped weight (and bias) as ``(w_q, w_k, w_v)`` (and ``(b_q, b_k, b_v)``): the form qkv_projection takes."""
+    w = jnp.asarray(qkv_weight)
+    hidden, kv_heads, width, d = w.shape
+    group = width - 2
+    parts = (w[:, :, :group], w[:, :, group], w[:, :, group + 1])
+    weights = tuple(part.reshape(hidden, -1) for part in parts)
+    if qkv_bias is None:
+        return weights, None
+    b = jnp.asarray(qkv_bias)
+    return weights, (b[:, :group].reshape(-1), b[:, group].reshape(-1), b[:, group + 1].reshape(-1))
 
 
 def _table_dims(rope):
@@ -134,7 +158,11 @@ def decode_block(
       cache_len: int ``[batch]``: the tokens already cached; new token ``i`` of sequence ``b`` has position
         ``cache_len[b] + i`` (a runtime value).
       qkv_weight: ``[hidden, (num_q_heads + 2 * num_kv_heads) * head_dim]`` (columns ``[Q | K | V]``) or
-        ``(w_q, w_k, w_v)``, as :func:`jax_nkilib.qkv_projection` takes it; ``qkv_bias`` likewise.
+        ``(w_q, w_k, w_v)``, as :func:`jax_nkilib.qkv_projection` takes it, or **grouped by kv head**
+        ``[hidden, num_kv_heads, num_q_heads / num_kv_heads + 2, head_dim]`` (kv head ``g``'s query heads
+        ``g * q_per_kv ...``, then its key, then its value): the fused kernel's own layout per kv head, so a shard
+        with one kv head reaches the kernel by a reshape (the other forms are concatenated per call, a copy of the
+        layer's QKV weights). ``qkv_bias`` in the same form (grouped: ``[num_kv_heads, q_per_kv + 2, head_dim]``).
       out_weight: ``[num_q_heads * head_dim, hidden]``; ``out_bias`` ``[hidden]``.
       rope: ``(cos, sin)``, each ``[seq, head_dim/2]`` or ``[batch, seq, head_dim/2]`` (the tables at each new
         token's position); ``None`` skips RoPE.
@@ -152,9 +180,9 @@ def decode_block(
 
     On Neuron, a call with one kv head (``num_kv_heads == 1``, e.g. a tensor-parallel shard of a GQA model) that
     fits the kernel is one ``attention_block_tkg`` kernel with the caches updated in place (aliased); other calls
-    are ``qkv`` + ``decode_attention``'s ``attention_tkg`` + ``output_projection_tkg``. Sharding: batch freely; heads
-    with ``qkv_weight`` as ``(w_q, w_k, w_v)`` (column-parallel QKV, the caches' kv heads, row-parallel output
-    projection with one all-reduce).
+    are ``qkv`` + ``decode_attention``'s ``attention_tkg`` + ``output_projection_tkg``. Sharding: batch freely;
+    heads with ``qkv_weight`` grouped or as ``(w_q, w_k, w_v)`` (column-parallel QKV, the caches' kv heads,
+    row-parallel output projection with one all-reduce).
     """
     num_q_heads, num_kv_heads = _static_heads(num_q_heads, num_kv_heads)
     x = jnp.asarray(x)
@@ -165,18 +193,18 @@ def decode_block(
     if qk_norm is not None:
         qk_norm = _pair("qk_norm", qk_norm, "(q_weight, k_weight), each [head_dim]")
     flags = dict(eps=eps, qk_norm_eps=qk_norm_eps, scale=scale)
-    split = isinstance(qkv_weight, (tuple, list))
+    split, grouped = isinstance(qkv_weight, (tuple, list)), _grouped(qkv_weight)
     sharded = auto.plan(
         DECODE_BLOCK_SHARDING,
         [
             auto.ShardedArgument("x", x, "b__"),
             auto.ShardedArgument("kv_cache", tuple(kv_cache), ("bn__", "bn__")),
             auto.ShardedArgument("cache_len", cache_len, "b"),
-            auto.ShardedArgument("qkv_weight", qkv_weight, ("_n",) * 3 if split else "__"),
+            auto.ShardedArgument("qkv_weight", qkv_weight, ("_n",) * 3 if split else "_n__" if grouped else "__"),
             auto.ShardedArgument("out_weight", out_weight, "n_"),
             auto.ShardedArgument("rope", rope, _table_dims(rope)),
             auto.ShardedArgument("norm_weight", norm_weight, "_"),
-            auto.ShardedArgument("qkv_bias", qkv_bias, ("n",) * 3 if split else "_"),
+            auto.ShardedArgument("qkv_bias", qkv_bias, ("n",) * 3 if split else "n__" if grouped else "_"),
             auto.ShardedArgument("out_bias", out_bias, "_"),
             auto.ShardedArgument("qk_norm", qk_norm, ("_", "_")),
         ],
@@ -277,6 +305,8 @@ def _composed(
 ):
     """The block as the separate ops compute it."""
     del head_dim
+    if _grouped(qkv_weight):
+        qkv_weight, qkv_bias = _ungrouped(qkv_weight, qkv_bias)
     q, k, v = qkv_projection(
         x,
         qkv_weight,
@@ -337,7 +367,10 @@ def _fused_operands(
         return None
     batch, seq, hidden = x.shape
     capacity, d = k_cache.shape[2], k_cache.shape[3]
-    if isinstance(qkv_weight, (tuple, list)):
+    if _grouped(qkv_weight):  # one kv head: [hidden, 1, q + 2, d] is the kernel's [hidden, (q + 2) d]
+        qkv_weight = jnp.reshape(qkv_weight, (hidden, -1))
+        qkv_bias = None if qkv_bias is None else jnp.reshape(qkv_bias, (-1,))
+    elif isinstance(qkv_weight, (tuple, list)):
         qkv_weight = jnp.concatenate([jnp.asarray(w) for w in qkv_weight], axis=1)
         qkv_bias = None if qkv_bias is None else jnp.concatenate([jnp.asarray(b) for b in qkv_bias])
     q_heads = qkv_weight.shape[1] // d - 2
