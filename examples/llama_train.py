@@ -60,13 +60,13 @@ def main(steps=STEPS, config=CONFIG):
         sharded = jax.tree.map(place, params, llama.param_specs(params), is_leaf=lambda s: isinstance(s, P))
         tokens_s, targets_s = (place(a, P("data")) for a in (tokens, targets))
         trained, got = train(sharded, tokens_s, targets_s, optimizer, steps, config)
-        layout = trained["layers"][0]["w_q"].sharding.spec
+        layout = trained["layers"][0]["w_qkv"].sharding.spec
 
     difference = max(
         float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
         for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(one_device))
     )
-    print(f"mesh {dict(mesh.shape)}; w_q sharded as {layout}")
+    print(f"mesh {dict(mesh.shape)}; w_qkv sharded as {layout}")
     print("losses, 2x4 mesh:  ", " ".join(f"{loss:.4f}" for loss in got))
     print("losses, one device:", " ".join(f"{loss:.4f}" for loss in want))
     print(f"largest relative difference of the trained parameters: {difference:.2e}")

@@ -14,18 +14,26 @@ import os
 import jax.numpy as jnp
 
 from .config import LlamaConfig
+from .qkv_layout import group_qkv
 
 _LAYER_NAMES = {
     "attn_norm": ("input_layernorm.weight", False),
-    "w_q": ("self_attn.q_proj.weight", True),
-    "w_k": ("self_attn.k_proj.weight", True),
-    "w_v": ("self_attn.v_proj.weight", True),
+    "q": ("self_attn.q_proj.weight", True),
+    "k": ("self_attn.k_proj.weight", True),
+    "v": ("self_attn.v_proj.weight", True),
     "w_o": ("self_attn.o_proj.weight", True),
     "mlp_norm": ("post_attention_layernorm.weight", False),
     "w_gate": ("mlp.gate_proj.weight", True),
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
 }
+
+
+def _grouped_layer(layer: dict, config: LlamaConfig) -> dict:
+    """A layer's HF q, k, v projections as the model's grouped ``w_qkv``."""
+    layer = dict(layer)
+    layer["w_qkv"] = group_qkv(layer.pop("q"), layer.pop("k"), layer.pop("v"), config.kv_heads)
+    return layer
 
 
 def read_safetensors(path_or_dir) -> dict:
@@ -58,9 +66,9 @@ def load_hf_checkpoint(path_or_dir, config: LlamaConfig) -> dict:
     q_dim, kv_dim = config.heads * config.head_dim, config.kv_heads * config.head_dim
     expected = {
         "attn_norm": (config.hidden,),
-        "w_q": (config.hidden, q_dim),
-        "w_k": (config.hidden, kv_dim),
-        "w_v": (config.hidden, kv_dim),
+        "q": (config.hidden, q_dim),
+        "k": (config.hidden, kv_dim),
+        "v": (config.hidden, kv_dim),
         "w_o": (q_dim, config.hidden),
         "mlp_norm": (config.hidden,),
         "w_gate": (config.hidden, config.intermediate),
@@ -83,10 +91,13 @@ def load_hf_checkpoint(path_or_dir, config: LlamaConfig) -> dict:
         "embed": take("model.embed_tokens.weight", False, (config.vocab, config.hidden)),
         "final_norm": take("model.norm.weight", False, (config.hidden,)),
         "layers": [
-            {
-                ours: take(f"model.layers.{i}.{theirs}", transpose, expected[ours])
-                for ours, (theirs, transpose) in _LAYER_NAMES.items()
-            }
+            _grouped_layer(
+                {
+                    ours: take(f"model.layers.{i}.{theirs}", transpose, expected[ours])
+                    for ours, (theirs, transpose) in _LAYER_NAMES.items()
+                },
+                config,
+            )
             for i in range(config.layers)
         ],
     }

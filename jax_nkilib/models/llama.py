@@ -1,17 +1,19 @@
 """A Llama-3-style decoder built from jax_nkilib's idiomatic ops: prefill, cached decoding, generation, training.
 
 Each layer is ``x += attention(x)`` then ``x += mlp(rmsnorm(x))``, with ``attention = o_proj(attn(rope(q), rope(k),
-v))`` over ``q, k, v = rmsnorm(x) @ (w_q, w_k, w_v)`` (GQA, RoPE on halves, llama3 frequency scaling) and a SwiGLU
+v))`` over ``q, k, v = rmsnorm(x) @ w_qkv`` (GQA, RoPE on halves, llama3 frequency scaling) and a SwiGLU
 MLP ``(silu(n w_gate) * (n w_up)) w_down``; logits are ``rmsnorm(x) @ lm_head`` (``embed^T`` when tied).
 
 Parameters are a plain pytree of arrays in ``config.dtype`` (a ``{"params": ...}`` wrapper, as Flax makes, is
 accepted everywhere)::
 
     {"embed": [vocab, hidden], "final_norm": [hidden], "lm_head": [hidden, vocab] (untied only),
-     "layers": [{"attn_norm": [hidden], "w_q": [hidden, heads * head_dim], "w_k", "w_v": [hidden, kv_heads *
-                 head_dim], "w_o": [heads * head_dim, hidden], "mlp_norm": [hidden], "w_gate", "w_up": [hidden,
+     "layers": [{"attn_norm": [hidden], "w_qkv": [hidden, kv_heads, heads / kv_heads + 2, head_dim],
+                 "w_o": [heads * head_dim, hidden], "mlp_norm": [hidden], "w_gate", "w_up": [hidden,
                  intermediate], "w_down": [intermediate, hidden]}, ...]}
 
+``w_qkv`` is grouped by kv head (each kv head's query heads, then its key and value; see
+:mod:`jax_nkilib.models.qkv_layout`): the fused decode kernel's layout, reached by a reshape.
 Projections are ``x @ w`` (``[in, out]``; Hugging Face stores the transpose, see :mod:`jax_nkilib.models.hf`).
 The KV cache is a list with one ``(k_cache, v_cache)`` per layer, each ``[batch, kv_heads, max_len, head_dim]``
 (the ops' cache layout) holding up to ``max_len - 1`` tokens: the last slot is
@@ -36,6 +38,7 @@ import jax_nkilib
 from .config import Llama3RopeScaling, LlamaConfig, rope_tables
 from .hf import load_hf_checkpoint
 from .parallel import param_specs
+from .qkv_layout import group_qkv, split_qkv
 from .sampling import sample
 
 __all__ = [
@@ -78,9 +81,12 @@ def init_params(config: LlamaConfig, key) -> dict:
         "layers": [
             {
                 "attn_norm": ones,
-                "w_q": dense(config.hidden, q_dim),
-                "w_k": dense(config.hidden, kv_dim),
-                "w_v": dense(config.hidden, kv_dim),
+                "w_qkv": group_qkv(
+                    dense(config.hidden, q_dim),
+                    dense(config.hidden, kv_dim),
+                    dense(config.hidden, kv_dim),
+                    config.kv_heads,
+                ),
                 "w_o": dense(q_dim, config.hidden),
                 "mlp_norm": ones,
                 "w_gate": dense(config.hidden, config.intermediate),
@@ -111,7 +117,7 @@ def _qkv(layer, config: LlamaConfig, x, cos, sin):
     """RMSNorm, the q/k/v projections and RoPE of ``x [batch, seq, hidden]``, fused in one op."""
     return jax_nkilib.qkv_projection(
         x,
-        (layer["w_q"], layer["w_k"], layer["w_v"]),
+        split_qkv(layer["w_qkv"]),
         num_q_heads=config.heads,
         num_kv_heads=config.kv_heads,
         norm="rms",
@@ -139,7 +145,7 @@ def attention_decode(layer, config: LlamaConfig, x, cos, sin, kv_cache, position
         x,
         kv_cache,
         position,
-        qkv_weight=(layer["w_q"], layer["w_k"], layer["w_v"]),
+        qkv_weight=layer["w_qkv"],
         out_weight=layer["w_o"],
         num_q_heads=config.heads,
         num_kv_heads=config.kv_heads,

@@ -46,9 +46,10 @@ def plain_rope(x, cos, sin):
 def plain_layer(layer, config, x, cos, sin, attend):
     b, s, _ = x.shape
     h = plain_rms_norm(x, layer["attn_norm"], config.rms_eps)
-    q = (h @ layer["w_q"]).reshape(b, s, config.heads, config.head_dim)
-    k = (h @ layer["w_k"]).reshape(b, s, config.kv_heads, config.head_dim)
-    v = (h @ layer["w_v"]).reshape(b, s, config.kv_heads, config.head_dim)
+    group = config.heads // config.kv_heads
+    proj = jnp.einsum("bsh,hgjd->bsgjd", h, layer["w_qkv"])  # w_qkv grouped by kv head: [q heads | k | v]
+    q = proj[:, :, :, :group].reshape(b, s, config.heads, config.head_dim)
+    k, v = proj[:, :, :, group], proj[:, :, :, group + 1]
     out, cache = attend(plain_rope(q, cos, sin), plain_rope(k, cos, sin), v)
     x = x + out.reshape(b, s, -1) @ layer["w_o"]
     h = plain_rms_norm(x, layer["mlp_norm"], config.rms_eps)

@@ -42,5 +42,5 @@ def test_llama_train_on_a_2x4_mesh_matches_one_device(capsys):
     np.testing.assert_allclose(result["losses"], result["one_device_losses"], rtol=1e-5)
     # sums over the 4 tensor-parallel shards add in another order than on one device
     assert result["difference"] <= tolerance("float32", reduction=128, ops=64)
-    assert tuple(result["layout"]) == (None, "model")
+    assert tuple(result["layout"])[:2] == (None, "model")  # w_qkv split over its kv heads
     assert "losses, 2x4 mesh:" in capsys.readouterr().out

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 pytest.importorskip("safetensors")
 optax = pytest.importorskip("optax")
@@ -25,6 +27,7 @@ from jax_nkilib.models import llama  # noqa: E402
 from jax_nkilib.models.sampling import sample  # noqa: E402
 from tests.support.hlo import kernel_configs, neuron_text, operations  # noqa: E402
 from tests.support.numerics import relative_error, tolerance  # noqa: E402
+from tests.support.sharding import use_mesh  # noqa: E402
 
 HF_CONFIG = {
     "vocab_size": 96,
@@ -398,6 +401,28 @@ def test_decode_step_with_one_kv_head_per_device_is_one_fused_attention_kernel_p
     cache_type = f"tensor<2x1x128x{config.head_dim}xf32>"
     touching = {op for line in text.splitlines() if cache_type in line for op in operations(line)}
     assert touching == {"stablehlo.reshape"}, touching
+
+
+def test_a_tensor_parallel_decode_step_is_one_fused_attention_kernel_per_layer_per_device():
+    """GQA with 4 kv heads on a 2 x 4 (data x model) mesh, parameters placed by param_specs: each device holds one
+    kv head, so each layer's attention is one attention_block_tkg (its grouped w_qkv slice reshaped, never
+    concatenated) and each layer's attention and MLP end with one all-reduce."""
+    config = llama.LlamaConfig(vocab=256, hidden=256, layers=2, heads=8, kv_heads=4, intermediate=512, max_len=128)
+    params = llama.init_params(config, jax.random.key(0))
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    with use_mesh(mesh), jax_nkilib.neuron.dry_run():
+        placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), llama.param_specs(params)))
+        cache = jax.device_put(llama.init_cache(config, 2), NamedSharding(mesh, P("data", "model")))
+        tokens, position = (
+            jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (jnp.zeros(2, jnp.int32), jnp.array([5, 9]))
+        )
+        text = jax_nkilib.neuron_hlo(
+            lambda p, t, n, c: llama.decode_step(p, config, t, n, c), placed, tokens, position, cache
+        )
+    kernels = [cfg["func_name"] for cfg in kernel_configs(text)]
+    assert kernels == ["attention_block_tkg", "mlp"] * 2 + ["rmsnorm_tkg"], kernels
+    ops = operations(text)
+    assert ops.count("stablehlo.all_reduce") == 2 * config.layers and "stablehlo.concatenate" not in ops
 
 
 def test_load_hf_checkpoint_names_what_is_missing_or_misshapen(tmp_path):
