@@ -23,6 +23,8 @@ Neuron ones up to the kernels' fidelity):
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -59,8 +61,8 @@ def _pair(name: str, value, what: str):
     return tuple(jnp.asarray(v) for v in value)
 
 
-def _check(x, kv_cache, cache_len, qkv_weight, out_weight, num_q_heads, num_kv_heads, rope):
-    """Trace-time checks of what this op itself reads (the ops it composes check the rest): returns ``head_dim``."""
+def _check(x, kv_cache, cache_len, qkv_weight, out_weight, num_q_heads, num_kv_heads, rope) -> None:
+    """Trace-time checks of what this op itself reads (the ops it composes check the rest)."""
     check_operand_layouts(WHERE, {"x": "batch, seq, hidden"}, positive=("batch", "seq", "hidden"), x=x)
     k_cache, v_cache = _pair("kv_cache", kv_cache, f"(k_cache, v_cache), each [{KV_CACHE_LAYOUT}]")
     dims = check_operand_layouts(
@@ -89,7 +91,7 @@ def _check(x, kv_cache, cache_len, qkv_weight, out_weight, num_q_heads, num_kv_h
                 f"{WHERE}: a grouped `qkv_weight` must be [hidden, num_kv_heads, num_q_heads / num_kv_heads + 2, "
                 f"head_dim] = {list(expected)}; got {tuple(jnp.shape(qkv_weight))}"
             )
-    return dims["head_dim"]  # qkv_projection checks the other weight forms against x, the heads and head_dim
+    # qkv_projection checks the other weight forms against x, the heads and head_dim
 
 
 def _grouped(qkv_weight) -> bool:
@@ -187,134 +189,101 @@ def decode_block(
     num_q_heads, num_kv_heads = _static_heads(num_q_heads, num_kv_heads)
     x = jnp.asarray(x)
     cache_len = jnp.asarray(cache_len)
-    head_dim = _check(x, kv_cache, cache_len, qkv_weight, out_weight, num_q_heads, num_kv_heads, rope)
+    _check(x, kv_cache, cache_len, qkv_weight, out_weight, num_q_heads, num_kv_heads, rope)
     eps = static_float(WHERE, "eps", eps, minimum=0.0)
     qk_norm_eps = static_float(WHERE, "qk_norm_eps", qk_norm_eps, minimum=0.0)
     if qk_norm is not None:
         qk_norm = _pair("qk_norm", qk_norm, "(q_weight, k_weight), each [head_dim]")
     flags = dict(eps=eps, qk_norm_eps=qk_norm_eps, scale=scale)
-    split, grouped = isinstance(qkv_weight, (tuple, list)), _grouped(qkv_weight)
+    heads = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads)
+    block = _Block(
+        x, tuple(kv_cache), cache_len, qkv_weight, out_weight, rope, norm_weight, qkv_bias, out_bias, qk_norm
+    )
     sharded = auto.plan(
         DECODE_BLOCK_SHARDING,
-        [
-            auto.ShardedArgument("x", x, "b__"),
-            auto.ShardedArgument("kv_cache", tuple(kv_cache), ("bn__", "bn__")),
-            auto.ShardedArgument("cache_len", cache_len, "b"),
-            auto.ShardedArgument("qkv_weight", qkv_weight, ("_n",) * 3 if split else "_n__" if grouped else "__"),
-            auto.ShardedArgument("out_weight", out_weight, "n_"),
-            auto.ShardedArgument("rope", rope, _table_dims(rope)),
-            auto.ShardedArgument("norm_weight", norm_weight, "_"),
-            auto.ShardedArgument("qkv_bias", qkv_bias, ("n",) * 3 if split else "n__" if grouped else "_"),
-            auto.ShardedArgument("out_bias", out_bias, "_"),
-            auto.ShardedArgument("qk_norm", qk_norm, ("_", "_")),
-        ],
+        [auto.ShardedArgument(name, value, dims) for name, value, dims in zip(block._fields, block, _letters(block))],
     )
     if sharded:
-        return _run_sharded(
-            sharded,
-            x,
-            kv_cache,
-            cache_len,
-            qkv_weight,
-            out_weight,
-            rope,
-            norm_weight,
-            qkv_bias,
-            out_bias,
-            qk_norm,
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            **flags,
-        )
-    fused = _fused_operands(
-        x,
-        tuple(kv_cache),
-        cache_len,
-        qkv_weight,
-        out_weight,
-        rope,
-        norm_weight,
-        qkv_bias,
-        out_bias,
-        qk_norm,
-        num_kv_heads=num_kv_heads,
-        **flags,
-    )
+        return _run_sharded(sharded, heads, flags)
+    fused = _fused_operands(block, num_kv_heads, **flags)
     if fused is not None:
         return _run_fused(*fused)
-    return _composed(
-        x,
-        tuple(kv_cache),
-        cache_len,
-        qkv_weight,
-        out_weight,
-        rope,
-        norm_weight,
-        qkv_bias,
-        out_bias,
-        qk_norm,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        **flags,
+    return _composed(block, heads, **flags)
+
+
+class _Block(NamedTuple):
+    """A call's tensors (and pairs of tensors), in :func:`decode_block`'s order."""
+
+    x: Any
+    kv_cache: Any
+    cache_len: Any
+    qkv_weight: Any
+    out_weight: Any
+    rope: Any
+    norm_weight: Any
+    qkv_bias: Any
+    out_bias: Any
+    qk_norm: Any = None
+
+
+def _letters(block: _Block) -> tuple:
+    """The sharding letters of each of ``block``'s fields (``b`` batch, ``n`` heads, ``_`` never split)."""
+    split, grouped = isinstance(block.qkv_weight, (tuple, list)), _grouped(block.qkv_weight)
+    return (
+        "b__",
+        ("bn__", "bn__"),
+        "b",
+        ("_n",) * 3 if split else "_n__" if grouped else "__",
+        "n_",
+        _table_dims(block.rope),
+        "_",
+        ("n",) * 3 if split else "n__" if grouped else "_",
+        "_",
+        ("_", "_"),
     )
 
 
-def _run_sharded(sharded, *operands, num_q_heads, num_kv_heads, **flags):
+def _call(block: _Block, heads, flags, out_bias=None):
+    """:func:`decode_block` of ``block`` (with ``out_bias`` in place of its own)."""
+    weights = dict(qkv_weight=block.qkv_weight, out_weight=block.out_weight, rope=block.rope)
+    weights.update(norm_weight=block.norm_weight, qkv_bias=block.qkv_bias, out_bias=out_bias, qk_norm=block.qk_norm)
+    return decode_block(block.x, block.kv_cache, block.cache_len, **weights, **heads, **flags)
+
+
+def _run_sharded(sharded, heads, flags):
     """Local blocks on the shards: batch split freely; heads split with the weights and caches, each shard
     projecting its own heads and the partial output projections summed (one psum), then ``out_bias``."""
     parts = sharded.axis_size("n")
-    if num_q_heads % parts or num_kv_heads % parts:
+    if heads["num_q_heads"] % parts or heads["num_kv_heads"] % parts:
         raise ValueError(
-            f"{WHERE}: {num_q_heads} query and {num_kv_heads} kv heads cannot be split evenly over mesh "
-            f"axis {sharded.axes['n']} of size {parts}"
+            f"{WHERE}: {heads['num_q_heads']} query and {heads['num_kv_heads']} kv heads cannot be split evenly "
+            f"over mesh axis {sharded.axes['n']} of size {parts}"
         )
+    local_heads = {name: count // parts for name, count in heads.items()}
 
-    def local(x, kv_cache, cache_len, qkv_weight, out_weight, rope, norm_weight, qkv_bias, out_bias, qk_norm, axes):
-        heads = dict(num_q_heads=num_q_heads // parts, num_kv_heads=num_kv_heads // parts)
-        kwargs = dict(rope=rope, norm_weight=norm_weight, qkv_bias=qkv_bias, qk_norm=qk_norm, **heads, **flags)
+    def local(*tensors, axes):
+        block = _Block(*tensors)
         if "n" not in axes:
-            return decode_block(
-                x, kv_cache, cache_len, qkv_weight=qkv_weight, out_weight=out_weight, out_bias=out_bias, **kwargs
-            )
-        out, cache = decode_block(x, kv_cache, cache_len, qkv_weight=qkv_weight, out_weight=out_weight, **kwargs)
+            return _call(block, local_heads, flags, out_bias=block.out_bias)
+        out, cache = _call(block, local_heads, flags)
         out = jax.lax.psum(out, axes["n"])
-        return (out if out_bias is None else out + jnp.asarray(out_bias).astype(out.dtype)), cache
+        return (out if block.out_bias is None else out + jnp.asarray(block.out_bias).astype(out.dtype)), cache
 
     return sharded.run(local, ("b__", ("bn__", "bn__")))
 
 
-def _composed(
-    x,
-    kv_cache,
-    cache_len,
-    qkv_weight,
-    out_weight,
-    rope,
-    norm_weight,
-    qkv_bias,
-    out_bias,
-    qk_norm,
-    *,
-    num_q_heads,
-    num_kv_heads,
-    head_dim,
-    eps,
-    qk_norm_eps,
-    scale,
-):
+def _composed(block: _Block, heads, *, eps, qk_norm_eps, scale):
     """The block as the separate ops compute it."""
-    del head_dim
+    qkv_weight, qkv_bias, rope, qk_norm = block.qkv_weight, block.qkv_bias, block.rope, block.qk_norm
     if _grouped(qkv_weight):
         qkv_weight, qkv_bias = _ungrouped(qkv_weight, qkv_bias)
     q, k, v = qkv_projection(
-        x,
+        block.x,
         qkv_weight,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
+        **heads,
         bias=qkv_bias,
-        norm=None if norm_weight is None else "rms",
-        norm_weight=norm_weight,
+        norm=None if block.norm_weight is None else "rms",
+        norm_weight=block.norm_weight,
         eps=eps,
         rope=None if qk_norm is not None else rope,
     )
@@ -322,8 +291,8 @@ def _composed(
         q, k = rms_norm(q, qk_norm[0], eps=qk_norm_eps), rms_norm(k, qk_norm[1], eps=qk_norm_eps)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    attn, k_cache, v_cache = decode_attention(q, k, v, kv_cache[0], kv_cache[1], cache_len, scale=scale)
-    return output_projection(attn, out_weight, out_bias), (k_cache, v_cache)
+    attn, k_cache, v_cache = decode_attention(q, k, v, *block.kv_cache, block.cache_len, scale=scale)
+    return output_projection(attn, block.out_weight, block.out_bias), (k_cache, v_cache)
 
 
 def _row(value, dtype):
@@ -342,26 +311,11 @@ def _causal_cache_mask(cache_len, capacity: int, seq: int, q_heads: int):
     return jnp.broadcast_to(visible[:, :, None, :], (capacity, cache_len.shape[0], q_heads, seq)).astype(jnp.uint8)
 
 
-def _fused_operands(
-    x,
-    kv_cache,
-    cache_len,
-    qkv_weight,
-    out_weight,
-    rope,
-    norm_weight,
-    qkv_bias,
-    out_bias,
-    qk_norm,
-    *,
-    num_kv_heads,
-    eps,
-    qk_norm_eps,
-    scale,
-):
+def _fused_operands(block: _Block, num_kv_heads: int, *, eps, qk_norm_eps, scale):
     """The ``attention_block_tkg`` call of this block, ``(operands, params, valid)``, or ``None`` when the block
     does not fit the kernel: several kv heads, caches not in ``x``'s dtype, or a kernel limit unmet."""
-    k_cache, v_cache = kv_cache
+    x, (k_cache, v_cache), cache_len = block.x, block.kv_cache, block.cache_len
+    qkv_weight, qkv_bias, rope, qk_norm = block.qkv_weight, block.qkv_bias, block.rope, block.qk_norm
     io = x.dtype
     if num_kv_heads != 1 or {k_cache.dtype, v_cache.dtype} != {io}:
         return None
@@ -385,18 +339,18 @@ def _fused_operands(
         K_cache=k_cache.reshape(batch, capacity, d),
         V_cache=v_cache.reshape(batch, capacity, d),
         attention_mask=_causal_cache_mask(lengths, capacity, seq, q_heads),
-        rmsnorm_X_gamma=_row(norm_weight, io),
+        rmsnorm_X_gamma=_row(block.norm_weight, io),
         bias_qkv=_row(qkv_bias, io),
         rmsnorm_QK_pre_rope_W_Q=None if qk_norm is None else _row(qk_norm[0], io),
         rmsnorm_QK_pre_rope_W_K=None if qk_norm is None else _row(qk_norm[1], io),
         cos=None if rope is None else _rope_table(rope[0], batch, seq, io),
         sin=None if rope is None else _rope_table(rope[1], batch, seq, io),
         kv_cache_update_idx=jnp.where(valid, lengths, capacity - seq).astype(jnp.uint32)[:, None],
-        W_out=jnp.asarray(out_weight).astype(io),
-        bias_out=_row(out_bias, io),
+        W_out=jnp.asarray(block.out_weight).astype(io),
+        bias_out=_row(block.out_bias, io),
     )
     params = attention_block_tkg.params(
-        rmsnorm_X_enabled=norm_weight is not None,
+        rmsnorm_X_enabled=block.norm_weight is not None,
         rmsnorm_X_eps=eps,
         rmsnorm_QK_pre_rope_enabled=qk_norm is not None,
         rmsnorm_QK_pre_rope_eps=qk_norm_eps,
