@@ -60,7 +60,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from ..attention.attention_tkg import MASK_DTYPES, reference_attention_tkg
+from ..attention.attention_tkg import MASK_DTYPES
 from ..collectives.hbm_collectives import marking_varying
 from ..framework.common_types import ActFnType, NormType, QuantizationType
 from ..framework.hardware import PARTITIONS
@@ -69,11 +69,9 @@ from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import FLOAT_DTYPES, INT_DTYPES, CallInfo, KernelSpec, Operand, Param, accumulation_dtype
 from ..mlp.mlp import MLP_SPEC
 from ..mlp.mlp_reference import mlp_forward
-from ..norm.rmsnorm_tkg import rms_statistics
-from ..projection.matmul_numerics import contract
-from ..projection.output_projection_reference import project
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
-from ..rope.rope import reference_rope
+from .attention_block_tkg import attention_block_tkg
+from .attention_block_tkg_math import reference_attention_block_tkg
 
 POSITION_DTYPES = INT_DTYPES + (jnp.dtype(jnp.uint32),)
 MAX_TOKENS = 8  # attention_block_tkg: S_tkg <= 8 (catalog 1.20)
@@ -83,33 +81,23 @@ _SCALES = ("W_gate_scales", "W_up_scales", "W_down_scales")
 
 # ------------------------------------------------------------------------------------------------- reference
 def _attention_block(x, gamma, w_qkv, w_out, cos, sin, k_cache, v_cache, mask, eps):
-    """``attention_block_tkg`` with transformer_tkg's flags: ``(out [B, S, H], k [B, S, d], v [B, S, d])``."""
-    dtype, acc = x.dtype, accumulation_dtype(x.dtype)
-    batch, seq, hidden = x.shape
-    d = v_cache.shape[-1]
-    q_heads = w_qkv.shape[1] // d - 2
-    xw = x.astype(acc)
-    normed = ((xw * gamma.reshape(1, 1, -1).astype(acc)) * rms_statistics(xw, hidden, eps)).astype(dtype)
-    qkv = contract("bsh,hi->bsi", normed, w_qkv, acc).astype(dtype).reshape(batch, seq, q_heads + 2, d)
-    (rotated,) = reference_rope(jnp.transpose(qkv[:, :, : q_heads + 1], (3, 0, 2, 1)), cos, sin)  # [d, B, q+1, S]
-    q = (jnp.transpose(rotated[:, :, :q_heads], (1, 2, 3, 0)).astype(acc) * d**-0.5).astype(dtype)  # [B, q, S, d]
-    k = jnp.transpose(rotated[:, :, q_heads:], (1, 2, 3, 0))  # [B, 1, S, d]
-    v = jnp.transpose(qkv[:, :, q_heads + 1 :], (0, 2, 1, 3))  # [B, 1, S, d]
-    (attn,) = reference_attention_tkg(
-        q,
-        k,
-        v,
-        k_cache[:, None],
-        v_cache[:, None],
-        mask,
-        use_pos_id=False,
-        fuse_rope=False,
-        tp_k_prior=False,
-        curr_sprior=mask.shape[0],
-        block_len=0,
-    )  # [B, q, d, S]
-    out = project(attn, "bnds,ndh->bsh", w_out.reshape(q_heads, d, -1), None, quantization_type=QuantizationType.NONE)
-    return out, k[:, 0], v[:, 0]
+    """``attention_block_tkg`` with transformer_tkg's flags (RMSNorm, contiguous RoPE, transposed K cache, output
+    projection, no cache update): ``(out [B, S, H], k [B, S, d], v [B, S, d])``."""
+    out, k, v = reference_attention_block_tkg(
+        x,
+        rmsnorm_X_gamma=gamma,
+        W_qkv=w_qkv,
+        cos=cos,
+        sin=sin,
+        K_cache=k_cache,
+        V_cache=v_cache,
+        attention_mask=mask,
+        W_out=w_out,
+        **attention_block_tkg.params(
+            rmsnorm_X_enabled=True, rmsnorm_X_eps=eps, K_cache_transposed=True, rope_contiguous_layout=True
+        ),
+    )  # out [B * S, H], k [d, B, S], v [B, 1, S, d]
+    return out.reshape(x.shape), jnp.transpose(k, (1, 2, 0)), v[:, 0]
 
 
 def _mlp_block(x, gamma, gate, up, down, scales, eps, clamp_bound):
