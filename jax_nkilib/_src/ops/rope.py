@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
+from ..framework.config import current_lnc
 from ..framework.validation import check_operand_layouts, static_bool
 from ..rope.rope import RoPE
 from ..sharding import auto
@@ -56,7 +58,8 @@ def rope(x, cos, sin, *, interleaved: bool = False):
     adding any); an empty ``x`` is returned as it is, without a kernel call.
 
     It is the NKI ``RoPE`` kernel, which gets ``x`` as ``[head_dim, batch, heads, seq]`` by one transpose each way
-    (and the tables, broadcast over the batch, by one transpose each).
+    (and the tables, broadcast over the batch, by one transpose each). Its ``lnc_shard`` splits ``seq`` over the
+    logical cores when their number divides it, else one core rotates every position (a decode step's single one).
     """
     _rope_argument_errors(x, cos, sin)
     interleaved = static_bool("jax_nkilib.rope", "interleaved", interleaved)
@@ -80,12 +83,13 @@ def rope(x, cos, sin, *, interleaved: bool = False):
     table_shape = (batch, seq, head_dim // 2)
     if cos.ndim == 3 and not lead:  # a [1, seq, head_dim/2] table for an x without batch axes
         cos, sin = cos[0], sin[0]
-    if cos.ndim == 2:
-        cos, sin = (jnp.broadcast_to(t, table_shape) for t in (cos, sin))
+    if cos.ndim == 2:  # [S, d/2] -> [d/2, B, S]: the small table is transposed, then broadcast over the batch
+        cos, sin = (jax.lax.broadcast_in_dim(t.T, (head_dim // 2, batch, seq), (0, 2)) for t in (cos, sin))
     else:
         cos, sin = (jnp.broadcast_to(t, (*lead, seq, head_dim // 2)).reshape(table_shape) for t in (cos, sin))
-    params = RoPE.params(contiguous_layout=not interleaved)
+        cos, sin = (jnp.transpose(table, (2, 0, 1)) for table in (cos, sin))  # [d_head/2, B, S]
+    lnc = current_lnc()  # the kernel splits S over the cores only when they divide it (a decode step's S=1 does not)
+    params = RoPE.params(contiguous_layout=not interleaved, lnc_shard=lnc > 1 and seq % lnc == 0)
     x_in = jnp.transpose(x.reshape(batch, seq, heads, head_dim), (3, 0, 2, 1))  # [d_head, B, n_heads, S]
-    cos, sin = (jnp.transpose(table, (2, 0, 1)) for table in (cos, sin))  # [d_head/2, B, S]
     (out,) = RoPE.call({"x_in": x_in, "cos": cos, "sin": sin}, params)
     return jnp.transpose(out, (1, 3, 2, 0)).reshape(x.shape)
