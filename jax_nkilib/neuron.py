@@ -1,4 +1,5 @@
-"""The Neuron path: dry-run switch, compilers and the errors a Neuron lowering can raise."""
+"""The Neuron path: dry-run switch, compilers, the errors a Neuron lowering can raise, and the op census of a
+function's Neuron graph."""
 
 from jax_nkilib._src.framework.config import dry_run
 from jax_nkilib._src.neuron.compiled import CompiledKernel, NeuronOutputMismatchError, decode_backend_config
@@ -11,6 +12,7 @@ from jax_nkilib._src.neuron.lowering import (
 )
 from jax_nkilib._src.neuron.nki_compiler import NkiCompiler
 from jax_nkilib._src.neuron.sdk import NeuronSdkMissingError, NkiApiError, installed_versions
+from jax_nkilib._src.tools.census import OpCensus, op_census
 
 __all__ = [
     "CUSTOM_CALL_TARGET",
@@ -23,7 +25,9 @@ __all__ = [
     "NeuronUnsupportedError",
     "NkiApiError",
     "NkiCompiler",
+    "OpCensus",
     "decode_backend_config",
     "dry_run",
     "installed_versions",
+    "op_census",
 ]

@@ -74,9 +74,21 @@ def test_idiomatic_rope_is_the_kernel_plus_transposes():
     text = neuron_text(jax_nkilib.rope, x, cos, sin)
     assert operations(text).count("stablehlo.custom_call") == 1
     ops = compute_operations(text)
-    assert set(ops) == {"stablehlo.transpose", "stablehlo.broadcast_in_dim"}
+    assert set(ops) == {"stablehlo.transpose", "stablehlo.reshape"}
     assert ops.count("stablehlo.transpose") == 4  # x in, x out, cos, sin
-    assert ops.count("stablehlo.broadcast_in_dim") == 2  # the shared tables over the batch
+    # the shared tables need no broadcast: the batch folds into the kernel's heads
+    ((x_in, _), (cos_in, _), _) = kernel_configs(text)[0]["input_specs"]
+    assert x_in == [64, 1, 2 * 4, 16] and cos_in == [32, 1, 16]
+
+
+def test_idiomatic_rope_with_batched_tables_broadcasts_them():
+    x = random((2, 16, 4, 64))
+    cos, sin = angles((1, 16, 32))
+    assert kernel_configs(neuron_text(jax_nkilib.rope, x, cos, sin))[0]["input_specs"][1][0] == [32, 1, 16]
+    cos, sin = angles((2, 16, 32))
+    text = neuron_text(jax_nkilib.rope, x, cos, sin)
+    assert kernel_configs(text)[0]["input_specs"][0][0] == [64, 2, 4, 16]
+    assert compute_operations(text).count("stablehlo.transpose") == 4
 
 
 def test_idiomatic_rope_gradient_uses_the_kernel_for_dx():
@@ -148,9 +160,10 @@ def test_realistic_rope_is_split_to_fit_sbuf(dtype, pieces):
     text = neuron_text(jax_nkilib.rope, x, cos, cos)
     cfgs = kernel_configs(text)
     assert len(cfgs) == pieces
-    assert all(cfg["input_specs"][0][0] == [128, 4, 32 // pieces, 2048] for cfg in cfgs)
+    assert all(cfg["input_specs"][0][0] == [128, 1, 4 * 32 // pieces, 2048] for cfg in cfgs)  # batch in heads
     assert set(compute_operations(text)) <= {
         "stablehlo.transpose",
+        "stablehlo.reshape",
         "stablehlo.broadcast_in_dim",
         "stablehlo.slice",
         "stablehlo.concatenate",

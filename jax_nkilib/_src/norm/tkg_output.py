@@ -69,7 +69,13 @@ def to_kernel_order(y, n: int, hidden_dim_tp: bool = False):
 
 
 def from_kernel_order(out, n: int, hidden_dim_tp: bool = False):
-    """The kernel output ``[128, T, H/128]`` -> rows ``[T, H]``."""
+    """The kernel output ``[128, T, H/128]`` -> rows ``[T, H]``, by one transpose (with reshapes, which move no data)
+    where the shards are equal."""
+    p, t, h1 = out.shape
+    if hidden_dim_tp:  # out[p, t, j] = y[t, j*128 + p]
+        return jnp.transpose(out, (1, 2, 0)).reshape(t, p * h1)
+    if n > 1 and h1 % n == 0:  # out[p, t, k*H2 + j] = y[t, k*128*H2 + p*H2 + j]
+        return jnp.transpose(out.reshape(p, t, n, h1 // n), (1, 2, 0, 3)).reshape(t, p * h1)
     return rows_from_tiles(jnp.swapaxes(out, 0, 1), n, hidden_dim_tp)
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..attention.attention_bwd import LSE_TILE
 from ..attention.attention_cte import attention_cte
 from ..attention.attention_tkg import attention_tkg, valid_block_entries
 from ..attention.checks import check_qkv_layout, require_float_dtypes
@@ -22,9 +23,12 @@ from .layouts import KV_CACHE_LAYOUT, PAGED_KV_CACHE_LAYOUT
 _WHERE = "jax_nkilib.attention"
 
 
-def _heads_into_batch(x):
-    """[batch, S, H, d] -> [batch * H, S, d] (row b * H + h)."""
+def _heads_into_batch(x, seq_last: bool = False):
+    """[batch, S, H, d] -> [batch * H, S, d] (row b * H + h), or [batch * H, d, S] with ``seq_last``: one
+    transpose either way."""
     batch, seq, heads, d = x.shape
+    if seq_last:
+        return jnp.transpose(x, (0, 2, 3, 1)).reshape(batch * heads, d, seq)
     return jnp.transpose(x, (0, 2, 1, 3)).reshape(batch * heads, seq, d)
 
 
@@ -228,10 +232,20 @@ def attention_on_kernel(
 
 
 def _kernel_call(q, k, v, causal, scale, sliding_window, sinks, prefix=None, prior_len=None, bounds=(None, None)):
-    """One ``attention_cte`` call; ``bounds``: its packing bounds ``[seq_q, 1]``, shared by the batch."""
+    """One ``attention_cte`` call; ``bounds``: its packing bounds ``[seq_q, 1]``, shared by the batch.
+
+    Layouts (the kernel's flags; one transpose per operand either way): where attention_bwd can differentiate the
+    call (no ``prefix``, ``seq_q % 128 == 0``), q and k reach the kernel as ``[B * H, d, S]`` (``tp_q=False``,
+    ``tp_k=False``: the kernel's own layouts and attention_bwd's, so the backward adds no transposes) and the output
+    is ``[B * H, d, S]`` (``tp_out=True``), whose transpose to ``[batch, seq, heads, head_dim]`` is the exact inverse
+    of the one that gives ``output_projection_cte`` its ``[B, N, D, S]`` (XLA cancels the pair when one feeds the
+    other). Otherwise q, k and the output are the rows ``[B * H, S, d]`` the JAX backward works in (and a prefix's
+    cache rows ``[B * kv_heads, L, d]`` are the ``tp_k=True`` layout). v is always ``[B * kv_heads, S, d]``.
+    """
     batch, seq_q, heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    q_rows = _heads_into_batch(q)
+    native = prefix is None and seq_q % LSE_TILE == 0
+    q_rows = _heads_into_batch(q, seq_last=native)
     kernel_scale = scale
     if sliding_window or prefix is not None:  # the kernel's contract: pre-scale q, pass scale=1.0
         q_rows, kernel_scale = (q_rows * scale).astype(q.dtype), 1.0
@@ -244,7 +258,7 @@ def _kernel_call(q, k, v, causal, scale, sliding_window, sinks, prefix=None, pri
         prior_used_len = jnp.asarray(prior_len, jnp.int32).reshape(1)
     out = attention_cte(
         q_rows,
-        _heads_into_batch(k),
+        _heads_into_batch(k, seq_last=native),
         _heads_into_batch(v),
         k_prior,
         v_prior,
@@ -253,13 +267,16 @@ def _kernel_call(q, k, v, causal, scale, sliding_window, sinks, prefix=None, pri
         scale=kernel_scale,
         causal_mask=causal,
         sliding_window=sliding_window,
-        tp_q=True,
-        tp_k=True,
-        tp_out=False,
+        tp_q=not native,
+        tp_k=not native,
+        tp_out=native,
         bound_min=bounds[0],
         bound_max=bounds[1],
     )
-    out = jnp.transpose(out.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))
+    if native:
+        out = jnp.transpose(out.reshape(batch, heads, head_dim, seq_q), (0, 3, 1, 2))
+    else:
+        out = jnp.transpose(out.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))
     if prefix is not None and not isinstance(prior_len, int):  # a run-time length: out of range gives NaN
         max_prior = k_prior.shape[1]  # the kernel's [batch * kv_heads, prior_len_max, head_dim]
         valid = (prior_len >= 0) & (prior_len <= max_prior)

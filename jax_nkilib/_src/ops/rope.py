@@ -7,6 +7,7 @@ import math
 
 import jax.numpy as jnp
 
+from ..framework.config import current_lnc
 from ..framework.validation import check_operand_layouts, static_bool
 from ..rope.rope import RoPE
 from ..sharding import auto
@@ -56,7 +57,10 @@ def rope(x, cos, sin, *, interleaved: bool = False):
     adding any); an empty ``x`` is returned as it is, without a kernel call.
 
     It is the NKI ``RoPE`` kernel, which gets ``x`` as ``[head_dim, batch, heads, seq]`` by one transpose each way
-    (and the tables, broadcast over the batch, by one transpose each).
+    and the tables as ``[head_dim/2, batch, seq]`` by one transpose each; shared tables (``[seq, head_dim/2]`` or a
+    batch of 1) go in as ``[head_dim/2, 1, seq]``, the batch folded into the kernel's heads, with no broadcast. Its
+    ``lnc_shard`` splits ``seq`` over the logical cores when their number divides it, else one core rotates every
+    position (a decode step's single one).
     """
     _rope_argument_errors(x, cos, sin)
     interleaved = static_bool("jax_nkilib.rope", "interleaved", interleaved)
@@ -78,14 +82,16 @@ def rope(x, cos, sin, *, interleaved: bool = False):
     *lead, seq, heads, head_dim = x.shape
     batch = math.prod(lead)
     table_shape = (batch, seq, head_dim // 2)
-    if cos.ndim == 3 and not lead:  # a [1, seq, head_dim/2] table for an x without batch axes
+    if cos.ndim == 3 and cos.shape[0] == 1:  # one table for every batch element
         cos, sin = cos[0], sin[0]
-    if cos.ndim == 2:
-        cos, sin = (jnp.broadcast_to(t, table_shape) for t in (cos, sin))
+    x_in = jnp.transpose(x.reshape(batch, seq, heads, head_dim), (3, 0, 2, 1))  # [d_head, B, n_heads, S]
+    if cos.ndim == 2:  # shared tables: the batch folds into the kernel's heads, so the tables need no broadcast
+        x_in = x_in.reshape(head_dim, 1, batch * heads, seq)
+        cos, sin = (t.T.reshape(head_dim // 2, 1, seq) for t in (cos, sin))  # [d_head/2, 1, S]
     else:
         cos, sin = (jnp.broadcast_to(t, (*lead, seq, head_dim // 2)).reshape(table_shape) for t in (cos, sin))
-    params = RoPE.params(contiguous_layout=not interleaved)
-    x_in = jnp.transpose(x.reshape(batch, seq, heads, head_dim), (3, 0, 2, 1))  # [d_head, B, n_heads, S]
-    cos, sin = (jnp.transpose(table, (2, 0, 1)) for table in (cos, sin))  # [d_head/2, B, S]
+        cos, sin = (jnp.transpose(table, (2, 0, 1)) for table in (cos, sin))  # [d_head/2, B, S]
+    lnc = current_lnc()  # the kernel splits S over the cores only when they divide it (a decode step's S=1 does not)
+    params = RoPE.params(contiguous_layout=not interleaved, lnc_shard=lnc > 1 and seq % lnc == 0)
     (out,) = RoPE.call({"x_in": x_in, "cos": cos, "sin": sin}, params)
-    return jnp.transpose(out, (1, 3, 2, 0)).reshape(x.shape)
+    return jnp.transpose(out.reshape(head_dim, batch, heads, seq), (1, 3, 2, 0)).reshape(x.shape)
