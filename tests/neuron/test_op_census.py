@@ -175,3 +175,38 @@ def test_quickstart_gradient_runs_attention_bwd_without_layout_transposes():
     assert "attention_bwd" in census.kernels
     assert census.ops["transpose"] == 36
     assert census.moving_transposes == 23
+
+
+def test_llama_decode_step_census_per_layer():
+    """A Llama decode step whose layers hold one kv head: each layer adds one attention_block_tkg and one mlp (its
+    RMSNorm fused), the two residual adds, free reshapes of the activations and caches, and the kernel's position
+    inputs built from the step's cache lengths and RoPE tables (the [S_ctx, B, q, S] mask: iota, compare, and,
+    broadcast, convert; the tables' [B, S, d/2] -> [d/2, B, S] transposes, of B * d/2 elements each) — the same
+    values in every layer. No cache is copied, sliced, concatenated or scattered outside the kernel."""
+    from jax_nkilib.models import llama
+
+    def census(layers):
+        config = llama.LlamaConfig(
+            vocab=256, hidden=256, layers=layers, heads=4, kv_heads=1, intermediate=512, max_len=128
+        )
+        params = llama.init_params(config, jax.random.key(0))
+        step = lambda p, t, n, c: llama.decode_step(p, config, t, n, c)  # noqa: E731
+        return op_census(step, params, jnp.zeros(2, jnp.int32), jnp.array([5, 9]), llama.init_cache(config, 2))
+
+    one, two = census(1), census(2)
+    assert one.kernels == ("attention_block_tkg", "mlp", "rmsnorm_tkg")
+    assert two.kernels == ("attention_block_tkg", "mlp") * 2 + ("rmsnorm_tkg",)
+    per_layer = {name: two.ops.get(name, 0) - one.ops.get(name, 0) for name in two.ops}
+    assert {name: n for name, n in per_layer.items() if n} == {
+        "add": 2,  # the residual adds
+        "reshape": 8,
+        "constant": 8,
+        "transpose": 2,  # cos, sin to the kernel's [d/2, B, S]
+        "iota": 2,
+        "compare": 6,
+        "and": 2,
+        "broadcast_in_dim": 15,
+        "convert": 2,
+        "subtract": 1,
+    }, per_layer
+    assert not {"concatenate", "slice", "dynamic_update_slice", "scatter", "copy"} & set(two.ops)
