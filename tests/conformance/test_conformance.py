@@ -114,14 +114,18 @@ def stacked(spec, axes, n=N):
     """Operands for vmap: those with an axis in ``axes`` stacked from ``n`` seeds along it, the rest seed 0's."""
     per_seed = [spec.args(seed) for seed in range(n)]
     return tuple(
-        a if axis is None else jnp.stack([p[i] for p in per_seed], axis)
+        a if axis is None else jax.tree.map(lambda *leaves: jnp.stack(leaves, axis), *[p[i] for p in per_seed])
         for i, (a, axis) in enumerate(zip(per_seed[0], axes))
     )
 
 
 def loop(fn, args, axes, n=N):
     """``fn`` called on each slice, results stacked along axis 0."""
-    outs = [fn(*(a if axis is None else jnp.take(a, i, axis) for a, axis in zip(args, axes))) for i in range(n)]
+
+    def sliced(a, axis, i):  # an operand may be a tuple of arrays
+        return a if axis is None else jax.tree.map(lambda leaf: jnp.take(leaf, i, axis), a)
+
+    outs = [fn(*(sliced(a, axis, i) for a, axis in zip(args, axes))) for i in range(n)]
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *outs)
 
 
@@ -131,7 +135,7 @@ def in_axes(spec, only=None, axis=0):
 
 
 def to_float64(args):
-    return tuple(a.astype(jnp.float64) if a is not None and a.dtype == jnp.float32 else a for a in args)
+    return jax.tree.map(lambda a: a.astype(jnp.float64) if a.dtype == jnp.float32 else a, args)
 
 
 def differentiable(spec):
@@ -187,7 +191,7 @@ def test_nested_vmap_matches_loops(spec):
     """``vmap(vmap(f))`` over every batchable operand equals a loop of loops of single calls."""
     fn, full_axes = function(spec), in_axes(spec)
     nested = tuple(
-        a if axis is None else a.reshape(N, N, *a.shape[1:])
+        a if axis is None else jax.tree.map(lambda leaf: leaf.reshape(N, N, *leaf.shape[1:]), a)
         for a, axis in zip(stacked(spec, full_axes, N * N), full_axes)
     )
     got = jax.jit(jax.vmap(jax.vmap(fn, in_axes=full_axes), in_axes=full_axes))(*nested)

@@ -67,6 +67,7 @@ def _cases() -> dict[str, Case]:
     q1, k1, v1 = random((B, 1, N, D), seed=14), random((B, 1, K, D), seed=15), random((B, 1, K, D), seed=16)
     k_cache, v_cache = random((B, K, 32, D), seed=17), random((B, K, 32, D), seed=18)
     cache_len = jnp.arange(3, 3 + B, dtype=jnp.int32)
+    cos1, sin1 = angles((B, 1, D // 2))
     tokens = random((B, 8, H), seed=19)  # <= 96 tokens: the MLP's TKG path sharded or not (no bfloat16 CTE path)
     x_mx, w_mx = random((B, S, 256), seed=20), random((256, H), seed=21, scale=0.1)
     moe_logits = random((B, 8, 8), seed=22)
@@ -119,6 +120,26 @@ def _cases() -> dict[str, Case]:
             {"q": q1, "k": k1, "v": v1, "kc": k_cache, "vc": v_cache, "n": cache_len},
             {"q": "bsnd", "k": "bsnd", "v": "bsnd", "kc": "bn_d", "vc": "bn_d", "n": "b"},
             ("q", "k", "v", "kc", "vc"),
+            ({"b": "data"}, {"b": "data", "n": "model"}),
+        ),
+        "decode_block": Case(  # QKV weights grouped by kv head; the heads split: local blocks + one all-reduce
+            "jax_nkilib.decode_block",
+            lambda x, kc, vc, n, w, wo, g, c, sn: jax_nkilib.decode_block(
+                x, (kc, vc), n, qkv_weight=w, out_weight=wo, num_q_heads=N, num_kv_heads=K, rope=(c, sn), norm_weight=g
+            ),
+            {
+                "x": x3[:, :1],
+                "kc": k_cache,
+                "vc": v_cache,
+                "n": cache_len,
+                "w": random((H, K, N // K + 2, D), seed=25, scale=0.1),
+                "wo": w_o,
+                "g": gain,
+                "c": cos1,
+                "sn": sin1,
+            },
+            {"x": "b__", "kc": "bn__", "vc": "bn__", "n": "b", "w": "_n__", "wo": "n_", "c": "b__", "sn": "b__"},
+            ("x", "w", "wo", "g"),
             ({"b": "data"}, {"b": "data", "n": "model"}),
         ),
         "qkv_projection": Case(

@@ -60,7 +60,8 @@ class BadInput:
 class ArgSpec:
     """Named arguments for one call of ``fn`` and the properties of that call.
 
-    * ``operands``: the names of the array arguments, in order; ``build(rng)`` returns them. The first
+    * ``operands``: the names of the array arguments (an array, or a tuple of arrays such as a ``(k_cache,
+      v_cache)`` pair), in order; ``build(rng)`` returns them. The first
       ``positional`` are passed by position (``None``: all), the others by keyword.
     * ``kwargs``: static keyword arguments.
     * ``kernels``: the bound kernels the call runs, i.e. the ``func_name`` of each Neuron custom call when lowered
@@ -106,7 +107,7 @@ class ArgSpec:
         """The operands, as JAX arrays, built from ``seed`` (the same seed gives the same arrays)."""
         built = self.build(np.random.default_rng(seed))
         assert len(built) == len(self.operands), f"{self.name}: build gives {len(built)} operands"
-        return tuple(jnp.asarray(a) if a is not None else None for a in built)
+        return tuple(jax.tree.map(jnp.asarray, a) for a in built)  # an operand may be a tuple of arrays
 
     def shapes(self, neuron: bool = False) -> tuple:
         """The operands' ``jax.ShapeDtypeStruct`` s (with ``neuron``: those of the Neuron-sized operands), without
@@ -116,7 +117,7 @@ class ArgSpec:
             built = jax.eval_shape(lambda: build(_AbstractRng()))
         except Exception:  # a builder that needs concrete values (NumPy on random draws)
             built = build(np.random.default_rng(0))
-        return tuple(None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in built)
+        return tuple(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), a) for a in built)
 
     def __call__(self, *args):
         """``fn`` on the operands ``args`` and the static ``kwargs``."""
@@ -235,6 +236,7 @@ _FAMILIES = (
     "routing",
     "moe",
     "transformer_tkg",
+    "decode_block",
 )
 _loaded = False
 
