@@ -3,19 +3,29 @@
 Run: python examples/llama_generate.py [--batch 2 --prompt 16 --steps 32]
 
 ``jax_nkilib.models.llama.generate`` prefills the prompt (writing each layer's keys and values into the cache) and
-runs ``lax.scan`` over ``decode_step``, which per layer projects the new token's q/k/v (RMSNorm and RoPE fused into
-the qkv op), writes its key and value into the cache in place, attends over the cache (``decode_attention``) and
-applies the output projection and the MLP. The script prints the tokens, the decode rate and ``jax_nkilib.explain``
-of one decode step: the kernel calls it would make on Neuron.
+runs ``lax.scan`` over ``decode_step``. Per layer a decode step is ``jax_nkilib.decode_block`` (RMSNorm, QKV, RoPE,
+the cache write in place, attention over the cache, output projection) and the MLP. The script prints the tokens,
+the decode rate and ``jax_nkilib.explain`` of one decode step, the kernel calls it would make on Neuron: on one
+device (two kv heads: ``qkv``, ``attention_tkg``, ``output_projection_tkg``, ``mlp`` per layer), then tensor-parallel
+over the kv heads on a mesh of ``kv_heads`` CPU devices, where each device holds one kv head and each layer's
+attention half is one fused ``attention_block_tkg`` kernel.
 """
 
 import argparse
+import os
 import time
 
-import jax
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # before JAX starts: 8 CPU devices
 
-import jax_nkilib
-from jax_nkilib.models import llama
+import jax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_nkilib  # noqa: E402
+from jax_nkilib.models import llama  # noqa: E402
+
+# jax.set_mesh (also a context manager) is JAX >= 0.8; JAX 0.7 has the context manager as jax.sharding.use_mesh
+set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
 
 CONFIG = llama.LlamaConfig(
     vocab=512, hidden=256, layers=2, heads=8, kv_heads=2, intermediate=512, max_len=128, rope_theta=10000.0
@@ -46,7 +56,22 @@ def main(batch=2, prompt_len=16, steps=32, config=CONFIG):
     step = lambda params, token, cache: llama.decode_step(params, config, token, prompt_len, cache)  # noqa: E731
     explanation = jax_nkilib.explain(step, params, token, cache)
     print(explanation)
-    return {"greedy": greedy, "sampled": sampled, "tokens_per_second": rate, "explanation": explanation}
+    result = {"greedy": greedy, "sampled": sampled, "tokens_per_second": rate, "explanation": explanation}
+    if len(jax.devices()) >= config.kv_heads:
+        print(f"\ntensor-parallel over {config.kv_heads} devices (one kv head each):")
+        result["tensor_parallel_explanation"] = explain_tensor_parallel(step, params, token, cache, config.kv_heads)
+        print(result["tensor_parallel_explanation"])
+    return result
+
+
+def explain_tensor_parallel(step, params, token, cache, devices: int):
+    """``explain`` of ``step`` with the weights split by ``llama.param_specs`` over a ``model`` axis of ``devices``
+    devices and the caches over their kv heads."""
+    mesh = jax.make_mesh((devices,), ("model",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:devices])
+    with set_mesh(mesh):
+        placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), llama.param_specs(params)))
+        cache = jax.device_put(cache, NamedSharding(mesh, P(None, "model")))
+        return jax_nkilib.explain(step, placed, jax.device_put(token, NamedSharding(mesh, P())), cache)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ def test_llama_generate_decodes_and_explains_one_step_as_kernels(capsys):
     calls = [report.kernel for report in result["explanation"]]
     assert calls == DECODE_KERNELS + ["rmsnorm_tkg"], calls
     assert "5 jax_nkilib kernel call(s); 5 would run as NKI kernels on Neuron" in printed
+    # tensor-parallel over the 2 kv heads: each device's attention half is one fused attention_block_tkg
+    calls = [report.kernel for report in result["tensor_parallel_explanation"]]
+    assert calls == ["attention_block_tkg", "mlp", "rmsnorm_tkg"], calls
+    assert "tensor-parallel over 2 devices (one kv head each)" in printed
 
 
 def test_llama_train_on_a_2x4_mesh_matches_one_device(capsys):
