@@ -14,7 +14,7 @@ Math (per sequence ``b``, new token ``i`` at position ``p = cache_len[b] + i``):
 Two equivalent routes compute it, chosen from the shapes alone (the same on every platform, so CPU results are the
 Neuron ones up to the kernels' fidelity):
 
-* **fused**, one ``attention_block_tkg`` kernel per call (:mod:`jax_nkilib._src.ops.decode_block_fused`), when the
+* **fused**, one ``attention_block_tkg`` kernel per call (:func:`_fused_operands`, :func:`_run_fused`), when the
   call has one kv head (a tensor-parallel shard's usual count: the kernel's GQA has one KV head) and meets the
   kernel's limits;
 * **composed** otherwise: ``qkv_projection`` -> (``rms_norm`` + ``rope`` on the heads) -> ``decode_attention`` ->
@@ -79,7 +79,7 @@ def _check(x, kv_cache, cache_len, qkv_weight, out_weight, num_q_heads, num_kv_h
     if rope is not None:
         _pair("rope", rope, "(cos, sin) of [seq, head_dim/2] or [batch, seq, head_dim/2] tables")
     w_out = jnp.asarray(out_weight)
-    if w_out.ndim != 2 or w_out.shape != (num_q_heads * dims["head_dim"], x.shape[2]):
+    if w_out.shape != (num_q_heads * dims["head_dim"], x.shape[2]):
         raise ValueError(
             f"{WHERE}: `out_weight` must be [num_q_heads * head_dim, hidden] = "
             f"[{num_q_heads * dims['head_dim']}, {x.shape[2]}]; got {tuple(w_out.shape)}"
@@ -99,17 +99,15 @@ def _grouped(qkv_weight) -> bool:
     return not isinstance(qkv_weight, (tuple, list)) and jnp.ndim(qkv_weight) == 4
 
 
-def _ungrouped(qkv_weight, qkv_bias):
-    """A grouped weight (and bias) as ``(w_q, w_k, w_v)`` (and ``(b_q, b_k, b_v)``): the form qkv_projection takes."""
-    w = jnp.asarray(qkv_weight)
-    hidden, kv_heads, width, d = w.shape
-    group = width - 2
-    parts = (w[:, :, :group], w[:, :, group], w[:, :, group + 1])
-    weights = tuple(part.reshape(hidden, -1) for part in parts)
-    if qkv_bias is None:
-        return weights, None
-    b = jnp.asarray(qkv_bias)
-    return weights, (b[:, :group].reshape(-1), b[:, group].reshape(-1), b[:, group + 1].reshape(-1))
+def _ungrouped(grouped):
+    """A grouped weight ``[hidden, kv_heads, q_per_kv + 2, d]`` or bias ``[kv_heads, q_per_kv + 2, d]`` as
+    ``(w_q, w_k, w_v)`` (``(b_q, b_k, b_v)``): the form qkv_projection takes (``None`` stays ``None``)."""
+    if grouped is None:
+        return None
+    t = jnp.asarray(grouped)
+    group = t.shape[-2] - 2
+    parts = (t[..., :group, :], t[..., group, :], t[..., group + 1, :])
+    return tuple(part.reshape(*t.shape[:-3], -1) for part in parts)
 
 
 def _table_dims(rope):
@@ -276,7 +274,7 @@ def _composed(block: _Block, heads, *, eps, qk_norm_eps, scale):
     """The block as the separate ops compute it."""
     qkv_weight, qkv_bias, rope, qk_norm = block.qkv_weight, block.qkv_bias, block.rope, block.qk_norm
     if _grouped(qkv_weight):
-        qkv_weight, qkv_bias = _ungrouped(qkv_weight, qkv_bias)
+        qkv_weight, qkv_bias = _ungrouped(qkv_weight), _ungrouped(qkv_bias)
     q, k, v = qkv_projection(
         block.x,
         qkv_weight,
