@@ -38,7 +38,7 @@ import jax_nkilib
 from .config import Llama3RopeScaling, LlamaConfig, rope_tables
 from .hf import load_hf_checkpoint
 from .parallel import param_specs
-from .qkv_layout import group_qkv, split_qkv
+from .qkv_layout import group_qkv, projection_weight
 from .sampling import sample
 
 __all__ = [
@@ -117,7 +117,7 @@ def _qkv(layer, config: LlamaConfig, x, cos, sin):
     """RMSNorm, the q/k/v projections and RoPE of ``x [batch, seq, hidden]``, fused in one op."""
     return jax_nkilib.qkv_projection(
         x,
-        split_qkv(layer["w_qkv"]),
+        projection_weight(layer["w_qkv"]),
         num_q_heads=config.heads,
         num_kv_heads=config.kv_heads,
         norm="rms",

@@ -231,9 +231,10 @@ def test_bfloat16_checkpoint_logits_match_float64_hf_llama(tmp_path):
     assert error <= logits_bound(jnp.bfloat16), f"relative error {error:.2e}"
 
 
-def test_float64_model_matches_the_oracle_to_float64_rounding(tmp_path):
+@pytest.mark.parametrize("kv_heads", [2, 1])  # split q/k/v weights; one kv head: the grouped weight is qkv's own
+def test_float64_model_matches_the_oracle_to_float64_rounding(tmp_path, kv_heads):
     """In float64 (RoPE tables and logits too) every mapping mistake would show far above rounding."""
-    hf = {**HF_CONFIG, "tie_word_embeddings": True}
+    hf = {**HF_CONFIG, "tie_word_embeddings": True, "num_key_value_heads": kv_heads}
     tensors, path = write_checkpoint(tmp_path, hf, seed=5)
     config = llama.LlamaConfig.from_hf_config(hf, dtype="float64")
     params = llama.load_hf_checkpoint(path, config)

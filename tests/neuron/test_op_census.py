@@ -5,14 +5,16 @@ fallback between kernels fails here. Numbers are for LNC 1 (the suite's setting)
 
 What the layers' remaining glue is, and why no kernel flag removes it (see the report of issue 15, item 5):
 - ``rms_norm``: ``rmsnorm_tkg`` writes ``[128, B*S, H/128]`` (no row-layout flag): one transpose back to rows.
-- ``qkv``: its ``BSD`` output ``[B, S, (nq + 2 nkv) d]`` is split into q, k, v by three slices; ``NBSd`` (heads
-  outermost) needs ``d_head == 128``.
+- ``qkv``: its ``BSD`` output ``[B, S, (nq + 2 nkv) d]`` is split into q, k, v by three (strided) slices;
+  with ``d_head == 128`` its ``NBSd`` output ``[heads, B, S, d]`` by three contiguous ones.
 - ``RoPE``: ``x_in`` is ``[d_head, B, n_heads, S]`` (no other layout): one transpose in and one out per call, and
   one per ``[S, d_head/2]`` table to ``[d_head/2, 1, S]`` (the batch folds into the kernel's heads: no broadcast).
-- ``attention_cte`` folds heads into its batch (rows ``b * H + h``, the sequence inside a row), which no ``qkv`` or
-  ``RoPE`` layout produces: one transpose per q, k, v. Its ``tp_out=True`` output ``[B*H, d, S]`` is
-  ``output_projection_cte``'s ``[B, N, D, S]`` as it is, so the transpose back to ``[batch, seq, heads, d]`` and the
-  one into the projection cancel (the census counts that chain as not moving data).
+- ``attention_cte`` folds heads into its batch (rows ``b * H + h``). Its rows ``[B*H, S, d]`` (``tp_q``,
+  ``tp_k``) are ``NBSd``'s heads at batch 1, a transpose of only the unit batch axis; ``BSD``'s heads, or ``NBSd``'s
+  at a larger batch, need one transpose per q (and k, v with several kv heads). Its ``tp_out=True`` output
+  ``[B*H, d, S]`` is ``output_projection_cte``'s ``[B, N, D, S]`` as it is, so the transpose back to ``[batch,
+  seq, heads, d]`` and the one into the projection cancel (the census counts that chain as not moving data). When
+  differentiated, q and k take attention_bwd's layout ``[B*H, d, S]`` instead (one transpose each).
 """
 
 import importlib.util
@@ -20,6 +22,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import jax_nkilib
 from jax_nkilib.neuron import OpCensus, op_census
@@ -177,26 +180,38 @@ def test_quickstart_gradient_runs_attention_bwd_without_layout_transposes():
     assert census.moving_transposes == 23
 
 
+def llama_census(step, heads):
+    """The census of a 1-layer and a 2-layer Llama (hidden 256, one kv head) running ``step(llama, config) ->
+    (fn(params, *args), args)``, and what the second layer adds: ``(one, two, ops per layer, moving transposes per
+    layer)``."""
+    from jax_nkilib.models import llama
+
+    def census(layers):
+        config = llama.LlamaConfig(
+            vocab=256, hidden=256, layers=layers, heads=heads, kv_heads=1, intermediate=512, max_len=256
+        )
+        fn, args = step(llama, config)
+        return op_census(fn, llama.init_params(config, jax.random.key(0)), *args)
+
+    one, two = census(1), census(2)
+    per_layer = {name: two.ops.get(name, 0) - one.ops.get(name, 0) for name in two.ops}
+    return one, two, {name: n for name, n in per_layer.items() if n}, two.moving_transposes - one.moving_transposes
+
+
 def test_llama_decode_step_census_per_layer():
     """A Llama decode step whose layers hold one kv head: each layer adds one attention_block_tkg and one mlp (its
     RMSNorm fused), the two residual adds, free reshapes of the activations and caches, and the kernel's position
     inputs built from the step's cache lengths and RoPE tables (the [S_ctx, B, q, S] mask: iota, compare, and,
     broadcast, convert; the tables' [B, S, d/2] -> [d/2, B, S] transposes, of B * d/2 elements each) — the same
     values in every layer. No cache is copied, sliced, concatenated or scattered outside the kernel."""
-    from jax_nkilib.models import llama
 
-    def census(layers):
-        config = llama.LlamaConfig(
-            vocab=256, hidden=256, layers=layers, heads=4, kv_heads=1, intermediate=512, max_len=128
-        )
-        params = llama.init_params(config, jax.random.key(0))
-        step = lambda p, t, n, c: llama.decode_step(p, config, t, n, c)  # noqa: E731
-        return op_census(step, params, jnp.zeros(2, jnp.int32), jnp.array([5, 9]), llama.init_cache(config, 2))
+    def step(llama, config):
+        run = lambda p, t, n, c: llama.decode_step(p, config, t, n, c)  # noqa: E731
+        return run, (jnp.zeros(2, jnp.int32), jnp.array([5, 9]), llama.init_cache(config, 2))
 
-    one, two = census(1), census(2)
+    one, two, per_layer, _ = llama_census(step, heads=4)
     assert one.kernels == ("attention_block_tkg", "mlp", "rmsnorm_tkg")
     assert two.kernels == ("attention_block_tkg", "mlp") * 2 + ("rmsnorm_tkg",)
-    per_layer = {name: two.ops.get(name, 0) - one.ops.get(name, 0) for name in two.ops}
     assert {name: n for name, n in per_layer.items() if n} == {
         "add": 2,  # the residual adds
         "reshape": 8,
@@ -210,3 +225,35 @@ def test_llama_decode_step_census_per_layer():
         "subtract": 1,
     }, per_layer
     assert not {"concatenate", "slice", "dynamic_update_slice", "scatter", "copy"} & set(two.ops)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_llama_prefill_census_per_layer(batch):
+    """A Llama prefill whose layers have head_dim 128 and one kv head (a tensor-parallel shard): each layer adds
+    qkv (RMSNorm and RoPE fused; its weight is the grouped w_qkv by a reshape), attention_cte, output_projection_cte
+    and mlp (RMSNorm fused); between them only q/k/v's three contiguous slices of qkv's NBSd output (attention_cte
+    takes them as three tensors), the cache writes of the new keys and values (dynamic_update_slice), the two
+    residual adds and free reshapes and transposes. At batch 1 no transpose moves data (before: 5 per layer: q, k,
+    v to attention's rows and k, v to the cache layout; 6 slices and a concatenate of the weight; the same table
+    work). At batch 2 one does: q's [heads, batch, ...] to attention_cte's rows [batch * heads, ...], which no qkv
+    layout writes. The RoPE tables' widening to the kernel's [batch, seq, head_dim] (2 concatenate, 2 broadcast of
+    [seq, head_dim/2] tables) is position input, the same values in every layer."""
+
+    def step(llama, config):
+        run = lambda p, t, c: llama.prefill(p, config, t, c)  # noqa: E731
+        return run, (jnp.zeros((batch, 128), jnp.int32), llama.init_cache(config, batch))
+
+    one, two, per_layer, moving = llama_census(step, heads=2)
+    layer = ("qkv", "attention_cte", "output_projection_cte", "mlp")
+    assert one.kernels == (*layer, "rmsnorm_tkg") and two.kernels == (*layer * 2, "rmsnorm_tkg")
+    assert per_layer == {
+        "add": 2,  # the residual adds
+        "slice": 3,  # q, k, v: contiguous ranges of qkv's [heads, batch, seq, d]
+        "dynamic_update_slice": 2,  # the cache writes
+        "reshape": 7,
+        "transpose": 10,  # in chains that cancel or move only unit axes (batch 1)
+        "constant": 8,
+        "concatenate": 2,  # the RoPE tables, [t | t]
+        "broadcast_in_dim": 2,  # ... over the batch
+    }, per_layer
+    assert moving == batch - 1

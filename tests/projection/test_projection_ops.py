@@ -327,6 +327,45 @@ def test_qkv_projection_neuron_lowering():
         ]  # the TKG path: no cache write in the kernel
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("batch, seq, with_rope", [(1, 128, False), (2, 128, True)])  # CTE path
+def test_qkv_projection_heads_first_at_head_dim_128(dtype, batch, seq, with_rope):
+    """head_dim 128 on the CTE path: the kernel writes NBSd ([heads, batch, seq, d]), the same values; at batch 1
+    the heads reach attention_cte's rows with no data-moving transpose (its qkv -> attention census)."""
+    d, nq, nkv = 128, 3, 1
+    x, w = random((batch, seq, 128), dtype, 0), random((128, (nq + 2 * nkv) * d), jnp.float32, 1, 0.1)
+    cos, sin = angles((batch, seq, d // 2), jnp.float32, 3) if with_rope else (None, None)
+    project = lambda x, w: qkv_projection(  # noqa: E731
+        x, w, num_q_heads=nq, num_kv_heads=nkv, norm="rms", rope=None if cos is None else (cos, sin)
+    )
+    want, _ = qkv_oracle(
+        x,
+        w.astype(dtype),
+        nq=nq,
+        nkv=nkv,
+        d=d,
+        norm="rms_skip",
+        cos=hf((cos, sin))[0] if with_rope else None,
+        sin=hf((cos, sin))[1] if with_rope else None,
+    )
+    widths = np.cumsum([0, nq * d, nkv * d, nkv * d])
+    for got, lo, hi in zip(project(x, w), widths[:-1], widths[1:]):
+        assert got.dtype == dtype
+        assert_close(got, want[..., lo:hi].reshape(batch, seq, -1, d), dtype, reduction=128, ops=10)
+    with jax_nkilib.neuron.dry_run():
+        text = neuron_text(project, x, w)
+        (cfg,) = kernel_configs(text)
+        assert cfg["params"]["output_layout"] == "NBSd", cfg["params"]
+        assert f"-> tensor<{nq + 2 * nkv}x{batch}x{seq}x{d}x" in text  # [heads, batch, seq, d]
+        w_o = random((nq * d, 128), dtype, 2)
+        layer = lambda x, w: output_projection(jax_nkilib.attention(*project(x, w), causal=True), w_o)  # noqa: E731
+        census = jax_nkilib.neuron.op_census(layer, x, w)
+        assert census.kernels == ("qkv", "attention_cte", "output_projection_cte")
+        assert census.glue["slice"] == 3  # q, k, v: contiguous ranges of heads
+        # batch 2: q [heads, batch, ...] to attention's rows [batch * heads, ...] moves (k and v, one head, do not)
+        assert census.moving_transposes == (0 if batch == 1 else 1)
+
+
 def test_qkv_projection_float32_explain_and_neuron_lowering():
     x, w = random((1, 128, 256), jnp.float32, 0), random((256, 16 * 64), jnp.float32, 1)
     heads = dict(num_q_heads=8, num_kv_heads=4)

@@ -234,18 +234,52 @@ def attention_on_kernel(
 def _kernel_call(q, k, v, causal, scale, sliding_window, sinks, prefix=None, prior_len=None, bounds=(None, None)):
     """One ``attention_cte`` call; ``bounds``: its packing bounds ``[seq_q, 1]``, shared by the batch.
 
-    Layouts (the kernel's flags; one transpose per operand either way): where attention_bwd can differentiate the
-    call (no ``prefix``, ``seq_q % 128 == 0``), q and k reach the kernel as ``[B * H, d, S]`` (``tp_q=False``,
-    ``tp_k=False``: the kernel's own layouts and attention_bwd's, so the backward adds no transposes) and the output
-    is ``[B * H, d, S]`` (``tp_out=True``), whose transpose to ``[batch, seq, heads, head_dim]`` is the exact inverse
-    of the one that gives ``output_projection_cte`` its ``[B, N, D, S]`` (XLA cancels the pair when one feeds the
-    other). Otherwise q, k and the output are the rows ``[B * H, S, d]`` the JAX backward works in (and a prefix's
-    cache rows ``[B * kv_heads, L, d]`` are the ``tp_k=True`` layout). v is always ``[B * kv_heads, S, d]``.
+    Layouts (the kernel's flags): q, k and v reach the kernel as rows ``[B * H, S, d]`` (``tp_q=True``,
+    ``tp_k=True``; a prefix's cache rows ``[B * kv_heads, L, d]`` are the ``tp_k=True`` layout), which are
+    ``[batch, seq, heads, head_dim]`` moved by one transpose, and no transpose when the heads come first (``qkv``'s
+    ``NBSd`` output at batch 1). Where attention_bwd can differentiate the call (no ``prefix``, ``seq_q % 128 ==
+    0``), the output is ``[B * H, d, S]`` (``tp_out=True``), whose transpose to ``[batch, seq, heads, head_dim]`` is
+    the exact inverse of the one that gives ``output_projection_cte`` its ``[B, N, D, S]`` (XLA cancels the pair
+    when one feeds the other); and when such a call is differentiated, q and k take attention_bwd's own layouts
+    ``[B * H, d, S]`` (``tp_q=False``, ``tp_k=False``) instead, so that the backward adds no transposes.
     """
+    native = prefix is None and q.shape[1] % LSE_TILE == 0
+    call = functools.partial(
+        _kernel_call_in_layout,
+        causal=causal,
+        scale=scale,
+        sliding_window=sliding_window,
+        prefix=prefix,
+        prior_len=prior_len,
+        tp_out=native,
+    )
+    if not native:
+        return call(q, k, v, sinks, bounds, qk_rows=True)
+    return _rows_unless_differentiated(call, q, k, v, sinks, bounds)
+
+
+def _rows_unless_differentiated(call, *args):
+    """``call(*args, qk_rows=True)``; differentiated, ``call(*args, qk_rows=False)``'s derivative (same values)."""
+
+    @jax.custom_vjp
+    def attend(*args):
+        return call(*args, qk_rows=True)
+
+    def forward(*args):
+        return jax.vjp(functools.partial(call, qk_rows=False), *args)
+
+    attend.defvjp(forward, lambda pullback, cotangent: pullback(cotangent))
+    return attend(*args)
+
+
+def _kernel_call_in_layout(
+    q, k, v, sinks, bounds, *, causal, scale, sliding_window, prefix, prior_len, tp_out: bool, qk_rows: bool
+):
+    """The ``attention_cte`` call of :func:`_kernel_call`, with q and k as rows (``qk_rows``) or ``[B * H, d, S]``,
+    the output ``[B * H, d, S]`` (``tp_out``) or rows."""
     batch, seq_q, heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    native = prefix is None and seq_q % LSE_TILE == 0
-    q_rows = _heads_into_batch(q, seq_last=native)
+    q_rows = _heads_into_batch(q, seq_last=not qk_rows)
     kernel_scale = scale
     if sliding_window or prefix is not None:  # the kernel's contract: pre-scale q, pass scale=1.0
         q_rows, kernel_scale = (q_rows * scale).astype(q.dtype), 1.0
@@ -258,7 +292,7 @@ def _kernel_call(q, k, v, causal, scale, sliding_window, sinks, prefix=None, pri
         prior_used_len = jnp.asarray(prior_len, jnp.int32).reshape(1)
     out = attention_cte(
         q_rows,
-        _heads_into_batch(k, seq_last=native),
+        _heads_into_batch(k, seq_last=not qk_rows),
         _heads_into_batch(v),
         k_prior,
         v_prior,
@@ -267,13 +301,13 @@ def _kernel_call(q, k, v, causal, scale, sliding_window, sinks, prefix=None, pri
         scale=kernel_scale,
         causal_mask=causal,
         sliding_window=sliding_window,
-        tp_q=not native,
-        tp_k=not native,
-        tp_out=native,
+        tp_q=qk_rows,
+        tp_k=qk_rows,
+        tp_out=tp_out,
         bound_min=bounds[0],
         bound_max=bounds[1],
     )
-    if native:
+    if tp_out:
         out = jnp.transpose(out.reshape(batch, heads, head_dim, seq_q), (0, 3, 1, 2))
     else:
         out = jnp.transpose(out.reshape(batch, heads, seq_q, head_dim), (0, 2, 1, 3))

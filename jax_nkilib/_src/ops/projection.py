@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..framework.arguments import array_argument, is_array
-from ..framework.common_types import NormType, QuantizationType
+from ..framework.common_types import NormType, QKVOutputLayout, QuantizationType
 from ..framework.validation import check_operand_layouts, check_positive_finite, require_static, static_float
 from ..norm.fused_norm import norm_type_of
 from ..projection.output_projection_cte import output_projection_cte
 from ..projection.output_projection_tkg import output_projection_tkg
-from ..projection.qkv import qkv
+from ..projection.qkv import NBSD_HEAD_DIM, qkv
 from ..projection.qkv_reference import kv_bounds, quantize_kv, uses_tkg
 from ..quant.weights import QuantizedWeight, check_weight, fp8_data, input_scale_tile, scale_tile
 from ..sharding import auto
@@ -428,7 +428,9 @@ def qkv_projection(
     (``x'`` the normed input, ``max`` the data format's largest value); ``mode="row"`` (TKG path only, else
     ``ValueError``: the CTE kernel applies no row scales) computes ``(x' @ data) * scale[col]``. Differentiable in
     ``x``, ``w``, ``bias``, the norm parameters and the tables. On Neuron this is the NKI ``qkv`` kernel (its CTE
-    path for ``seq > 96``, ``batch * seq > 128`` or RoPE; else its TKG path). The kernel's fused cache write takes
+    path for ``seq > 96``, ``batch * seq > 128`` or RoPE, there with ``head_dim == 128`` in its heads-first ``NBSd``
+    layout, which :func:`jax_nkilib.attention` reads at batch 1 with no data-moving transpose; else its TKG
+    path). The kernel's fused cache write takes
     ``[batch, max_len, kv_heads * head_dim]`` caches, which are this layout only for one kv head (a
     tensor-parallel shard's usual count): then the CTE path writes the cache in the kernel; otherwise XLA writes
     the new tokens (a transpose of the new ``[batch, seq, kv_heads, head_dim]`` only, never of the cache). The
@@ -554,17 +556,24 @@ def qkv_projection(
 
 
 def _project_heads(operands, flags, dtype, batch, seq):
-    """The qkv kernel without caches: ``(q, k, v)``, each ``[batch, seq, heads, head_dim]`` in ``dtype``."""
+    """The qkv kernel without caches: ``(q, k, v)``, each ``[batch, seq, heads, head_dim]`` in ``dtype``.
+
+    With ``head_dim == 128`` on the kernel's CTE path the kernel writes its ``NBSd`` layout ``[heads, batch, seq,
+    head_dim]``: q, k and v are then contiguous ranges of heads, and at batch 1 ``attention``'s rows ``[heads, seq,
+    head_dim]`` are a transpose of only the unit batch axis away (no data moves between the two kernels).
+    Otherwise ``BSD`` ``[batch, seq, heads * head_dim]``, split along its last axis."""
     d, num_q_heads, num_kv_heads = flags["d_head"], flags["num_q_heads"], flags["num_kv_heads"]
-    q_dim, kv_dim = num_q_heads * d, num_kv_heads * d
+    heads_first = d == NBSD_HEAD_DIM and not uses_tkg(batch, seq, flags.get("fused_rope", False))
+    if heads_first:
+        flags = dict(flags, output_layout=QKVOutputLayout.NBSd)
+    widths = (num_q_heads * d, num_kv_heads * d, num_kv_heads * d)
     if batch * seq == 0:  # no tokens: nothing for a kernel to compute
-        out = jnp.zeros((batch, seq, q_dim + 2 * kv_dim), dtype)
-    else:
-        (out,) = qkv.call(operands, qkv.params(**flags))
-        out = out.astype(dtype)  # STATIC on the CTE path returns bfloat16
-    q, k, v = out[..., :q_dim], out[..., q_dim : q_dim + kv_dim], out[..., q_dim + kv_dim :]
-    return (
-        q.reshape(batch, seq, num_q_heads, d),
-        k.reshape(batch, seq, num_kv_heads, d),
-        v.reshape(batch, seq, num_kv_heads, d),
-    )
+        return tuple(jnp.zeros((batch, seq, width // d, d), dtype) for width in widths)
+    (out,) = qkv.call(operands, qkv.params(**flags))
+    out = out.astype(dtype)  # STATIC on the CTE path returns bfloat16
+    ends = np.cumsum(widths)
+    if heads_first:  # [heads, batch, seq, d]
+        return tuple(
+            jnp.transpose(out[(end - width) // d : end // d], (1, 2, 0, 3)) for end, width in zip(ends, widths)
+        )
+    return tuple(out[..., end - width : end].reshape(batch, seq, width // d, d) for end, width in zip(ends, widths))

@@ -54,6 +54,7 @@ _F32 = (jnp.float32,)
 _MX_WORDS = jnp.dtype(jnp.uint32)  # float8_e4m3fn_x4 words
 CTE_MAX_HIDDEN = 24576  # qkv_cte: H
 CTE_MAX_WIDTH = 4096  # qkv_cte: I, the fused q/k/v width
+NBSD_HEAD_DIM = 128  # qkv_cte: the one head_dim of output_layout=NBSd
 _OPERANDS = {
     operand.name: operand
     for operand in (
@@ -426,8 +427,8 @@ def _cte_limits(call: CallInfo) -> list[str]:
         unmet.append(f"H={dims['H']} exceeds {CTE_MAX_HIDDEN}")
     if dims["I"] > CTE_MAX_WIDTH:
         unmet.append(f"I={dims['I']} exceeds {CTE_MAX_WIDTH}")
-    if p["output_layout"] == QKVOutputLayout.NBSd and _heads(call)[2] != 128:
-        unmet.append(f"output_layout=NBSd needs d_head=128 on the CTE path; got {_heads(call)[2]}")
+    if p["output_layout"] == QKVOutputLayout.NBSd and _heads(call)[2] != NBSD_HEAD_DIM:
+        unmet.append(f"output_layout=NBSd needs d_head={NBSD_HEAD_DIM} on the CTE path; got {_heads(call)[2]}")
     if p["quantization_type"] == QuantizationType.ROW:
         unmet.append("qkv_cte applies no ROW weight scales (ROW is implemented by qkv_tkg only)")
     if p["quantization_type"] == QuantizationType.MX:
