@@ -74,9 +74,9 @@ def llama_decode_oracle(ops, *, ranks=1, num_layers=None, eps=1e-6):
             if ops.get("position_ids") is not None:
                 for b in range(batch):
                     start = int(np.asarray(ops["position_ids"][b, 0]).astype(np.uint32))
-                    if start + seq <= k_caches.shape[-1]:
-                        k_caches[layer, r * batch + b, :, start : start + seq] = k_new[b].T
-                        v_caches[layer, r * batch + b, start : start + seq] = v_new[b]
+                    fit = max(0, min(seq, k_caches.shape[-1] - start))  # a row starting past the end: none
+                    k_caches[layer, r * batch + b, :, start : start + fit] = k_new[b, :fit].T
+                    v_caches[layer, r * batch + b, start : start + fit] = v_new[b, :fit]
         x = x + attn_sum
         normed = rms_norm(x, f64(ops["W_gamma_mlps"][layer]), eps)
         gate, up, down = (f64(ops[name][layer]) for name in ("W_gates", "W_ups", "W_downs"))
@@ -97,7 +97,8 @@ def llama_decode_oracle(ops, *, ranks=1, num_layers=None, eps=1e-6):
 def decode_inputs(
     seed, layers=2, batch=3, seq=2, hidden=40, d=6, q=3, inter=20, s_max=9, s_ctx=7, ranks=1, dtype=jnp.float32
 ):
-    """Odd-sized operands: each row sees its own context length plus a causal active tail; row 1 is not written."""
+    """Odd-sized operands: each row sees its own context length plus a causal active tail; row 1 is not written,
+    row 2 (with several tokens) runs past the cache's end."""
     rng = np.random.default_rng(seed)
 
     def normal(shape, scale, as_dtype=dtype):
@@ -110,6 +111,8 @@ def decode_inputs(
     positions = np.minimum(lengths, s_max - seq).astype(np.uint32)[:, None]
     if batch > 1:
         positions[1, 0] = SKIP
+    if batch > 2 and seq > 1:
+        positions[2, 0] = s_max - seq + 1  # straddles the end: only the slots that fit are written
     angles = rng.uniform(-np.pi, np.pi, (d // 2, batch, seq))
     return dict(
         X=normal((batch, seq, hidden), 0.5),

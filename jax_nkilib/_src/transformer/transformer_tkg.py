@@ -15,8 +15,10 @@ The attention block runs with the flags the kernel fixes: ``K_cache_transposed=T
 no QK norms, no biases, ``softmax_scale=None`` (``1/sqrt(d)``), ``attention_mask=mask_cache``, ``update_cache =
 position_ids is not None``. Attention (``attention_tkg``'s semantics) sees the first ``S_ctx`` cache slots, whose
 last ``S`` are the active tokens; afterwards the new ``k`` (after RoPE) and ``v`` of row ``b`` are written at slots
-``position_ids[b, 0] + s`` of that layer's caches. A row whose positions do not fit (``position_ids[b, 0] > S_max -
-S``, e.g. the library's ``uint32`` max "skip" value, or a negative int32) is not written.
+``position_ids[b, 0] + s`` of that layer's caches, by ``attention_block_tkg``'s own write rule: a row starting
+outside ``[0, S_max)`` (the library's ``uint32`` max "skip" value, or a negative int32) is not written, and of a row
+that starts inside but runs past ``S_max`` only the slots that fit are (the device leaves that case undefined: the
+kernel bounds-checks block caches only).
 
 Layouts (JAX operands stacked on a leading layer axis ``L``; ``I = (q + 2) d`` with columns ``[Q heads | K | V]``):
 ``X [B, S, H]``; ``W_qkvs [L, H, I]``; ``W_outs [L, q d, H]``; ``W_gates, W_ups [L, H, F]``; ``W_downs [L, F, H]``;
@@ -71,7 +73,7 @@ from ..mlp.mlp import MLP_SPEC
 from ..mlp.mlp_reference import mlp_forward
 from ..quant.fp8 import FP8_WEIGHT_DTYPES
 from .attention_block_tkg import attention_block_tkg
-from .attention_block_tkg_math import reference_attention_block_tkg
+from .attention_block_tkg_math import reference_attention_block_tkg, update_caches
 
 POSITION_DTYPES = INT_DTYPES + (jnp.dtype(jnp.uint32),)
 MAX_TOKENS = 8  # attention_block_tkg: S_tkg <= 8 (catalog 1.20)
@@ -135,20 +137,6 @@ def _residual(x, update, replica_groups):
     return (x.astype(acc) + update.astype(acc)).astype(x.dtype)
 
 
-def write_tokens(k_cache, v_cache, k, v, position_ids):
-    """The caches with row ``b``'s ``S`` new tokens at slots ``position_ids[b, 0] + s`` (rows that do not fit:
-    unchanged). ``k_cache [B, d, S_max]``, ``v_cache [B, S_max, d]``, ``k, v [B, S, d]``."""
-    batch, seq, _ = k.shape
-    s_max = v_cache.shape[1]
-    start = position_ids[:, 0].astype(jnp.uint32)  # int32 -1 becomes uint32 max: the library's "skip"
-    fits = start <= jnp.uint32(s_max - seq)
-    slots = jnp.where(fits[:, None], start.astype(jnp.int32)[:, None] + jnp.arange(seq)[None], s_max)
-    rows = jnp.arange(batch)[:, None]
-    v_cache = v_cache.at[rows, slots].set(v.astype(v_cache.dtype), mode="drop")
-    k_cache = k_cache.at[rows, :, slots].set(k.astype(k_cache.dtype), mode="drop")
-    return k_cache, v_cache
-
-
 def reference_transformer_tkg(
     X,
     W_qkvs,
@@ -191,8 +179,10 @@ def reference_transformer_tkg(
         current = _residual(current, attn, replica_groups)
         mlp_out = _mlp_block(current, gamma_mlp, gate, up, down, layer_scales, eps, clamp_bound)
         current = _residual(current, mlp_out, replica_groups)
-        if position_ids is not None:
-            k_cache, v_cache = write_tokens(k_cache, v_cache, k, v, position_ids)
+        if position_ids is not None:  # attention_block_tkg's own write (update_cache, kv_cache_update_idx)
+            k_cache, v_cache = update_caches(
+                k_cache, v_cache, k, v, position_ids[:, 0], transposed=True, block=False
+            )
         return current, (k_cache, v_cache)
 
     weights = tuple(t[:layers] for t in stacked) + (tuple(None if t is None else t[:layers] for t in scales),)
