@@ -234,9 +234,10 @@ def test_llama_prefill_census_per_layer(batch):
     and mlp (RMSNorm fused); between them only q/k/v's three contiguous slices of qkv's NBSd output (attention_cte
     takes them as three tensors), the cache writes of the new keys and values (dynamic_update_slice), the two
     residual adds and free reshapes and transposes. At batch 1 no transpose moves data (before: 2 per layer, q and k
-    to attention_cte's [batch * heads, d, seq]; 6 slices, 3 of them the weight's, and the weight's concatenate). At batch 2 one does: q's [heads, batch, ...] to attention_cte's rows [batch * heads, ...], which no qkv
-    layout writes. The RoPE tables' widening to the kernel's [batch, seq, head_dim] (2 concatenate, 2 broadcast of
-    [seq, head_dim/2] tables) is position input, the same values in every layer."""
+    to attention_cte's [batch * heads, d, seq]; 6 slices, 3 of them the weight's, and the weight's concatenate). At
+    batch 2 one does: q's [heads, batch, ...] to attention_cte's rows [batch * heads, ...], which no qkv layout
+    writes. The RoPE tables' widening to the kernel's [batch, seq, head_dim] (2 concatenate, 2 broadcast of [seq,
+    head_dim/2] tables) is position input, the same values in every layer."""
 
     def step(llama, config):
         run = lambda p, t, c: llama.prefill(p, config, t, c)  # noqa: E731

@@ -393,7 +393,7 @@ def test_qkv_projection_float32_explain_and_neuron_lowering():
     "kwargs, error, fragment",
     [
         (dict(num_q_heads=3), ValueError, ("with 7 heads", "got (8, 32)")),
-        (dict(num_q_heads=0), ValueError, "`num_q_heads` must be a positive int; got 0"),
+        (dict(num_q_heads=0), ValueError, "`num_q_heads` must be an int in [1, 2147483647]; got 0"),
         (dict(norm="batch"), ValueError, "`norm` must be None, 'rms' or 'layer'"),
         (dict(norm_weight=jnp.ones(8)), ValueError, "norm_weight/norm_bias need norm='rms' or 'layer'"),
         (dict(norm="rms", norm_bias=jnp.ones(8)), ValueError, "norm_bias needs norm='layer'"),
@@ -430,8 +430,8 @@ def test_qkv_projection_float32_explain_and_neuron_lowering():
         ),
         (dict(kv_scale=(1.0, 1.0)), ValueError, "cache_positions and kv_scale need kv_cache"),
         # issue 11: static values and kernel-free messages
-        (dict(num_q_heads=True), ValueError, "`num_q_heads` must be a positive int; got True"),
-        (dict(num_kv_heads=2.0), ValueError, "`num_kv_heads` must be a positive int; got 2.0"),
+        (dict(num_q_heads=True), TypeError, "`num_q_heads` must be an int in [1, 2147483647]; got True"),
+        (dict(num_kv_heads=2.0), TypeError, "`num_kv_heads` must be an int in [1, 2147483647]; got 2.0"),
         (dict(norm="rms", eps=-1.0), ValueError, ("qkv_projection", "`eps`", ">= 0")),
         (dict(norm="layer", eps=float("nan")), ValueError, ("qkv_projection", "`eps`", "nan")),
         (

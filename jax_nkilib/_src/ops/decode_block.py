@@ -34,7 +34,7 @@ from ..transformer.attention_block_tkg import attention_block_tkg
 from .attention import decode_attention
 from .layouts import KV_CACHE_LAYOUT
 from .norm import rms_norm
-from .projection import output_projection, qkv_projection
+from .projection import head_counts, output_projection, qkv_projection
 from .rope import rope as apply_rope
 
 WHERE = "jax_nkilib.decode_block"
@@ -120,9 +120,7 @@ def _table_dims(rope):
 
 
 def _static_heads(num_q_heads, num_kv_heads) -> tuple[int, int]:
-    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise TypeError(f"{WHERE}: `{name}` must be a static positive int; got {value!r}")
+    num_q_heads, num_kv_heads = head_counts(WHERE, num_q_heads, num_kv_heads)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{WHERE}: num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     return num_q_heads, num_kv_heads

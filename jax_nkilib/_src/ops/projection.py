@@ -9,7 +9,7 @@ import numpy as np
 
 from ..framework.arguments import array_argument, is_array
 from ..framework.common_types import NormType, QKVOutputLayout, QuantizationType
-from ..framework.validation import check_operand_layouts, check_positive_finite, require_static, static_float
+from ..framework.validation import check_operand_layouts, check_positive_finite, static_float, static_int
 from ..norm.fused_norm import norm_type_of
 from ..projection.output_projection_cte import output_projection_cte
 from ..projection.output_projection_tkg import output_projection_tkg
@@ -230,14 +230,12 @@ QKV_PROJECTION_SHARDING = auto.register_rule(
 )
 
 
-def _head_counts(where: str, num_q_heads, num_kv_heads) -> tuple[int, int]:
-    counts = []
-    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
-        require_static(where, name, value, "a positive Python int")
-        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value <= 0:
-            raise ValueError(f"{where}: `{name}` must be a positive int; got {value!r}")
-        counts.append(int(value))
-    return counts[0], counts[1]
+def head_counts(where: str, num_q_heads, num_kv_heads) -> tuple[int, int]:
+    """``(num_q_heads, num_kv_heads)`` as static positive Python ints (``TypeError`` for a traced or non-int value,
+    ``ValueError`` for one below 1)."""
+    return static_int(where, "num_q_heads", num_q_heads, minimum=1), static_int(
+        where, "num_kv_heads", num_kv_heads, minimum=1
+    )
 
 
 def _split_weights(where: str, w, bias, hidden: int, num_q_heads: int, num_kv_heads: int):
@@ -441,7 +439,7 @@ def qkv_projection(
     check_operand_layouts(where, {"x": "batch, seq, hidden"}, positive=("hidden",), x=x)
     x = jnp.asarray(x)
     batch, seq, hidden = x.shape
-    num_q_heads, num_kv_heads = _head_counts(where, num_q_heads, num_kv_heads)
+    num_q_heads, num_kv_heads = head_counts(where, num_q_heads, num_kv_heads)
     eps = static_float(where, "eps", eps, minimum=0.0)
     compute = float32_compute(where, precision)
     split = isinstance(w, (tuple, list))

@@ -180,9 +180,7 @@ def reference_transformer_tkg(
         mlp_out = _mlp_block(current, gamma_mlp, gate, up, down, layer_scales, eps, clamp_bound)
         current = _residual(current, mlp_out, replica_groups)
         if position_ids is not None:  # attention_block_tkg's own write (update_cache, kv_cache_update_idx)
-            k_cache, v_cache = update_caches(
-                k_cache, v_cache, k, v, position_ids[:, 0], transposed=True, block=False
-            )
+            k_cache, v_cache = update_caches(k_cache, v_cache, k, v, position_ids[:, 0], transposed=True, block=False)
         return current, (k_cache, v_cache)
 
     weights = tuple(t[:layers] for t in stacked) + (tuple(None if t is None else t[:layers] for t in scales),)
