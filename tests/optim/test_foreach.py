@@ -62,7 +62,7 @@ def test_elementwise_matches_the_oracle(name, dtype):
 
 @pytest.mark.parametrize("name", sorted(NORMS))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("n", [1, 333, 4096 + 77])
+@pytest.mark.parametrize("n", [1, 4096 + 77])
 def test_norms_match_the_oracle(name, dtype, n):
     x = random((n,), dtype, seed=n)
     out = getattr(nki, name)(x, numel=n)
