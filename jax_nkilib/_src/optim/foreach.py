@@ -1,6 +1,7 @@
 """The foreach kernels (catalog rows 63 and 64, docs-only: NKI Library 2.32 API reference
 ``nki/library/api/foreach-elementwise.rst`` and ``foreach-norm.rst``; source
-``nkilib/experimental/foreach/foreach_elementwise.py`` and ``foreach_norm.py``, absent from the indexed library).
+``nkilib/experimental/foreach/foreach_elementwise.py`` and ``foreach_norm.py``, absent from the local mirror's 2.29
+and main; newer versions are in the public code index).
 
 Every kernel takes flat ``[N]`` tensors, scalars as ``[128, 1]`` tensors (see :mod:`.flat`) and the static
 ``numel = N``, with ``torch._foreach_*`` semantics (``s`` = the scalar tensor's value):
@@ -14,11 +15,15 @@ Every kernel takes flat ``[N]`` tensors, scalars as ``[128, 1]`` tensors (see :m
 * ``sqrt_kernel(data)``: ``sqrt(data)``;
 * ``l1/l2/linf_norm_kernel(data) -> [1, 1]``: ``sum |x|``, ``sqrt(sum x^2)``, ``max |x|``.
 
-Dtypes: the flat tensors share one float dtype; the output has it. The math runs in float32 (float64 for float64
-inputs) and rounds once (the docs do not say; this is the kernels' usual policy). The norm's ``[1, 1]`` output dtype
-is not documented either: it is taken to be the input's. The docs describe the norms as split across **2 cores**
-with a sendrecv reduction, so on Neuron they require LNC=2 (at LNC=1 the call lowers to this reference with a
-``NeuronFallbackWarning``). Reverse mode differentiates the reference (no backward kernels).
+Dtypes: the flat tensors share one float dtype; the output has it (the norm's ``[1, 1]`` too). The kernels
+(``@nki.jit``; their source, in the public code index, agrees with these formulas) load the scalar as float32,
+keep each intermediate in the operands' dtype (``alpha * data2`` is rounded before the add) and divide by
+multiplying with a reciprocal; this reference computes in float32 (float64 for float64 inputs) and rounds once, so
+the two differ only in rounding. The norms accumulate in float32. In the indexed version whose signatures match the
+2.32 reference (``nl.ndarray`` annotations) the norms always exchange their per-core partials with ``sendrecv``,
+which needs a second core: on Neuron they require LNC=2 (at LNC=1 the
+call lowers to this reference with a ``NeuronFallbackWarning``; a newer source skips the exchange at LNC=1).
+Reverse mode differentiates the reference (no backward kernels).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from .flat import NUMEL, SCALAR_LAYOUT, check_numel, scalar_value
 
 ELEMENTWISE_MODULE = "nkilib.experimental.foreach.foreach_elementwise"
 NORM_MODULE = "nkilib.experimental.foreach.foreach_norm"
-NORM_LNC = 2  # the docs: "SPMD parallelization across 2 cores ... sendrecv-based cross-core reduction"
+NORM_LNC = 2  # 2.32: "SPMD parallelization across 2 cores ... sendrecv-based cross-core reduction"
 
 
 def _elementwise_reference(tensors: tuple[str, ...], scalar: str | None, math: Callable) -> Callable:

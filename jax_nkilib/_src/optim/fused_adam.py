@@ -1,6 +1,7 @@
 """``adam_kernel`` / ``adamw_kernel`` (catalog row 82, docs-only: NKI Library 2.32 API reference
-``nki/library/api/fused-adam.rst``; source ``nkilib/experimental/optimizer/fused_adam.py``, absent from the indexed
-library): one fused ``torch.optim.Adam`` / ``AdamW`` step over a flat parameter, updating it and its state in place.
+``nki/library/api/fused-adam.rst``; source ``nkilib/experimental/optimizer/fused_adam.py``, absent from the local
+mirror's 2.29 and main, read in a newer version in the public code index): one fused ``torch.optim.Adam`` /
+``AdamW`` step over a flat parameter and its state.
 
 Operands (flat ``[N]``, one float dtype): ``param_ptr``, ``grad_ptr``, ``exp_avg_ptr`` (m), ``exp_avg_sq_ptr`` (v),
 ``max_exp_avg_sq_ptr`` (v_max; read and written only with ``amsgrad``, any ``[M]`` placeholder otherwise: the kernel
