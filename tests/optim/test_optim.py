@@ -163,3 +163,25 @@ def test_without_optax_a_structural_match(monkeypatch):
     params = {"w": jnp.ones((3,))}
     updates, _ = transform.update(params, transform.init(params), params)
     assert updates["w"].shape == (3,)
+
+
+def test_amsgrad_is_torchs():
+    """amsgrad keeps the running max of the raw v and bias-corrects it afterwards (torch.optim.Adam(amsgrad=True)),
+    against a float64 NumPy oracle over 4 steps whose gradients shrink (so the max matters)."""
+    n, lr, b1, b2, eps = 300, 1e-2, 0.9, 0.999, 1e-8
+    p = random((n,), seed=9)
+    transform = optim.adam(lr, amsgrad=True)
+    update = jax.jit(transform.update)
+    state, ref = transform.init(p), [np.asarray(p, np.float64), np.zeros(n), np.zeros(n), np.zeros(n)]
+    for t in range(1, 5):
+        g = random((n,), seed=20 + t) * (0.1 ** (t - 1))
+        updates, state = update(g, state, p)
+        p = optax.apply_updates(p, updates)
+        pr, m, v, v_max = ref
+        gr = np.asarray(g, np.float64)
+        m, v = b1 * m + (1 - b1) * gr, b2 * v + (1 - b2) * gr * gr
+        v_max = np.maximum(v_max, v)
+        pr = pr - lr / (1 - b1**t) * m / (np.sqrt(v_max) / np.sqrt(1 - b2**t) + eps)
+        ref = [pr, m, v, v_max]
+    assert relative_error(p, ref[0]) <= tolerance(jnp.float32, ops=16)
+    assert relative_error(state.nu_max, ref[3]) <= tolerance(jnp.float32, ops=16)
