@@ -5,7 +5,7 @@ remat policies that save kernel results are in ``jax_nkilib.checkpoint_policies`
 On CPU/GPU each op runs a faithful JAX reference of its kernel; lowered for ``neuron`` it becomes the NKI kernel.
 """
 
-from jax_nkilib import checkpoint_policies, neuron, nki
+from jax_nkilib import checkpoint_policies, neuron, nki, optim
 from jax_nkilib._src.framework.config import config, current_lnc
 from jax_nkilib._src.ops.attention import attention, decode_attention
 from jax_nkilib._src.ops.decode_block import decode_block
@@ -54,6 +54,7 @@ __all__ = [
     "neuron",
     "neuron_hlo",
     "nki",
+    "optim",
     "output_projection",
     "qkv_projection",
     "quantize_fp8",

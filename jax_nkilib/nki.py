@@ -82,6 +82,24 @@ from jax_nkilib._src.norm.rmsnorm_mx_prefill import rmsnorm_mx_prefill
 from jax_nkilib._src.norm.rmsnorm_mx_quantize_tkg import rmsnorm_mx_quantize_tkg
 from jax_nkilib._src.norm.rmsnorm_quant import rmsnorm_quant_kernel
 from jax_nkilib._src.norm.rmsnorm_tkg import rmsnorm_tkg
+from jax_nkilib._src.optim.foreach import (
+    add_scalar_kernel,
+    add_tensor_kernel,
+    addcdiv_kernel,
+    addcmul_kernel,
+    div_scalar_kernel,
+    div_tensor_kernel,
+    l1_norm_kernel,
+    l2_norm_kernel,
+    lerp_kernel,
+    linf_norm_kernel,
+    mul_scalar_kernel,
+    mul_tensor_kernel,
+    sqrt_kernel,
+    sub_scalar_kernel,
+    sub_tensor_kernel,
+)
+from jax_nkilib._src.optim.fused_adam import adam_kernel, adamw_kernel
 from jax_nkilib._src.projection.output_projection_cte import output_projection_cte
 from jax_nkilib._src.projection.output_projection_tkg import output_projection_tkg
 from jax_nkilib._src.projection.qkv import qkv
@@ -93,6 +111,23 @@ from jax_nkilib._src.transformer.attention_block_tkg import attention_block_tkg
 from jax_nkilib._src.transformer.transformer_tkg import transformer_tkg
 
 __all__ = [
+    "adam_kernel",
+    "adamw_kernel",
+    "add_scalar_kernel",
+    "sub_scalar_kernel",
+    "mul_scalar_kernel",
+    "div_scalar_kernel",
+    "add_tensor_kernel",
+    "sub_tensor_kernel",
+    "mul_tensor_kernel",
+    "div_tensor_kernel",
+    "addcdiv_kernel",
+    "addcmul_kernel",
+    "lerp_kernel",
+    "sqrt_kernel",
+    "l1_norm_kernel",
+    "l2_norm_kernel",
+    "linf_norm_kernel",
     "ActFnType",
     "AffinityOption",
     "all_gather_hbm_kernel",

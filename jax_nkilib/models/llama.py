@@ -299,7 +299,8 @@ def loss(params, config: LlamaConfig, tokens, targets):
 @functools.partial(jax.jit, static_argnames=("config", "optimizer"))
 def train_step(params, opt_state, tokens, targets, *, config: LlamaConfig, optimizer):
     """One optax step: ``(params, opt_state, loss)`` after the gradient of :func:`loss` through ``optimizer`` (an
-    ``optax.GradientTransformation``, static: reuse one object to reuse the compilation)."""
+    ``optax.GradientTransformation``, static: reuse one object to reuse the compilation). With
+    ``jax_nkilib.optim.adamw`` the update runs the NKI Library's fused AdamW kernel on each parameter."""
     import optax  # optional dependency: pip install 'jax-nkilib[models]'
 
     value, grads = jax.value_and_grad(loss)(params, config, tokens, targets)

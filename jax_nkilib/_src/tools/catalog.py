@@ -101,11 +101,12 @@ CATALOG = _entries(
         (
             63,
             "add_scalar_kernel sub_scalar_kernel mul_scalar_kernel div_scalar_kernel add_tensor_kernel "
-            "sub_tensor_kernel mul_tensor_kernel div_tensor_kernel addcdiv addcmul lerp sqrt",
+            "sub_tensor_kernel mul_tensor_kernel div_tensor_kernel addcdiv_kernel addcmul_kernel lerp_kernel "
+            "sqrt_kernel",
             "foreach",
-            None,
+            16,
         ),
-        (64, "l1_norm_kernel l2_norm_kernel linf_norm_kernel", "foreach", None),
+        (64, "l1_norm_kernel l2_norm_kernel linf_norm_kernel", "foreach", 16),
         (65, "matmul_mxfp8", "quant", 4),
         (66, "matmul_mxfp8_backward", "quant", 4),
         (67, "mlp_forward_mxfp8_nki", "mlp", 4),
@@ -130,7 +131,7 @@ CATALOG = _entries(
         (79, "gather", "indexing", None),
         (80, "scatter_add", "indexing", None),
         (81, "gpsimd_topk", "topk", 14),
-        (82, "adam_kernel adamw_kernel", "optimizer", None),
+        (82, "adam_kernel adamw_kernel", "optimizer", 16),
         (83, "pad", "elementwise", None),
         (84, "quantize_block_mxfp8_kernel", "quant", 4),
         (85, "get_rng_state_gpsimd set_rng_state_gpsimd generate_random", "rng", None),
