@@ -9,6 +9,7 @@ import numpy as np
 
 from ..framework.arguments import array_argument
 from ..framework.config import current_lnc
+from ..framework.runtime_checks import check_all
 from ..framework.validation import check_operand_layouts
 from ..indexing.gather_scatter import gather
 from ..sharding import auto
@@ -82,6 +83,7 @@ def embedding_lookup(table, ids):
         return sharded.run(lambda table, ids, axes: embedding_lookup(table, ids), lead + "d")
     if ids.size == 0:
         return jnp.zeros((*ids.shape, dim), table.dtype)
+    check_all((ids >= 0) & (ids < vocab), f"{WHERE}: ids[{{index}}] = {{}} is outside [0, vocab={vocab})", ids)
     index = _row_indices(ids, vocab)
     count = index.shape[0]
     padding = -count % current_lnc()  # the kernel splits the rows over the logical cores
