@@ -106,7 +106,7 @@ def test_neuron_lowering_is_one_kernel_call_scatter_add_aliasing_its_input(lnc):
         gathered = neuron_text(gather, table, index)
     (cfg,) = kernel_configs(text)
     assert cfg["func_name"] == "scatter_add" and cfg["grid"] == lnc and cfg["aliases"] == [[0, 0]]
-    assert cfg["entry_point"] == "nkilib.experimental.misc.scatter_add:scatter_add"
+    assert cfg["entry_point"] == "jax_nkilib_kernels.misc:scatter_add"
     assert cfg["params"] == {"dim": 0, "unique_indices": False} and "output_operand_aliases" in text
     (cfg,) = kernel_configs(gathered)
     assert cfg["func_name"] == "gather" and cfg["params"] == {"dim": 0} and cfg["aliases"] == []

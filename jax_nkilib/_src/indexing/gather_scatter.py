@@ -4,7 +4,9 @@ table, each the other's reverse mode.
 Sources: the NKI Library API reference 2.32 (aws-neuron-sdk ``nki/library/api/gather.rst`` and
 ``scatter-add.rst``, ``nkilib.experimental.misc``) and, for ``scatter_add``, the newer nki-library source
 ``src/nkilib_src/nkilib/experimental/misc/scatter_add.py`` and its torch reference ``scatter_add_torch.py`` (commit
-``a8b0f4c``), which add the ``unique_indices`` flag. Both are HBM-in/HBM-out ``@nki.jit`` kernels, bound directly.
+``a8b0f4c``), which add the ``unique_indices`` flag. Both are HBM-in/HBM-out ``@nki.jit`` kernels: ``gather`` is bound
+directly, ``scatter_add`` through the adapter ``jax_nkilib_kernels/misc.py``, which passes ``unique_indices`` only
+when it is False so that the default call works with the 2.32 library too.
 
 * ``gather(input [N, D], dim=0, index [K]) -> output [K, D]``: ``output[i, :] = input[index[i], :]`` (torch
   ``input[index]``), by indirect DMA; at LNC > 1 each core gathers ``K / LNC`` rows, so ``K % LNC == 0``.
@@ -15,7 +17,8 @@ Sources: the NKI Library API reference 2.32 (aws-neuron-sdk ``nki/library/api/ga
   the indices of each 128-row tile must be distinct: on the device a repeated index inside one tile keeps one of the
   contributions (the others are silently dropped). ``unique_indices=False`` processes one index per step, so
   repeats accumulate (embedding gradients). At LNC > 1 the cores split ``D``, so ``D % LNC == 0``. The 2.32 API
-  reference has no ``unique_indices``: a library that old rejects the flag (the lowering names it).
+  reference has no ``unique_indices``: with a library that old, ``unique_indices=False`` fails to compile with an
+  error saying so (never a silently different sum).
 
 ``dim`` must be 0 (the kernels' only mode). Tables are float32, bfloat16 or float16 (float64 off Neuron); indices
 int32. The JAX references add in the table's dtype (``src`` is cast to it), as the kernel's SBUF add stores its sum.
@@ -159,7 +162,7 @@ GATHER_SPEC = KernelSpec(
 
 SCATTER_ADD_SPEC = KernelSpec(
     name="scatter_add",
-    entry_point=f"{GATHER_MODULE}.scatter_add:scatter_add",
+    entry_point="jax_nkilib_kernels.misc:scatter_add",
     operands=(
         Operand.of("input", "N, D", doc=_TABLE_NOTE + ", updated in place"),
         Operand.of("index", "K", dtypes=INT_DTYPES, doc="destination rows, in [0, N)"),
@@ -185,8 +188,9 @@ SCATTER_ADD_SPEC = KernelSpec(
     catalog="3 (row 80)",
     support={
         "vjp": "d input = d output; d src = the gather kernel of d output",
-        "notes": "docs-only kernel (2.32; unique_indices from the newer source); output aliases input; D % LNC == 0 "
-        "on Neuron; unique_indices=True needs distinct indices within each 128-row tile on the device",
+        "notes": "docs-only kernel (2.32; unique_indices from the newer source, which False needs); output aliases "
+        "input; D % LNC == 0 on Neuron; unique_indices=True needs distinct indices within each 128-row tile on the "
+        "device; device adapter jax_nkilib_kernels/misc.py",
     },
 )
 
