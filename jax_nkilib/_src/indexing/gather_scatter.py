@@ -21,7 +21,7 @@ when it is False so that the default call works with the 2.32 library too.
   error saying so (never a silently different sum).
 
 ``dim`` must be 0 (the kernels' only mode). Tables are float32, bfloat16 or float16 (float64 off Neuron); indices
-int32. The JAX references add in the table's dtype (``src`` is cast to it), as the kernel's SBUF add stores its sum.
+int32; ``src`` has the table's dtype. The references add in that dtype, as the kernel's SBUF add stores its sum.
 Off Neuron every duplicate accumulates whatever ``unique_indices`` says: that is the contract the kernel meets when
 its precondition holds, and ``jax_nkilib.config(runtime_checks=True)`` reports a violated precondition.
 
