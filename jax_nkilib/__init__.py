@@ -10,6 +10,7 @@ from jax_nkilib._src.framework.config import config, current_lnc
 from jax_nkilib._src.ops.attention import attention, decode_attention
 from jax_nkilib._src.ops.decode_block import decode_block
 from jax_nkilib._src.ops.dot_product_attention import dot_product_attention
+from jax_nkilib._src.ops.embedding import embedding_lookup
 from jax_nkilib._src.ops.flax_attention import flax_attention_fn
 from jax_nkilib._src.ops.mlp import mlp
 from jax_nkilib._src.ops.moe import moe, moe_block
@@ -39,6 +40,7 @@ __all__ = [
     "dequantize_fp8",
     "dequantize_mx",
     "dot_product_attention",
+    "embedding_lookup",
     "explain",
     "Explanation",
     "flax_attention_fn",

@@ -38,6 +38,7 @@ from jax_nkilib._src.framework.common_types import (
     QuantizationType,
     RouterActFnType,
 )
+from jax_nkilib._src.indexing.gather_scatter import gather, scatter_add
 from jax_nkilib._src.mlp.mlp import mlp
 from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
@@ -158,6 +159,7 @@ __all__ = [
     "ExpertAffinityScaleMode",
     "fine_grained_allgather",
     "find_nonzero_indices",
+    "gather",
     "gen_mask_tkg",
     "gen_mask_tkg_hbm",
     "KernelTypeOption",
@@ -206,6 +208,7 @@ __all__ = [
     "router_topk",
     "RouterActFnType",
     "row_quantization",
+    "scatter_add",
     "ShardOnBlockConfig",
     "ShardOnIConfig",
     "ShardOption",

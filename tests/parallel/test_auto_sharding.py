@@ -165,6 +165,12 @@ def _cases():
             (P("data"), P(), P(), P(), P()),
             {},
         ),
+        "jax_nkilib.embedding_lookup": (  # ids over `data`, the table's embedding axis over `model`: local gathers
+            jax_nkilib.embedding_lookup,
+            (random((50, H), seed=25), jnp.arange(B * S, dtype=jnp.int32).reshape(B, S) * 7 % 50),
+            (P(None, "model"), P("data")),
+            {},
+        ),
         "jax_nkilib.mlp": (
             lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d, norm="rms"),
             (x3, w_gate, w_up, w_down),

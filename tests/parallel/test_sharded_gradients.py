@@ -200,6 +200,14 @@ def _cases() -> dict[str, Case]:
             ("x",),
             (data,),
         ),
+        "embedding_lookup": Case(  # the table's gradient: scatter-add per shard, summed over the ids' axes
+            "jax_nkilib.embedding_lookup",
+            jax_nkilib.embedding_lookup,
+            {"table": random((40, H), seed=26), "ids": jnp.arange(B * S, dtype=jnp.int32).reshape(B, S) % 37},
+            {"table": "vd", "ids": "01"},
+            ("table",),
+            (data, {"0": "data", "d": "model"}),
+        ),
         "mxfp8_matmul": Case(
             "jax_nkilib.mxfp8_matmul",
             lambda x, w: jax_nkilib.mxfp8_matmul(x, w),

@@ -128,13 +128,24 @@ CATALOG = _entries(
         (76, "build_all_to_all_v_metadata", "moe", 14),
         (77, "argsort_unstable", "sort", 14),
         (78, "permute_routed_tokens", "moe", 14),
-        (79, "gather", "indexing", None),
-        (80, "scatter_add", "indexing", None),
+        (79, "gather", "indexing", 16),
+        (80, "scatter_add", "indexing", 16),
         (81, "gpsimd_topk", "topk", 14),
         (82, "adam_kernel adamw_kernel", "optimizer", 16),
         (83, "pad", "elementwise", None),
         (84, "quantize_block_mxfp8_kernel", "quant", 4),
-        (85, "get_rng_state_gpsimd set_rng_state_gpsimd generate_random", "rng", None),
+        (
+            85,
+            "get_rng_state_gpsimd set_rng_state_gpsimd generate_random",
+            "rng",
+            16,
+            "not bound: the kernels read and advance the GPSIMD engine's hidden RNG state, which needs an ordered "
+            "effect, and the framework's primitives have none (no effectful abstract evaluation, no token threading "
+            "in the reference or Neuron lowerings, no refusal under vmap); the Neuron custom call cannot take JAX's "
+            "ordering token, so ordering get/set/generate on the device would rest on an optimization-barrier chain "
+            "that neuronx-cc is not known to honour, and an off-Neuron reference needs state outside the program "
+            "(a host callback, per device under shard_map)",
+        ),
         (86, "static_quantization row_quantization pre_combine_dequant_scales", "quant", 4),
         (87, "rmsnorm_mx_prefill", "norm", 4),
     ]

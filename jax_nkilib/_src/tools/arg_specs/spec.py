@@ -238,6 +238,7 @@ _FAMILIES = (
     "transformer_tkg",
     "decode_block",
     "optim",
+    "indexing",
 )
 _loaded = False
 
