@@ -237,6 +237,7 @@ _FAMILIES = (
     "moe",
     "transformer_tkg",
     "decode_block",
+    "loss",
 )
 _loaded = False
 
