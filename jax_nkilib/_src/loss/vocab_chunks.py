@@ -7,6 +7,8 @@ itself (in its output dtype). ``V`` need not be a multiple of ``chunk``: the las
 pads a short last chunk with ``-inf``; both count every column once).
 
 Work dtype: ``float32``, or ``float64`` for ``float64`` logits (:func:`~..framework.spec.accumulation_dtype`).
+16-bit logits and gradients travel through the loops as their bits (``uint16``): XLA:CPU otherwise widens a
+loop-carried bfloat16 array to float32 as a whole, which is the very copy the chunking avoids.
 """
 
 from __future__ import annotations
@@ -25,12 +27,22 @@ def chunking(vocab: int, chunk_size: int) -> tuple[int, int]:
     return chunk, -(-vocab // chunk)
 
 
-def _chunk(logits, index, chunk: int, wide):
-    """``(columns [chunk] int32, tile [N, chunk] in wide, fresh [chunk] bool)`` of chunk ``index``: ``fresh`` is
-    false for the columns the clamped last chunk shares with the previous one."""
-    vocab = logits.shape[1]
+def _as_bits(x):
+    """16-bit floats as their ``uint16`` bits (other dtypes unchanged)."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if np.dtype(x.dtype).itemsize == 2 else x
+
+
+def _from_bits(x, dtype):
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != np.dtype(dtype) else x
+
+
+def _chunk(bits, dtype, index, chunk: int, wide):
+    """``(columns [chunk] int32, tile [N, chunk] in wide, fresh [chunk] bool)`` of chunk ``index`` of the logits
+    (``bits``: see :func:`_as_bits`, of ``dtype``): ``fresh`` is false for the columns the clamped last chunk shares
+    with the previous one."""
+    vocab = bits.shape[1]
     start = jnp.minimum(index * chunk, vocab - chunk)
-    tile = jax.lax.dynamic_slice_in_dim(logits, start, chunk, axis=1).astype(wide)
+    tile = _from_bits(jax.lax.dynamic_slice_in_dim(bits, start, chunk, axis=1), dtype).astype(wide)
     columns = start + jnp.arange(chunk, dtype=jnp.int32)
     return columns, tile, columns >= index * chunk
 
@@ -42,9 +54,11 @@ def online_logsumexp(logits, chunk_size: int):
     rows, vocab = logits.shape
     chunk, count = chunking(vocab, chunk_size)
 
+    bits = _as_bits(logits)
+
     def step(index, state):
         m, d = state
-        _, tile, fresh = _chunk(logits, index, chunk, wide)
+        _, tile, fresh = _chunk(bits, logits.dtype, index, chunk, wide)
         tile = jnp.where(fresh[None, :], tile, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(tile, axis=1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0)  # rows of -inf so far stay at d = 0, not NaN
@@ -73,12 +87,14 @@ def chunked_softmax_gradient(logits, targets, lse, scale, chunk_size: int, out_d
     scale = jnp.asarray(scale, wide)
     scale = scale[:, None] if scale.ndim else scale
 
+    bits = _as_bits(logits)
+
     def step(index, grad):
-        columns, tile, _ = _chunk(logits, index, chunk, wide)
+        columns, tile, _ = _chunk(bits, logits.dtype, index, chunk, wide)
         onehot = (columns[None, :] == targets).astype(wide)
-        tile_grad = (scale * (jnp.exp(tile - lse) - onehot)).astype(out_dtype)
+        tile_grad = _as_bits((scale * (jnp.exp(tile - lse) - onehot)).astype(out_dtype))
         start = jnp.minimum(index * chunk, vocab - chunk)  # the overlap is rewritten with the same values
         return jax.lax.dynamic_update_slice_in_dim(grad, tile_grad, start, axis=1)
 
-    init = varying_like(jnp.zeros((rows, vocab), np.dtype(out_dtype)), logits, targets, lse, scale)
-    return jax.lax.fori_loop(0, count, step, init)
+    init = varying_like(_as_bits(jnp.zeros((rows, vocab), np.dtype(out_dtype))), logits, targets, lse, scale)
+    return _from_bits(jax.lax.fori_loop(0, count, step, init), out_dtype)
