@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from jax_nkilib._src.ops.loss import KERNEL_CHUNK
@@ -174,3 +176,12 @@ def test_traced_static_arguments_are_refused():
         jax.jit(lambda x, y, z: jax_nkilib.cross_entropy(x, y, z_loss=z))(logits, labels, 0.1)
     with pytest.raises(TypeError, match="logits"):
         jax_nkilib.cross_entropy([[1.0, 2.0]], jnp.zeros((1,), jnp.int32))
+
+
+def test_a_sharded_vocabulary_is_refused_by_name():
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    logits, labels = batch(jnp.float32, vocab=64)
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(logits, NamedSharding(mesh, P(None, None, "data")))
+        with pytest.raises(ValueError, match="logits.*vocabulary.*'data'"):
+            jax_nkilib.cross_entropy(placed, labels)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -197,6 +198,14 @@ def _cases() -> dict[str, Case]:
             lambda x: jax_nkilib.topk(x, 3)[0],
             {"x": moe_logits},
             {"x": "01_"},
+            ("x",),
+            (data,),
+        ),
+        "cross_entropy": Case(  # ignore_index: the mean's count is all-reduced too
+            "jax_nkilib.cross_entropy",
+            lambda x, y: jax_nkilib.cross_entropy(x, y, ignore_index=0, z_loss=1e-3),
+            {"x": x3, "y": jnp.asarray(np.random.default_rng(26).integers(0, 4, (B, S)), jnp.int32)},
+            {"x": "01_", "y": "01"},
             ("x",),
             (data,),
         ),

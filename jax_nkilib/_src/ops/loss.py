@@ -19,8 +19,8 @@ Off Neuron the kernels' JAX references run: chunked over the vocabulary (``lax.f
 float32 softmax of the whole logits; the gradient is ``[..., V]`` in the logits' dtype.
 
 Sharding: the leading (token) axes may be split (explicit mesh axes): each device computes its rows; ``"mean"`` and
-``"sum"`` add one all-reduce (psum) of the partial sum (and one of the count of rows not ignored for the mean). The
-vocabulary axis must be replicated.
+``"sum"`` add one all-reduce (psum) of the partial sum (and, for the mean with ``ignore_index``, one of the count of
+rows not ignored). The vocabulary axis must be replicated.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ CROSS_ENTROPY_SHARDING = auto.register_rule(
         collective={
             letter: (
                 "leading (token) axes",
-                "local row losses; mean/sum: one all-reduce (psum) of the partial sum (and of the row count)",
+                "local row losses; mean/sum: one psum of the partial sum (and of the count, with ignore_index)",
             )
             for letter in auto.LEADING
         },
@@ -107,11 +107,12 @@ def _local_losses(logits, labels, ignore_index, z_loss):
         counted = targets != ignore_index
         targets = jnp.where(counted, targets, 0)
     rows = _row_losses(flat, targets, counted, z_loss)
-    count = jnp.asarray(rows.shape[0], rows.dtype) if counted is None else jnp.sum(counted, dtype=rows.dtype)
-    return rows, count
+    return rows, (rows.shape[0] if counted is None else jnp.sum(counted, dtype=rows.dtype))
 
 
-def _reduce(rows, count, reduction, leading_shape, psum_axes=()):
+def _reduce(rows, count, reduction, leading_shape, psum_axes=(), shards=1):
+    """``rows`` reduced; inside a plan, over the ``shards`` devices of ``psum_axes`` (``count``: the local count of
+    rows not ignored, a Python int when every row counts)."""
     if reduction == "none":
         return rows.reshape(leading_shape)
     total = jnp.sum(rows)
@@ -119,6 +120,8 @@ def _reduce(rows, count, reduction, leading_shape, psum_axes=()):
         total = jax.lax.psum(total, psum_axes)
     if reduction == "sum":
         return total
+    if isinstance(count, int):
+        return total / max(count * shards, 1)
     if psum_axes:
         count = jax.lax.psum(count, psum_axes)
     return total / jnp.maximum(count, 1)
@@ -169,8 +172,9 @@ def cross_entropy(logits, labels, *, reduction: str = "mean", ignore_index: int 
 
         def local(logits, labels, axes):
             names = tuple(name for letter in lead for name in axes.get(letter, ()))
+            shards = math.prod(sharded.axis_size(letter) for letter in lead)
             rows, count = _local_losses(logits, labels, ignore_index, z_loss)
-            return _reduce(rows, count, reduction, labels.shape, names)
+            return _reduce(rows, count, reduction, labels.shape, names, shards)
 
         return sharded.run(local, lead if reduction == "none" else None)
     if math.prod(labels.shape) == 0:
