@@ -75,9 +75,8 @@ def main(tokens: int = 4096, vocab: int = 131072, dtype: str = "bfloat16", repea
         f"  memory    jax_nkilib / optax: {result['memory_ratio']:.2f}  (compiled temp + output: "
         f"{mem['jax_nkilib'] / 2**30:.2f} GiB vs {mem['optax'] / 2**30:.2f} GiB)"
     )
-    print(
-        f"  |loss difference| {result['loss_difference']:.2e}, max |grad difference| {result['grad_max_difference']:.2e}"
-    )
+    loss_diff, grad_diff = result["loss_difference"], result["grad_max_difference"]
+    print(f"  |loss difference| {loss_diff:.2e}, max |grad difference| {grad_diff:.2e}")
     return result
 
 

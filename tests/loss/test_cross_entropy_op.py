@@ -7,7 +7,6 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -18,6 +17,7 @@ from tests.loss.oracle import losses, softmax_minus_onehot
 from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.numerics import assert_close, f64
+from tests.support.sharding import use_mesh
 
 B, S = 3, 5
 V = KERNEL_CHUNK + 3619  # two chunks, the second partial
@@ -89,6 +89,7 @@ def test_value_and_gradient_match_float64_oracle(dtype, flags):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_matches_optax(dtype, reduction):
+    optax = pytest.importorskip("optax")
     logits, labels = batch(dtype, vocab=1000, seed=3)
     reduce = {"mean": jnp.mean, "sum": jnp.sum, "none": lambda rows: rows}[reduction]
     # optax on float32 copies (its bfloat16 path computes the log-softmax in bfloat16)
@@ -181,7 +182,7 @@ def test_traced_static_arguments_are_refused():
 def test_a_sharded_vocabulary_is_refused_by_name():
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
     logits, labels = batch(jnp.float32, vocab=64)
-    with jax.set_mesh(mesh):
+    with use_mesh(mesh):
         placed = jax.device_put(logits, NamedSharding(mesh, P(None, None, "data")))
         with pytest.raises(ValueError, match="logits.*vocabulary.*'data'"):
             jax_nkilib.cross_entropy(placed, labels)
