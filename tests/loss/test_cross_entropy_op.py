@@ -3,6 +3,7 @@ float32 logits, a vocabulary that is not a multiple of the kernels' chunk; gradi
 Neuron lowering of value_and_grad (the two kernels and the stated glue); the reference's memory; bad inputs."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -186,3 +187,18 @@ def test_a_sharded_vocabulary_is_refused_by_name():
         placed = jax.device_put(logits, NamedSharding(mesh, P(None, None, "data")))
         with pytest.raises(ValueError, match="logits.*vocabulary.*'data'"):
             jax_nkilib.cross_entropy(placed, labels)
+
+
+def test_llama_training_loss_runs_the_two_loss_kernels_on_neuron():
+    from jax_nkilib.models import llama
+
+    config = llama.LlamaConfig(
+        vocab=128, hidden=64, layers=1, heads=4, kv_heads=1, intermediate=128, max_len=16, rope_theta=10000.0
+    )
+    params = jax.eval_shape(lambda: llama.init_params(config, jax.random.key(0)))
+    tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    with jax_nkilib.neuron.dry_run(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", jax_nkilib.neuron.NeuronFallbackWarning)  # the tiny model's other kernels
+        text = neuron_text(jax.grad(lambda p, x, y: llama.loss(p, config, x, y)), params, tokens, tokens)
+    names = [cfg["func_name"] for cfg in kernel_configs(text)]
+    assert names.count("cross_entropy_forward") == names.count("cross_entropy_backward") == 1, names
