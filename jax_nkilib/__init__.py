@@ -12,6 +12,7 @@ from jax_nkilib._src.ops.decode_block import decode_block
 from jax_nkilib._src.ops.dot_product_attention import dot_product_attention
 from jax_nkilib._src.ops.embedding import embedding_lookup
 from jax_nkilib._src.ops.flax_attention import flax_attention_fn
+from jax_nkilib._src.ops.loss import cross_entropy
 from jax_nkilib._src.ops.mlp import mlp
 from jax_nkilib._src.ops.moe import moe, moe_block
 from jax_nkilib._src.ops.norm import dequantize_fp8, layer_norm, quantize_fp8, rms_norm
@@ -34,6 +35,7 @@ __all__ = [
     "attention",
     "checkpoint_policies",
     "config",
+    "cross_entropy",
     "current_lnc",
     "decode_attention",
     "decode_block",

@@ -39,6 +39,7 @@ from jax_nkilib._src.framework.common_types import (
     RouterActFnType,
 )
 from jax_nkilib._src.indexing.gather_scatter import gather, scatter_add
+from jax_nkilib._src.loss.cross_entropy import cross_entropy_backward, cross_entropy_forward
 from jax_nkilib._src.mlp.mlp import mlp
 from jax_nkilib._src.mlp.mlp_backward_mxfp8 import mlp_backward_mxfp8_nki
 from jax_nkilib._src.mlp.mlp_forward_mxfp8 import mlp_forward_mxfp8_nki
@@ -154,6 +155,8 @@ __all__ = [
     "build_all_to_all_v_metadata",
     "AttnQBatchShardLayout",
     "cascaded_max",
+    "cross_entropy_backward",
+    "cross_entropy_forward",
     "dma_copy_rank_id_kernel",
     "DtypeMode",
     "ExpertAffinityScaleMode",

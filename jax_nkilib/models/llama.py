@@ -289,11 +289,10 @@ def generate(params, config: LlamaConfig, prompt, steps: int, *, key=None, tempe
 
 
 def loss(params, config: LlamaConfig, tokens, targets):
-    """Mean next-token cross entropy of ``forward(tokens)`` against ``targets [batch, seq]`` (int)."""
-    logits = forward(params, config, tokens)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(log_probs, jnp.asarray(targets)[..., None], axis=-1)
-    return -jnp.mean(picked)
+    """Mean next-token cross entropy of ``forward(tokens)`` against ``targets [batch, seq]`` (int):
+    :func:`jax_nkilib.cross_entropy` (on Neuron ``cross_entropy_forward``, and ``cross_entropy_backward`` in the
+    gradient)."""
+    return jax_nkilib.cross_entropy(forward(params, config, tokens), targets)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "optimizer"))

@@ -171,6 +171,12 @@ def _cases():
             (P(None, "model"), P("data")),
             {},
         ),
+        "jax_nkilib.cross_entropy": (  # the mean over the tokens: one all-reduce of the partial sums
+            lambda x, y: jax_nkilib.cross_entropy(x, y),
+            (x3, jnp.asarray(np.random.default_rng(25).integers(0, H, (B, S)), jnp.int32)),
+            (P("data", "model"), P("data", "model")),
+            {"all-reduce": 1},
+        ),
         "jax_nkilib.mlp": (
             lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d, norm="rms"),
             (x3, w_gate, w_up, w_down),

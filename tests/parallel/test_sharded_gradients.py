@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -207,6 +208,14 @@ def _cases() -> dict[str, Case]:
             {"table": "vd", "ids": "01"},
             ("table",),
             (data, {"0": "data", "d": "model"}),
+        ),
+        "cross_entropy": Case(  # ignore_index: the mean's count is all-reduced too
+            "jax_nkilib.cross_entropy",
+            lambda x, y: jax_nkilib.cross_entropy(x, y, ignore_index=0, z_loss=1e-3),
+            {"x": x3, "y": jnp.asarray(np.random.default_rng(26).integers(0, 4, (B, S)), jnp.int32)},
+            {"x": "01_", "y": "01"},
+            ("x",),
+            (data,),
         ),
         "mxfp8_matmul": Case(
             "jax_nkilib.mxfp8_matmul",

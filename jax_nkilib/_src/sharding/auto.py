@@ -87,6 +87,7 @@ _OTHER_NAMES = {
     "k": "contraction",
     "c": "cache length",
     "e": "features",
+    "v": "vocabulary",
     "f": "fused q|k|v columns (pass w as (w_q, w_k, w_v) to shard the heads)",
 }
 RULES: dict[str, ShardingRule] = {}

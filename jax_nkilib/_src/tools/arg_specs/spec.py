@@ -239,6 +239,7 @@ _FAMILIES = (
     "decode_block",
     "optim",
     "indexing",
+    "loss",
 )
 _loaded = False
 
