@@ -4,8 +4,10 @@ Run: python examples/quickstart.py
 
 The block is pre-norm: ``rms_norm -> qkv_projection -> rope -> attention -> output_projection`` with a residual add,
 then ``rms_norm -> mlp`` (SwiGLU) with a residual add. On CPU every op runs its kernel's JAX reference; lowered for
-Neuron each op becomes one NKI kernel (rmsnorm_tkg, qkv, RoPE, attention_cte, output_projection_cte, mlp) and the
-gradient adds attention_bwd. The script jits a forward pass and a gradient step, trains for a few steps, and prints
+Neuron each op becomes one NKI kernel (rmsnorm_tkg, qkv, RoPE, attention_cte, output_projection_cte, mlp); the
+training step adds the loss (cross_entropy_forward, and cross_entropy_backward in the gradient), attention_bwd and
+one fused adamw_kernel per parameter. The script jits a forward pass and a training step (AdamW through
+``jax_nkilib.optim``), trains for a few steps, and prints
 `jax_nkilib.explain` of the forward: every kernel call, its shapes, and whether Neuron would run the kernel.
 """
 
@@ -49,28 +51,33 @@ def transformer_block(params, x, cos, sin):
     return x + jax_nkilib.mlp(h, params["gate"], params["up"], params["down"], activation="silu")
 
 
-def loss_fn(params, x, target, cos, sin):
-    return jnp.mean((transformer_block(params, x, cos, sin) - target) ** 2)
+OPTIMIZER = jax_nkilib.optim.adamw(1e-3)  # optax.adamw's updates, on the fused adamw_kernel (optax not needed)
+
+
+def loss_fn(params, x, labels, cos, sin):
+    """The block's output read as logits over ``MODEL`` classes, against integer ``labels [batch, seq]``."""
+    return jax_nkilib.cross_entropy(transformer_block(params, x, cos, sin), labels)
 
 
 @jax.jit
-def train_step(params, x, target, cos, sin, learning_rate=0.1):
-    loss, grads = jax.value_and_grad(loss_fn)(params, x, target, cos, sin)
-    return jax.tree.map(lambda p, g: p - learning_rate * g, params, grads), loss
+def train_step(params, opt_state, x, labels, cos, sin):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, labels, cos, sin)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+    return jax.tree.map(jnp.add, params, updates), opt_state, loss
 
 
 def main():
     key_params, key_x, key_target = jax.random.split(jax.random.key(0), 3)
     params = init_params(key_params)
     x = jax.random.normal(key_x, (BATCH, SEQ, MODEL), jnp.float32)
-    target = jax.random.normal(key_target, (BATCH, SEQ, MODEL), jnp.float32)
+    labels = jax.random.randint(key_target, (BATCH, SEQ), 0, MODEL)
     cos, sin = rotary_tables(SEQ, HEAD_DIM)
 
     out = jax.jit(transformer_block)(params, x, cos, sin)
     print(f"forward: output {out.shape} {out.dtype}")
-    losses = []
+    losses, opt_state = [], OPTIMIZER.init(params)
     for _ in range(5):
-        params, loss = train_step(params, x, target, cos, sin)
+        params, opt_state, loss = train_step(params, opt_state, x, labels, cos, sin)
         losses.append(float(loss))
     print("training losses:", " ".join(f"{loss:.4f}" for loss in losses))
     print()

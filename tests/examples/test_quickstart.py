@@ -55,6 +55,25 @@ def test_block_forward_on_neuron_is_one_kernel_per_op_plus_layout_glue():
     }
 
 
+def test_training_step_on_neuron_runs_the_loss_and_optimizer_kernels():
+    """The train step's Neuron census: the forward's kernels, then cross_entropy_forward/backward for the loss,
+    attention_bwd and RoPE's backward for the gradient, and one fused adamw_kernel per parameter (7)."""
+    qs = load()
+    params = qs.init_params(jax.random.key(0))
+    x, labels = jnp.zeros((qs.BATCH, qs.SEQ, qs.MODEL), jnp.float32), jnp.zeros((qs.BATCH, qs.SEQ), jnp.int32)
+    args = (params, qs.OPTIMIZER.init(params), x, labels, *qs.rotary_tables(qs.SEQ, qs.HEAD_DIM))
+    census = jax_nkilib.neuron.op_census(qs.train_step, *args)
+    assert census.kernels == (
+        *KERNELS,
+        "cross_entropy_forward",
+        "cross_entropy_backward",
+        "attention_bwd",
+        "RoPE",
+        "RoPE",
+        *["adamw_kernel"] * len(params),
+    )
+
+
 def test_block_exports_for_several_platforms():
     """jax.export of the block for CPU and CUDA runs here; for CPU and Neuron (dry run) it keeps the kernel calls,
     with jax_nkilib.neuron.EXPORT_DISABLED_CHECKS allowing them."""
