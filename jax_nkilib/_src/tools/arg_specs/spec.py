@@ -237,6 +237,8 @@ _FAMILIES = (
     "moe",
     "transformer_tkg",
     "decode_block",
+    "scan",
+    "elementwise",
 )
 _loaded = False
 
