@@ -81,7 +81,7 @@ def _dynamic_add_limits(call: CallInfo) -> list[str]:
 
 
 def _runtime_checks(call: CallInfo, operands) -> None:
-    tiles, most = operands["num_m_tiles"].reshape(()), call.dims["M"] // PARTITIONS
+    tiles, most = operands["num_m_tiles"].reshape(1), call.dims["M"] // PARTITIONS
     check_all(
         (tiles >= 0) & (tiles <= most),
         f"{call.function}: num_m_tiles = {{}} is outside [0, M/{PARTITIONS} = {most}] (clamped)",

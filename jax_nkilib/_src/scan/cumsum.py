@@ -39,6 +39,8 @@ def tiled_prefix_sum(rows, dtype):
     wide = accumulation_dtype(dtype)
     count, hidden = rows.shape
     tiles = -(-hidden // CUMSUM_F_TILE)
+    if tiles == 1:  # one tile: no carry
+        return jnp.cumsum(rows.astype(wide), axis=-1).astype(dtype)
     padded = jnp.pad(rows.astype(wide), ((0, 0), (0, tiles * CUMSUM_F_TILE - hidden)))
     within = jnp.cumsum(padded.reshape(count, tiles, CUMSUM_F_TILE), axis=-1)  # per-tile sums from zero
     tile_lengths = jnp.minimum(hidden - jnp.arange(tiles) * CUMSUM_F_TILE, CUMSUM_F_TILE)
