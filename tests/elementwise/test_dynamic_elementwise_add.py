@@ -11,6 +11,7 @@ from jax.experimental import checkify
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
 from jax_nkilib.nki import dynamic_elementwise_add
+from tests.support import nki_standin
 from tests.support.data import random
 from tests.support.hlo import compute_operations, kernel_configs, neuron_text
 from tests.support.numerics import assert_close, f64
@@ -120,3 +121,18 @@ def test_bad_inputs(call, error, fragment):
     with pytest.raises(error) as info:
         call(random((256, 512), jnp.bfloat16), random((256, 512), jnp.bfloat16, seed=1), count(1))
     assert fragment in str(info.value)
+
+
+def test_nki_compiler_hands_the_library_kernel_its_three_tensors(monkeypatch):
+    """Against the stand-in SDK: the count reaches the library kernel as an int32 [1, 1] array, after the addends."""
+    entry = "nkilib.experimental.dynamic_shapes.dynamic_elementwise_add:dynamic_elementwise_add"
+    standin = nki_standin.StandIn()
+    nki_standin.install(monkeypatch, standin, {entry: nki_standin.library_function(entry)})
+    standin.rule("dynamic_elementwise_add", lambda input_a, **_: np.empty(input_a.shape, input_a.dtype))
+    a = random((256, 1024), jnp.bfloat16)
+    text = neuron_text(dynamic_elementwise_add, a, a, count(1))
+    assert [c["func_name"] for c in kernel_configs(text)] == ["dynamic_elementwise_add"]
+    (compilation,) = standin.compilations
+    inputs = compilation["inputs"]
+    assert list(inputs) == ["input_a", "input_b", "num_m_tiles"]
+    assert inputs["num_m_tiles"].shape == (1, 1) and inputs["num_m_tiles"].dtype == np.int32

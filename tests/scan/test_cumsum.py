@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
 from jax_nkilib.nki import cumsum
+from tests.support import nki_standin
 from tests.support.data import random
 from tests.support.hlo import compiled_collectives, kernel_configs, neuron_text
 from tests.support.numerics import assert_close, assert_no_worse_than_plain, f64
@@ -176,3 +177,18 @@ def test_a_split_summed_axis_adds_the_earlier_shards_totals():
     assert_close(out, np.asarray(single, np.float64), jnp.float32, reduction=64)
     assert_close(grad, np.asarray(single_grad, np.float64), jnp.float32, reduction=64)
     assert_close(out, np.cumsum(f64(x), 1), jnp.float32, reduction=64)
+
+
+def test_nki_compiler_hands_the_library_kernel_x_and_axis(monkeypatch):
+    """Against the stand-in SDK (the library function with its recorded signature): one compile of
+    nkilib.core.cumsum.cumsum:cumsum with the rows as a NumPy array and axis=-1, also for the VJP's call."""
+    entry = "nkilib.core.cumsum.cumsum:cumsum"
+    standin = nki_standin.StandIn()
+    nki_standin.install(monkeypatch, standin, {entry: nki_standin.library_function(entry)})
+    standin.rule("cumsum", lambda x, **_: np.empty(x.shape, x.dtype))
+    x = random((6, 5, 40), jnp.bfloat16)
+    text = neuron_text(lambda x: jax_nkilib.cumsum(x, axis=1), x)
+    assert [c["func_name"] for c in kernel_configs(text)] == ["cumsum"]
+    (compilation,) = standin.compilations
+    assert list(compilation["inputs"]) == ["x", "axis"] and compilation["inputs"]["axis"] == -1
+    assert compilation["inputs"]["x"].shape == (240, 5) and compilation["inputs"]["x"].dtype == jnp.bfloat16
