@@ -2,6 +2,8 @@
 sums, the carry between 2048-column tiles rounded to the dtype), any axis, the reversed-cumsum VJP, sharding of the
 summed axis, Neuron lowering (splits, fallbacks) and errors."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -192,3 +194,18 @@ def test_nki_compiler_hands_the_library_kernel_x_and_axis(monkeypatch):
     (compilation,) = standin.compilations
     assert list(compilation["inputs"]) == ["x", "axis"] and compilation["inputs"]["axis"] == -1
     assert compilation["inputs"]["x"].shape == (240, 5) and compilation["inputs"]["x"].dtype == jnp.bfloat16
+
+
+def test_op_scans_an_axis_past_the_kernels_limit_in_blocks():
+    """n > 8192: one call on 8192-column blocks and one on the block totals, no fallback, the same sums."""
+    x = random((3, 20000), seed=11)
+    assert_close(jax_nkilib.cumsum(x), np.cumsum(f64(x), -1), jnp.float32, reduction=20000)
+    xb = x.astype(jnp.bfloat16)
+    assert_close(jax_nkilib.cumsum(xb), np.cumsum(f64(xb), -1), jnp.bfloat16, reduction=20000)
+    with jax_nkilib.neuron.dry_run(), warnings.catch_warnings():
+        warnings.simplefilter("error", NeuronFallbackWarning)
+        configs = kernel_configs(neuron_text(jax_nkilib.cumsum, x))
+    assert [c["input_specs"][0][0] for c in configs] == [[9, 8192], [3, 2]]
+    _, pullback = jax.vjp(jax_nkilib.cumsum, x)
+    dy = random((3, 20000), seed=12)
+    assert_close(pullback(dy)[0], np.flip(np.cumsum(np.flip(f64(dy), -1), -1), -1), jnp.float32, reduction=20000)

@@ -2,7 +2,8 @@
 the kernel's tiled float32 numerics).
 
 Layout glue: the summed axis is moved last and the other axes flattened into the kernel's rows (``[rows, n]``), one
-transpose each way unless the axis is already last. Under explicit shardings the other axes split freely; a split
+transpose each way unless the axis is already last; an axis longer than the kernel's 8192 is scanned in 8192-long
+blocks plus a scan of the block totals. Under explicit shardings the other axes split freely; a split
 summed axis runs the kernel on each shard and adds the totals of the shards before it (one all-gather of the
 shards' last elements).
 """
@@ -18,6 +19,7 @@ import numpy as np
 from ..framework.arguments import array_argument
 from ..framework.spec import FLOAT_DTYPES, dtype_value
 from ..framework.validation import require_static, static_int
+from ..scan.cumsum import MAX_H
 from ..scan.cumsum import cumsum as cumsum_kernel
 from ..sharding import auto
 
@@ -82,7 +84,8 @@ def cumsum(x, axis: int | None = -1, dtype=None):
     (float64 for float64) within tiles of 2048 elements; between tiles the running sum is rounded to the result
     dtype, as the kernel does. Differentiable: the VJP is the reversed cumulative sum of the cotangent, computed by
     the same kernel. On Neuron it is the ``cumsum`` kernel on ``[rows, n]`` (rows past 2048 split into several
-    calls; ``n`` up to 8192, larger falls back to the reference with a warning).
+    calls); a summed axis longer than the kernel's 8192 is scanned in blocks of 8192 (one call), and each block
+    then adds the total of the blocks before it (a second call on the block totals).
     """
     x = array_argument(WHERE, "x", x, dtypes=None)
     x, axis = _summed_axis(x, axis)
@@ -100,7 +103,25 @@ def cumsum(x, axis: int | None = -1, dtype=None):
     if x.size == 0:
         return x
     moved = jnp.moveaxis(x, axis, -1)
-    (out,) = cumsum_kernel.call(
-        {"x": moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1])}, cumsum_kernel.params()
-    )
+    out = _prefix_sums(moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1]))
     return jnp.moveaxis(out.reshape(moved.shape), -1, axis)
+
+
+def _kernel_rows(rows):
+    (out,) = cumsum_kernel.call({"x": rows}, cumsum_kernel.params())
+    return out
+
+
+def _prefix_sums(rows):
+    """Prefix sums of ``rows [R, n]`` by the kernel; rows longer than its limit ``n <= 8192`` are scanned in blocks
+    of 8192 (one call on ``[R * blocks, 8192]``), then each block gets the sum of the blocks before it (a second
+    call on the ``[R, blocks]`` block totals)."""
+    count, length = rows.shape
+    if length <= MAX_H:
+        return _kernel_rows(rows)
+    blocks = -(-length // MAX_H)
+    padded = jnp.pad(rows, ((0, 0), (0, blocks * MAX_H - length)))  # zeros after: prefix sums unchanged
+    within = _kernel_rows(padded.reshape(count * blocks, MAX_H)).reshape(count, blocks, MAX_H)
+    before = _prefix_sums(within[:, :-1, -1])  # [R, blocks - 1]: the totals of blocks 0..b-1 for block b
+    offsets = jnp.concatenate([jnp.zeros((count, 1), rows.dtype), before], axis=1)
+    return (within + offsets[:, :, None]).reshape(count, blocks * MAX_H)[:, :length]
