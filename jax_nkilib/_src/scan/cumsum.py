@@ -105,8 +105,8 @@ CUMSUM_SPEC = KernelSpec(
         "idiomatic": "cumsum",
         "vjp": "kernel (the suffix sum: cumsum of the reversed cotangent)",
         "notes": f"last axis only; float32 accumulation in tiles of {CUMSUM_F_TILE} columns, the carry between "
-        f"tiles in x's dtype; Neuron: B <= {MAX_B} (larger B split into calls), S <= {MAX_S}, H <= {MAX_H}; one "
-        "core (no LNC sharding)",
+        f"tiles in x's dtype; Neuron: B <= {MAX_B} (larger B split into calls), S <= {MAX_S}, H <= {MAX_H} "
+        "(jax_nkilib.cumsum scans longer axes in blocks); one core (no LNC sharding)",
     },
 )
 
