@@ -217,3 +217,15 @@ def test_op_bad_inputs(call, error, fragment):
     with pytest.raises(error) as info:
         call(random((2, 3, 5)))
     assert fragment in str(info.value)
+
+
+def test_vmap_folds_into_the_first_batch_axis():
+    x = random((5, 2, 3, 7), seed=8)
+    per_row = lambda r: pad(r, padding=(1, 2), mode="reflect")
+    np.testing.assert_array_equal(jax.vmap(per_row)(x), jnp.stack([per_row(r) for r in x]))
+    np.testing.assert_array_equal(jax.vmap(per_row, 2)(x), jnp.stack([per_row(x[:, :, i]) for i in range(3)]))
+    no_batch_axis = lambda r: pad(r, padding=(1, 2, 1, 1, 0, 1), mode="circular")  # every axis padded: lax.map
+    np.testing.assert_array_equal(jax.vmap(no_batch_axis)(x), jnp.stack([no_batch_axis(r) for r in x]))
+    with jax_nkilib.neuron.dry_run():
+        (cfg,) = kernel_configs(neuron_text(jax.vmap(per_row), x))
+    assert cfg["input_specs"][0][0] == [10, 3, 7]

@@ -19,8 +19,8 @@ Pads are non-negative here (the kernel computes its output shape by adding them;
 Reverse mode: JAX math (the reference's VJP): for ``"constant"`` the cotangent's interior slice, for the other modes
 that slice plus the padded cotangents added back onto the input elements they copy. ``value`` is static.
 
-Neuron: the kernel tiles the spatial axes for its SBUF itself (and asserts that its tiles fit); vmap runs
-``lax.map`` (the batch axes are ``...``, which a fold plan cannot name).
+Neuron: the kernel tiles the spatial axes for its SBUF itself (and asserts that its tiles fit). vmap merges the
+mapped axis into the first batch axis (one kernel call); an input with no batch axis runs under ``lax.map``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..framework.primitive import make_kernel, reference_vjp
-from ..framework.spec import CallInfo, KernelSpec, Operand, Param
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param
 
 PAD_MODES = ("constant", "replicate", "reflect", "circular")
 NUMPY_MODES = {"constant": "constant", "replicate": "edge", "reflect": "reflect", "circular": "wrap"}
@@ -91,6 +91,10 @@ def _check_pad(call: CallInfo) -> None:
             raise ValueError(f"{call.function}: mode 'replicate' cannot pad axis {axis} of `x_ref`, which is empty")
 
 
+def _has_batch_axis(call: CallInfo) -> bool:
+    return call.avals["x_ref"].ndim > len(call.params["padding"]) // 2
+
+
 def _pad_output(call: CallInfo):
     x = call.avals["x_ref"]
     shape = tuple(
@@ -119,13 +123,15 @@ PAD_SPEC = KernelSpec(
     output_avals=_pad_output,
     reference=reference_pad,
     check=_check_pad,
+    # the vmapped axis joins the first batch axis (axis 0 when x_ref has axes before the padded ones)
+    fold_plans=(FoldPlan(axes={"x_ref": 0}, outputs={"out": 0}, when=_has_batch_axis),),
     family="elementwise",
     catalog="row 83",
     support={
         "idiomatic": "pad",
         "vjp": "JAX (the reference's: a slice for 'constant', plus the copied edges' sums for the other modes)",
         "notes": "docs-only kernel (2.32); torch.nn.functional.pad semantics, 1-3 trailing axes, non-negative "
-        "pads; vmap runs lax.map",
+        "pads; vmap folds into the first batch axis (lax.map when there is none)",
     },
 )
 
