@@ -8,6 +8,7 @@ On CPU/GPU each op runs a faithful JAX reference of its kernel; lowered for ``ne
 from jax_nkilib import checkpoint_policies, neuron, nki, optim
 from jax_nkilib._src.framework.config import config, current_lnc
 from jax_nkilib._src.ops.attention import attention, decode_attention
+from jax_nkilib._src.ops.cumsum import cumsum
 from jax_nkilib._src.ops.decode_block import decode_block
 from jax_nkilib._src.ops.dot_product_attention import dot_product_attention
 from jax_nkilib._src.ops.embedding import embedding_lookup
@@ -16,6 +17,7 @@ from jax_nkilib._src.ops.loss import cross_entropy
 from jax_nkilib._src.ops.mlp import mlp
 from jax_nkilib._src.ops.moe import moe, moe_block
 from jax_nkilib._src.ops.norm import dequantize_fp8, layer_norm, quantize_fp8, rms_norm
+from jax_nkilib._src.ops.pad import pad
 from jax_nkilib._src.ops.projection import output_projection, qkv_projection
 from jax_nkilib._src.ops.quant import dequantize_mx, mxfp8_matmul, quantize_mx
 from jax_nkilib._src.ops.ring_attention import ring_attention
@@ -36,6 +38,7 @@ __all__ = [
     "checkpoint_policies",
     "config",
     "cross_entropy",
+    "cumsum",
     "current_lnc",
     "decode_attention",
     "decode_block",
@@ -60,6 +63,7 @@ __all__ = [
     "nki",
     "optim",
     "output_projection",
+    "pad",
     "qkv_projection",
     "quantize_fp8",
     "quantize_mx",

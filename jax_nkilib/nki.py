@@ -27,6 +27,8 @@ from jax_nkilib._src.collectives.hbm_collectives import (
     rank_id_kernel,
     reduce_scatter_hbm_kernel,
 )
+from jax_nkilib._src.elementwise.dynamic_elementwise_add import dynamic_elementwise_add
+from jax_nkilib._src.elementwise.pad import pad
 from jax_nkilib._src.framework.common_types import (
     ActFnType,
     DtypeMode,
@@ -109,6 +111,7 @@ from jax_nkilib._src.quant.fp8_quantize import pre_combine_dequant_scales, row_q
 from jax_nkilib._src.quant.matmul_mxfp8 import matmul_mxfp8, matmul_mxfp8_backward
 from jax_nkilib._src.quant.quantize_block_mxfp8 import quantize_block_mxfp8_kernel
 from jax_nkilib._src.rope.rope import RoPE, rope_hf
+from jax_nkilib._src.scan.cumsum import cumsum
 from jax_nkilib._src.transformer.attention_block_tkg import attention_block_tkg
 from jax_nkilib._src.transformer.transformer_tkg import transformer_tkg
 
@@ -151,6 +154,7 @@ __all__ = [
     "blockwise_mm_bwd",
     "BlockShardStrategy",
     "ClampLimits",
+    "cumsum",
     "build_all2all_dispatch_metadata",
     "build_all_to_all_v_metadata",
     "AttnQBatchShardLayout",
@@ -159,6 +163,7 @@ __all__ = [
     "cross_entropy_forward",
     "dma_copy_rank_id_kernel",
     "DtypeMode",
+    "dynamic_elementwise_add",
     "ExpertAffinityScaleMode",
     "fine_grained_allgather",
     "find_nonzero_indices",
@@ -185,6 +190,7 @@ __all__ = [
     "NormType",
     "output_projection_cte",
     "output_projection_tkg",
+    "pad",
     "permute_a2av",
     "permute_routed_tokens",
     "pre_combine_dequant_scales",

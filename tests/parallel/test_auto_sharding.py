@@ -84,6 +84,18 @@ def _cases():
             {},
         ),
         "jax_nkilib.rms_norm": (jax_nkilib.rms_norm, (x3, gain), (P("data", "model"), P()), {}),
+        "jax_nkilib.cumsum": (  # the summed axis over `model`: add the earlier shards' totals (one all-gather)
+            lambda x: jax_nkilib.cumsum(x, axis=1),
+            (x3,),
+            (P("data", "model"),),
+            {"all-gather": 1},
+        ),
+        "jax_nkilib.pad": (
+            lambda x: jax_nkilib.pad(x, ((0, 0), (0, 0), (1, 2)), "edge"),
+            (x3,),
+            (P("data", "model"),),
+            {},
+        ),
         "jax_nkilib.topk": (lambda x: jax_nkilib.topk(x, 3), (x3,), (P("data", "model"),), {}),
         "jax_nkilib.argmax": (jax_nkilib.argmax, (x3,), (P("data", "model"),), {}),
         "jax_nkilib.router": (

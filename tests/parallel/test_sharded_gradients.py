@@ -91,6 +91,22 @@ def _cases() -> dict[str, Case]:
             ("x", "w", "b"),
             (data, tp),
         ),
+        "cumsum": Case(
+            "jax_nkilib.cumsum",
+            lambda x: jax_nkilib.cumsum(x, axis=1),
+            {"x": x3},
+            {"x": "0s2"},
+            ("x",),
+            (data, {"0": "data", "s": "model"}),
+        ),
+        "pad": Case(
+            "jax_nkilib.pad",
+            lambda x: jax_nkilib.pad(x, ((0, 0), (0, 0), (2, 1)), "reflect"),
+            {"x": x3},
+            {"x": "01_"},
+            ("x",),
+            (data, tp),
+        ),
         "rope": Case(
             "jax_nkilib.rope",
             lambda x, cos, sin: jax_nkilib.rope(x, cos, sin),

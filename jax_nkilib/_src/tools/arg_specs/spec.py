@@ -240,6 +240,8 @@ _FAMILIES = (
     "optim",
     "indexing",
     "loss",
+    "scan",
+    "elementwise",
 )
 _loaded = False
 

@@ -1,0 +1,1 @@
+"""The prefix-sum kernel (layer 1): ``cumsum``."""
