@@ -10,7 +10,6 @@ import pytest
 import jax_nkilib
 from jax_nkilib import optim
 from jax_nkilib.models import llama
-from tests.support.hlo import kernel_configs
 from tests.support.numerics import relative_error, tolerance
 
 CONFIG = llama.LlamaConfig(vocab=64, hidden=128, layers=1, heads=2, kv_heads=2, intermediate=128, max_len=16)
@@ -37,12 +36,16 @@ def test_llama_train_step_with_fused_adamw():
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         assert relative_error(a, np.asarray(b, np.float64)) <= tolerance(jnp.float32, ops=16)
 
+
+def test_llama_train_step_census_lists_the_loss_and_optimizer_kernels():
+    """Lowered for Neuron, the train step runs the loss as cross_entropy_forward / cross_entropy_backward and the
+    update as one fused adamw_kernel per parameter leaf."""
+    params = llama.init_params(CONFIG, jax.random.key(0))
+    tokens = jnp.zeros((2, 8), jnp.int32)
     optimizer = optim.adamw(1e-3)
-    with jax_nkilib.neuron.dry_run():
-        text = (
-            llama.train_step.trace(params, optimizer.init(params), inputs, targets, config=CONFIG, optimizer=optimizer)
-            .lower(lowering_platforms=("neuron",))
-            .as_text()
-        )
-    calls = [config["func_name"] for config in kernel_configs(text)]
-    assert calls.count("adamw_kernel") == len(jax.tree.leaves(params))
+    step = lambda p, s, x, y: llama.train_step(p, s, x, y, config=CONFIG, optimizer=optimizer)  # noqa: E731
+    census = jax_nkilib.neuron.op_census(step, params, optimizer.init(params), tokens, tokens)
+    kernels = census.kernels
+    assert kernels.count("cross_entropy_forward") == 1 and kernels.count("cross_entropy_backward") == 1
+    assert kernels.count("adamw_kernel") == len(jax.tree.leaves(params))
+    assert kernels[-len(jax.tree.leaves(params)) :] == ("adamw_kernel",) * len(jax.tree.leaves(params))
