@@ -183,7 +183,7 @@ def test_quickstart_gradient_runs_attention_bwd_without_layout_transposes():
 def llama_census(step, heads):
     """The census of a 1-layer and a 2-layer Llama (hidden 256, one kv head) running ``step(llama, config) ->
     (fn(params, *args), args)``, and what the second layer adds: ``(one, two, ops per layer, moving transposes per
-    layer)``."""
+    layer; constants left out: how many a program names differs between JAX versions)``."""
     from jax_nkilib.models import llama
 
     def census(layers):
@@ -194,7 +194,7 @@ def llama_census(step, heads):
         return op_census(fn, llama.init_params(config, jax.random.key(0)), *args)
 
     one, two = census(1), census(2)
-    per_layer = {name: two.ops.get(name, 0) - one.ops.get(name, 0) for name in two.ops}
+    per_layer = {name: two.ops.get(name, 0) - one.ops.get(name, 0) for name in two.ops if name != "constant"}
     return one, two, {name: n for name, n in per_layer.items() if n}, two.moving_transposes - one.moving_transposes
 
 
@@ -215,7 +215,6 @@ def test_llama_decode_step_census_per_layer():
     assert {name: n for name, n in per_layer.items() if n} == {
         "add": 2,  # the residual adds
         "reshape": 8,
-        "constant": 8,
         "transpose": 2,  # cos, sin to the kernel's [d/2, B, S]
         "iota": 2,
         "compare": 6,
@@ -252,7 +251,6 @@ def test_llama_prefill_census_per_layer(batch):
         "dynamic_update_slice": 2,  # the cache writes
         "reshape": 7,
         "transpose": 10,  # in chains that cancel or move only unit axes (batch 1)
-        "constant": 8,
         "concatenate": 2,  # the RoPE tables, [t | t]
         "broadcast_in_dim": 2,  # ... over the batch
     }, per_layer
