@@ -10,6 +10,7 @@ from jax_nkilib._src.framework.config import config, current_lnc
 from jax_nkilib._src.ops.attention import attention, decode_attention
 from jax_nkilib._src.ops.cumsum import cumsum
 from jax_nkilib._src.ops.decode_block import decode_block
+from jax_nkilib._src.ops.deformable_attention import deformable_attention
 from jax_nkilib._src.ops.dot_product_attention import dot_product_attention
 from jax_nkilib._src.ops.embedding import embedding_lookup
 from jax_nkilib._src.ops.flax_attention import flax_attention_fn
@@ -42,6 +43,7 @@ __all__ = [
     "current_lnc",
     "decode_attention",
     "decode_block",
+    "deformable_attention",
     "dequantize_fp8",
     "dequantize_mx",
     "dot_product_attention",

@@ -8,6 +8,7 @@ from jax_nkilib._src.attention.attention_mxfp8_tkg import attention_mxfp8_tkg
 from jax_nkilib._src.attention.attention_segmented_cte import attention_segmented_cte
 from jax_nkilib._src.attention.attention_tkg import attention_tkg
 from jax_nkilib._src.attention.gen_mask_tkg import gen_mask_tkg, gen_mask_tkg_hbm
+from jax_nkilib._src.attention.ms_deformable_attention import ms_deformable_attention, ms_deformable_attention_bwd
 from jax_nkilib._src.attention.ring_attention_bwd import ring_attention_spmd_bwd
 from jax_nkilib._src.attention.ring_attention_fwd import ring_attention_spmd_fwd
 from jax_nkilib._src.attention.ring_attention_unpermute import ring_attention_unpermute
@@ -178,6 +179,8 @@ __all__ = [
     "matmul_mxfp8",
     "matmul_mxfp8_backward",
     "mlp",
+    "ms_deformable_attention",
+    "ms_deformable_attention_bwd",
     "mlp_backward_mxfp8_nki",
     "mlp_forward_mxfp8_nki",
     "MoECTEImplementation",

@@ -58,6 +58,9 @@ VARIANTS_ARE_SLOW += tuple(spec.name for spec in SPECS if spec.name.startswith(_
 # transformer_tkg (issue 15): its jit, vmap, vmap-of-grad and shard_map checks compile a multi-layer decode step
 # several times; tests/attention/test_transformer_tkg.py covers them fast.
 VARIANTS_ARE_SLOW += ("transformer_tkg",)
+# ms_deformable_attention_bwd (issue 17): its variants run with `-m slow`;
+# tests/attention/test_ms_deformable_attention.py covers its jit, vmap and shard_map fast (as the forward's VJP).
+VARIANTS_ARE_SLOW += ("ms_deformable_attention_bwd",)
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
