@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jax_nkilib
 from jax_nkilib._src.framework.compat import shard_map_batches_explicit_axes
 from jax_nkilib._src.sharding.auto import RULES
+from jax_nkilib._src.tools.arg_specs import deformable
 from tests.support.data import angles, random
 from tests.support.hlo import compiled_collectives as collectives
 from tests.support.hlo import kernel_configs
@@ -97,6 +98,12 @@ def _cases():
             {},
         ),
         "jax_nkilib.topk": (lambda x: jax_nkilib.topk(x, 3), (x3,), (P("data", "model"),), {}),
+        "jax_nkilib.deformable_attention": (
+            lambda v, s, a: jax_nkilib.deformable_attention(v, deformable.SPATIAL_SHAPES, s, a),
+            deformable.forward_operands(np.random.default_rng(0)),
+            (P("data"), P("data"), P("data")),
+            {},
+        ),
         "jax_nkilib.argmax": (jax_nkilib.argmax, (x3,), (P("data", "model"),), {}),
         "jax_nkilib.router": (
             lambda x, w: jax_nkilib.router(x, w, top_k=2, normalize=True),

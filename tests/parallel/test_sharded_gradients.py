@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from jax_nkilib._src.sharding.auto import RULES
+from jax_nkilib._src.tools.arg_specs import deformable
 from tests.support.data import angles, random
 from tests.support.hlo import manual_computations
 from tests.support.isolation import time_limit
@@ -106,6 +107,13 @@ def _cases() -> dict[str, Case]:
             {"x": "01_"},
             ("x",),
             (data, tp),
+        ),
+        "deformable_attention": Case(
+            "jax_nkilib.deformable_attention",
+            lambda v, s, a: jax_nkilib.deformable_attention(v, deformable.SPATIAL_SHAPES, s, a),
+            dict(zip("vsa", deformable.forward_operands(np.random.default_rng(0)))),
+            {"v": "b___", "s": "b_____", "a": "b____"},
+            ("v", "s", "a"),  # no CI split (about 5 s of compiles); tests/attention covers the kernels' shard_map
         ),
         "rope": Case(
             "jax_nkilib.rope",

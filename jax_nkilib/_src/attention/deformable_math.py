@@ -48,45 +48,48 @@ def _pixel(coordinate, size: int, align_corners: bool):
 
 
 def _gather(value_heads, rows):
-    """``value_heads [B, N_h, L, C]`` at ``rows [B, N_q, N_h, N_p]`` (per batch, head) -> ``[B, N_q, N_h, N_p, C]``."""
+    """``value_heads [B, N_h, L, C]`` at ``rows [B, N_q, N_h, K]`` (per batch, head) -> ``[B, N_q, N_h, K, C]``."""
     batch, heads, length, channels = value_heads.shape
     base = (jnp.arange(batch)[:, None] * heads + jnp.arange(heads)[None, :]) * length  # [B, N_h]
     flat = rows + base[:, None, :, None]
     return jnp.take(value_heads.reshape(batch * heads * length, channels), flat, axis=0)
 
 
-def sample_level(value_heads, x, y, start: int, height: int, width: int, align_corners: bool, padding_mode: str):
-    """Bilinear samples of one level: ``x, y [B, N_q, N_h, N_p]`` -> ``[B, N_q, N_h, N_p, C]``."""
+def level_corners(x, y, start: int, height: int, width: int, align_corners: bool, padding_mode: str):
+    """One level's bilinear corners: ``(rows, weights)``, each ``[..., N_p, 4]`` for ``x, y [..., N_p]`` (the rows
+    clamped into the level; the weights zero for corners outside it under ``"zeros"``)."""
     px, py = _pixel(x, width, align_corners), _pixel(y, height, align_corners)
     x0, y0 = jnp.floor(px), jnp.floor(py)
     fx, fy = px - x0, py - y0
     x0, y0 = x0.astype(jnp.int32), y0.astype(jnp.int32)
-    total = 0.0
+    rows, weights = [], []
     for dx, wx in ((0, 1 - fx), (1, fx)):
         for dy, wy in ((0, 1 - fy), (1, fy)):
             cx, cy = x0 + dx, y0 + dy
             weight = wx * wy
             if padding_mode == "zeros":
-                inside = (cx >= 0) & (cx < width) & (cy >= 0) & (cy < height)
-                weight = jnp.where(inside, weight, 0)
-            rows = start + jnp.clip(cy, 0, height - 1) * width + jnp.clip(cx, 0, width - 1)
-            total = total + weight[..., None] * _gather(value_heads, rows)
-    return total
+                weight = jnp.where((cx >= 0) & (cx < width) & (cy >= 0) & (cy < height), weight, 0)
+            rows.append(start + jnp.clip(cy, 0, height - 1) * width + jnp.clip(cx, 0, width - 1))
+            weights.append(weight)
+    return jnp.stack(rows, -1), jnp.stack(weights, -1)
 
 
 def deformable_attention_math(
     value, spatial_shapes, level_start_index, x, y, weights, *, align_corners=False, padding_mode="zeros"
 ):
     """``[B, N_q, N_h * C_h]`` in the accumulation dtype from canonical ``value [B, L, N_h, C_h]``, ``x, y,
-    weights [B, N_q, N_h, N_l, N_p]`` (see the module doc)."""
+    weights [B, N_q, N_h, N_l, N_p]`` (see the module doc): one gather of every level's corners."""
     wide = accumulation_dtype(jnp.result_type(value.dtype, x.dtype, weights.dtype))
     value_heads = jnp.swapaxes(value.astype(wide), 1, 2)  # [B, N_h, L, C]
     x, y, weights = x.astype(wide), y.astype(wide), weights.astype(wide)
     batch, queries, heads = x.shape[:3]
-    out = jnp.zeros((batch, queries, heads, value.shape[-1]), wide)
+    rows, mix = [], []
     for level, ((height, width), start) in enumerate(zip(spatial_shapes, level_start_index)):
-        samples = sample_level(
-            value_heads, x[..., level, :], y[..., level, :], start, height, width, align_corners, padding_mode
+        level_rows, bilinear = level_corners(
+            x[..., level, :], y[..., level, :], start, height, width, align_corners, padding_mode
         )
-        out = out + jnp.einsum("bqhp,bqhpc->bqhc", weights[..., level, :], samples, precision=jax.lax.Precision.HIGHEST)
+        rows.append(level_rows.reshape(batch, queries, heads, -1))
+        mix.append((bilinear * weights[..., level, :, None]).reshape(batch, queries, heads, -1))
+    samples = _gather(value_heads, jnp.concatenate(rows, -1))  # [B, N_q, N_h, N_l * N_p * 4, C]
+    out = jnp.einsum("bqhk,bqhkc->bqhc", jnp.concatenate(mix, -1), samples, precision=jax.lax.Precision.HIGHEST)
     return out.reshape(batch, queries, heads * value.shape[-1])

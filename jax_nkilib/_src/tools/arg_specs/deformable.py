@@ -34,7 +34,7 @@ def kink_free_locations(rng, shape, spatial_shapes, dtype=np.float32):
     return np.asarray(out, dtype)
 
 
-def _forward_operands(rng, dtype=np.float32):
+def forward_operands(rng, dtype=np.float32):
     value = normal(rng, (BATCH, PIXELS, HEADS, CHANNELS), dtype)
     shape = (BATCH, QUERIES, HEADS, LEVELS, POINTS, 2)
     locations = kink_free_locations(rng, shape, SPATIAL_SHAPES)
@@ -43,7 +43,7 @@ def _forward_operands(rng, dtype=np.float32):
 
 
 def _backward_operands(rng):
-    value, locations, weights = _forward_operands(rng)
+    value, locations, weights = forward_operands(rng)
     return normal(rng, (BATCH, QUERIES, HEADS * CHANNELS)), value, locations, weights
 
 
@@ -55,7 +55,7 @@ register(
         "ms_deformable_attention",
         nki.ms_deformable_attention,
         ("value", "sampling_locations", "attention_weights"),
-        _forward_operands,
+        forward_operands,
         kwargs=_STATIC,
         kernels=("ms_deformable_attention",),
         grad=("value", "sampling_locations", "attention_weights"),
@@ -79,7 +79,7 @@ register(
         "jax_nkilib.deformable_attention",
         jax_nkilib.deformable_attention,
         ("value", "sampling_locations", "attention_weights"),
-        _forward_operands,
+        forward_operands,
         kwargs={"spatial_shapes": SPATIAL_SHAPES},
         positional=1,
         kernels=("ms_deformable_attention",),
