@@ -57,6 +57,7 @@ from jax_nkilib._src.moe.blockwise_mm_bwd import (
 from jax_nkilib._src.moe.bwmm_shard_on_h import blockwise_mm_baseline_shard_hidden
 from jax_nkilib._src.moe.cascaded_max import cascaded_max
 from jax_nkilib._src.moe.dispatch_metadata import build_all2all_dispatch_metadata, build_all_to_all_v_metadata
+from jax_nkilib._src.moe.find_nonzero_with_count import find_nonzero_indices_with_count
 from jax_nkilib._src.moe.moe_block_tkg import moe_block_tkg
 from jax_nkilib._src.moe.moe_cte import moe_cte
 from jax_nkilib._src.moe.moe_cte_config import (
@@ -168,6 +169,7 @@ __all__ = [
     "ExpertAffinityScaleMode",
     "fine_grained_allgather",
     "find_nonzero_indices",
+    "find_nonzero_indices_with_count",
     "gather",
     "gen_mask_tkg",
     "gen_mask_tkg_hbm",

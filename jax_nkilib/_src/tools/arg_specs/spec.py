@@ -243,6 +243,7 @@ _FAMILIES = (
     "scan",
     "elementwise",
     "deformable",
+    "benchmark",
 )
 _loaded = False
 
