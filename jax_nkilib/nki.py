@@ -111,6 +111,7 @@ from jax_nkilib._src.projection.output_projection_tkg import output_projection_t
 from jax_nkilib._src.projection.qkv import qkv
 from jax_nkilib._src.quant.fp8_quantize import pre_combine_dequant_scales, row_quantization, static_quantization
 from jax_nkilib._src.quant.matmul_mxfp8 import matmul_mxfp8, matmul_mxfp8_backward
+from jax_nkilib._src.quant.mxfp_load import mxfp_load_performance_wrapper
 from jax_nkilib._src.quant.quantize_block_mxfp8 import quantize_block_mxfp8_kernel
 from jax_nkilib._src.rope.rope import RoPE, rope_hf
 from jax_nkilib._src.scan.cumsum import cumsum
@@ -185,6 +186,7 @@ __all__ = [
     "ms_deformable_attention_bwd",
     "mlp_backward_mxfp8_nki",
     "mlp_forward_mxfp8_nki",
+    "mxfp_load_performance_wrapper",
     "MoECTEImplementation",
     "MoECTESpec",
     "moe_cte",

@@ -67,18 +67,7 @@ CATALOG = _entries(
         (35, "allgather_sb2sb allgather_sb2sb_tiled", "collectives", 5),
         (36, "topk_reduce", "moe", 14),
         (37, "find_nonzero_indices_with_count", "moe", 17),
-        (
-            38,
-            "mxfp_load_performance_wrapper",
-            "quant",
-            17,
-            "not bound: a benchmark wrapper of a load path its source marks 'WARNING: Active development'; its outputs "
-            "are the raw SBUF tiles of quantize_mx after a stride-2 swizzled PSUM transpose (data [128, M*K/512] "
-            "float8_e4m3fn_x4, scales [128, M*K/512] uint8 of which only 16 rows at partitions 0/32/64/96 are "
-            "written, the rest uninitialized memory), with no reference or golden beyond its benchmark test: a "
-            "faithful result would have undefined regions, and the MXFP8 quantization itself is bound as "
-            "quantize_block_mxfp8_kernel and jax_nkilib.quantize_mx",
-        ),
+        (38, "mxfp_load_performance_wrapper", "quant", 17),
         (39, "linear_scan", "scan", None),
         (40, "selective_scan", "scan", None),
         (41, "ssd", "scan", None),

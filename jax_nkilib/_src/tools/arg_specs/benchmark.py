@@ -1,4 +1,5 @@
-"""Arg specs of the ``experimental/benchmark`` kernel ``find_nonzero_indices_with_count`` (kernel-native)."""
+"""Arg specs of the benchmark kernels ``find_nonzero_indices_with_count`` and ``mxfp_load_performance_wrapper``
+(kernel-native)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,5 +26,18 @@ register(
         bad=BadInput("input_tensor", lambda x: np.zeros((2, x.shape[1]), np.float32), "input_tensor"),
         notes="the whole row is one kernel call (the count is global): inside shard_map every rank runs it on the "
         "replicated row",
+    ),
+)
+
+
+register(
+    ArgSpec(
+        "mxfp_load_performance_wrapper",
+        nki.mxfp_load_performance_wrapper,
+        ("tensor",),
+        lambda rng: (jnp.asarray(rng.standard_normal((128, 1024)), jnp.bfloat16),),
+        kernels=("mxfp_load_performance_wrapper",),
+        sharding=Sharding((("data", 8),), (P(),), (P(), P())),
+        bad=BadInput("tensor", lambda x: x[:, :1000], "K % 512"),
     ),
 )
