@@ -33,6 +33,7 @@ def test_matches_the_oracle(tokens, density, dtype):
     np.testing.assert_array_equal(out, oracle(row))
 
 
+@pytest.mark.slow  # conformance checks jit and vmap in CI
 def test_jit_and_vmap():
     rows = jnp.stack([sparse_row(np.random.default_rng(i), 20, 0.5) for i in range(3)])
     mapped = jax.vmap(jax.jit(find_nonzero_indices_with_count))(rows)

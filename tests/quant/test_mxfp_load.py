@@ -33,7 +33,9 @@ def oracle(tensor):
     return np.concatenate(data, axis=1), np.concatenate(scales, axis=1)
 
 
-@pytest.mark.parametrize("rows, cols, dtype", [(128, 1024, jnp.bfloat16), (24, 512, jnp.float32)])
+@pytest.mark.parametrize(
+    "rows, cols, dtype", [(128, 1024, jnp.bfloat16), pytest.param(24, 512, jnp.float32, marks=pytest.mark.slow)]
+)
 def test_matches_the_oracle(rows, cols, dtype):
     rng = np.random.default_rng(rows)
     tensor = jnp.asarray(rng.standard_normal((rows, cols)) * np.exp2(rng.integers(-20, 20, (rows, 1))), dtype)
@@ -44,6 +46,7 @@ def test_matches_the_oracle(rows, cols, dtype):
     np.testing.assert_array_equal(scales, want_scales)
 
 
+@pytest.mark.slow  # conformance checks jit and vmap in CI
 def test_jit_and_vmap():
     tensors = jnp.asarray(np.random.default_rng(1).standard_normal((2, 8, 512)), jnp.bfloat16)
     for tensor, data, scales in zip(tensors, *jax.vmap(jax.jit(mxfp_load_performance_wrapper))(tensors)):
