@@ -9,7 +9,8 @@ marked "WARNING: Active development") and its test's golden ``golden_mxfp_load``
 (:func:`~jax_nkilib._src.quant.mx.swizzle_mx`: ``s[g, 4m + j] = tensor[m, 512k + 4g + j]``) and quantized in
 ``nisa.quantize_mx`` blocks of 8 partitions x 4 elements (:func:`~jax_nkilib._src.quant.mx.quantize_mx`, e4m3):
 its elements, packed four to a word, are columns ``kM .. (k+1)M`` of ``out_data_hbm``; its ``[16, M]`` scales sit at
-partitions 0..3 of each 32-partition quadrant of ``out_scale_hbm`` (zeros elsewhere, as the golden has them).
+partitions 0..3 of each 32-partition quadrant of ``out_scale_hbm``. The other scale rows are zeros here, as in the
+golden; the kernel never writes them (no memset of its scale tile), so on a device they hold whatever SBUF held.
 JAX holds the ``float8_e4m3fn_x4`` words as uint32. Values are read as float32 (exact for bfloat16).
 
 Neuron limits: ``M == 128`` and bfloat16 input (the kernel asserts M and reads bf16 pairs as float32 words). The
@@ -90,7 +91,8 @@ MXFP_LOAD_PERFORMANCE_WRAPPER_SPEC = KernelSpec(
         "idiomatic": "",
         "vjp": "none (quantized outputs)",
         "notes": "benchmark wrapper (tested by the library on Trn3 only; 'active development'); [M, K] -> raw "
-        "quantize_mx SBUF tiles: x4 words (uint32) and quadrant-placed e8m0 scales [128, M*K/512]; "
+        "quantize_mx SBUF tiles: x4 words (uint32) and quadrant-placed e8m0 scales [128, M*K/512] (the other "
+        "scale rows: zeros here, unwritten by the kernel); "
         "Neuron: M=128, bfloat16",
     },
 )
