@@ -49,6 +49,8 @@ NEURON_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 VALUE_CASES = {"BLNC": "B, L, N_h, C_h", "BNLC": "B, N_h, L, C_h"}
 LOCATION_CASES = {"BQHLP2": "B, N_q, N_h, N_l, N_p, 2", "B2QHLP": "B, 2, N_q, N_h, N_l, N_p"}
 WEIGHTS_LAYOUT = "B, N_q, N_h, N_l, N_p"
+_FORWARD_NAMES = ("value", "sampling_locations", "attention_weights")
+_GRAD_NAMES = tuple(f"grad_{name}" for name in _FORWARD_NAMES)
 
 
 def _is_int(v) -> bool:
@@ -176,20 +178,15 @@ def _forward_output(call: CallInfo):
 
 def _backward_outputs(call: CallInfo):
     return tuple(
-        (f"grad_{name}", tuple(call.avals[name].shape), call.avals[name].dtype)
-        for name in ("value", "sampling_locations", "attention_weights")
+        (grad, tuple(call.avals[name].shape), call.avals[name].dtype) for grad, name in zip(_GRAD_NAMES, _FORWARD_NAMES)
     )
-
-
-def _batch_axes(plan_operands):
-    return {name: "B" for name in plan_operands}
 
 
 def _forward_vjp(kernel, operands, params, outs, cotangents):
     """The backward kernel on the forward's operands and params."""
     bwd_params = ms_deformable_attention_bwd.params(**{param.name: params[param.name] for param in PARAMS})
     grads = ms_deformable_attention_bwd.call({"grad_output": cotangents[0], **operands}, bwd_params)
-    return dict(zip(("value", "sampling_locations", "attention_weights"), grads))
+    return dict(zip(_FORWARD_NAMES, grads))
 
 
 def _check_backward(call: CallInfo) -> None:
@@ -202,9 +199,6 @@ def _check_backward(call: CallInfo) -> None:
         )
 
 
-_FORWARD_NAMES = ("value", "sampling_locations", "attention_weights")
-_GRAD_NAMES = tuple(f"grad_{name}" for name in _FORWARD_NAMES)
-
 MS_DEFORMABLE_ATTENTION_SPEC = KernelSpec(
     name="ms_deformable_attention",
     entry_point="nkilib.experimental.deformable_attention.ms_deformable_attention:ms_deformable_attention",
@@ -215,7 +209,7 @@ MS_DEFORMABLE_ATTENTION_SPEC = KernelSpec(
     reference=reference_ms_deformable_attention,
     check=_check,
     neuron_limits=_neuron_limits,
-    fold_plans=(FoldPlan(_batch_axes(_FORWARD_NAMES), outputs={"output": 0}),),
+    fold_plans=(FoldPlan(dict.fromkeys(_FORWARD_NAMES, "B"), outputs={"output": 0}),),
     mac_count=_mac_count,
     family="attention",
     catalog="row 54",
@@ -239,12 +233,7 @@ MS_DEFORMABLE_ATTENTION_BWD_SPEC = KernelSpec(
     reference=reference_ms_deformable_attention_bwd,
     check=_check_backward,
     neuron_limits=_neuron_limits,
-    fold_plans=(
-        FoldPlan(
-            _batch_axes(("grad_output", *_FORWARD_NAMES)),
-            outputs={"grad_value": 0, "grad_sampling_locations": 0, "grad_attention_weights": 0},
-        ),
-    ),
+    fold_plans=(FoldPlan(dict.fromkeys(("grad_output", *_FORWARD_NAMES), "B"), outputs=dict.fromkeys(_GRAD_NAMES, 0)),),
     mac_count=lambda call: 3 * _mac_count(call),
     family="attention",
     catalog="row 55",
