@@ -58,6 +58,8 @@ VARIANTS_ARE_SLOW += tuple(spec.name for spec in SPECS if spec.name.startswith(_
 # transformer_tkg (issue 15): its jit, vmap, vmap-of-grad and shard_map checks compile a multi-layer decode step
 # several times; tests/attention/test_transformer_tkg.py covers them fast.
 VARIANTS_ARE_SLOW += ("transformer_tkg",)
+# mla_attention (issue 17): its eager reference runs op by op; tests/mla covers jit, vmap and shard_map fast.
+VARIANTS_ARE_SLOW += ("mla_attention",)
 
 
 # ------------------------------------------------------------------------------------------------------- helpers

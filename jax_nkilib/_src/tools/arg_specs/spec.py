@@ -242,6 +242,7 @@ _FAMILIES = (
     "loss",
     "scan",
     "elementwise",
+    "mla",
 )
 _loaded = False
 
