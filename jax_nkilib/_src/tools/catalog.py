@@ -28,6 +28,14 @@ _MX_MOE_DOCS = (
 )
 
 
+_MLA_QKV_DOCS = (
+    "docs-only (2.32 API reference, no source or torch reference found): the fp8x4 weights' fp8 format and which "
+    "4 contraction rows a word packs, the uint8 'DeepSeek block-128 compact scales' encoding, the RoPE pairing of "
+    "the [B, S, qk_rope_head_dim] cos/sin caches and (v4) the 'per-head rsqrt norm' are undefined: binding would "
+    "guess the numerics. jax_nkilib.mla_attention computes these projections in XLA"
+)
+
+
 CATALOG = _entries(
     [
         (1, "attention_cte", "attention", 3),
@@ -78,11 +86,45 @@ CATALOG = _entries(
         (46, "attention_kv_parallel_segmented_cte", "attention", 3),
         (47, "attention_mxfp8_tkg", "attention", 3),
         (48, "swa_fused_cte", "attention", 3),
-        (49, "qkv_mla_mx qkv_mla_mx_deepseek_v4", "mla", None),
-        (50, "mla_qkv_cte_kernel", "mla", None),
-        (51, "mla_sparse_attention_cte_kernel", "mla", None),
-        (52, "mla_vupmx_oproj_cte_kernel", "mla", None),
-        (53, "sparse_attention_indexer_mx_bf16score", "attention", None),
+        (49, "qkv_mla_mx qkv_mla_mx_deepseek_v4", "mla", 17, _MLA_QKV_DOCS),
+        (
+            50,
+            "mla_qkv_cte_kernel",
+            "mla",
+            17,
+            "docs-only, and its packed MX activation x_hbm_mx [B, S, H + scale_region] is defined only by 'see the "
+            "param comment' (absent from the API reference); its fp8x4 weights and block-128 scales are as undefined "
+            "as qkv_mla_mx's. jax_nkilib.mla_attention computes DeepSeek MLA without it",
+        ),
+        (
+            51,
+            "mla_sparse_attention_cte_kernel",
+            "mla",
+            17,
+            "its math is defined (torch reference: softmax(scale (q_lift c_kv + q_pe k_pe)) c_kv over the gathered "
+            "top-k rows, future rows masked, output latent columns in MX 4-pack order), but its only consumer "
+            "mla_vupmx_oproj_cte_kernel is unbound and it was not bound in issue 17's time; "
+            "jax_nkilib.mla_attention's sparse path runs this math in JAX with a NeuronFallbackWarning",
+        ),
+        (
+            52,
+            "mla_vupmx_oproj_cte_kernel",
+            "mla",
+            17,
+            "docs-only: the API reference does not define its fp8x4 words (the fp8 format, which 4 contraction "
+            "elements a word packs along H*L and H*d_v) or its uint8 'compact block-128' scales (their encoding and "
+            "block shape): binding it would guess the numerics",
+        ),
+        (
+            53,
+            "sparse_attention_indexer_mx_bf16score",
+            "attention",
+            17,
+            "docs-only: its only Q input is qr_qtz_hbm, a swizzled [num_s_tiles, 128, q_lora_rank // 512, 128] "
+            "fp8x4 layout the reference does not define; its RoPE slice and pairing, LayerNorm eps and mask semantics "
+            "are unstated; its top-k output is a hardware 'snake' order described as both 'j-th largest' and "
+            "'ascending'; and it mutates k_cache: binding it would guess the numerics",
+        ),
         (54, "ms_deformable_attention", "attention", None),
         (55, "ms_deformable_attention_bwd", "attention", None),
         (56, "conv3d", "conv", None),
