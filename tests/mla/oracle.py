@@ -95,3 +95,22 @@ def mla(
             p = np.exp(logits - logits.max(axis=-1, keepdims=True))
             out[b, :, h] = (p / p.sum(axis=-1, keepdims=True)) @ v[b, :, h]
     return np.einsum("bshv,hvd->bsd", out, wo)
+
+
+def sparse_latent_attention(q_lift, q_pe, c_kv, k_pe, idx, scale):
+    """``mla_sparse_attention_cte_kernel`` in float64: ``[B, S, H * L]``, each head's latent ``l = 4 g + u`` at
+    column ``u * L/4 + g``; query ``s`` attends its gathered rows ``idx[b, s]`` that are ``<= s``."""
+    q_lift, q_pe, c_kv, k_pe = (np.asarray(a, np.float64) for a in (q_lift, q_pe, c_kv, k_pe))
+    batch, seq, heads, latent = q_lift.shape
+    out = np.zeros((batch, seq, heads * latent))
+    for b in range(batch):
+        for s in range(seq):
+            rows = [j for j in np.asarray(idx[b, s]) if j <= s]
+            for h in range(heads):
+                logits = np.array([(q_lift[b, s, h] @ c_kv[b, j] + q_pe[b, s, h] @ k_pe[b, j]) * scale for j in rows])
+                p = np.exp(logits - logits.max())
+                natural = (p / p.sum()) @ c_kv[b, rows]
+                for l_index in range(latent):
+                    group, sub = divmod(l_index, 4)
+                    out[b, s, h * latent + sub * (latent // 4) + group] = natural[l_index]
+    return out

@@ -96,16 +96,7 @@ CATALOG = _entries(
             "param comment' (absent from the API reference); its fp8x4 weights and block-128 scales are as undefined "
             "as qkv_mla_mx's. jax_nkilib.mla_attention computes DeepSeek MLA without it",
         ),
-        (
-            51,
-            "mla_sparse_attention_cte_kernel",
-            "mla",
-            17,
-            "its math is defined (torch reference: softmax(scale (q_lift c_kv + q_pe k_pe)) c_kv over the gathered "
-            "top-k rows, future rows masked, output latent columns in MX 4-pack order), but its only consumer "
-            "mla_vupmx_oproj_cte_kernel is unbound and it was not bound in issue 17's time; "
-            "jax_nkilib.mla_attention's sparse path runs this math in JAX with a NeuronFallbackWarning",
-        ),
+        (51, "mla_sparse_attention_cte_kernel", "mla", 17),
         (
             52,
             "mla_vupmx_oproj_cte_kernel",
