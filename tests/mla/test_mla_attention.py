@@ -56,9 +56,9 @@ def test_interleaved_pairs_batched_tables_and_a_scale_match_the_oracle():
     assert_close(jax.jit(fn)(*args), want, jnp.float32, reduction=8, ops=16)
 
 
-@pytest.mark.parametrize("topk", [1, 3])
-def test_sparse_top_k_matches_the_oracle(topk):
-    args, indexer = operands(2, 8, 12, 2, 8, 6, 4, 4, 6, seed=2, indexer=(3, 6))
+@pytest.mark.parametrize("topk, rkv", [(1, 8), (3, 8), (3, 6)])  # kv_lora_rank 6: the JAX route (not 4-packed)
+def test_sparse_top_k_matches_the_oracle(topk, rkv):
+    args, indexer = operands(2, 8, 12, 2, 8, rkv, 4, 4, 6, seed=2, indexer=(3, 6))
     out = jax.jit(functools.partial(jax_nkilib.mla_attention, index_topk=topk))(*args, indexer=indexer)
     want = oracle.mla(*map(f64, args), indexer=tuple(map(f64, indexer)), topk=topk)
     assert_close(out, want, jnp.float32, reduction=12, ops=16)
@@ -114,6 +114,19 @@ def test_deepseek_head_dims_fall_back_for_attention_with_a_warning():
     with pytest.warns(NeuronFallbackWarning, match="head dim d=192"):
         kernels = _neuron_kernels(jax_nkilib.mla_attention, shapes)
     assert kernels == ["rmsnorm_tkg", "RoPE", "rmsnorm_tkg", "RoPE"]
+
+
+def test_sparse_path_lowers_to_the_sparse_kernel_or_warns():
+    packed = operands(1, 256, 256, 2, 256, 512, 64, 64, 128, dtype=jnp.bfloat16, indexer=(2, 128))
+    odd = operands(1, 128, 128, 2, 128, 6, 64, 64, 64, dtype=jnp.bfloat16, indexer=(2, 64))
+    for (args, indexer), kernel in ((packed, True), (odd, False)):
+        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*args, *indexer)]
+        fn = lambda *a: jax_nkilib.mla_attention(*a[:10], indexer=a[10:], index_topk=128)  # noqa: E731
+        if kernel:
+            assert _neuron_kernels(fn, shapes)[-1] == "mla_sparse_attention_cte_kernel"
+        else:
+            with pytest.warns(NeuronFallbackWarning, match="kv_lora_rank=6"):
+                assert "mla_sparse_attention_cte_kernel" not in _neuron_kernels(fn, shapes)
 
 
 def _bad(**changes):

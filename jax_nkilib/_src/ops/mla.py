@@ -20,12 +20,15 @@ position). The selection is not differentiable (DeepSeek trains the indexer by a
 through the attention over the selected keys.
 
 Kernels: the latent norms are ``rmsnorm_tkg`` (:func:`jax_nkilib.rms_norm`), the rotations ``RoPE``
-(:func:`jax_nkilib.rope`), and dense causal attention is ``attention_cte`` (:func:`jax_nkilib.attention`, values
+(:func:`jax_nkilib.rope`). Dense causal attention is ``attention_cte`` (:func:`jax_nkilib.attention`, values
 zero-padded from ``dv`` to ``dn + dr``, which leaves the result exact) where ``dn + dr <= 128``, else its reference
-with a ``NeuronFallbackWarning``. The projections are XLA matmuls. The sparse path runs as JAX with a
-``NeuronFallbackWarning``: the NKI MLA kernels (``mla_qkv_cte_kernel``, ``mla_sparse_attention_cte_kernel``,
-``mla_vupmx_oproj_cte_kernel``, ``sparse_attention_indexer_mx_bf16score``) take MX fp8x4 weights whose packing the
-API reference does not define, so they are not bound (see the support matrix).
+with a ``NeuronFallbackWarning``. The sparse path is ``mla_sparse_attention_cte_kernel`` in DeepSeek's absorbed form
+(``q_lift = q_nope W_uk`` per head, attention over the latent ``c_kv`` and ``k_pe``, then ``W_uv``), its limits or
+fallback as the kernel's; a ``kv_lora_rank`` that is not a multiple of 4 runs as JAX with a
+``NeuronFallbackWarning``. The projections and the indexer's score and top-k are XLA. The NKI MLA projection and
+indexer kernels (``qkv_mla_mx``, ``mla_qkv_cte_kernel``, ``mla_vupmx_oproj_cte_kernel``,
+``sparse_attention_indexer_mx_bf16score``) take MX fp8x4 operands whose packing the API reference does not define,
+so they are not bound (see the support matrix).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ..attention.mla_sparse_attention_cte import H_PACK, from_mx_pack_columns, mla_sparse_attention_cte_kernel
 from ..framework.validation import check_operand_layouts, static_bool, static_float, static_int
 from ..neuron.reference_only import reference_only
 from ..sharding import auto
@@ -56,11 +60,6 @@ LAYOUTS = {
     "sin": ("S, R2", "B, S, R2"),
 }
 INDEXER_LAYOUTS = {"index_wq": "Rq, Hi, Di", "index_wk": "D, Di", "index_weights": "D, Hi"}
-SPARSE_REASON = (
-    "the sparse top-k attention runs as JAX: mla_sparse_attention_cte_kernel and "
-    "sparse_attention_indexer_mx_bf16score are not bound (their MX fp8x4 operand layouts are not defined by the "
-    "API reference)"
-)
 
 MLA_SHARDING = auto.register_rule(
     auto.ShardingRule(
@@ -132,8 +131,10 @@ def _rope_tail(t, cos, sin, dr, interleaved):
     return jnp.concatenate([t[..., :-dr], rope(t[..., -dr:], cos, sin, interleaved=interleaved)], axis=-1)
 
 
-def _indexer_selection(x, q_latent, indexer, topk, cos, sin, dr, interleaved):
-    """``[B, S, S]`` bool: the ``topk`` best causal keys of each query by the indexer's score (not differentiable)."""
+def _indexer_topk(x, q_latent, indexer, topk, cos, sin, dr, interleaved):
+    """``[B, S, min(topk, S)]`` int32: each query's best causal keys by the indexer's score, best first (ties: the
+    lower position), padded with later positions where fewer are causal (masked by the attention). Not
+    differentiable."""
     index_wq, index_wk, index_weights = (jax.lax.stop_gradient(w) for w in indexer)
     x, q_latent = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
     heads, head_dim = index_wq.shape[1:]
@@ -146,8 +147,15 @@ def _indexer_selection(x, q_latent, indexer, topk, cos, sin, dr, interleaved):
     seq = x.shape[1]
     causal = jnp.tril(jnp.ones((seq, seq), bool))
     score = jnp.where(causal, score, -jnp.inf)
-    _, chosen = jax.lax.top_k(score, min(topk, seq))
-    picked = jnp.zeros(score.shape, bool)
+    return jax.lax.top_k(score, min(topk, seq))[1].astype(jnp.int32)
+
+
+def _indexer_selection(x, q_latent, indexer, topk, cos, sin, dr, interleaved):
+    """``[B, S, S]`` bool: the causal keys :func:`_indexer_topk` picks for each query."""
+    chosen = _indexer_topk(x, q_latent, indexer, topk, cos, sin, dr, interleaved)
+    seq = x.shape[1]
+    causal = jnp.tril(jnp.ones((seq, seq), bool))
+    picked = jnp.zeros((x.shape[0], seq, seq), bool)
     picked = jax.vmap(jax.vmap(lambda row, idx: row.at[idx].set(True)))(picked, chosen)
     return picked & causal
 
@@ -249,7 +257,16 @@ def _mla(x, weights, cos, sin, indexer, dn, dr, dv, *, index_topk, softmax_scale
                 op=WHERE,
                 reasons=(f"value head dim dv={dv} exceeds the query/key head dim {dn + dr}",),
             )
-    else:
+    elif rkv % H_PACK:  # the kernel's output packs the latent in groups of 4
         allowed = _indexer_selection(x, q_latent, indexer, index_topk, cos, sin, dr, interleaved)
-        out = reference_only(_masked_attention(q, k, v, allowed, softmax_scale), op=WHERE, reasons=(SPARSE_REASON,))
+        reason = f"kv_lora_rank={rkv} is not a multiple of {H_PACK} (mla_sparse_attention_cte_kernel's MX 4-pack)"
+        out = reference_only(_masked_attention(q, k, v, allowed, softmax_scale), op=WHERE, reasons=(reason,))
+    else:
+        chosen = _indexer_topk(x, q_latent, indexer, index_topk, cos, sin, dr, interleaved)
+        w_uk, w_uv = wkv_b[..., :dn], wkv_b[..., dn:]
+        q_lift = jnp.einsum("bshn,rhn->bshr", q[..., :dn], w_uk)  # the absorbed query: q_nope . k_nope = q_lift . c_kv
+        packed = mla_sparse_attention_cte_kernel(
+            q_lift, q[..., dn:], c_kv, k_pe[:, :, 0], chosen, softmax_scale=softmax_scale
+        )
+        out = jnp.einsum("bshr,rhv->bshv", from_mx_pack_columns(packed, q.shape[2]), w_uv)
     return jnp.einsum("bshv,hvd->bsd", out, wo)
