@@ -28,12 +28,14 @@ _MX_MOE_DOCS = (
 )
 
 
-_MLA_QKV_DOCS = (
-    "docs-only (2.32 API reference, no source or torch reference found): the fp8x4 weights' fp8 format and which "
-    "4 contraction rows a word packs, the uint8 'DeepSeek block-128 compact scales' encoding, the RoPE pairing of "
-    "the [B, S, qk_rope_head_dim] cos/sin caches and (v4) the 'per-head rsqrt norm' are undefined: binding would "
-    "guess the numerics. jax_nkilib.mla_attention computes these projections in XLA"
+_MLA_MX_PIPELINE = (
+    "the 2.32 API reference leaves its MX operands undefined; the newer nki-library source and torch reference "
+    "(public code index) define them by replaying the kernel's MX datapath (float8_e4m3fn_x4 "
+    "words, uint8 compact block-128 scales broadcast to e8m0 MX blocks of 32, activations MX-quantized on the way "
+    "into each matmul, bf16 roundings between stages). Not bound in issue 17's time: binding it means replaying that "
+    "datapath on jax_nkilib._src.quant.mx and checking it against those references"
 )
+_MLA_QKV_DOCS = f"{_MLA_MX_PIPELINE}. jax_nkilib.mla_attention computes these projections in XLA"
 
 
 CATALOG = _entries(
@@ -92,29 +94,19 @@ CATALOG = _entries(
             "mla_qkv_cte_kernel",
             "mla",
             17,
-            "docs-only, and its packed MX activation x_hbm_mx [B, S, H + scale_region] is defined only by 'see the "
-            "param comment' (absent from the API reference); its fp8x4 weights and block-128 scales are as undefined "
-            "as qkv_mla_mx's. jax_nkilib.mla_attention computes DeepSeek MLA without it",
+            "its input x_hbm_mx is rmsnorm_mx_prefill's packed MX activation [B, S, H + scale_region] "
+            f"(pack_scales=True), defined only in the newer source; {_MLA_MX_PIPELINE}",
         ),
         (51, "mla_sparse_attention_cte_kernel", "mla", 17),
-        (
-            52,
-            "mla_vupmx_oproj_cte_kernel",
-            "mla",
-            17,
-            "docs-only: the API reference does not define its fp8x4 words (the fp8 format, which 4 contraction "
-            "elements a word packs along H*L and H*d_v) or its uint8 'compact block-128' scales (their encoding and "
-            "block shape): binding it would guess the numerics",
-        ),
+        (52, "mla_vupmx_oproj_cte_kernel", "mla", 17, _MLA_MX_PIPELINE),
         (
             53,
             "sparse_attention_indexer_mx_bf16score",
             "attention",
             17,
-            "docs-only: its only Q input is qr_qtz_hbm, a swizzled [num_s_tiles, 128, q_lora_rank // 512, 128] "
-            "fp8x4 layout the reference does not define; its RoPE slice and pairing, LayerNorm eps and mask semantics "
-            "are unstated; its top-k output is a hardware 'snake' order described as both 'j-th largest' and "
-            "'ascending'; and it mutates k_cache: binding it would guess the numerics",
+            "its only Q input is qr_qtz_hbm, a swizzled [num_s_tiles, 128, q_lora_rank // 512, 128] fp8x4 layout, its "
+            "top-k output is a hardware 'snake' order (the API reference calls it both 'j-th largest' and "
+            f"'ascending') and it mutates k_cache; {_MLA_MX_PIPELINE}. jax_nkilib.mla_attention's indexer is XLA",
         ),
         (54, "ms_deformable_attention", "attention", None),
         (55, "ms_deformable_attention_bwd", "attention", None),
