@@ -98,7 +98,7 @@ register(
         jax_nkilib.mla_attention,
         OPERANDS,
         _mla(1, 2048, 7168, 16, 1536, 512, 128, 64, 128, dtype=jnp.bfloat16),
-        kernels=("rmsnorm_tkg", "RoPE", "rmsnorm_tkg", "RoPE", "attention_cte"),
+        kernels=("rmsnorm_tkg", "RoPE", "rmsnorm_tkg", "RoPE"),
         only_kernels=False,
         size="realistic",
         notes="DeepSeek-V3's dims (16 of its 128 heads): dn + dr = 192 exceeds attention_cte's head dim, so its "
