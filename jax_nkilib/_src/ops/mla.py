@@ -23,12 +23,13 @@ Kernels: the latent norms are ``rmsnorm_tkg`` (:func:`jax_nkilib.rms_norm`), the
 (:func:`jax_nkilib.rope`). Dense causal attention is ``attention_cte`` (:func:`jax_nkilib.attention`, values
 zero-padded from ``dv`` to ``dn + dr``, which leaves the result exact) where ``dn + dr <= 128``, else its reference
 with a ``NeuronFallbackWarning``. The sparse path is ``mla_sparse_attention_cte_kernel`` in DeepSeek's absorbed form
-(``q_lift = q_nope W_uk`` per head, attention over the latent ``c_kv`` and ``k_pe``, then ``W_uv``), its limits or
-fallback as the kernel's; a ``kv_lora_rank`` that is not a multiple of 4 runs as JAX with a
-``NeuronFallbackWarning``. The projections and the indexer's score and top-k are XLA. The NKI MLA projection and
-indexer kernels (``qkv_mla_mx``, ``mla_qkv_cte_kernel``, ``mla_vupmx_oproj_cte_kernel``,
-``sparse_attention_indexer_mx_bf16score``) take MX fp8x4 operands whose packing the API reference does not define,
-so they are not bound (see the support matrix).
+(``q_lift = q_nope W_uk`` per head, attention over the latent ``c_kv`` and ``k_pe``, then ``W_uv``), one call per
+sequence (the kernel takes ``B == 1``; a batch is a loop of calls), its other limits or fallback as the kernel's; a
+``kv_lora_rank`` that is not a multiple of 4 runs as JAX with a ``NeuronFallbackWarning``. The projections and
+the indexer's score and top-k are XLA. The NKI MLA projection and indexer kernels (``qkv_mla_mx``,
+``mla_qkv_cte_kernel``, ``mla_vupmx_oproj_cte_kernel``, ``sparse_attention_indexer_mx_bf16score``) take MX fp8x4
+operands whose datapath only the newer nki-library references define; they are not bound yet (see the support
+matrix).
 """
 
 from __future__ import annotations
@@ -265,8 +266,9 @@ def _mla(x, weights, cos, sin, indexer, dn, dr, dv, *, index_topk, softmax_scale
         chosen = _indexer_topk(x, q_latent, indexer, index_topk, cos, sin, dr, interleaved)
         w_uk, w_uv = wkv_b[..., :dn], wkv_b[..., dn:]
         q_lift = jnp.einsum("bshn,rhn->bshr", q[..., :dn], w_uk)  # the absorbed query: q_nope . k_nope = q_lift . c_kv
-        packed = mla_sparse_attention_cte_kernel(
-            q_lift, q[..., dn:], c_kv, k_pe[:, :, 0], chosen, softmax_scale=softmax_scale
-        )
+        one_sequence = lambda *a: mla_sparse_attention_cte_kernel(  # noqa: E731  (the kernel takes B == 1)
+            *(t[None] for t in a), softmax_scale=softmax_scale
+        )[0]
+        packed = jax.vmap(one_sequence)(q_lift, q[..., dn:], c_kv, k_pe[:, :, 0], chosen)
         out = jnp.einsum("bshr,rhv->bshv", from_mx_pack_columns(packed, q.shape[2]), w_uv)
     return jnp.einsum("bshv,hvd->bsd", out, wo)
