@@ -15,6 +15,7 @@ from jax_nkilib._src.ops.dot_product_attention import dot_product_attention
 from jax_nkilib._src.ops.embedding import embedding_lookup
 from jax_nkilib._src.ops.flax_attention import flax_attention_fn
 from jax_nkilib._src.ops.loss import cross_entropy
+from jax_nkilib._src.ops.mla import mla_attention
 from jax_nkilib._src.ops.mlp import mlp
 from jax_nkilib._src.ops.moe import moe, moe_block
 from jax_nkilib._src.ops.norm import dequantize_fp8, layer_norm, quantize_fp8, rms_norm
@@ -56,6 +57,7 @@ __all__ = [
     "KernelSupport",
     "layer_norm",
     "matmul_reduce_scatter",
+    "mla_attention",
     "mlp",
     "moe",
     "moe_block",

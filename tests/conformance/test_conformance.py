@@ -61,6 +61,8 @@ VARIANTS_ARE_SLOW += ("transformer_tkg",)
 # ms_deformable_attention_bwd (issue 17): its variants run with `-m slow`;
 # tests/attention/test_ms_deformable_attention.py covers its jit, vmap and shard_map fast (as the forward's VJP).
 VARIANTS_ARE_SLOW += ("ms_deformable_attention_bwd",)
+# mla_attention (issue 17): its eager reference runs op by op; tests/mla covers jit, vmap and shard_map fast.
+VARIANTS_ARE_SLOW += ("mla_attention",)
 
 
 # ------------------------------------------------------------------------------------------------------- helpers

@@ -196,6 +196,22 @@ def _cases():
             (P("data", "model"), P("data", "model")),
             {"all-reduce": 1},
         ),
+        "jax_nkilib.mla_attention": (  # the batch over `data`, the weights replicated: no collective
+            jax_nkilib.mla_attention,
+            (
+                random((B, S, 8), seed=26),
+                random((8, 6), seed=27, scale=0.4),
+                random((6,), seed=28),
+                random((6, 2, 8), seed=29, scale=0.4),
+                random((8, 8), seed=30, scale=0.4),
+                random((4,), seed=31),
+                random((4, 2, 10), seed=32, scale=0.5),
+                random((2, 6, 8), seed=33, scale=0.4),
+                *angles((S, 2)),
+            ),
+            (P("data"),) + (P(),) * 9,
+            {},
+        ),
         "jax_nkilib.mlp": (
             lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d, norm="rms"),
             (x3, w_gate, w_up, w_down),

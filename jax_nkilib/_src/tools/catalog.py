@@ -28,6 +28,16 @@ _MX_MOE_DOCS = (
 )
 
 
+_MLA_MX_PIPELINE = (
+    "the 2.32 API reference leaves its MX operands undefined; the newer nki-library source and torch reference "
+    "(public code index) define them by replaying the kernel's MX datapath (float8_e4m3fn_x4 "
+    "words, uint8 compact block-128 scales broadcast to e8m0 MX blocks of 32, activations MX-quantized on the way "
+    "into each matmul, bf16 roundings between stages). Not bound in issue 17's time: binding it means replaying that "
+    "datapath on jax_nkilib._src.quant.mx and checking it against those references"
+)
+_MLA_QKV_DOCS = f"{_MLA_MX_PIPELINE}. jax_nkilib.mla_attention computes these projections in XLA"
+
+
 CATALOG = _entries(
     [
         (1, "attention_cte", "attention", 3),
@@ -78,11 +88,26 @@ CATALOG = _entries(
         (46, "attention_kv_parallel_segmented_cte", "attention", 3),
         (47, "attention_mxfp8_tkg", "attention", 3),
         (48, "swa_fused_cte", "attention", 3),
-        (49, "qkv_mla_mx qkv_mla_mx_deepseek_v4", "mla", None),
-        (50, "mla_qkv_cte_kernel", "mla", None),
-        (51, "mla_sparse_attention_cte_kernel", "mla", None),
-        (52, "mla_vupmx_oproj_cte_kernel", "mla", None),
-        (53, "sparse_attention_indexer_mx_bf16score", "attention", None),
+        (49, "qkv_mla_mx qkv_mla_mx_deepseek_v4", "mla", 17, _MLA_QKV_DOCS),
+        (
+            50,
+            "mla_qkv_cte_kernel",
+            "mla",
+            17,
+            "its input x_hbm_mx is rmsnorm_mx_prefill's packed MX activation [B, S, H + scale_region] "
+            f"(pack_scales=True), defined only in the newer source; {_MLA_MX_PIPELINE}",
+        ),
+        (51, "mla_sparse_attention_cte_kernel", "mla", 17),
+        (52, "mla_vupmx_oproj_cte_kernel", "mla", 17, _MLA_MX_PIPELINE),
+        (
+            53,
+            "sparse_attention_indexer_mx_bf16score",
+            "attention",
+            17,
+            "its only Q input is qr_qtz_hbm, a swizzled [num_s_tiles, 128, q_lora_rank // 512, 128] fp8x4 layout, its "
+            "top-k output is a hardware 'snake' order (the API reference calls it both 'j-th largest' and "
+            f"'ascending') and it mutates k_cache; {_MLA_MX_PIPELINE}. jax_nkilib.mla_attention's indexer is XLA",
+        ),
         (54, "ms_deformable_attention", "attention", 17),
         (55, "ms_deformable_attention_bwd", "attention", 17),
         (56, "conv3d", "conv", None),

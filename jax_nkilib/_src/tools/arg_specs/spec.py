@@ -244,6 +244,7 @@ _FAMILIES = (
     "elementwise",
     "deformable",
     "benchmark",
+    "mla",
 )
 _loaded = False
 
