@@ -27,6 +27,7 @@ from jax_nkilib._src.collectives.hbm_collectives import (
     rank_id_kernel,
     reduce_scatter_hbm_kernel,
 )
+from jax_nkilib._src.conv.conv1d import conv1d
 from jax_nkilib._src.elementwise.dynamic_elementwise_add import dynamic_elementwise_add
 from jax_nkilib._src.elementwise.pad import pad
 from jax_nkilib._src.framework.common_types import (
@@ -155,6 +156,7 @@ __all__ = [
     "BlockShardStrategy",
     "ClampLimits",
     "cumsum",
+    "conv1d",
     "build_all2all_dispatch_metadata",
     "build_all_to_all_v_metadata",
     "AttnQBatchShardLayout",

@@ -242,6 +242,7 @@ _FAMILIES = (
     "loss",
     "scan",
     "elementwise",
+    "conv",
 )
 _loaded = False
 

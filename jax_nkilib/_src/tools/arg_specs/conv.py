@@ -1,0 +1,22 @@
+"""Arg specs of the convolution kernels."""
+
+from jax.sharding import PartitionSpec as P
+
+from jax_nkilib import nki
+from jax_nkilib._src.tools.arg_specs.spec import ArgSpec, BadInput, Sharding, normal, register
+
+_DATA = (("data", 8),)
+
+register(
+    ArgSpec(
+        "conv1d",
+        nki.conv1d,
+        ("x_in", "filters", "bias"),
+        lambda rng: (normal(rng, (8, 5, 19)), normal(rng, (3, 5, 6), scale=0.5), normal(rng, (6,))),
+        kwargs={"stride": 2, "padding": (2, 1), "dilation": 2, "activation_fn": "GELU_Tanh_Approx"},
+        kernels=("conv1d",),
+        grad=("x_in", "filters", "bias"),
+        sharding=Sharding(_DATA, (P("data"), P(), P()), P("data")),
+        bad=BadInput("filters", lambda f: f[:, :4], "K, Cin, Cout"),
+    ),
+)
