@@ -60,7 +60,7 @@ CATALOG = _entries(
         (28, "blockwise_mm_bwd", "moe", 14),
         (29, "blockwise_mm_baseline_shard_hidden", "moe", 14),
         (30, "conv1d", "conv", 17),
-        (31, "depthwise_conv1d_implicit_gemm", "conv", None),
+        (31, "depthwise_conv1d_implicit_gemm", "conv", 17),
         (32, "dynamic_elementwise_add", "elementwise", 16),
         (33, "fine_grained_allgather", "collectives", 5),
         (34, "allgather_compute_matmul", "collectives", 5),

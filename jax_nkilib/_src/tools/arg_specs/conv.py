@@ -20,3 +20,18 @@ register(
         bad=BadInput("filters", lambda f: f[:, :4], "K, Cin, Cout"),
     ),
 )
+
+register(
+    ArgSpec(
+        "depthwise_conv1d_implicit_gemm",
+        nki.depthwise_conv1d_implicit_gemm,
+        ("img_ref", "filter_ref"),
+        lambda rng: (normal(rng, (8, 6, 1, 23)), normal(rng, (6, 1, 1, 5), scale=0.5)),
+        kwargs={"padding": ((0, 0), (2, 1)), "stride": (1, 2), "feature_group_count": 6},
+        kernels=("depthwise_conv1d_implicit_gemm",),
+        grad=("img_ref", "filter_ref"),
+        sharding=Sharding(_DATA, (P("data"), P()), P("data")),
+        bad=BadInput("filter_ref", lambda f: f.reshape(6, 1, 5, 1), "C, 1, 1, S"),
+        neuron_lnc=2,
+    ),
+)
