@@ -2,6 +2,7 @@
 
 from jax.sharding import PartitionSpec as P
 
+import jax_nkilib
 from jax_nkilib import nki
 from jax_nkilib._src.tools.arg_specs.spec import ArgSpec, BadInput, Sharding, normal, register
 
@@ -33,5 +34,52 @@ register(
         sharding=Sharding(_DATA, (P("data"), P()), P("data")),
         bad=BadInput("filter_ref", lambda f: f.reshape(6, 1, 5, 1), "C, 1, 1, S"),
         neuron_lnc=2,
+    ),
+)
+
+register(
+    ArgSpec(
+        "jax_nkilib.conv",
+        jax_nkilib.conv,
+        ("lhs", "rhs"),
+        lambda rng: (normal(rng, (8, 21, 5)), normal(rng, (3, 5, 4), scale=0.5)),
+        kwargs={
+            "window_strides": (2,),
+            "padding": "SAME",
+            "rhs_dilation": (2,),
+            "dimension_numbers": ("NWC", "WIO", "NCW"),
+        },
+        kernels=("conv1d",),
+        only_kernels=False,
+        grad=("lhs", "rhs"),
+        sharding=Sharding(_DATA, (P("data"), P()), P("data")),
+        bad=BadInput("rhs", lambda w: w[..., 0], "rhs"),
+        notes="the conv1d route, layouts transposed around the kernel",
+    ),
+    ArgSpec(
+        "jax_nkilib.conv(depthwise)",
+        jax_nkilib.conv,
+        ("lhs", "rhs"),
+        lambda rng: (normal(rng, (8, 6, 19)), normal(rng, (6, 1, 4), scale=0.5)),
+        kwargs={"window_strides": (1,), "padding": [(1, 2)], "feature_group_count": 6},
+        kernels=("depthwise_conv1d_implicit_gemm",),
+        only_kernels=False,
+        grad=("lhs", "rhs"),
+        sharding=Sharding(_DATA, (P("data"), P()), P("data")),
+        neuron_lnc=2,
+        notes="the depthwise route (NCH/OIH/NCH, the kernel's own layouts up to a unit H axis)",
+    ),
+    ArgSpec(
+        "jax_nkilib.conv(3d transpose)",
+        jax_nkilib.conv,
+        ("lhs", "rhs"),
+        lambda rng: (normal(rng, (8, 2, 3, 4, 5)), normal(rng, (4, 2, 2, 2, 3), scale=0.5)),
+        kwargs={"window_strides": (1, 1, 1), "padding": [(1, 1)] * 3, "lhs_dilation": (2, 1, 2)},
+        kernels=(),
+        only_kernels=False,
+        grad=("lhs", "rhs"),
+        sharding=Sharding(_DATA, (P("data"), P()), P("data")),
+        neuron_fallback="3-D convolution",
+        notes="a 3-D transposed convolution (lhs_dilation): lax on every platform until conv3d_transpose is bound",
     ),
 )
