@@ -27,20 +27,17 @@ not a limit (the kernel loops over B).
 
 from __future__ import annotations
 
-from jax import lax
-
-from ..framework.activations import activation
 from ..framework.common_types import ActFnType
 from ..framework.primitive import make_kernel, reference_vjp
-from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param, accumulation_dtype
+from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param
+from .conv_math import bias_then_activation, check_one_dtype, cross_correlation, kernel_activation, output_size
 
 MAX_K, MAX_L, MAX_CHANNELS = 128, 4096, 4096  # the kernel's documented intended usage range
-CONV1D_ACTIVATIONS = (ActFnType.SiLU, ActFnType.GELU, ActFnType.GELU_Tanh_Approx, ActFnType.Swish)
 
 
 def conv1d_output_length(length: int, kernel: int, stride: int, padding: tuple[int, int], dilation: int) -> int:
     """``(L + pad_left + pad_right - dilation (K - 1) - 1) // stride + 1``."""
-    return (length + padding[0] + padding[1] - dilation * (kernel - 1) - 1) // stride + 1
+    return output_size(length, kernel, stride, padding[0], padding[1], dilation)
 
 
 def padding_pair(value, where: str) -> tuple[int, int]:
@@ -56,46 +53,13 @@ def padding_pair(value, where: str) -> tuple[int, int]:
     return (int(value[0]), int(value[1]))
 
 
-def conv1d_activation(value, where: str):
-    """``activation_fn``: ``None`` or one of :data:`CONV1D_ACTIVATIONS` (a member or its name)."""
-    if value is None:
-        return None
-    from ..framework.spec import enum_member
-
-    member = enum_member(ActFnType, value, where)
-    if member not in CONV1D_ACTIVATIONS:
-        names = ", ".join(m.name for m in CONV1D_ACTIVATIONS)
-        raise ValueError(f"{where} must be None or one of {names} (the kernel's activations); got {member.name}")
-    return member
-
-
-def cross_correlation_1d(x, filters, *, stride, padding, dilation):
-    """``acc [B, Cout, Lout]`` in the accumulation dtype from ``x [B, Cin, L]`` and ``filters [K, Cin, Cout]``."""
-    wide = accumulation_dtype(x.dtype)
-    return lax.conv_general_dilated(
-        x.astype(wide),
-        filters.astype(wide),
-        window_strides=(stride,),
-        padding=(padding,),
-        rhs_dilation=(dilation,),
-        dimension_numbers=("NCH", "HIO", "NCH"),
-        precision=lax.Precision.HIGHEST,
-        preferred_element_type=wide,
-    )
-
-
 def reference_conv1d(
     x_in, filters, bias=None, *, stride=1, padding=(0, 0), dilation=1, activation_fn=None, lnc_shard=False
 ):
     """JAX reference of ``conv1d`` (see the module docstring for the rounding steps)."""
     del lnc_shard  # splits Cout over the cores: same numbers
-    dtype, wide = x_in.dtype, accumulation_dtype(x_in.dtype)
-    y = cross_correlation_1d(x_in, filters, stride=stride, padding=padding, dilation=dilation)
-    if bias is not None:
-        y = (y + bias.astype(wide)[None, :, None]).astype(dtype).astype(wide)
-    if activation_fn is not None:
-        y = activation(y, activation_fn)
-    return (y.astype(dtype),)
+    acc = cross_correlation(x_in, filters, strides=(stride,), pads=(padding,), dilations=(dilation,))
+    return (bias_then_activation(acc, bias, activation_fn, x_in.dtype),)
 
 
 def _conv1d_outputs(call: CallInfo):
@@ -109,11 +73,7 @@ def _check_conv1d(call: CallInfo) -> None:
     for name in ("stride", "dilation"):
         if p[name] < 1:
             raise ValueError(f"{function}: parameter `{name}` must be >= 1; got {p[name]}")
-    dtypes = {name: aval.dtype for name, aval in call.avals.items() if aval is not None}
-    if len(set(dtypes.values())) > 1:
-        raise TypeError(
-            f"{function}: x_in, filters and bias must share one dtype (the kernel asserts it); got {dtypes}"
-        )
+    check_one_dtype(call)
     if conv1d_output_length(d["L"], d["K"], p["stride"], p["padding"], p["dilation"]) < 1:
         raise ValueError(
             f"{function}: the output is empty: L={d['L']} with padding={p['padding']} is shorter than the dilated "
@@ -151,7 +111,7 @@ CONV1D_SPEC = KernelSpec(
             None,
             ActFnType,
             "fused activation (SiLU, GELU, GELU_Tanh_Approx or Swish)",
-            normalizer=conv1d_activation,
+            normalizer=kernel_activation,
         ),
         Param("lnc_shard", False, bool, "split Cout over the LNC cores (same result)"),
     ),
