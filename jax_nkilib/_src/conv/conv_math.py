@@ -5,8 +5,6 @@ Activations are the kernels' ``get_nl_act_fn_from_type``: SiLU, GELU, GELU_Tanh_
 
 from __future__ import annotations
 
-import string
-
 from jax import lax
 
 from ..framework.activations import activation
@@ -49,7 +47,7 @@ def cross_correlation(x, filters, *, strides, pads, dilations):
     """``acc [B, Cout, out...]`` in the accumulation dtype from ``x [B, Cin, spatial...]`` and ``filters [K...,
     Cin, Cout]``; ``pads`` one ``(low, high)`` pair per spatial axis."""
     wide = accumulation_dtype(x.dtype)
-    letters = string.ascii_uppercase[: x.ndim - 2]  # spatial axes, as lax names them
+    letters = "DHW"[3 - (x.ndim - 2) :]  # spatial axes (1-D: "W"; 3-D: "DHW")
     return lax.conv_general_dilated(
         x.astype(wide),
         filters.astype(wide),

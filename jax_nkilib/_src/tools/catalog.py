@@ -85,8 +85,8 @@ CATALOG = _entries(
         (53, "sparse_attention_indexer_mx_bf16score", "attention", None),
         (54, "ms_deformable_attention", "attention", None),
         (55, "ms_deformable_attention_bwd", "attention", None),
-        (56, "conv3d", "conv", None),
-        (57, "conv3d_temporal_unroll", "conv", None),
+        (56, "conv3d", "conv", 17),
+        (57, "conv3d_temporal_unroll", "conv", 17),
         (58, "conv3d_transpose", "conv", None),
         (
             59,

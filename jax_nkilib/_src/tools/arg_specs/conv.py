@@ -83,3 +83,28 @@ register(
         notes="a 3-D transposed convolution (lhs_dilation): lax on every platform until conv3d_transpose is bound",
     ),
 )
+
+register(
+    ArgSpec(
+        "conv3d",
+        nki.conv3d,
+        ("x_in", "filters", "bias"),
+        lambda rng: (normal(rng, (8, 3, 4, 5, 6)), normal(rng, (2, 3, 2, 3, 4), scale=0.3), normal(rng, (4,))),
+        kwargs={"stride": (1, 2, 1), "padding": (1, 0, 0, 1, 2, 1), "dilation": (1, 1, 2), "activation_fn": "SiLU"},
+        kernels=("conv3d",),
+        grad=("x_in", "filters", "bias"),
+        sharding=Sharding(_DATA, (P("data"), P(), P()), P("data")),
+        bad=BadInput("filters", lambda f: f[..., :2, :], "Kd, Kh, Kw, Cin, Cout"),
+    ),
+    ArgSpec(
+        "conv3d_temporal_unroll",
+        nki.conv3d_temporal_unroll,
+        ("x_in", "filters", "bias"),
+        lambda rng: (normal(rng, (8, 5, 4, 3, 7)), normal(rng, (2, 2, 3, 5, 3), scale=0.3), normal(rng, (3,))),
+        kwargs={"padding": (0, 0, 1, 1, 1, 1), "activation_fn": "GELU"},
+        kernels=("conv3d_temporal_unroll",),
+        grad=("x_in", "filters", "bias"),
+        sharding=Sharding(_DATA, (P("data"), P(), P()), P("data")),
+        bad=BadInput("bias", lambda b: b[:2], "Cout"),
+    ),
+)
