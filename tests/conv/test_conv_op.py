@@ -15,6 +15,7 @@ from jax.test_util import check_grads
 
 import jax_nkilib
 from jax_nkilib.neuron import NeuronFallbackWarning
+from tests.conv.test_conv3d import oracle as oracle_3d
 from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text
 from tests.support.numerics import assert_close, f64
@@ -109,7 +110,18 @@ def test_gradients_float64_match_lax(case):
 
 FALLBACKS = [  # (lhs, rhs, kwargs, what the warning names)
     ((2, 3, 5, 6), (4, 3, 2, 2), dict(window_strides=(1, 1), padding="SAME"), "2-D convolution"),
-    ((1, 2, 3, 4, 5), (3, 2, 2, 2, 2), dict(window_strides=(1, 1, 1), padding="VALID"), "3-D convolution"),
+    (
+        (1, 2, 3, 4, 5),
+        (4, 1, 2, 2, 2),
+        dict(window_strides=(1, 1, 1), padding="VALID", feature_group_count=2),
+        "feature_group_count=2 in a 3-D convolution",
+    ),  # fmt: skip
+    (
+        (1, 2, 3, 4, 5),
+        (3, 2, 2, 2, 2),
+        dict(window_strides=(1, 1, 1), padding=[(1, 1)] * 3, lhs_dilation=(2, 1, 2)),
+        "lhs_dilation=(2, 1, 2)",
+    ),  # fmt: skip
     ((2, 3, 9), (4, 3, 3), dict(window_strides=(1,), padding=[(2, 2)], lhs_dilation=(2,)), "lhs_dilation=(2,)"),
     ((2, 3, 9), (4, 3, 3), dict(window_strides=(1,), padding=[(-1, 0)]), "negative padding"),
     ((2, 4, 9), (4, 2, 3), dict(window_strides=(1,), padding="VALID", feature_group_count=2), "feature_group_count=2"),
@@ -175,3 +187,47 @@ def test_one_output_position_per_tap():
     assert out.shape == (1, 2, 1)
     np.testing.assert_allclose(out[0, :, 0], np.einsum("cl,ocl->o", f64(x[0]), f64(w)), rtol=1e-5)
     assert math.isfinite(float(out.sum()))
+
+
+ROUTED_3D = [  # (lhs, rhs, kwargs): channels first and channels last, strides, dilation, padding strings
+    ((2, 3, 4, 5, 6), (4, 3, 2, 3, 2), dict(window_strides=(1, 2, 1), padding="SAME", rhs_dilation=(1, 1, 2))),
+    (
+        (1, 5, 4, 3, 2),
+        (2, 3, 1, 2, 3),
+        dict(window_strides=(2, 1, 1), padding=[(1, 0), (0, 2), (1, 1)], dimension_numbers=("NDHWC", "DHWIO", "NCDHW")),
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
+@pytest.mark.parametrize("case", ROUTED_3D, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_3d_convolutions_match_lax_and_the_oracle(case, dtype):
+    lhs_shape, rhs_shape, kwargs = case
+    lhs, rhs = random(lhs_shape, dtype, seed=sum(lhs_shape)), random(rhs_shape, dtype, seed=sum(rhs_shape), scale=0.3)
+    out = jax_nkilib.conv(lhs, rhs, **kwargs)
+    plain = lax.conv_general_dilated(lhs, rhs, **kwargs, precision=lax.Precision.HIGHEST)
+    assert out.shape == plain.shape and out.dtype == dtype
+    dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, kwargs.get("dimension_numbers"))
+    x, w = lhs.transpose(dn.lhs_spec), rhs.transpose(*dn.rhs_spec[2:], dn.rhs_spec[1], dn.rhs_spec[0])
+    dilation = kwargs.get("rhs_dilation", (1, 1, 1))
+    pads = kwargs["padding"]
+    if isinstance(pads, str):
+        dilated = [(k - 1) * d + 1 for k, d in zip(w.shape[:3], dilation)]
+        pads = lax.padtype_to_pads(x.shape[2:], dilated, kwargs["window_strides"], pads)
+    flat = tuple(p for pair in pads for p in pair)
+    expected = oracle_3d(x, w, None, kwargs["window_strides"], flat, dilation).transpose(np.argsort(dn.out_spec))
+    assert_close(out, expected, dtype, reduction=math.prod(w.shape[:4]))
+    if dtype != jnp.float64:
+        assert kernel_names(lambda a, b: jax_nkilib.conv(a, b, **kwargs), lhs, rhs) == ["conv3d"]
+    if dtype == jnp.float64:
+        check_grads(lambda a, b: jax_nkilib.conv(a, b, **kwargs), (lhs, rhs), order=1, modes=["rev"])
+
+
+def test_3d_shapes_the_library_rule_picks_run_the_temporal_unroll_kernel():
+    """Cout=3, Do=2, Cin=65, Wo=513: should_use_temporal_unroll holds, so conv3d_temporal_unroll runs."""
+    lhs = jax.ShapeDtypeStruct((1, 65, 3, 4, 515), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((3, 65, 2, 3, 3), jnp.bfloat16)
+    call = lambda a, b: jax_nkilib.conv(a, b, (1, 1, 1), "VALID")  # noqa: E731
+    assert kernel_names(call, lhs, rhs) == ["conv3d_temporal_unroll"]
+    narrow = jax.ShapeDtypeStruct((1, 65, 3, 4, 514), jnp.bfloat16)  # Wo = 512: one W tile
+    assert kernel_names(call, narrow, rhs) == ["conv3d"]

@@ -7,8 +7,11 @@ Semantics are exactly ``lax.conv_general_dilated``'s (same arguments, same outpu
   output unless the layouts already are the kernel's);
 * a depthwise 1-D convolution (``feature_group_count = Cin`` = the output features, one input feature per filter,
   no dilation) is ``depthwise_conv1d_implicit_gemm`` on ``[N, C, 1, W]`` / ``[C, 1, 1, S]``;
-* anything else, including 2-D and 3-D convolutions (``conv3d``, ``conv3d_temporal_unroll`` and
-  ``conv3d_transpose`` are not bound yet), runs ``lax.conv_general_dilated``; lowering that for Neuron warns with a
+* a 3-D convolution (one group, no ``lhs_dilation``, non-negative padding) is ``conv3d_temporal_unroll`` where
+  the library's ``should_use_temporal_unroll`` says it pays, else ``conv3d``, on ``x [B, Cin, D, H, W]``,
+  ``filters [Kd, Kh, Kw, Cin, Cout]``;
+* anything else, including 2-D convolutions and 3-D transposed convolutions (``lhs_dilation``;
+  ``conv3d_transpose`` is not bound), runs ``lax.conv_general_dilated``; lowering that for Neuron warns with a
   ``NeuronFallbackWarning`` naming why (an error under ``config(on_unsupported="error")``).
 
 The kernels accumulate in float32 whatever ``precision`` asks (float64 for float64 off Neuron) and return the
@@ -23,6 +26,9 @@ import numpy as np
 from jax import lax
 
 from ..conv.conv1d import conv1d as conv1d_kernel
+from ..conv.conv3d import conv3d as conv3d_kernel
+from ..conv.conv3d import conv3d_temporal_unroll as temporal_unroll_kernel
+from ..conv.conv3d import should_use_temporal_unroll
 from ..conv.depthwise_conv1d import depthwise_conv1d_implicit_gemm as depthwise_kernel
 from ..framework.arguments import array_argument
 from ..framework.spec import FLOAT_DTYPES
@@ -60,11 +66,11 @@ def _explicit_padding(padding, lhs_spatial, rhs_spatial, strides, rhs_dilation) 
 
 
 def _route(lhs, rhs, dn, strides, pads, lhs_dilation, rhs_dilation, groups, batch_groups, preferred):
-    """``"conv1d"``, ``"depthwise"``, or the reasons no kernel computes the call."""
+    """``"conv1d"``, ``"depthwise"``, ``"conv3d"``, or the reasons no kernel computes the call."""
     reasons = []
     spatial = len(dn.lhs_spec) - 2
-    if spatial != 1:
-        reasons.append(f"a {spatial}-D convolution (the bound kernels are 1-D; the 3-D kernels are not bound yet)")
+    if spatial not in (1, 3):
+        reasons.append(f"a {spatial}-D convolution (the kernels are 1-D and 3-D)")
     if lhs.dtype != rhs.dtype or np.dtype(lhs.dtype) not in FLOAT_DTYPES:
         reasons.append(f"operands of dtypes {lhs.dtype} and {rhs.dtype} (the kernels take one float dtype)")
     if preferred is not None and np.dtype(preferred) != np.dtype(lhs.dtype):
@@ -78,7 +84,9 @@ def _route(lhs, rhs, dn, strides, pads, lhs_dilation, rhs_dilation, groups, batc
     in_features = lhs.shape[dn.lhs_spec[1]]
     out_features, filter_in = rhs.shape[dn.rhs_spec[0]], rhs.shape[dn.rhs_spec[1]]
     if groups == 1:
-        return reasons or "conv1d"
+        return reasons or ("conv1d" if spatial == 1 else "conv3d")
+    if spatial == 3:
+        return reasons + [f"feature_group_count={groups} in a 3-D convolution (conv3d has one group)"]
     if not (groups == in_features == out_features and filter_in == 1):
         reasons.append(
             f"feature_group_count={groups} that is not depthwise with one filter per channel (the kernels cover 1 "
@@ -105,6 +113,20 @@ def _depthwise(lhs, rhs, dn, strides, pads):
     return y.transpose(np.argsort(dn.out_spec))
 
 
+def _conv3d(lhs, rhs, dn, strides, pads, rhs_dilation):
+    x = lhs.transpose(dn.lhs_spec)  # [B, Cin, D, H, W]
+    filters = rhs.transpose(*dn.rhs_spec[2:], dn.rhs_spec[1], dn.rhs_spec[0])  # [Kd, Kh, Kw, Cin, Cout]
+    padding = tuple(p for pair in pads for p in pair)
+    out_spatial = [
+        (size + low + high - dil * (taps - 1) - 1) // stride + 1
+        for size, taps, (low, high), dil, stride in zip(x.shape[2:], filters.shape[:3], pads, rhs_dilation, strides)
+    ]
+    unroll = should_use_temporal_unroll(filters.shape[4], out_spatial[0], x.shape[1], filters.shape[0], out_spatial[2])
+    kernel = temporal_unroll_kernel if unroll else conv3d_kernel
+    y = kernel(x, filters, stride=strides, padding=padding, dilation=rhs_dilation)
+    return y.transpose(np.argsort(dn.out_spec))
+
+
 def conv(
     lhs,
     rhs,
@@ -120,10 +142,10 @@ def conv(
 ):
     """General dilated convolution with ``lax.conv_general_dilated``'s arguments and semantics.
 
-    1-D convolutions (plain or depthwise) run the NKI ``conv1d`` / ``depthwise_conv1d_implicit_gemm`` kernels with
-    float32 accumulation (``precision`` has no further effect there); every other case runs
-    ``lax.conv_general_dilated`` and warns on Neuron (see the module docstring). Differentiable (JAX's conv
-    gradients).
+    1-D convolutions (plain or depthwise) and 3-D convolutions run the NKI ``conv1d`` /
+    ``depthwise_conv1d_implicit_gemm`` / ``conv3d`` (or ``conv3d_temporal_unroll``) kernels with float32
+    accumulation (``precision`` has no further effect there); every other case runs ``lax.conv_general_dilated``
+    and warns on Neuron (see the module docstring). Differentiable (JAX's conv gradients).
     """
     lhs = array_argument(WHERE, "lhs", lhs, dtypes=None)
     rhs = array_argument(WHERE, "rhs", rhs, dtypes=None)
@@ -162,6 +184,8 @@ def conv(
         return _conv1d(lhs, rhs, dn, strides, pads, rhs_dilation)
     if route == "depthwise":
         return _depthwise(lhs, rhs, dn, strides, pads)
+    if route == "conv3d":
+        return _conv3d(lhs, rhs, dn, strides, pads, rhs_dilation)
     out = lax.conv_general_dilated(
         lhs,
         rhs,

@@ -70,6 +70,22 @@ register(
         notes="the depthwise route (NCH/OIH/NCH, the kernel's own layouts up to a unit H axis)",
     ),
     ArgSpec(
+        "jax_nkilib.conv(3d)",
+        jax_nkilib.conv,
+        ("lhs", "rhs"),
+        lambda rng: (normal(rng, (8, 4, 5, 3, 2)), normal(rng, (2, 3, 2, 2, 3), scale=0.5)),
+        kwargs={
+            "window_strides": (1, 2, 1),
+            "padding": "SAME",
+            "dimension_numbers": ("NDHWC", "DHWIO", "NDHWC"),
+        },
+        kernels=("conv3d",),
+        only_kernels=False,
+        grad=("lhs", "rhs"),
+        sharding=Sharding(_DATA, (P("data"), P()), P("data")),
+        notes="the conv3d route from channels-last layouts",
+    ),
+    ArgSpec(
         "jax_nkilib.conv(3d transpose)",
         jax_nkilib.conv,
         ("lhs", "rhs"),
@@ -79,7 +95,7 @@ register(
         only_kernels=False,
         grad=("lhs", "rhs"),
         sharding=Sharding(_DATA, (P("data"), P()), P("data")),
-        neuron_fallback="3-D convolution",
+        neuron_fallback="lhs_dilation",
         notes="a 3-D transposed convolution (lhs_dilation): lax on every platform until conv3d_transpose is bound",
     ),
 )
