@@ -92,6 +92,7 @@ def test_swish_is_the_sigmoid_gelu_approximation_not_silu():
     assert float(jnp.max(jnp.abs(swish - conv1d(x, w, activation_fn="SiLU")))) > 1e-3
 
 
+@pytest.mark.slow  # order 2; CI: the conformance check_grads of the conv1d spec
 def test_gradients_with_stride_dilation_and_padding_float64():
     x, w, b = random((2, 3, 13), jnp.float64, 1), random((3, 3, 2), jnp.float64, 2), random((2,), jnp.float64, 3)
     fn = lambda x, w, b: conv1d(x, w, b, stride=2, padding=(1, 2), dilation=2, activation_fn="GELU")  # noqa: E731

@@ -43,6 +43,9 @@ def kernel_names(fn, *args, lnc=2):
         return [cfg["func_name"] for cfg in kernel_configs(neuron_text(fn, *args))]
 
 
+# bfloat16 and float64 of every route run with -m slow (CI: float32 here; bfloat16 in the kernels' own tests)
+SLOW_DTYPES = [pytest.param(jnp.bfloat16, marks=pytest.mark.slow), pytest.param(jnp.float64, marks=pytest.mark.slow)]
+
 ROUTED = [  # (lhs shape, rhs shape, kwargs, kernel); odd sizes, each layout and padding form
     ((2, 5, 17), (4, 5, 3), dict(window_strides=(1,), padding="VALID"), "conv1d"),
     (
@@ -72,7 +75,7 @@ def _to_ncl_oik(lhs, rhs, kwargs):
     return lhs.transpose(dn.lhs_spec), rhs.transpose(dn.rhs_spec), dn
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
+@pytest.mark.parametrize("dtype", [jnp.float32, *SLOW_DTYPES])
 @pytest.mark.parametrize("case", ROUTED, ids=lambda c: f"{c[3]}-{c[0]}-{c[1]}")
 def test_routed_cases_match_lax_and_the_oracle(case, dtype):
     lhs_shape, rhs_shape, kwargs, kernel = case
@@ -95,6 +98,7 @@ def test_routed_cases_match_lax_and_the_oracle(case, dtype):
         assert kernel_names(lambda a, b: jax_nkilib.conv(a, b, **kwargs), lhs, rhs, lnc=lnc) == [name]
 
 
+@pytest.mark.slow  # CI: the conformance check_grads of the jax_nkilib.conv specs (each route)
 @pytest.mark.parametrize("case", ROUTED[1:4], ids=lambda c: c[3])
 def test_gradients_float64_match_lax(case):
     lhs_shape, rhs_shape, kwargs, _ = case
@@ -199,7 +203,7 @@ ROUTED_3D = [  # (lhs, rhs, kwargs): channels first and channels last, strides, 
 ]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
+@pytest.mark.parametrize("dtype", [jnp.float32, *SLOW_DTYPES])
 @pytest.mark.parametrize("case", ROUTED_3D, ids=lambda c: f"{c[0]}-{c[1]}")
 def test_3d_convolutions_match_lax_and_the_oracle(case, dtype):
     lhs_shape, rhs_shape, kwargs = case

@@ -50,6 +50,7 @@ def test_forward_matches_float64_oracle(case, dtype):
     assert_close(out, expected, dtype, reduction=s)
 
 
+@pytest.mark.slow  # order 2; CI: the conformance check_grads of the spec
 def test_gradients_float64():
     img, filt = random((2, 3, 1, 14), jnp.float64, 1), random((3, 1, 1, 4), jnp.float64, 2)
     fn = lambda x, f: depthwise(x, f, padding=((0, 0), (1, 2)), stride=(1, 2), feature_group_count=3)  # noqa: E731
