@@ -87,7 +87,16 @@ CATALOG = _entries(
         (55, "ms_deformable_attention_bwd", "attention", None),
         (56, "conv3d", "conv", 17),
         (57, "conv3d_temporal_unroll", "conv", 17),
-        (58, "conv3d_transpose", "conv", None),
+        (
+            58,
+            "conv3d_transpose",
+            "conv",
+            17,
+            "docs-only, and its source is in neither the mirror nor the public code index: the API reference does not "
+            "say how the embedded conv3d core rounds the bias and activation, nor whether a padding above "
+            "dilation * (K - 1) is accepted, and it takes an SbufManager (sbm); binding it would guess the numerics "
+            "(jax_nkilib.conv runs lhs_dilation as lax)",
+        ),
         (
             59,
             "all_reduce_hbm_kernel all_gather_hbm_kernel reduce_scatter_hbm_kernel all_to_all_hbm_kernel "
