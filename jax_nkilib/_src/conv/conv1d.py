@@ -27,6 +27,8 @@ not a limit (the kernel loops over B).
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..framework.common_types import ActFnType
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param
@@ -45,7 +47,7 @@ def padding_pair(value, where: str) -> tuple[int, int]:
     if (
         not isinstance(value, (tuple, list))
         or len(value) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
     ):
         raise TypeError(f"{where} must be a pair (pad_left, pad_right) of Python ints; got {value!r}")
     if min(value) < 0:

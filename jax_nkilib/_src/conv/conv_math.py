@@ -5,6 +5,7 @@ Activations are the kernels' ``get_nl_act_fn_from_type``: SiLU, GELU, GELU_Tanh_
 
 from __future__ import annotations
 
+import numpy as np
 from jax import lax
 
 from ..framework.activations import activation
@@ -35,7 +36,7 @@ def int_tuple(value, where: str, length: int, minimum: int) -> tuple[int, ...]:
     if (
         not isinstance(value, (tuple, list))
         or len(value) != length
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
     ):
         raise TypeError(f"{where} must be a tuple of {length} Python ints; got {value!r}")
     if min(value) < minimum:

@@ -28,6 +28,7 @@ the last channel) and is documented and tested only at LNC=2: other LNC degrees,
 
 from __future__ import annotations
 
+import numpy as np
 from jax import lax
 
 from ..framework.primitive import make_kernel, reference_vjp
@@ -40,7 +41,7 @@ def _int_tuple(value, where: str, length: int) -> tuple:
     if (
         not isinstance(value, (tuple, list))
         or len(value) != length
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
     ):
         raise TypeError(f"{where} must be a tuple of {length} Python ints; got {value!r}")
     return tuple(int(v) for v in value)

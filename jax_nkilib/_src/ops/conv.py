@@ -58,7 +58,7 @@ def _explicit_padding(padding, lhs_spatial, rhs_spatial, strides, rhs_dilation) 
     """``padding`` as one ``(low, high)`` pair per spatial axis, resolving ``"SAME"``/``"VALID"`` as ``lax`` does."""
     if isinstance(padding, str):
         dilated = [(k - 1) * d + 1 for k, d in zip(rhs_spatial, rhs_dilation)]
-        return tuple(tuple(p) for p in lax.padtype_to_pads(lhs_spatial, dilated, strides, padding))
+        return tuple((int(low), int(high)) for low, high in lax.padtype_to_pads(lhs_spatial, dilated, strides, padding))
     pairs = tuple(tuple(pair) for pair in padding)
     if len(pairs) != len(lhs_spatial) or any(len(pair) != 2 for pair in pairs):
         raise TypeError(f"{WHERE}: `padding` must be a string or one (low, high) pair per spatial axis; got {padding}")
