@@ -155,3 +155,20 @@ def test_bad_operands():
         conv3d(x, w[..., :1, :])
     with pytest.raises(TypeError, match="must share one dtype"):
         conv3d(x, w.astype(jnp.bfloat16))
+
+
+def test_nki_compiler_hands_the_library_kernel_its_arguments(monkeypatch):
+    """Against the stand-in SDK with the signature recorded from the 2.32 reference: six pads, the strides and the
+    library's ActFnType member."""
+    entry = "nkilib.experimental.conv.conv3d:conv3d"
+    standin = nki_standin.StandIn()
+    nki_standin.install(monkeypatch, standin, {entry: nki_standin.library_function(entry)})
+    standin.rule("conv3d", lambda x_in, filters, **_: np.empty((1, 3, 2, 2, 2), x_in.dtype))
+    x, w = random((1, 2, 3, 3, 3), jnp.bfloat16), random((2, 2, 2, 2, 3), jnp.bfloat16)
+    text = neuron_text(lambda x, w: conv3d(x, w, padding=(0, 0, 0, 0, 0, 0), activation_fn="Swish"), x, w)
+    assert [c["func_name"] for c in kernel_configs(text)] == ["conv3d"]
+    (compilation,) = standin.compilations
+    inputs = compilation["inputs"]
+    assert inputs["x_in"].shape == (1, 2, 3, 3, 3) and inputs["filters"].shape == (2, 2, 2, 2, 3)
+    assert tuple(inputs["padding"]) == (0,) * 6 and tuple(inputs["stride"]) == (1, 1, 1)
+    assert getattr(inputs["activation_fn"], "name", None) == "Swish"

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_nkilib
-from jax_nkilib.neuron import NeuronFallbackWarning
+from jax_nkilib.neuron import NeuronFallbackWarning, NeuronUnsupportedError
 from tests.conv.test_conv3d import oracle as oracle_3d
 from tests.support.data import random
 from tests.support.hlo import kernel_configs, neuron_text
@@ -235,3 +235,9 @@ def test_3d_shapes_the_library_rule_picks_run_the_temporal_unroll_kernel():
     assert kernel_names(call, lhs, rhs) == ["conv3d_temporal_unroll"]
     narrow = jax.ShapeDtypeStruct((1, 65, 3, 4, 514), jnp.bfloat16)  # Wo = 512: one W tile
     assert kernel_names(call, narrow, rhs) == ["conv3d"]
+
+
+def test_the_lax_route_raises_on_neuron_under_on_unsupported_error():
+    lhs, rhs = random((2, 3, 5, 6)), random((4, 3, 2, 2))
+    with jax_nkilib.config(on_unsupported="error"), pytest.raises(NeuronUnsupportedError, match="2-D convolution"):
+        kernel_names(lambda a, b: jax_nkilib.conv(a, b, (1, 1), "SAME"), lhs, rhs)
