@@ -8,6 +8,7 @@ On CPU/GPU each op runs a faithful JAX reference of its kernel; lowered for ``ne
 from jax_nkilib import checkpoint_policies, neuron, nki, optim
 from jax_nkilib._src.framework.config import config, current_lnc
 from jax_nkilib._src.ops.attention import attention, decode_attention
+from jax_nkilib._src.ops.conv import conv
 from jax_nkilib._src.ops.cumsum import cumsum
 from jax_nkilib._src.ops.decode_block import decode_block
 from jax_nkilib._src.ops.deformable_attention import deformable_attention
@@ -40,6 +41,7 @@ __all__ = [
     "checkpoint_policies",
     "config",
     "cross_entropy",
+    "conv",
     "cumsum",
     "current_lnc",
     "decode_attention",

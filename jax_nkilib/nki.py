@@ -29,6 +29,10 @@ from jax_nkilib._src.collectives.hbm_collectives import (
     rank_id_kernel,
     reduce_scatter_hbm_kernel,
 )
+from jax_nkilib._src.conv.conv1d import conv1d
+from jax_nkilib._src.conv.conv3d import conv3d, conv3d_temporal_unroll
+from jax_nkilib._src.conv.conv3d import should_use_temporal_unroll as should_use_temporal_unroll
+from jax_nkilib._src.conv.depthwise_conv1d import depthwise_conv1d_implicit_gemm
 from jax_nkilib._src.elementwise.dynamic_elementwise_add import dynamic_elementwise_add
 from jax_nkilib._src.elementwise.pad import pad
 from jax_nkilib._src.framework.common_types import (
@@ -160,6 +164,10 @@ __all__ = [
     "BlockShardStrategy",
     "ClampLimits",
     "cumsum",
+    "conv1d",
+    "conv3d",
+    "conv3d_temporal_unroll",
+    "depthwise_conv1d_implicit_gemm",
     "build_all2all_dispatch_metadata",
     "build_all_to_all_v_metadata",
     "AttnQBatchShardLayout",

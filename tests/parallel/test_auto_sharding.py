@@ -91,6 +91,12 @@ def _cases():
             (P("data", "model"),),
             {"all-gather": 1},
         ),
+        "jax_nkilib.conv": (  # NWC 1-D conv (the conv1d kernel): the batch splits, the filters replicated
+            lambda x, w: jax_nkilib.conv(x, w, (2,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")),
+            (x3, random((3, H, 8), seed=40, scale=0.1)),
+            (P("data"), P()),
+            {},
+        ),
         "jax_nkilib.pad": (
             lambda x: jax_nkilib.pad(x, ((0, 0), (0, 0), (1, 2)), "edge"),
             (x3,),

@@ -100,6 +100,14 @@ def _cases() -> dict[str, Case]:
             ("x",),
             (data, {"0": "data", "s": "model"}),
         ),
+        "conv": Case(
+            "jax_nkilib.conv",
+            lambda x, w: jax_nkilib.conv(x, w, (1,), [(2, 1)], dimension_numbers=("NWC", "WIO", "NWC")),
+            {"x": x3, "w": random((4, H, 8), seed=40, scale=0.1)},
+            {"x": "n__"},
+            ("x", "w"),
+            ({"n": "data"},),
+        ),
         "pad": Case(
             "jax_nkilib.pad",
             lambda x: jax_nkilib.pad(x, ((0, 0), (0, 0), (2, 1)), "reflect"),

@@ -69,8 +69,8 @@ CATALOG = _entries(
         (27, "cross_entropy_backward", "loss", 16),
         (28, "blockwise_mm_bwd", "moe", 14),
         (29, "blockwise_mm_baseline_shard_hidden", "moe", 14),
-        (30, "conv1d", "conv", None),
-        (31, "depthwise_conv1d_implicit_gemm", "conv", None),
+        (30, "conv1d", "conv", 17),
+        (31, "depthwise_conv1d_implicit_gemm", "conv", 17),
         (32, "dynamic_elementwise_add", "elementwise", 16),
         (33, "fine_grained_allgather", "collectives", 5),
         (34, "allgather_compute_matmul", "collectives", 5),
@@ -110,9 +110,18 @@ CATALOG = _entries(
         ),
         (54, "ms_deformable_attention", "attention", 17),
         (55, "ms_deformable_attention_bwd", "attention", 17),
-        (56, "conv3d", "conv", None),
-        (57, "conv3d_temporal_unroll", "conv", None),
-        (58, "conv3d_transpose", "conv", None),
+        (56, "conv3d", "conv", 17),
+        (57, "conv3d_temporal_unroll", "conv", 17),
+        (
+            58,
+            "conv3d_transpose",
+            "conv",
+            17,
+            "docs-only, and its source is in neither the mirror nor the public code index: the API reference does not "
+            "say how the embedded conv3d core rounds the bias and activation, nor whether a padding above "
+            "dilation * (K - 1) is accepted, and it takes an SbufManager (sbm); binding it would guess the numerics "
+            "(jax_nkilib.conv runs lhs_dilation as lax)",
+        ),
         (
             59,
             "all_reduce_hbm_kernel all_gather_hbm_kernel reduce_scatter_hbm_kernel all_to_all_hbm_kernel "
