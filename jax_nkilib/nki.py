@@ -112,6 +112,8 @@ from jax_nkilib._src.quant.matmul_mxfp8 import matmul_mxfp8, matmul_mxfp8_backwa
 from jax_nkilib._src.quant.quantize_block_mxfp8 import quantize_block_mxfp8_kernel
 from jax_nkilib._src.rope.rope import RoPE, rope_hf
 from jax_nkilib._src.scan.cumsum import cumsum
+from jax_nkilib._src.scan.linear_scan import linear_scan
+from jax_nkilib._src.scan.selective_scan import selective_scan
 from jax_nkilib._src.transformer.attention_block_tkg import attention_block_tkg
 from jax_nkilib._src.transformer.transformer_tkg import transformer_tkg
 
@@ -155,6 +157,8 @@ __all__ = [
     "BlockShardStrategy",
     "ClampLimits",
     "cumsum",
+    "linear_scan",
+    "selective_scan",
     "build_all2all_dispatch_metadata",
     "build_all_to_all_v_metadata",
     "AttnQBatchShardLayout",

@@ -1,10 +1,10 @@
-"""Arg specs of the prefix-sum kernel ``cumsum`` and of ``jax_nkilib.cumsum``."""
+"""Arg specs of the scan kernels (``cumsum``, ``linear_scan``, ``selective_scan``) and of ``jax_nkilib.cumsum``."""
 
 from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from jax_nkilib import nki
-from jax_nkilib._src.tools.arg_specs.spec import ArgSpec, BadInput, Sharding, normal, register
+from jax_nkilib._src.tools.arg_specs.spec import ArgSpec, BadInput, Sharding, normal, register, uniform
 
 _DATA = (("data", 8),)
 
@@ -32,5 +32,45 @@ register(
         grad_order=2,
         sharding=Sharding(_DATA, (P("data"),), P("data")),
         bad=BadInput("axis", lambda axis: 3, "axis"),
+    ),
+)
+
+
+def _selective_scan_args(rng, batch=8, channels=5, length=19, states=3):
+    """Mamba-like values: positive small time steps, negative A, a small initial state."""
+    return (
+        normal(rng, (batch, channels, length)),
+        uniform(rng, (batch, channels, length), 0.01, 0.3),
+        uniform(rng, (channels, states), -1.0, -0.1),
+        normal(rng, (batch, states, length)),
+        normal(rng, (batch, states, length)),
+        normal(rng, (channels,)),
+        normal(rng, (batch, channels, states), scale=0.1),
+    )
+
+
+register(
+    ArgSpec(
+        "linear_scan",
+        nki.linear_scan,
+        ("decay", "data", "initial"),
+        lambda rng: (uniform(rng, (8, 3, 37), 0.5, 1.0), normal(rng, (8, 3, 37)), normal(rng, (8, 3, 1))),
+        kernels=("linear_scan",),
+        grad=("decay", "data", "initial"),
+        grad_order=2,
+        sharding=Sharding(_DATA, (P("data"), P("data"), P("data")), (P("data"), P("data"))),
+        bad=BadInput("initial", lambda initial: initial[..., 0], "[..., P, 1]"),
+    ),
+    ArgSpec(
+        "selective_scan",
+        nki.selective_scan,
+        ("x", "dt", "A", "B", "C", "D", "initial_state"),
+        _selective_scan_args,
+        kernels=("selective_scan",),
+        grad=("x", "dt", "A", "B", "C", "D", "initial_state"),
+        sharding=Sharding(
+            _DATA, (P("data"), P("data"), P(), P("data"), P("data"), P(), P("data")), (P("data"), P("data"))
+        ),
+        bad=BadInput("B", lambda B: B[:, :, :-1], "layout"),
     ),
 )
