@@ -114,6 +114,7 @@ from jax_nkilib._src.rope.rope import RoPE, rope_hf
 from jax_nkilib._src.scan.cumsum import cumsum
 from jax_nkilib._src.scan.linear_scan import linear_scan
 from jax_nkilib._src.scan.selective_scan import selective_scan
+from jax_nkilib._src.scan.ssd import ssd
 from jax_nkilib._src.transformer.attention_block_tkg import attention_block_tkg
 from jax_nkilib._src.transformer.transformer_tkg import transformer_tkg
 
@@ -159,6 +160,7 @@ __all__ = [
     "cumsum",
     "linear_scan",
     "selective_scan",
+    "ssd",
     "build_all2all_dispatch_metadata",
     "build_all_to_all_v_metadata",
     "AttnQBatchShardLayout",

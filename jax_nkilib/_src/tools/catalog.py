@@ -70,7 +70,7 @@ CATALOG = _entries(
         (38, "mxfp_load_performance_wrapper", "quant", None),
         (39, "linear_scan", "scan", 17),
         (40, "selective_scan", "scan", 17),
-        (41, "ssd", "scan", None),
+        (41, "ssd", "scan", 17),
         (42, "ring_attention_spmd_fwd", "parallel", 5),
         (43, "ring_attention_spmd_bwd", "parallel", 5),
         (44, "ring_attention_unpermute", "parallel", 5),

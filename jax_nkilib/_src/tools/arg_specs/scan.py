@@ -74,3 +74,35 @@ register(
         bad=BadInput("B", lambda B: B[:, :, :-1], "layout"),
     ),
 )
+
+
+def _ssd_args(rng, batch=8, heads=3, length=20, headdim=5, dstate=4):
+    """Mamba-2-like values: positive small time steps, negative A, a small initial state."""
+    return (
+        normal(rng, (batch, heads, length, headdim)),
+        uniform(rng, (batch, heads, length), 0.01, 0.3),
+        uniform(rng, (heads,), -1.0, -0.1),
+        normal(rng, (batch, length, dstate)),
+        normal(rng, (batch, length, dstate)),
+        normal(rng, (heads,)),
+        normal(rng, (batch, heads, dstate, headdim), scale=0.1),
+    )
+
+
+register(
+    ArgSpec(
+        "ssd",
+        nki.ssd,
+        ("x", "dt", "A", "B", "C", "D", "initial_state"),
+        _ssd_args,
+        kwargs={"chunk_size": 8},
+        positional=5,
+        kernels=("ssd",),
+        grad=("x", "dt", "A", "B", "C", "D", "initial_state"),
+        sharding=Sharding(
+            _DATA, (P("data"), P("data"), P(), P("data"), P("data"), P(), P("data")), (P("data"), P("data"))
+        ),
+        neuron=lambda rng: _ssd_args(rng, batch=2, length=32),
+        bad=BadInput("chunk_size", lambda chunk_size: 0, "positive"),
+    ),
+)
