@@ -46,13 +46,6 @@ def reference_selective_scan(x, dt, A, B, C, D=None, initial_state=None):
     return y.astype(x.dtype), states[..., -1]
 
 
-def _check_selective_scan(call: CallInfo) -> None:
-    if call.avals["dt"].dtype != call.avals["x"].dtype:
-        raise TypeError(
-            f"{call.function}: `dt` must have x's dtype {call.avals['x'].dtype}; got {call.avals['dt'].dtype}"
-        )
-
-
 def _outputs(call: CallInfo):
     """``y`` of x's shape and dtype, ``final_state [b, c, N]`` in float32 (float64 for float64 inputs)."""
     x, A = call.avals["x"], call.avals["A"]
@@ -75,7 +68,6 @@ SELECTIVE_SCAN_SPEC = KernelSpec(
     outputs=(),
     output_avals=_outputs,
     reference=reference_selective_scan,
-    check=_check_selective_scan,
     neuron_split_dims=("batch",),
     fold_plans=(
         FoldPlan(

@@ -1,5 +1,6 @@
 """Arg specs of the scan kernels (``cumsum``, ``linear_scan``, ``selective_scan``) and of ``jax_nkilib.cumsum``."""
 
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
@@ -104,5 +105,69 @@ register(
         ),
         neuron=lambda rng: _ssd_args(rng, batch=2, length=32),
         bad=BadInput("chunk_size", lambda chunk_size: 0, "positive"),
+    ),
+)
+
+
+def _mamba_args(rng, batch=8, dim=4, length=13, dstate=3, groups=2):
+    """``selective_scan_fn`` arguments: grouped B/C, a gate z, raw time steps (bias and softplus applied)."""
+    return (
+        normal(rng, (batch, dim, length)),
+        normal(rng, (batch, dim, length), scale=0.5),
+        uniform(rng, (dim, dstate), -1.0, -0.1),
+        normal(rng, (batch, groups, dstate, length)),
+        normal(rng, (batch, groups, dstate, length)),
+        normal(rng, (dim,)),
+        normal(rng, (batch, dim, length)),
+        normal(rng, (dim,), scale=0.1),
+    )
+
+
+def _mamba2_args(rng, batch=8, length=11, heads=4, headdim=3, groups=2, dstate=2):
+    """``mamba_chunk_scan_combined`` arguments: [b, L, h, p] inputs, grouped B/C, D per channel, a gate z."""
+    return (
+        normal(rng, (batch, length, heads, headdim)),
+        normal(rng, (batch, length, heads), scale=0.5),
+        uniform(rng, (heads,), -1.0, -0.1),
+        normal(rng, (batch, length, groups, dstate)),
+        normal(rng, (batch, length, groups, dstate)),
+        normal(rng, (heads, headdim)),
+        normal(rng, (batch, length, heads, headdim)),
+        normal(rng, (heads,), scale=0.1),
+        normal(rng, (batch, heads, headdim, dstate), scale=0.1),
+    )
+
+
+register(
+    ArgSpec(
+        "jax_nkilib.selective_scan",
+        jax_nkilib.selective_scan,
+        ("u", "delta", "A", "B", "C", "D", "z", "delta_bias"),
+        _mamba_args,
+        kwargs={"delta_softplus": True, "return_last_state": True},
+        kernels=("selective_scan", "selective_scan"),  # one call per group
+        only_kernels=False,
+        grad=("u", "delta", "A", "B", "C", "D", "z", "delta_bias"),
+        sharding=Sharding(
+            _DATA, (P("data"),) * 2 + (P(),) + (P("data"),) * 2 + (P(), P("data"), P()), (P("data"), P("data"))
+        ),
+        bad=BadInput("B", lambda B: B[:, :, :, :-1], "[batch, dstate, L]"),
+    ),
+    ArgSpec(
+        "jax_nkilib.ssd",
+        jax_nkilib.ssd,
+        ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"),
+        _mamba2_args,
+        kwargs={"chunk_size": 4, "dt_softplus": True, "return_final_states": True},
+        positional=5,
+        kernels=("ssd", "ssd"),  # one call per group
+        only_kernels=False,
+        grad=("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"),
+        sharding=Sharding(
+            _DATA,
+            (P("data"),) * 2 + (P(),) + (P("data"),) * 2 + (P(), P("data"), P(), P("data")),
+            (P("data"), P("data")),
+        ),
+        bad=BadInput("initial_states", lambda h0: jnp.swapaxes(h0, 2, 3), "[batch, nheads, headdim, dstate]"),
     ),
 )
