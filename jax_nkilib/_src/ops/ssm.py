@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..framework.arguments import array_argument
 from ..framework.spec import accumulation_dtype
@@ -43,6 +44,13 @@ def _shape_error(where, name, layout, value, expected):
 def _require_shape(where, name, layout, value, expected):
     if value is not None and tuple(value.shape) != tuple(expected):
         raise _shape_error(where, name, layout, value, expected)
+
+
+def _require_flag(where, name, value) -> None:
+    """``value`` must be a static bool."""
+    require_static(where, name, value, "a bool")
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: `{name}` must be a bool; got {value!r}")
 
 
 def _time_steps(delta, bias, softplus, limit=None):
@@ -117,8 +125,8 @@ def selective_scan(
             values[name] = array_argument(where, name, values[name], layout=layout)
             _require_shape(where, name, layout, values[name], expected)
     D, z, delta_bias = values["D"], values["z"], values["delta_bias"]
-    require_static(where, "delta_softplus", delta_softplus, "a bool")
-    require_static(where, "return_last_state", return_last_state, "a bool")
+    _require_flag(where, "delta_softplus", delta_softplus)
+    _require_flag(where, "return_last_state", return_last_state)
 
     # channels split only with one group; the sequence axis (l) and dstate (n) never split
     letters = ("bdl", "bdl", "dn", "bnl", "bnl") if groups == 1 else ("b_l", "b_l", "__", "b_nl", "b_nl")
@@ -247,7 +255,7 @@ def ssd(
             _require_shape(where, name, layout, values[name], expected)
     z, dt_bias, initial_states = values["z"], values["dt_bias"], values["initial_states"]
     for name, flag in (("dt_softplus", dt_softplus), ("return_final_states", return_final_states)):
-        require_static(where, name, flag, "a bool")
+        _require_flag(where, name, flag)
     limit = tuple(float(v) for v in dt_limit)
 
     head = "h" if groups == 1 else "_"

@@ -96,10 +96,6 @@ def _check_ssd(call: CallInfo) -> None:
         raise ValueError(
             f"{call.function}: `causal_mask` must have layout [Q, Q] with Q = chunk_size = {q}; got {mask.shape}"
         )
-    if call.avals["dt"].dtype != call.avals["x"].dtype:
-        raise TypeError(
-            f"{call.function}: `dt` must have x's dtype {call.avals['x'].dtype}; got {call.avals['dt'].dtype}"
-        )
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
