@@ -15,8 +15,8 @@ chunk by chunk as the reference documents it: with ``cs = cumsum(dt * A)`` insid
 ``y_intra = exp(cs) * ((C B^T * causal_mask) @ (exp(-cs) * dt * x))``, ``y_off = exp(cs) * (C @ state)`` and
 ``state <- exp(cs[-1]) * state + B^T @ (dt * x * exp(cs[-1] - cs))``. The JAX reference computes the same products
 with ``exp(cs[i] - cs[j])`` per pair (equal in exact arithmetic, and no overflow of ``exp(-cs)`` on long chunks), in
-float32 (float64 for float64 inputs); the chunk-to-chunk state recurrence runs as ``jax.lax.associative_scan`` (no
-unrolling over chunks; memory linear in L). ``causal_mask`` multiplies ``C B^T`` as in the kernel: when it is not
+float32 (float64 for float64 inputs); the chunk-to-chunk state recurrence is a ``jax.lax.scan`` over chunks (a
+loop, not unrolled; memory linear in L). ``causal_mask`` multiplies ``C B^T`` as in the kernel: when it is not
 given, :func:`ssd` passes ``tril(ones((Q, Q)))`` (the kernel requires the mask). ``y`` is rounded to x's dtype,
 ``final_state`` is float32 (float64 off Neuron for float64 inputs). Off Neuron a length that is not a multiple of
 ``chunk_size`` is padded with ``dt = 0`` steps (they leave the state unchanged).
@@ -29,12 +29,13 @@ L % chunk_size == 0; one core (no LNC sharding).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..framework.compat import varying_like
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param, accumulation_dtype
-from .linear_scan import affine_prefix
 
 MAX_CHUNK, MAX_DSTATE, MAX_HEADDIM = 128, 128, 512  # the API reference's notes
 
@@ -67,17 +68,26 @@ def reference_ssd(x, dt, A, B, C, D=None, initial_state=None, causal_mask=None, 
     # the state each chunk adds on its own, then the chunk-to-chunk recurrence
     to_end = jnp.exp(cs[..., -1:] - cs)  # [b, h, c, Q]
     chunk_states = jnp.einsum("bcjn,bhcjp->bhcnp", B_w, inputs * to_end[..., None])
-    chunk_decay = jnp.broadcast_to(jnp.exp(cs[..., -1])[..., None, None], chunk_states.shape)
-    gains, offsets = affine_prefix(chunk_decay, chunk_states, axis=2)  # states at each chunk's end
+    chunk_decay = jnp.exp(cs[..., -1])  # [b, h, c]
+    start = jnp.zeros(chunk_states.shape[:2] + chunk_states.shape[3:], wide)
     if initial_state is not None:
-        offsets = offsets + gains * initial_state.astype(wide)[:, :, None]
-    start = jnp.zeros_like(offsets[:, :, :1]) if initial_state is None else initial_state.astype(wide)[:, :, None]
-    previous = jnp.concatenate([start, offsets[:, :, :-1]], axis=2)  # the state entering each chunk
+        start = initial_state.astype(wide)
+
+    def chunk_step(state, chunk):  # the state entering the chunk -> the state leaving it
+        decay, added = chunk
+        return decay[..., None, None] * state + added, state
+
+    final, entering = jax.lax.scan(
+        chunk_step,
+        varying_like(start, chunk_states),
+        (jnp.moveaxis(chunk_decay, 2, 0), jnp.moveaxis(chunk_states, 2, 0)),
+    )
+    previous = jnp.moveaxis(entering, 0, 2)  # [b, h, c, n, p]: the state entering each chunk
     y = y + jnp.exp(cs)[..., None] * jnp.einsum("bcin,bhcnp->bhcip", C_w, previous)
     y = y.reshape(batch, heads, chunks * q, headdim)[:, :, :length]
     if D is not None:
         y = y + D.astype(wide)[None, :, None, None] * x.astype(wide)
-    return y.astype(x.dtype), offsets[:, :, -1]
+    return y.astype(x.dtype), final
 
 
 def _prepare(function, operands, params):
@@ -158,7 +168,7 @@ SSD_SPEC = KernelSpec(
     catalog="1.27",
     support={
         "idiomatic": "ssd",
-        "vjp": "reference (chunked, associative scan over chunks; no backward kernel)",
+        "vjp": "reference (chunked: lax.scan over chunks; no backward kernel)",
         "notes": f"docs only (2.32 API reference); one group (B, C shared by the heads); float32 inside; Neuron: "
         f"chunk_size <= {MAX_CHUNK}, dstate <= {MAX_DSTATE}, headdim <= {MAX_HEADDIM}, L % chunk_size == 0; "
         "one core",
