@@ -58,6 +58,8 @@ VARIANTS_ARE_SLOW += tuple(spec.name for spec in SPECS if spec.name.startswith(_
 # transformer_tkg (issue 15): its jit, vmap, vmap-of-grad and shard_map checks compile a multi-layer decode step
 # several times; tests/attention/test_transformer_tkg.py covers them fast.
 VARIANTS_ARE_SLOW += ("transformer_tkg",)
+# The scan kernels (issue 17): tests/scan covers their jit, vmap and shard_map fast (one shard_map program for all).
+VARIANTS_ARE_SLOW += ("linear_scan", "selective_scan", "ssd")
 
 
 # ------------------------------------------------------------------------------------------------------- helpers

@@ -37,7 +37,10 @@ def inputs(shape, dtype=jnp.float32, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("shape, with_initial", [((5, 37), True), ((2, 3, 129), False), ((2, 2, 3, 7), True)])
+@pytest.mark.parametrize(
+    "shape, with_initial",
+    [((5, 37), True), pytest.param((2, 3, 129), False, marks=pytest.mark.slow), ((2, 2, 3, 7), False)],
+)
 def test_forward_matches_float64_loop(shape, with_initial, dtype):
     decay, data, initial = inputs(shape, dtype, seed=sum(shape))
     result, final = linear_scan(decay, data, initial if with_initial else None)
@@ -49,6 +52,7 @@ def test_forward_matches_float64_loop(shape, with_initial, dtype):
     np.testing.assert_array_equal(final[..., 0], result[..., -1].astype(jnp.float32))  # the last output, widened
 
 
+@pytest.mark.slow  # CI: the bfloat16 test below spans tiles
 def test_long_sequence_spans_tiles():
     decay, data, initial = inputs((3, 2 * TILE + 77), seed=4)
     result, final = linear_scan(decay, data, initial)
@@ -75,10 +79,11 @@ def test_bfloat16_carry_between_tiles_is_rounded():
     np.testing.assert_array_equal(np.asarray(final)[:, 0], carry)
 
 
+@pytest.mark.slow  # CI: the conformance suite's first-order check_grads and the adjoint test below
 def test_gradients_float64_with_and_without_initial():
     with jax.enable_x64(True):
         decay, data, initial = inputs((2, 3, 11), jnp.float64, seed=2)
-        check_grads(linear_scan, (decay, data, initial), order=1, modes=["rev"])
+        check_grads(linear_scan, (decay, data, initial), order=2, modes=["rev"])  # the adjoint's adjoint too
         check_grads(lambda a, b: linear_scan(a, b)[1], (decay, data), order=1, modes=["rev"])
 
 

@@ -2,7 +2,8 @@
 against float64 NumPy sequential loops written from Mamba's semantics: forward in float32 and bfloat16 on odd sizes
 (groups, gates, biases, softplus, D per channel, lengths that are not a multiple of the chunk), gradients
 (check_grads in float64, and one against central differences of the loop), the Neuron lowering (one kernel call per
-group) and errors."""
+group) and errors. CI runs float32; bfloat16 (the kernels' own tests run it in CI) and check_grads here are -m slow
+(the conformance suite runs the ops' check_grads in CI)."""
 
 import jax
 import jax.numpy as jnp
@@ -105,12 +106,12 @@ def mamba2_inputs(batch, length, heads, headdim, groups, dstate, dtype=jnp.float
 
 
 # ------------------------------------------------------------------------------------------------ selective_scan
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "sizes, extras",
     [
         ((2, 6, 29, 3, 2), dict(delta_softplus=True)),  # grouped B/C, D, z, bias, softplus
-        ((1, 5, 17, 4, 0), dict(drop=("z", "D", "delta_bias"))),  # [b, n, L] B/C, the bare recurrence
+        pytest.param((1, 5, 17, 4, 0), dict(drop=("z", "D", "delta_bias")), marks=pytest.mark.slow),  # bare
     ],
 )
 def test_selective_scan_matches_the_float64_loop(sizes, extras, dtype):
@@ -129,6 +130,7 @@ def test_selective_scan_matches_the_float64_loop(sizes, extras, dtype):
     assert_close(last, want_last, dtype, reduction=32)  # float32 state from inputs rounded to dtype
 
 
+@pytest.mark.slow  # CI: the conformance suite's check_grads of jax_nkilib.selective_scan
 def test_selective_scan_gradients_float64():
     with jax.enable_x64(True):
         args = mamba_inputs(2, 4, 7, 2, 2, jnp.float64, seed=3)
@@ -182,10 +184,13 @@ def test_selective_scan_bad_inputs(change, error, fragment):
 
 
 # ----------------------------------------------------------------------------------------------------------- ssd
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "sizes, chunk, d_per_channel, limit",
-    [((2, 21, 4, 3, 2, 2), 8, True, (0.0, float("inf"))), ((1, 16, 3, 5, 1, 4), 16, False, (0.05, 0.5))],
+    [
+        ((2, 21, 4, 3, 2, 2), 8, True, (0.0, float("inf"))),
+        pytest.param((1, 16, 3, 5, 1, 4), 16, False, (0.05, 0.5), marks=pytest.mark.slow),
+    ],
 )
 def test_ssd_matches_the_float64_loop(sizes, chunk, d_per_channel, limit, dtype):
     args = mamba2_inputs(*sizes, dtype=dtype, seed=sum(sizes), d_per_channel=d_per_channel)
@@ -197,6 +202,7 @@ def test_ssd_matches_the_float64_loop(sizes, chunk, d_per_channel, limit, dtype)
     assert_close(final, want_final, dtype, reduction=32)
 
 
+@pytest.mark.slow  # CI: the conformance suite's check_grads of jax_nkilib.ssd
 def test_ssd_gradients_float64():
     with jax.enable_x64(True):
         args = mamba2_inputs(2, 7, 2, 2, 1, 2, jnp.float64, seed=6)

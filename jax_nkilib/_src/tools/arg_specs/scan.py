@@ -57,8 +57,7 @@ register(
         ("decay", "data", "initial"),
         lambda rng: (uniform(rng, (8, 3, 37), 0.5, 1.0), normal(rng, (8, 3, 37)), normal(rng, (8, 3, 1))),
         kernels=("linear_scan",),
-        grad=("decay", "data", "initial"),
-        grad_order=2,
+        grad=("decay", "data", "initial"),  # second order: tests/scan/test_linear_scan.py (slow)
         sharding=Sharding(_DATA, (P("data"), P("data"), P("data")), (P("data"), P("data"))),
         bad=BadInput("initial", lambda initial: initial[..., 0], "[..., P, 1]"),
     ),
