@@ -81,10 +81,9 @@ def test_bfloat16_carry_between_tiles_is_rounded():
 
 @pytest.mark.slow  # CI: the conformance suite's first-order check_grads and the adjoint test below
 def test_gradients_float64_with_and_without_initial():
-    with jax.enable_x64(True):
-        decay, data, initial = inputs((2, 3, 11), jnp.float64, seed=2)
-        check_grads(linear_scan, (decay, data, initial), order=2, modes=["rev"])  # the adjoint's adjoint too
-        check_grads(lambda a, b: linear_scan(a, b)[1], (decay, data), order=1, modes=["rev"])
+    decay, data, initial = inputs((2, 3, 11), jnp.float64, seed=2)
+    check_grads(linear_scan, (decay, data, initial), order=2, modes=["rev"])  # the adjoint's adjoint too
+    check_grads(lambda a, b: linear_scan(a, b)[1], (decay, data), order=1, modes=["rev"])
 
 
 def test_gradient_matches_the_adjoint_loop():

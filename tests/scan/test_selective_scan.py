@@ -75,9 +75,8 @@ def test_long_sequence_beyond_the_kernel_tile():
 
 @pytest.mark.slow  # CI: the conformance suite's check_grads
 def test_gradients_float64():
-    with jax.enable_x64(True):
-        args = inputs(2, 3, 7, 2, jnp.float64, seed=1)
-        check_grads(jax.jit(selective_scan), args, order=1, modes=["rev"])
+    args = inputs(2, 3, 7, 2, jnp.float64, seed=1)
+    check_grads(jax.jit(selective_scan), args, order=1, modes=["rev"])
 
 
 def test_vmap_folds_into_batch():

@@ -90,9 +90,8 @@ def test_causal_mask_multiplies_the_intra_chunk_scores():
 
 @pytest.mark.slow  # CI: the conformance suite's check_grads
 def test_gradients_float64():
-    with jax.enable_x64(True):
-        args = inputs(2, 2, 11, 3, 2, jnp.float64, seed=1)
-        check_grads(jax.jit(lambda *a: ssd(*a[:5], chunk_size=4, D=a[5], initial_state=a[6])), args, 1, modes=["rev"])
+    args = inputs(2, 2, 11, 3, 2, jnp.float64, seed=1)
+    check_grads(jax.jit(lambda *a: ssd(*a[:5], chunk_size=4, D=a[5], initial_state=a[6])), args, 1, modes=["rev"])
 
 
 def test_vmap_folds_into_batch():

@@ -132,29 +132,27 @@ def test_selective_scan_matches_the_float64_loop(sizes, extras, dtype):
 
 @pytest.mark.slow  # CI: the conformance suite's check_grads of jax_nkilib.selective_scan
 def test_selective_scan_gradients_float64():
-    with jax.enable_x64(True):
-        args = mamba_inputs(2, 4, 7, 2, 2, jnp.float64, seed=3)
-        fn = jax.jit(lambda *a: jax_nkilib.selective_scan(*a, delta_softplus=True, return_last_state=True))
-        check_grads(fn, tuple(args.values()), order=1, modes=["rev"])
+    args = mamba_inputs(2, 4, 7, 2, 2, jnp.float64, seed=3)
+    fn = jax.jit(lambda *a: jax_nkilib.selective_scan(*a, delta_softplus=True, return_last_state=True))
+    check_grads(fn, tuple(args.values()), order=1, modes=["rev"])
 
 
 def test_selective_scan_gradient_matches_central_differences_of_the_loop():
-    with jax.enable_x64(True):
-        args = mamba_inputs(1, 2, 9, 2, 0, jnp.float64, seed=4)
-        g = np.random.default_rng(5).standard_normal(args["u"].shape)
+    args = mamba_inputs(1, 2, 9, 2, 0, jnp.float64, seed=4)
+    g = np.random.default_rng(5).standard_normal(args["u"].shape)
 
-        def loss(A):
-            return jnp.sum(jax_nkilib.selective_scan(**{**args, "A": A}, delta_softplus=True) * g)
+    def loss(A):
+        return jnp.sum(jax_nkilib.selective_scan(**{**args, "A": A}, delta_softplus=True) * g)
 
-        grad_A = np.asarray(jax.jit(jax.grad(loss))(args["A"]))
-        numeric = np.zeros_like(grad_A)
-        for index in np.ndindex(grad_A.shape):
-            step = np.zeros(grad_A.shape)
-            step[index] = 1e-6
-            plus = mamba_loop(**{**args, "A": f64(args["A"]) + step}, delta_softplus=True)[0]
-            minus = mamba_loop(**{**args, "A": f64(args["A"]) - step}, delta_softplus=True)[0]
-            numeric[index] = np.sum((plus - minus) * g) / 2e-6
-        np.testing.assert_allclose(grad_A, numeric, rtol=1e-6, atol=1e-8)
+    grad_A = np.asarray(jax.jit(jax.grad(loss))(args["A"]))
+    numeric = np.zeros_like(grad_A)
+    for index in np.ndindex(grad_A.shape):
+        step = np.zeros(grad_A.shape)
+        step[index] = 1e-6
+        plus = mamba_loop(**{**args, "A": f64(args["A"]) + step}, delta_softplus=True)[0]
+        minus = mamba_loop(**{**args, "A": f64(args["A"]) - step}, delta_softplus=True)[0]
+        numeric[index] = np.sum((plus - minus) * g) / 2e-6
+    np.testing.assert_allclose(grad_A, numeric, rtol=1e-6, atol=1e-8)
 
 
 def test_selective_scan_lowers_to_one_kernel_call_per_group():
@@ -204,10 +202,9 @@ def test_ssd_matches_the_float64_loop(sizes, chunk, d_per_channel, limit, dtype)
 
 @pytest.mark.slow  # CI: the conformance suite's check_grads of jax_nkilib.ssd
 def test_ssd_gradients_float64():
-    with jax.enable_x64(True):
-        args = mamba2_inputs(2, 7, 2, 2, 1, 2, jnp.float64, seed=6)
-        fn = jax.jit(lambda *a: jax_nkilib.ssd(*a[:5], 4, *a[5:], dt_softplus=True, return_final_states=True))
-        check_grads(fn, tuple(args.values()), order=1, modes=["rev"])
+    args = mamba2_inputs(2, 7, 2, 2, 1, 2, jnp.float64, seed=6)
+    fn = jax.jit(lambda *a: jax_nkilib.ssd(*a[:5], 4, *a[5:], dt_softplus=True, return_final_states=True))
+    check_grads(fn, tuple(args.values()), order=1, modes=["rev"])
 
 
 def test_ssd_lowers_to_one_kernel_call_per_group_on_whole_chunks():
