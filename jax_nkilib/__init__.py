@@ -26,6 +26,7 @@ from jax_nkilib._src.ops.quant import dequantize_mx, mxfp8_matmul, quantize_mx
 from jax_nkilib._src.ops.ring_attention import ring_attention
 from jax_nkilib._src.ops.rope import rope
 from jax_nkilib._src.ops.routing import Routing, argmax, router, topk
+from jax_nkilib._src.ops.ssm import selective_scan, ssd
 from jax_nkilib._src.quant.weights import QuantizedWeight, quantize_weight_fp8
 from jax_nkilib._src.sharding.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_nkilib._src.sharding.sequence_layouts import from_ring_layout, to_ring_layout, token_positions
@@ -80,6 +81,8 @@ __all__ = [
     "rope",
     "router",
     "Routing",
+    "selective_scan",
+    "ssd",
     "support_matrix",
     "to_ring_layout",
     "token_positions",

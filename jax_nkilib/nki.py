@@ -120,6 +120,9 @@ from jax_nkilib._src.quant.mxfp_load import mxfp_load_performance_wrapper
 from jax_nkilib._src.quant.quantize_block_mxfp8 import quantize_block_mxfp8_kernel
 from jax_nkilib._src.rope.rope import RoPE, rope_hf
 from jax_nkilib._src.scan.cumsum import cumsum
+from jax_nkilib._src.scan.linear_scan import linear_scan
+from jax_nkilib._src.scan.selective_scan import selective_scan
+from jax_nkilib._src.scan.ssd import ssd
 from jax_nkilib._src.transformer.attention_block_tkg import attention_block_tkg
 from jax_nkilib._src.transformer.transformer_tkg import transformer_tkg
 
@@ -168,6 +171,9 @@ __all__ = [
     "conv3d",
     "conv3d_temporal_unroll",
     "depthwise_conv1d_implicit_gemm",
+    "linear_scan",
+    "selective_scan",
+    "ssd",
     "build_all2all_dispatch_metadata",
     "build_all_to_all_v_metadata",
     "AttnQBatchShardLayout",

@@ -63,6 +63,8 @@ VARIANTS_ARE_SLOW += ("transformer_tkg",)
 VARIANTS_ARE_SLOW += ("ms_deformable_attention_bwd",)
 # mla_attention (issue 17): its eager reference runs op by op; tests/mla covers jit, vmap and shard_map fast.
 VARIANTS_ARE_SLOW += ("mla_attention",)
+# The scan kernels (issue 17): tests/scan covers their jit, vmap and shard_map fast (one shard_map program for all).
+VARIANTS_ARE_SLOW += ("linear_scan", "selective_scan", "ssd")
 
 
 # ------------------------------------------------------------------------------------------------------- helpers

@@ -218,6 +218,31 @@ def _cases():
             (P("data"),) + (P(),) * 9,
             {},
         ),
+        "jax_nkilib.selective_scan": (  # batch over `data`, channels over `model`: no communication
+            lambda u, dt, a, b, c, d: jax_nkilib.selective_scan(u, dt, a, b, c, d, delta_softplus=True),
+            (
+                random((B, 8, 12), seed=26),
+                random((B, 8, 12), seed=27),
+                -jnp.exp(random((8, 4), seed=28)),
+                random((B, 4, 12), seed=29),
+                random((B, 4, 12), seed=30),
+                random((8,), seed=31),
+            ),
+            (P("data", "model"), P("data", "model"), P("model"), P("data"), P("data"), P("model")),
+            {},
+        ),
+        "jax_nkilib.ssd": (  # batch over `data`, heads over `model`: no communication
+            lambda x, dt, a, b, c: jax_nkilib.ssd(x, dt, a, b, c, chunk_size=4, dt_softplus=True),
+            (
+                random((B, 12, 8, 3), seed=32),
+                random((B, 12, 8), seed=33),
+                -jnp.exp(random((8,), seed=34)),
+                random((B, 12, 1, 4), seed=35),
+                random((B, 12, 1, 4), seed=36),
+            ),
+            (P("data", None, "model"), P("data", None, "model"), P("model"), P("data"), P("data")),
+            {},
+        ),
         "jax_nkilib.mlp": (
             lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d, norm="rms"),
             (x3, w_gate, w_up, w_down),

@@ -92,6 +92,32 @@ def _cases() -> dict[str, Case]:
             ("x", "w", "b"),
             (data, tp),
         ),
+        "selective_scan": Case(
+            "jax_nkilib.selective_scan",
+            lambda u, dt, a, b, c: jax_nkilib.selective_scan(u, dt, a, b, c, delta_softplus=True),
+            {
+                "u": random((B, 8, 12), seed=40),
+                "dt": random((B, 8, 12), seed=41),
+                "a": -jnp.exp(random((8, 4), seed=42)),
+                "b": random((B, 4, 12), seed=43),
+                "c": random((B, 4, 12), seed=44),
+            },
+            {"u": "bdl", "dt": "bdl", "a": "dn", "b": "bnl", "c": "bnl"},
+            ("u", "dt", "a", "b", "c"),  # CI: tests/scan covers it inside shard_map; the splits are -m slow
+        ),
+        "ssd": Case(
+            "jax_nkilib.ssd",
+            lambda x, dt, a, b, c: jax_nkilib.ssd(x, dt, a, b, c, chunk_size=4, dt_softplus=True),
+            {
+                "x": random((B, 12, 8, 3), seed=45),
+                "dt": random((B, 12, 8), seed=46),
+                "a": -jnp.exp(random((8,), seed=47)),
+                "b": random((B, 12, 1, 4), seed=48),
+                "c": random((B, 12, 1, 4), seed=49),
+            },
+            {"x": "blhp", "dt": "blh", "a": "h", "b": "bl_n", "c": "bl_n"},
+            ("x", "dt", "a", "b", "c"),  # CI: tests/scan covers it inside shard_map; the splits are -m slow
+        ),
         "cumsum": Case(
             "jax_nkilib.cumsum",
             lambda x: jax_nkilib.cumsum(x, axis=1),

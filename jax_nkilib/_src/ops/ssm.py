@@ -1,0 +1,315 @@
+"""State-space scans with Mamba's calls: ``jax_nkilib.selective_scan`` (Mamba's ``selective_scan_fn``) and
+``jax_nkilib.ssd`` (Mamba-2's ``mamba_chunk_scan_combined``), through the ``selective_scan`` and ``ssd`` kernels.
+
+Both compute in float32 (float64 for float64 inputs) and return the output in the input's dtype, the last state in
+float32. Time-step preprocessing (bias, softplus, clamping) and the ``z`` gate (``y * silu(z)``) run in JAX around
+the kernel, in float32. Groups (B, C shared by a group of channels or heads) run one kernel call per group. Reverse
+mode is the kernels' reference VJP: an associative scan, so memory grows linearly with the sequence length.
+Under explicit shardings the batch and channel/head axes split freely; the sequence axis does not split.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..framework.arguments import array_argument
+from ..framework.spec import accumulation_dtype
+from ..framework.validation import require_static, static_int
+from ..scan.selective_scan import selective_scan as selective_scan_kernel
+from ..scan.ssd import MAX_CHUNK
+from ..scan.ssd import ssd as ssd_kernel
+from ..sharding import auto
+
+SELECTIVE_SCAN = "jax_nkilib.selective_scan"
+SSD = "jax_nkilib.ssd"
+
+SELECTIVE_SCAN_SHARDING = auto.register_rule(
+    auto.ShardingRule(
+        SELECTIVE_SCAN,
+        free={"b": "batch", "d": "channels"},
+        note="channels split only with one group (B and C shared by every channel)",
+    )
+)
+SSD_SHARDING = auto.register_rule(
+    auto.ShardingRule(SSD, free={"b": "batch", "h": "heads"}, note="heads split only with one group (ngroups=1)")
+)
+
+
+def _shape_error(where, name, layout, value, expected):
+    return ValueError(f"{where}: `{name}` must have layout {layout} = {expected}; got shape {tuple(value.shape)}")
+
+
+def _require_shape(where, name, layout, value, expected):
+    if value is not None and tuple(value.shape) != tuple(expected):
+        raise _shape_error(where, name, layout, value, expected)
+
+
+def _require_flag(where, name, value) -> None:
+    """``value`` must be a static bool."""
+    require_static(where, name, value, "a bool")
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: `{name}` must be a bool; got {value!r}")
+
+
+def _time_steps(delta, bias, softplus, limit=None):
+    """``delta`` (+ ``bias`` along its channel axis 1), softplus'd and clamped, in float32 (float64)."""
+    wide = accumulation_dtype(delta.dtype)
+    delta = delta.astype(wide)
+    if bias is not None:
+        delta = delta + bias.astype(wide).reshape((1, -1) + (1,) * (delta.ndim - 2))
+    if softplus:
+        delta = jax.nn.softplus(delta)
+    if limit is not None and tuple(limit) != (0.0, float("inf")):
+        delta = jnp.clip(delta, limit[0], limit[1])
+    return delta
+
+
+def _gate(y, z):
+    """``y * silu(z)`` in float32 (float64), rounded to y's dtype; ``y`` unchanged without ``z``."""
+    if z is None:
+        return y
+    wide = accumulation_dtype(y.dtype)
+    return (y.astype(wide) * jax.nn.silu(z.astype(wide))).astype(y.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ selective_scan
+def selective_scan(
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D=None,
+    z=None,
+    delta_bias=None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+):
+    """Mamba's selective scan, as ``mamba_ssm.ops.selective_scan_interface.selective_scan_fn`` (real inputs)::
+
+        delta = softplus(delta + delta_bias) (softplus only with delta_softplus)
+        state[t] = exp(delta[t] * A) * state[t - 1] + delta[t] * u[t] * B[t]        # [dstate] per (batch, channel)
+        y[t] = C[t] . state[t] + D * u[t];   out = y * silu(z)  (with z)
+
+    Args:
+      u, delta: ``[batch, dim, L]``.
+      A: ``[dim, dstate]`` (negative for a stable scan).
+      B, C: ``[batch, dstate, L]``, or grouped ``[batch, groups, dstate, L]`` (``dim % groups == 0``: channel
+        ``c`` uses group ``c // (dim // groups)``). Mamba's time-invariant ``[dim, dstate]`` B/C is not supported
+        (the kernel shares B and C across channels).
+      D: ``[dim]`` skip weights; z: ``[batch, dim, L]`` gate; delta_bias: ``[dim]``.
+      delta_softplus: apply softplus to ``delta + delta_bias``.
+      return_last_state: also return the last state ``[batch, dim, dstate]`` (float32).
+
+    Returns ``out`` in u's dtype, or ``(out, last_state)``. On Neuron: the ``selective_scan`` kernel, one call per
+    group; the time-step preprocessing and the gate are plain JAX.
+    """
+    where = SELECTIVE_SCAN
+    u = array_argument(where, "u", u, layout="[batch, dim, L]", rank=3)
+    batch, dim, length = u.shape
+    delta = array_argument(where, "delta", delta, layout="[batch, dim, L]", rank=3)
+    _require_shape(where, "delta", "[batch, dim, L]", delta, u.shape)
+    A = array_argument(where, "A", A, layout="[dim, dstate]", rank=2)
+    if A.shape[0] != dim:
+        raise _shape_error(where, "A", "[dim, dstate]", A, (dim, "dstate"))
+    dstate = A.shape[1]
+    B = array_argument(where, "B", B, layout="[batch, dstate, L] or [batch, groups, dstate, L]")
+    C = array_argument(where, "C", C, layout="[batch, dstate, L] or [batch, groups, dstate, L]")
+    groups = _groups(where, B, C, batch, dim, dstate, length)
+    optional = {"D": ("[dim]", (dim,)), "z": ("[batch, dim, L]", u.shape), "delta_bias": ("[dim]", (dim,))}
+    values = {"D": D, "z": z, "delta_bias": delta_bias}
+    for name, (layout, expected) in optional.items():
+        if values[name] is not None:
+            values[name] = array_argument(where, name, values[name], layout=layout)
+            _require_shape(where, name, layout, values[name], expected)
+    D, z, delta_bias = values["D"], values["z"], values["delta_bias"]
+    _require_flag(where, "delta_softplus", delta_softplus)
+    _require_flag(where, "return_last_state", return_last_state)
+
+    # channels split only with one group; the sequence axis (l) and dstate (n) never split
+    letters = ("bdl", "bdl", "dn", "bnl", "bnl") if groups == 1 else ("b_l", "b_l", "__", "b_nl", "b_nl")
+    arguments = [
+        auto.ShardedArgument(n, v, d) for n, v, d in zip(("u", "delta", "A", "B", "C"), (u, delta, A, B, C), letters)
+    ]
+    channel = "d" if groups == 1 else "_"
+    arguments += [
+        auto.ShardedArgument("D", D, channel),
+        auto.ShardedArgument("z", z, letters[0]),
+        auto.ShardedArgument("delta_bias", delta_bias, channel),
+    ]
+    sharded = auto.plan(SELECTIVE_SCAN_SHARDING, arguments)
+    flags = dict(delta_softplus=delta_softplus, return_last_state=return_last_state)
+    if sharded:
+        out_dims = letters[0] if not return_last_state else (letters[0], "bdn" if groups == 1 else "b_n")
+        return sharded.run(
+            lambda u, delta, A, B, C, D, z, delta_bias, axes: selective_scan(
+                u, delta, A, B, C, D, z, delta_bias, **flags
+            ),
+            out_dims,
+        )
+
+    delta = _time_steps(delta, delta_bias, delta_softplus)
+    if groups == 1:
+        y, last = selective_scan_kernel(u, delta, A, B, C, D)
+    else:
+        per = dim // groups
+        parts = [
+            selective_scan_kernel(
+                u[:, g * per : (g + 1) * per],
+                delta[:, g * per : (g + 1) * per],
+                A[g * per : (g + 1) * per],
+                B[:, g],
+                C[:, g],
+                None if D is None else D[g * per : (g + 1) * per],
+            )
+            for g in range(groups)
+        ]
+        y = jnp.concatenate([p[0] for p in parts], axis=1)
+        last = jnp.concatenate([p[1] for p in parts], axis=1)
+    out = _gate(y, z)
+    return (out, last) if return_last_state else out
+
+
+def _groups(where, B, C, batch, dim, dstate, length) -> int:
+    """The number of groups of ``B``/``C`` (1 for ``[batch, dstate, L]``), checked against ``u`` and ``A``."""
+    if B.shape != C.shape:
+        raise ValueError(f"{where}: `C` must have B's shape {tuple(B.shape)}; got {tuple(C.shape)}")
+    if B.ndim == 3 and B.shape == (batch, dstate, length):
+        return 1
+    if B.ndim == 4 and B.shape[0] == batch and B.shape[2:] == (dstate, length) and dim % B.shape[1] == 0:
+        return B.shape[1]
+    raise ValueError(
+        f"{where}: `B` must have layout [batch, dstate, L] = {(batch, dstate, length)} or [batch, groups, dstate, L] "
+        f"with groups dividing dim={dim}; got shape {tuple(B.shape)} (time-invariant [dim, dstate] B/C are not "
+        "supported: the kernel shares B and C across channels)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------- ssd
+def ssd(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size: int,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    return_final_states: bool = False,
+):
+    """Mamba-2's chunked scan, as ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined`` (no ``seq_idx`` /
+    ``cu_seqlens``)::
+
+        dt = clamp(softplus(dt + dt_bias), *dt_limit) (softplus only with dt_softplus)
+        state[t] = exp(dt[t] * A) * state[t - 1] + dt[t] * outer(x[t], B[t])      # [headdim, dstate] per head
+        y[t] = state[t] @ C[t] + D * x[t];   out = y * silu(z)  (with z)
+
+    Args:
+      x: ``[batch, L, nheads, headdim]``; dt: ``[batch, L, nheads]``; A: ``[nheads]``.
+      B, C: ``[batch, L, ngroups, dstate]`` (``nheads % ngroups == 0``: head ``h`` uses group
+        ``h // (nheads // ngroups)``).
+      chunk_size: the chunk length (the kernel's Q, at most 128 on Neuron). The result does not depend on it.
+      D: ``[nheads]`` or ``[nheads, headdim]``; z: ``[batch, L, nheads, headdim]``; dt_bias: ``[nheads]``;
+      initial_states: ``[batch, nheads, headdim, dstate]``.
+      dt_softplus, dt_limit: time-step preprocessing, as Mamba-2's.
+      return_final_states: also return the final states ``[batch, nheads, headdim, dstate]`` (float32).
+
+    Returns ``out [batch, L, nheads, headdim]`` in x's dtype, or ``(out, final_states)``. On Neuron: the ``ssd``
+    kernel on ``[batch, nheads, L, headdim]`` (one call per group); a length that is not a multiple of
+    ``chunk_size`` is padded with ``dt = 0`` steps (which leave the state unchanged).
+    """
+    where = SSD
+    x = array_argument(where, "x", x, layout="[batch, L, nheads, headdim]", rank=4)
+    batch, length, heads, headdim = x.shape
+    dt = array_argument(where, "dt", dt, layout="[batch, L, nheads]", rank=3)
+    _require_shape(where, "dt", "[batch, L, nheads]", dt, (batch, length, heads))
+    A = array_argument(where, "A", A, layout="[nheads]", rank=1)
+    _require_shape(where, "A", "[nheads]", A, (heads,))
+    B = array_argument(where, "B", B, layout="[batch, L, ngroups, dstate]", rank=4)
+    groups, dstate = B.shape[2], B.shape[3]
+    if B.shape[:2] != (batch, length) or heads % groups:
+        raise _shape_error(where, "B", "[batch, L, ngroups, dstate] (ngroups dividing nheads)", B, (batch, length))
+    C = array_argument(where, "C", C, layout="[batch, L, ngroups, dstate]", rank=4)
+    _require_shape(where, "C", "[batch, L, ngroups, dstate]", C, B.shape)
+    require_static(where, "chunk_size", chunk_size, "an int")
+    chunk_size = static_int(where, "chunk_size", chunk_size, minimum=1)
+    if D is not None:
+        D = array_argument(where, "D", D, layout="[nheads] or [nheads, headdim]")
+        if tuple(D.shape) not in ((heads,), (heads, headdim)):
+            raise _shape_error(where, "D", "[nheads] or [nheads, headdim]", D, (heads,))
+    checks = {
+        "z": ("[batch, L, nheads, headdim]", x.shape),
+        "dt_bias": ("[nheads]", (heads,)),
+        "initial_states": ("[batch, nheads, headdim, dstate]", (batch, heads, headdim, dstate)),
+    }
+    values = {"z": z, "dt_bias": dt_bias, "initial_states": initial_states}
+    for name, (layout, expected) in checks.items():
+        if values[name] is not None:
+            values[name] = array_argument(where, name, values[name], layout=layout)
+            _require_shape(where, name, layout, values[name], expected)
+    z, dt_bias, initial_states = values["z"], values["dt_bias"], values["initial_states"]
+    for name, flag in (("dt_softplus", dt_softplus), ("return_final_states", return_final_states)):
+        _require_flag(where, name, flag)
+    limit = tuple(float(v) for v in dt_limit)
+
+    head = "h" if groups == 1 else "_"
+    arguments = [
+        auto.ShardedArgument("x", x, "bl" + head + "p"),
+        auto.ShardedArgument("dt", dt, "bl" + head),
+        auto.ShardedArgument("A", A, head),
+        auto.ShardedArgument("B", B, "bl_n"),
+        auto.ShardedArgument("C", C, "bl_n"),
+        auto.ShardedArgument("D", D, None if D is None else head + "p"[: D.ndim - 1]),
+        auto.ShardedArgument("z", z, "bl" + head + "p"),
+        auto.ShardedArgument("dt_bias", dt_bias, head),
+        auto.ShardedArgument("initial_states", initial_states, "b" + head + "pn"),
+    ]
+    sharded = auto.plan(SSD_SHARDING, arguments)
+    flags = dict(dt_softplus=dt_softplus, dt_limit=limit, return_final_states=return_final_states)
+    if sharded:
+        out_dims = "bl" + head + "p"
+        return sharded.run(
+            lambda x, dt, A, B, C, D, z, dt_bias, h0, axes: ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, h0, **flags),
+            (out_dims, "b" + head + "pn") if return_final_states else out_dims,
+        )
+
+    steps = _time_steps(jnp.swapaxes(dt, 1, 2), dt_bias, dt_softplus, limit)  # [b, h, L], float32
+    x_k = jnp.swapaxes(x, 1, 2)  # [b, h, L, p]
+    pad = -length % chunk_size if chunk_size <= MAX_CHUNK else 0  # pad to whole chunks: dt = 0 steps change nothing
+    if pad:
+        x_k = jnp.pad(x_k, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        steps = jnp.pad(steps, ((0, 0), (0, 0), (0, pad)))
+        B = jnp.pad(B, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        C = jnp.pad(C, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    h0 = None if initial_states is None else jnp.swapaxes(initial_states, 2, 3)  # [b, h, n, p]
+    kernel_D = D if D is not None and D.ndim == 1 else None
+    per = heads // groups
+    parts = []
+    for g in range(groups):
+        heads_g = slice(g * per, (g + 1) * per)
+        parts.append(
+            ssd_kernel(
+                x_k[:, heads_g],
+                steps[:, heads_g],
+                A[heads_g],
+                B[:, :, g],
+                C[:, :, g],
+                chunk_size=chunk_size,
+                D=None if kernel_D is None else kernel_D[heads_g],
+                initial_state=None if h0 is None else h0[:, heads_g],
+            )
+        )
+    y = jnp.concatenate([p[0] for p in parts], axis=1)[:, :, :length]
+    final = jnp.concatenate([p[1] for p in parts], axis=1)
+    y = jnp.swapaxes(y, 1, 2)  # [b, L, h, p]
+    if D is not None and D.ndim == 2:
+        wide = accumulation_dtype(x.dtype)
+        y = (y.astype(wide) + D.astype(wide) * x.astype(wide)).astype(x.dtype)
+    out = _gate(y, z)
+    return (out, jnp.swapaxes(final, 2, 3)) if return_final_states else out
