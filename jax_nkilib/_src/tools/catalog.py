@@ -173,7 +173,7 @@ CATALOG = _entries(
             "get_rng_state_gpsimd set_rng_state_gpsimd generate_random",
             "rng",
             16,
-            "not bound: the kernels read and advance the GPSIMD engine's hidden RNG state, which needs an ordered "
+            "the kernels read and advance the GPSIMD engine's hidden RNG state, which needs an ordered "
             "effect, and the framework's primitives have none (no effectful abstract evaluation, no token threading "
             "in the reference or Neuron lowerings, no refusal under vmap); the Neuron custom call cannot take JAX's "
             "ordering token, so ordering get/set/generate on the device would rest on an optimization-barrier chain "

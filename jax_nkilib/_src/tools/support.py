@@ -94,11 +94,13 @@ def markdown_table(rows: list[KernelSupport] | None = None) -> str:
     ]
     pending = [row for row in rows if row.status != "bound" and not row.notes]
     explained = [row for row in rows if row.status != "bound" and row.notes]
-    summary = (
-        f"\n{len(bound)} of {len(rows)} catalog kernels are bound. Not bound yet: "
-        + ", ".join(f"`{r.kernel}`" for r in pending)
-        + "."
-        + "".join(f"\n\nNot bound: `{r.kernel}`: {r.notes}." for r in explained)
+    waiting = (
+        "Not bound yet: " + ", ".join(f"`{r.kernel}`" for r in pending) + "."
+        if pending
+        else "Every other one is explained below."
+    )
+    summary = f"\n{len(bound)} of {len(rows)} catalog kernels are bound. {waiting}" + "".join(
+        f"\n\nNot bound: `{r.kernel}`: {r.notes}." for r in explained
     )
     return "\n".join(header + lines) + "\n" + summary + "\n\n" + sharding_table()
 
