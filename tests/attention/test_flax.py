@@ -91,8 +91,15 @@ def _assert_gradients_close(grads, expected):
 
 
 # ------------------------------------------------------------------------------------------------------ nnx
-@pytest.mark.parametrize("num_kv_heads", [None, 2])
-@pytest.mark.parametrize("mask_name", [None, "causal", "padding", "causal_key_padding"])
+# GQA (num_kv_heads=2) with every mask runs with `-m slow`; CI: every mask without it, GQA causal
+@pytest.mark.parametrize(
+    "mask_name, num_kv_heads",
+    [
+        pytest.param(mask, kv, marks=[pytest.mark.slow] if kv and mask != "causal" else [])
+        for kv in (None, 2)
+        for mask in (None, "causal", "padding", "causal_key_padding")
+    ],
+)
 def test_nnx_outputs_match_flax_in_float64(nnx, mask_name, num_kv_heads):
     if num_kv_heads is not None:  # grouped-query attention
         _require(nnx.MultiHeadAttention.__init__, "num_kv_heads")

@@ -206,7 +206,12 @@ def test_nested_vmap_matches_loops(spec):
     assert_same(got, loop(lambda *a: loop(single, a, full_axes), nested, full_axes))
 
 
-@params("grad", "check_grads")
+# A variant spec's float64 gradient check runs with `-m slow` too (CI time): CI checks the gradients of its kernel's
+# main spec (a variant's flag path is then covered in CI only where the family's own tests differentiate it).
+VARIANT_GRADIENTS_ARE_SLOW = tuple(spec.name for spec in SPECS if "." in spec.name)
+
+
+@params("grad", "check_grads", slow=VARIANT_GRADIENTS_ARE_SLOW)
 def test_gradients_float64(spec):
     fn, argnums, args = differentiable(spec)
     check_grads(jax.jit(fn), tuple(args[i] for i in argnums), order=spec.grad_order, modes=["rev"])

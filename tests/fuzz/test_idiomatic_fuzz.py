@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import jax_nkilib
 
 FUZZ = settings(
-    max_examples=15,
+    max_examples=10,
     deadline=None,
     derandomize=True,
     database=None,

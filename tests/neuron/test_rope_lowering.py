@@ -142,12 +142,12 @@ def test_missing_nki_says_how_to_install(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "nki", None)  # make `import nki` fail even where it is installed
-    # A lowering of these shapes by a stand-in SDK in an earlier test of this process (same trace context) would be
-    # reused from JAX's lowering cache without importing nki.
-    jax.clear_caches()
+    # Shapes no other test lowers: JAX would reuse an earlier lowering of the same call (by a stand-in SDK) without
+    # importing nki (clearing JAX's caches instead costs this worker ~10 s of recompiling).
+    x, cos = random((64, 3, 4, 16), seed=41), angles((32, 3, 16), seed=42)
     with jax_nkilib.neuron.dry_run(False):
         with pytest.raises(NeuronSdkMissingError, match="Neuron SDK.*pip repository.*dry_run"):
-            neuron_text(RoPE, X, COS, SIN)
+            neuron_text(RoPE, x, *cos)
 
 
 def test_neuron_hlo_tool():
