@@ -171,7 +171,7 @@ def test_selective_scan_lowers_to_one_kernel_call_per_group():
         (dict(A=np.zeros((5, 3))), ValueError, "`A` must have layout [dim, dstate]"),
         (dict(z=np.zeros((2, 6, 8))), ValueError, "`z` must have layout [batch, dim, L]"),
         (dict(u=np.zeros((2, 6, 7), np.int32)), TypeError, "`u`"),
-        (dict(delta_softplus="yes"), TypeError, "`delta_softplus` must be a bool"),
+        (dict(delta_softplus="yes"), TypeError, "`delta_softplus` must be a Python bool"),
     ],
 )
 def test_selective_scan_bad_inputs(change, error, fragment):

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..framework.arguments import array_argument
 from ..framework.spec import accumulation_dtype
-from ..framework.validation import require_static, static_int
+from ..framework.validation import require_static, static_bool, static_int
 from ..scan.selective_scan import selective_scan as selective_scan_kernel
 from ..scan.ssd import MAX_CHUNK
 from ..scan.ssd import ssd as ssd_kernel
@@ -46,11 +45,14 @@ def _require_shape(where, name, layout, value, expected):
         raise _shape_error(where, name, layout, value, expected)
 
 
-def _require_flag(where, name, value) -> None:
-    """``value`` must be a static bool."""
-    require_static(where, name, value, "a bool")
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{where}: `{name}` must be a bool; got {value!r}")
+def _optional_arrays(where, checks: dict, values: dict) -> dict:
+    """``values`` by name, each ``None`` or an array of ``checks[name] = (layout, expected shape)``."""
+    checked = dict(values)
+    for name, (layout, expected) in checks.items():
+        if values[name] is not None:
+            checked[name] = array_argument(where, name, values[name], layout=layout)
+            _require_shape(where, name, layout, checked[name], expected)
+    return checked
 
 
 def _time_steps(delta, bias, softplus, limit=None):
@@ -119,14 +121,10 @@ def selective_scan(
     C = array_argument(where, "C", C, layout="[batch, dstate, L] or [batch, groups, dstate, L]")
     groups = _groups(where, B, C, batch, dim, dstate, length)
     optional = {"D": ("[dim]", (dim,)), "z": ("[batch, dim, L]", u.shape), "delta_bias": ("[dim]", (dim,))}
-    values = {"D": D, "z": z, "delta_bias": delta_bias}
-    for name, (layout, expected) in optional.items():
-        if values[name] is not None:
-            values[name] = array_argument(where, name, values[name], layout=layout)
-            _require_shape(where, name, layout, values[name], expected)
+    values = _optional_arrays(where, optional, {"D": D, "z": z, "delta_bias": delta_bias})
     D, z, delta_bias = values["D"], values["z"], values["delta_bias"]
-    _require_flag(where, "delta_softplus", delta_softplus)
-    _require_flag(where, "return_last_state", return_last_state)
+    static_bool(where, "delta_softplus", delta_softplus)
+    static_bool(where, "return_last_state", return_last_state)
 
     # channels split only with one group; the sequence axis (l) and dstate (n) never split
     letters = ("bdl", "bdl", "dn", "bnl", "bnl") if groups == 1 else ("b_l", "b_l", "__", "b_nl", "b_nl")
@@ -248,14 +246,10 @@ def ssd(
         "dt_bias": ("[nheads]", (heads,)),
         "initial_states": ("[batch, nheads, headdim, dstate]", (batch, heads, headdim, dstate)),
     }
-    values = {"z": z, "dt_bias": dt_bias, "initial_states": initial_states}
-    for name, (layout, expected) in checks.items():
-        if values[name] is not None:
-            values[name] = array_argument(where, name, values[name], layout=layout)
-            _require_shape(where, name, layout, values[name], expected)
+    values = _optional_arrays(where, checks, {"z": z, "dt_bias": dt_bias, "initial_states": initial_states})
     z, dt_bias, initial_states = values["z"], values["dt_bias"], values["initial_states"]
-    for name, flag in (("dt_softplus", dt_softplus), ("return_final_states", return_final_states)):
-        _require_flag(where, name, flag)
+    static_bool(where, "dt_softplus", dt_softplus)
+    static_bool(where, "return_final_states", return_final_states)
     limit = tuple(float(v) for v in dt_limit)
 
     head = "h" if groups == 1 else "_"
