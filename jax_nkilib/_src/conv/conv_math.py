@@ -31,15 +31,15 @@ def kernel_activation(value, where: str):
     return member
 
 
-def int_tuple(value, where: str, length: int, minimum: int) -> tuple[int, ...]:
-    """A tuple of ``length`` Python ints, each ``>= minimum``."""
+def int_tuple(value, where: str, length: int, minimum: int | None = None) -> tuple[int, ...]:
+    """A tuple of ``length`` Python ints, each ``>= minimum`` (when given)."""
     if (
         not isinstance(value, (tuple, list))
         or len(value) != length
         or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
     ):
         raise TypeError(f"{where} must be a tuple of {length} Python ints; got {value!r}")
-    if min(value) < minimum:
+    if minimum is not None and min(value) < minimum:
         raise ValueError(f"{where} must have every entry >= {minimum}; got {tuple(value)}")
     return tuple(int(v) for v in value)
 

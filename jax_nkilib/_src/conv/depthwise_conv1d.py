@@ -28,35 +28,25 @@ the last channel) and is documented and tested only at LNC=2: other LNC degrees,
 
 from __future__ import annotations
 
-import numpy as np
 from jax import lax
 
 from ..framework.primitive import make_kernel, reference_vjp
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Param, accumulation_dtype
+from .conv_math import int_tuple
 
 DEPTHWISE_LNC = 2  # the kernel shards C over two cores (its docstring and tests)
 
 
-def _int_tuple(value, where: str, length: int) -> tuple:
-    if (
-        not isinstance(value, (tuple, list))
-        or len(value) != length
-        or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value)
-    ):
-        raise TypeError(f"{where} must be a tuple of {length} Python ints; got {value!r}")
-    return tuple(int(v) for v in value)
-
-
 def int_pair(value, where: str) -> tuple[int, int]:
     """A ``(h, w)`` pair of Python ints."""
-    return _int_tuple(value, where, 2)
+    return int_tuple(value, where, 2)
 
 
 def padding_pairs(value, where: str) -> tuple[tuple[int, int], tuple[int, int]]:
     """``((pad_h_l, pad_h_r), (pad_w_l, pad_w_r))`` of non-negative Python ints."""
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise TypeError(f"{where} must be ((pad_h_l, pad_h_r), (pad_w_l, pad_w_r)); got {value!r}")
-    pairs = tuple(_int_tuple(pair, where, 2) for pair in value)
+    pairs = tuple(int_tuple(pair, where, 2) for pair in value)
     if min(pairs[0] + pairs[1]) < 0:
         raise ValueError(f"{where} must be non-negative (the kernel pads with zeros only); got {pairs}")
     return pairs
