@@ -35,7 +35,6 @@ _MLA_MX_PIPELINE = (
     "into each matmul, bf16 roundings between stages). Not bound in issue 17's time: binding it means replaying that "
     "datapath on jax_nkilib._src.quant.mx and checking it against those references"
 )
-_MLA_QKV_DOCS = f"{_MLA_MX_PIPELINE}. jax_nkilib.mla_attention computes these projections in XLA"
 
 
 CATALOG = _entries(
@@ -88,7 +87,7 @@ CATALOG = _entries(
         (46, "attention_kv_parallel_segmented_cte", "attention", 3),
         (47, "attention_mxfp8_tkg", "attention", 3),
         (48, "swa_fused_cte", "attention", 3),
-        (49, "qkv_mla_mx qkv_mla_mx_deepseek_v4", "mla", 17, _MLA_QKV_DOCS),
+        (49, "qkv_mla_mx qkv_mla_mx_deepseek_v4", "mla", 17),
         (
             50,
             "mla_qkv_cte_kernel",

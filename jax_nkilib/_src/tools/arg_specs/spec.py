@@ -245,6 +245,7 @@ _FAMILIES = (
     "deformable",
     "benchmark",
     "mla",
+    "qkv_mla",
     "conv",
 )
 _loaded = False
