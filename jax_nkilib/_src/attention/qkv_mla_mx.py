@@ -86,7 +86,7 @@ def _dim_params(*names):
 _NORM_EPS = Param("norm_eps", 1e-6, float, "RMSNorm epsilon (positive)")
 _ROPE_DOC = ("qk_rope_head_dim", "R: the rotated part of each head (even)")
 _RANK_DOCS = (("kv_lora_rank", "KVR: latent KV width"), ("qk_lora_rank", "QR: latent Q width"))
-_COMMON_HEAD = (Operand.of("x_hbm", "B, S, H", dtypes=FLOAT_DTYPES, doc="hidden states, H in the 512-swizzled order"),)
+_HIDDEN = (Operand.of("x_hbm", "B, S, H", dtypes=FLOAT_DTYPES, doc="hidden states, H in the 512-swizzled order"),)
 _CACHES = (
     Operand.of("cos_cache_hbm", "B, S, R", dtypes=FLOAT_DTYPES, doc="RoPE cosines (first R/2 entries read)"),
     Operand.of("sin_cache_hbm", "B, S, R", dtypes=FLOAT_DTYPES, doc="RoPE sines (first R/2 entries read)"),
@@ -331,7 +331,7 @@ _V4_DIMS = _dim_params(
 )
 
 _V32_OPERANDS = (
-    *_COMMON_HEAD,
+    *_HIDDEN,
     _words("wqkv_a_hbm", "H/4, A", "first projection [H, QR + KVR + R]; QR and KVR columns 512-swizzled"),
     _scales("wqkv_a_scale_hbm", "H/128, AB", "compact block-128 scales of wqkv_a"),
     _words("wq_b_hbm", "QR/4, NQ", "second Q projection [QR, n_heads * (dn + R)]"),
@@ -343,7 +343,7 @@ _V32_OPERANDS = (
     *_CACHES,
 )
 _V4_OPERANDS = (
-    *_COMMON_HEAD,
+    *_HIDDEN,
     _words("wqkv_hbm", "H/4, A", "fused first projection [H, QR + KVR + R]; QR columns 512-swizzled"),
     _scales("wqkv_scale_hbm", "H/128, AB", "compact block-128 scales of wqkv"),
     _words("wq_b_hbm", "QR/4, NQ", "second Q projection [QR, n_heads * head_dim]"),
