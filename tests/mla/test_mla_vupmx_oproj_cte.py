@@ -153,7 +153,16 @@ def test_chains_after_mla_sparse_attention_cte_kernel():
     assert relative_error(out, natural_order) > 10 * relative_error(out, want)  # the column order matters
 
 
-def test_vmap_folds_into_the_batch_and_shard_map_splits_the_queries():
+def test_vmap_of_the_latent_folds_into_the_batch():
+    operands, _ = problem(1, 16, 2, 64, 64, 24, seed=2)
+    stacked = jnp.stack([operands[0], -operands[0][:, ::-1]])
+    batched = jax.vmap(nki.mla_vupmx_oproj_cte_kernel, in_axes=(0, None, None, None, None))
+    jaxpr = str(jax.make_jaxpr(batched)(stacked, *operands[1:]))
+    assert "bf16[2,16,128]" in jaxpr and "scan" not in jaxpr and "while" not in jaxpr  # one call over B = 2, no loop
+
+
+@pytest.mark.slow
+def test_vmap_and_shard_map_over_the_queries_match_single_calls():
     operands, _ = problem(1, 16, 2, 64, 64, 24, seed=2)
     stacked = jnp.stack([operands[0], -operands[0][:, ::-1]])
     one = jax.vmap(nki.mla_vupmx_oproj_cte_kernel, in_axes=(0, None, None, None, None))(stacked, *operands[1:])
