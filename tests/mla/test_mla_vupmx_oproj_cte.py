@@ -249,3 +249,23 @@ def test_bad_inputs_name_the_argument(change, error, fragments):
         nki.mla_vupmx_oproj_cte_kernel(*change(operands))
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+def test_explain_notes_the_ocp_scale_flag_and_the_bf16_k_slab_sums():
+    def shapes(h, hid):
+        return [
+            jax.ShapeDtypeStruct(shape, dtype)
+            for shape, dtype in (
+                ((1, 128, h * 512), jnp.bfloat16),
+                ((h * 128, 128), jnp.uint32),
+                ((h * 4, 1), jnp.uint8),
+                ((h * 32, hid), jnp.uint32),
+                ((h, hid // 128), jnp.uint8),
+            )
+        ]
+
+    with jax_nkilib.config(target="trn3"):
+        one_slab = str(jax_nkilib.explain(nki.mla_vupmx_oproj_cte_kernel, *shapes(4, 7168)))
+        two_slabs = str(jax_nkilib.explain(nki.mla_vupmx_oproj_cte_kernel, *shapes(16, 7168)))
+    assert "enable-ocp-compliant-scale-computation" in one_slab and "K-slabs" not in one_slab
+    assert "its 2 W_o K-slabs in a bfloat16 accumulator" in two_slabs

@@ -39,7 +39,8 @@ Neuron (the kernel's asserts and tests): target trn3 (``nc_matmul_mx``; its test
 the LNC degree (the cores split the queries), and per core ``S / LNC <= 128`` or (``H == 4`` and ``S / LNC % 128 ==
 0``): its multi-s-batch loop is marked broken for more heads. Where it differs from the reference: its tests compile
 with ``--enable-ocp-compliant-scale-computation`` (the emax-8 scale rule above; neuronxcc's default is the
-alternative emax), and it adds the fp32 PSUM partials of successive W_o K-slabs in a bfloat16 accumulator.
+alternative emax), and where W_o does not fit one K-slab (:func:`w_o_k_slabs`: e.g. ``H = 16``, ``HID = 7168``) it
+adds the slabs' fp32 PSUM partials in a bfloat16 accumulator.
 """
 
 from __future__ import annotations
@@ -166,12 +167,25 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
+def w_o_k_slabs(heads: int, hid: int) -> int:
+    """How many K-slabs the kernel splits W_o's ``H d_v / 512`` MX tiles into: the largest slab of at most 8 tiles
+    that divides them and whose fp8x4 words + scales (5 bytes per element) for ``hid`` columns fit 70 KiB."""
+    tiles = max(heads // H_PACK, 1)
+    slab = min(8, tiles)
+    while slab > 1 and (tiles % slab or slab * hid * 5 > 70 * 1024):
+        slab -= 1
+    return tiles // slab
+
+
 def _neuron_notes(call: CallInfo) -> list[str]:
-    return [
+    notes = [
         "the kernel's MX scales follow the OCP rule only when neuronx-cc runs with "
-        "--enable-ocp-compliant-scale-computation (its tests pass it)",
-        "the kernel adds the fp32 partial sums of successive W_o K-slabs in a bfloat16 accumulator",
+        "--enable-ocp-compliant-scale-computation (its tests pass it)"
     ]
+    slabs = w_o_k_slabs(4 * call.dims["G_o"] // call.dims["d_v"], call.dims["HID"])
+    if slabs > 1:
+        notes.append(f"the kernel adds the fp32 partial sums of its {slabs} W_o K-slabs in a bfloat16 accumulator")
+    return notes
 
 
 def _zero_cotangents(kernel, operands, params, outs, cotangents):
