@@ -31,7 +31,8 @@ where ``mx`` is an OCP MXFP8 (e4m3, emax 8) round trip in blocks of 32 consecuti
 any float dtype are read through bfloat16 (the kernel's only input dtype); the output is bfloat16 (the kernel's).
 Weight element bytes are decoded as ``float8_e4m3fn`` (NaN codes stay NaN; the torch reference's manual decoder
 reads them as +-480). The output is piecewise constant in ``out_attn_hbm`` (bf16 and MXFP8 roundings) and the words
-and scales are integers, so reverse mode gives zero cotangents.
+and scales are integers, so reverse mode gives zero cotangents. Off Neuron any ``B``, ``S``, ``HID`` and ``d_v``
+work, with ``L % 32 == 0`` (whole MX blocks per head) and ``H L``, ``H d_v`` multiples of 128 (whole scale rows).
 
 Neuron (the kernel's asserts and tests): target trn3 (``nc_matmul_mx``; its tests exclude trn1/trn2), bfloat16,
 ``B == 1``, ``L == 512``, ``d_v == 128``, ``H`` in {4, 8, 16, 24, 32, 64, 96, 128} (a multiple of 4 up to 128 whose
