@@ -9,6 +9,7 @@ from jax_nkilib._src.attention.attention_segmented_cte import attention_segmente
 from jax_nkilib._src.attention.attention_tkg import attention_tkg
 from jax_nkilib._src.attention.gen_mask_tkg import gen_mask_tkg, gen_mask_tkg_hbm
 from jax_nkilib._src.attention.mla_sparse_attention_cte import mla_sparse_attention_cte_kernel
+from jax_nkilib._src.attention.mla_vupmx_oproj_cte import mla_vupmx_oproj_cte_kernel
 from jax_nkilib._src.attention.ms_deformable_attention import ms_deformable_attention, ms_deformable_attention_bwd
 from jax_nkilib._src.attention.qkv_mla_mx import qkv_mla_mx, qkv_mla_mx_deepseek_v4
 from jax_nkilib._src.attention.ring_attention_bwd import ring_attention_spmd_bwd
@@ -162,6 +163,7 @@ __all__ = [
     "mla_sparse_attention_cte_kernel",
     "qkv_mla_mx",
     "qkv_mla_mx_deepseek_v4",
+    "mla_vupmx_oproj_cte_kernel",
     "attention_segmented_cte",
     "attention_tkg",
     "attn_q_batch_shard",

@@ -27,9 +27,10 @@ with a ``NeuronFallbackWarning``. The sparse path is ``mla_sparse_attention_cte_
 sequence (the kernel takes ``B == 1``; a batch is a loop of calls), its other limits or fallback as the kernel's; a
 ``kv_lora_rank`` that is not a multiple of 4 runs as JAX with a ``NeuronFallbackWarning``. The projections and
 the indexer's score and top-k are XLA. The NKI MLA projection and indexer kernels (``qkv_mla_mx``,
-``mla_qkv_cte_kernel``, ``mla_vupmx_oproj_cte_kernel``, ``sparse_attention_indexer_mx_bf16score``) take MX fp8x4
-operands whose datapath only the newer nki-library references define; they are not bound yet (see the support
-matrix).
+``mla_qkv_cte_kernel``, ``sparse_attention_indexer_mx_bf16score``) take MX fp8x4 operands whose datapath only the
+newer nki-library references define; they are not bound yet (see the support matrix). ``mla_vupmx_oproj_cte_kernel``
+is bound in ``jax_nkilib.nki`` (it takes the sparse kernel's output as it is) but needs MXFP8 weights (x4 words,
+compact block-128 scales), so this float-weight op keeps W_uv and W_o in XLA.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ CATALOG = _entries(
             f"(pack_scales=True), defined only in the newer source; {_MLA_MX_PIPELINE}",
         ),
         (51, "mla_sparse_attention_cte_kernel", "mla", 17),
-        (52, "mla_vupmx_oproj_cte_kernel", "mla", 17, _MLA_MX_PIPELINE),
+        (52, "mla_vupmx_oproj_cte_kernel", "mla", 17),
         (
             53,
             "sparse_attention_indexer_mx_bf16score",

@@ -1,5 +1,5 @@
-"""Arg specs of ``mla_sparse_attention_cte_kernel`` and ``jax_nkilib.mla_attention`` (DeepSeek MLA prefill, dense
-and with the top-k indexer)."""
+"""Arg specs of ``mla_sparse_attention_cte_kernel``, ``mla_vupmx_oproj_cte_kernel`` and ``jax_nkilib.mla_attention``
+(DeepSeek MLA prefill, dense and with the top-k indexer)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -103,5 +103,46 @@ register(
         size="realistic",
         notes="DeepSeek-V3's dims (16 of its 128 heads): dn + dr = 192 exceeds attention_cte's head dim, so its "
         "attention falls back with a NeuronFallbackWarning",
+    ),
+)
+
+
+def mx_x4_weight(rng, k, n):
+    """``(words [k/4, n] uint32, scales [k/128, ceil(n/128)] uint8)``: random float8_e4m3fn elements (no NaN codes),
+    element ``4r + q`` of column ``n`` in byte ``q`` of word ``[r, n]``, with compact block-128 scales near
+    ``2**-9`` (weights of magnitude ~0.1)."""
+    values = np.clip(rng.standard_normal((k, n)) * 64, -448, 448)
+    codes = np.asarray(jnp.asarray(values, jnp.float8_e4m3fn)).view(np.uint8).astype(np.uint32).reshape(k // 4, 4, n)
+    words = codes[:, 0] | (codes[:, 1] << 8) | (codes[:, 2] << 16) | (codes[:, 3] << 24)
+    scales = rng.integers(116, 120, (k // 128, -(-n // 128)))
+    return jnp.asarray(words, jnp.uint32), jnp.asarray(scales, jnp.uint8)
+
+
+def _vupmx_oproj(b, s, h, latent, d_v, hid, dtype=jnp.float32):
+    """``mla_vupmx_oproj_cte_kernel``'s ``out_attn, wuv_qtz, wuv_scale, wo_qtz, wo_scale``."""
+    return lambda rng: (
+        normal(rng, (b, s, h * latent), dtype, scale=0.3),
+        *mx_x4_weight(rng, h * latent, d_v),
+        *mx_x4_weight(rng, h * d_v, hid),
+    )
+
+
+_VUPMX_OPERANDS = ("out_attn_hbm", "wuv_qtz_hbm", "wuv_scale_hbm", "wo_qtz_hbm", "wo_scale_hbm")
+
+register(
+    ArgSpec(
+        "mla_vupmx_oproj_cte_kernel",
+        nki.mla_vupmx_oproj_cte_kernel,
+        _VUPMX_OPERANDS,
+        _vupmx_oproj(8, 3, 2, 64, 64, 40),
+        kernels=("mla_vupmx_oproj_cte_kernel",),
+        batch=("out_attn_hbm", "wo_scale_hbm"),
+        sharding=Sharding(mesh=(("data", 8),), in_specs=(P("data"),) + (P(),) * 4, out_specs=P("data")),
+        neuron=_vupmx_oproj(1, 128, 4, 512, 128, 512, jnp.bfloat16),
+        neuron_lnc=2,
+        neuron_target="trn3",
+        bad=BadInput("wuv_scale_hbm", lambda s: s.astype(jnp.float32), "uint8"),
+        notes="no gradient check: out_attn_hbm is bf16/MXFP8-rounded (zero cotangents) and the weights are integer "
+        "words and scales; the kernel is Trainium3's, so its lowering is checked for trn3",
     ),
 )
