@@ -99,18 +99,25 @@ def _rope(x, cos, sin):
     return out
 
 
-def mla_qkv(x_rows, w_a, w_b, q_gamma, kv_gamma, wuk, cos, sin, heads, nope, rope, latent, q_rank, eps, round_to):
-    """float64 ``(q_lift, q_pe, c_kv, k_pe)``; ``w_a [H, Na]`` / ``w_b [Q, Nb]`` the dequantized weights (stored
-    column order), ``round_to`` the dtype q_nope is rounded to before the absorption."""
+def projections(x_rows, w_a, w_b, q_gamma, heads, latent, q_rank, eps):
+    """float64 ``(q [B, S, N, D + R], kv [T, L], k_pe [B, S, R])`` before RoPE and the KV norm; ``w_a [H, Na]`` /
+    ``w_b [Q, Nb]`` the dequantized weights (stored column order)."""
     batch, seq, _ = x_rows.shape
     hidden = w_a.shape[0]
     x = decode_x(x_rows, hidden).reshape(batch * seq, hidden)
     fused = mx_round_trip(x) @ w_a
     qr = np.stack([fused[:, swizzled_column(q_rank, c)] for c in range(q_rank)], axis=-1)
     kv = np.stack([fused[:, q_rank + swizzled_column(latent, c)] for c in range(latent)], axis=-1)
-    k_pe = fused[:, q_rank + latent :].reshape(batch, seq, rope)
+    k_pe = fused[:, q_rank + latent :].reshape(batch, seq, -1)
     q = mx_round_trip(_rms_norm(qr, q_gamma, eps)) @ w_b
-    q = q.reshape(batch, seq, heads, nope + rope)
+    return q.reshape(batch, seq, heads, -1), kv, k_pe
+
+
+def mla_qkv(x_rows, w_a, w_b, q_gamma, kv_gamma, wuk, cos, sin, heads, nope, rope, latent, q_rank, eps, round_to):
+    """float64 ``(q_lift, q_pe, c_kv, k_pe)`` (weights as in :func:`projections`); ``round_to``: the dtype q_nope
+    is rounded to before the absorption."""
+    batch, seq, _ = x_rows.shape
+    q, kv, k_pe = projections(x_rows, w_a, w_b, q_gamma, heads, latent, q_rank, eps)
     q_nope = q[..., :nope].astype(round_to).astype(np.float64)
     q_lift = np.stack([q_nope[:, :, h] @ wuk[:, h * latent : (h + 1) * latent] for h in range(heads)], axis=2)
     half = rope // 2

@@ -44,7 +44,10 @@ Dtype policy: the float operands share one compute dtype ``cd`` (the kernel: bfl
 before the absorption (the kernel runs that matmul in bfloat16), everything else is float32 (float64 for float64
 operands), and the four outputs are returned in ``cd``.
 
-Not differentiable (quantized operands; the reference's MX roundings have no useful derivative): no VJP.
+Reverse mode differentiates the reference in ``kv_norm_gamma_hbm``, ``wuk_hbm``, ``cos_cache_hbm`` and
+``sin_cache_hbm`` (no quantization follows them: exact); ``q_norm_gamma_hbm`` gets a zero cotangent (it feeds the
+MX-quantized ``qr``, piecewise constant in it: zero is its derivative almost everywhere), and the packed row, the
+weight words and the scales get none. There is no backward kernel.
 Neuron limits (else the reference runs, with a ``NeuronFallbackWarning``): bfloat16 float operands, ``B == 1`` (the
 kernel views ``x_hbm_mx`` as ``[S, row]``), ``qk_nope_head_dim == 128``, ``n_heads`` even. The kernel splits ``S``
 over the LNC cores.
@@ -56,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..framework.primitive import make_kernel
+from ..framework.primitive import make_kernel, pull_back
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype
 from ..norm import rmsnorm_mx_prefill_reference as packed_rows
 from ..quant import mx
@@ -69,6 +72,8 @@ KERNEL_NOPE = 128
 PACKED_X_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 WORD_DTYPES = (jnp.dtype(jnp.uint32),)
 FLOAT_OPERANDS = ("q_norm_gamma_hbm", "kv_norm_gamma_hbm", "wuk_hbm", "cos_cache_hbm", "sin_cache_hbm")
+# the float operands no MX quantization follows (q_norm_gamma_hbm feeds the MX-quantized qr: piecewise constant)
+DIFFERENTIABLE = ("kv_norm_gamma_hbm", "wuk_hbm", "cos_cache_hbm", "sin_cache_hbm")
 
 
 # ------------------------------------------------------------------------------------------------ the reference's math
@@ -218,6 +223,11 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
+def _vjp(kernel, operands, params, outs, cotangents):
+    """The reference's derivative in :data:`DIFFERENTIABLE`; the other operands get no cotangent (zero)."""
+    return pull_back(lambda named: kernel.reference(named, params), operands, DIFFERENTIABLE, cotangents)
+
+
 def _mac_count(call: CallInfo) -> int:
     p, tokens = call.params, call.dims["B"] * call.dims["S"]
     hidden, heads, latent = call.dims["H4"] * H_PACK, p["n_heads"], p["kv_lora_rank"]
@@ -271,11 +281,12 @@ MLA_QKV_CTE_SPEC = KernelSpec(
     catalog="row 50, section 3",
     support={
         "idiomatic": "",
-        "vjp": "none (quantized operands)",
+        "vjp": "JAX (the reference's derivative in kv_norm_gamma, W_uk, cos, sin; zero for q_norm_gamma and the "
+        "quantized operands)",
         "notes": "docs-only (2.32) + newer torch reference; packed MX rows of rmsnorm_mx_prefill (pack_scales=True), "
         "fp8 x4 weights with compact block-128 scales; outputs (q_lift, q_pe, c_kv, k_pe), the qr export not bound; "
         f"Neuron: bf16, B == 1, qk_nope_head_dim == {KERNEL_NOPE}, even n_heads",
     },
 )
 
-mla_qkv_cte_kernel = make_kernel(MLA_QKV_CTE_SPEC)
+mla_qkv_cte_kernel = make_kernel(MLA_QKV_CTE_SPEC, vjp=_vjp)
