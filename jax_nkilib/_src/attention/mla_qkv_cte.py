@@ -19,8 +19,8 @@ qk_nope_head_dim``, ``N = n_heads``, ``Na = Q + L + R``, ``Nb = N (D + R)``):
   ``pack_scales=True`` (fp8 elements in natural H order, then the e8m0 scale bytes; layout in
   :mod:`..norm.rmsnorm_mx_prefill_reference`), ``H % 512 == 0``;
 * ``wqkv_a_hbm [H/4, Na]`` uint32 float8_e4m3fn_x4 words (element ``4w + j`` in byte ``j``) with compact block-128
-  scales ``wqkv_a_scale_hbm [H/128, ceil(Na/128)]`` uint8 (one per 128 rows x 128 columns); columns ``[qr | kv |
-  k_pe]``, the ``qr`` and ``kv`` blocks (``Q, L`` multiples of 512) in the MLA column swizzle: within a block of
+  scales ``wqkv_a_scale_hbm [H/128, ceil(Na/128)]`` uint8 (one per 128 rows x 128 stored columns); columns ``[qr |
+  kv | k_pe]``, the ``qr`` and ``kv`` blocks (``Q, L`` multiples of 512) in the MLA column swizzle: within a block of
   width ``W``, natural column ``512 t + 4 p + q`` sits at column ``q W/4 + 128 t + p``;
 * ``wq_b_hbm [Q/4, Nb]`` uint32 x4 words with ``wq_b_scale_hbm [Q/128, ceil(Nb/128)]`` uint8, columns natural
   (head-major, each head ``[nope | rope]``);
@@ -48,9 +48,10 @@ Reverse mode differentiates the reference in ``kv_norm_gamma_hbm``, ``wuk_hbm``,
 ``sin_cache_hbm`` (no quantization follows them: exact); ``q_norm_gamma_hbm`` gets a zero cotangent (it feeds the
 MX-quantized ``qr``, piecewise constant in it: zero is its derivative almost everywhere), and the packed row, the
 weight words and the scales get none. There is no backward kernel.
-Neuron limits (else the reference runs, with a ``NeuronFallbackWarning``): bfloat16 float operands, ``B == 1`` (the
-kernel views ``x_hbm_mx`` as ``[S, row]``), ``qk_nope_head_dim == 128``, ``n_heads`` even. The kernel splits ``S``
-over the LNC cores.
+Neuron limits (else the reference runs, with a ``NeuronFallbackWarning``): platform target trn3 (MX matmuls; the
+library's tests exclude Trn1 and Trn2), bfloat16 float operands, ``B == 1`` (the newer kernel views ``x_hbm_mx`` as
+``[S, row]`` and its tests use batch 1 only; the 2.32 kernel source is not in the index), ``qk_nope_head_dim ==
+128``, ``n_heads`` even (the validator's asserts). The kernel splits ``S`` over the LNC cores.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..framework.platform import is_trn3
 from ..framework.primitive import make_kernel, pull_back
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype
 from ..norm import rmsnorm_mx_prefill_reference as packed_rows
@@ -211,6 +213,8 @@ def _check(call: CallInfo) -> None:
 
 def _neuron_limits(call: CallInfo) -> list[str]:
     unmet, p = [], call.params
+    if not is_trn3(call.target):
+        unmet.append(f"Neuron platform target trn3 (the MX matmuls are Trainium3's); the target is {call.target}")
     dtype = call.avals["wuk_hbm"].dtype
     if dtype != jnp.bfloat16:
         unmet.append(f"{', '.join(FLOAT_OPERANDS)} must be bfloat16; got {dtype}")
@@ -285,7 +289,7 @@ MLA_QKV_CTE_SPEC = KernelSpec(
         "quantized operands)",
         "notes": "docs-only (2.32) + newer torch reference; packed MX rows of rmsnorm_mx_prefill (pack_scales=True), "
         "fp8 x4 weights with compact block-128 scales; outputs (q_lift, q_pe, c_kv, k_pe), the qr export not bound; "
-        f"Neuron: bf16, B == 1, qk_nope_head_dim == {KERNEL_NOPE}, even n_heads",
+        f"Neuron (trn3): bf16, B == 1, qk_nope_head_dim == {KERNEL_NOPE}, even n_heads",
     },
 )
 
