@@ -51,18 +51,24 @@ def expected(operands, kwargs, weights, eps=1e-6):
     )  # fmt: skip
 
 
-def check(outs, want, dtype, kwargs):
-    reductions = (kwargs["qk_nope_head_dim"], kwargs["qk_lora_rank"], kwargs["kv_lora_rank"], 512)
+def check(outs, want, dtype, kwargs, hidden):
+    """The oracle replays every rounding of the reference, so what is left is float32 accumulation over the last
+    contraction that makes each output (q_lift: nope, q_pe: q_lora_rank, c_kv and k_pe: H) and, for bfloat16 outputs,
+    their final rounding (one bfloat16 operation, which dominates)."""
+    reductions = (kwargs["qk_nope_head_dim"], kwargs["qk_lora_rank"], hidden, hidden)
     for name, out, ref, reduction in zip(OUTPUTS, outs, want, reductions):
         assert out.shape == ref.shape and out.dtype == dtype, name
-        assert_close(out, ref, dtype, reduction=reduction, ops=8)
+        if dtype == jnp.bfloat16:
+            assert_close(out, ref, dtype, reduction=1, ops=2)
+        else:
+            assert_close(out, ref, dtype, reduction=reduction, ops=4)
 
 
 def test_float32_matches_the_oracle_with_odd_sizes():
     """Odd heads and sequence, two swizzle tiles of qr, a norm_eps of its own (both norms)."""
     operands, kwargs, weights = problem(2, 5, 512, 3, 8, 6, 512, 1024, jnp.float32)
     outs = jax.jit(functools.partial(nki.mla_qkv_cte_kernel, **kwargs, norm_eps=0.25))(*operands)
-    check(outs, expected(operands, kwargs, weights, eps=0.25), jnp.float32, kwargs)
+    check(outs, expected(operands, kwargs, weights, eps=0.25), jnp.float32, kwargs, 512)
 
 
 def test_bfloat16_rows_from_rmsnorm_mx_prefill_match_the_oracle():
@@ -73,13 +79,14 @@ def test_bfloat16_rows_from_rmsnorm_mx_prefill_match_the_oracle():
     rows = nki.rmsnorm_mx_prefill(hidden, jnp.ones((1, 2560), jnp.bfloat16)).reshape(1, 3, -1)  # [T, row] alone
     operands = (rows,) + operands[1:]
     outs = jax.jit(functools.partial(nki.mla_qkv_cte_kernel, **kwargs))(*operands)
-    check(outs, expected(operands, kwargs, weights), jnp.bfloat16, kwargs)
+    check(outs, expected(operands, kwargs, weights), jnp.bfloat16, kwargs, 2560)
 
 
 @pytest.mark.slow
 def test_bfloat16_numpy_packed_rows_match_the_oracle():
     operands, kwargs, weights = problem(2, 3, 1024, 4, 8, 6, 512, 512, jnp.bfloat16, seed=2)
-    check(nki.mla_qkv_cte_kernel(*operands, **kwargs), expected(operands, kwargs, weights), jnp.bfloat16, kwargs)
+    outs = nki.mla_qkv_cte_kernel(*operands, **kwargs)
+    check(outs, expected(operands, kwargs, weights), jnp.bfloat16, kwargs, 1024)
 
 
 def test_vmap_and_shard_map_match_the_unbatched_calls():
