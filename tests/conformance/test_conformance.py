@@ -258,7 +258,7 @@ def test_neuron_lowering_is_the_expected_kernel_calls(spec, monkeypatch):
         # the fallback warns once per (op, call site, reasons), and a reference-only call site can be "<unknown>":
         # an earlier test in this process with the same op and reasons must not silence the warning expected here
         monkeypatch.setattr(neuron_lowering, "_warned", set())
-    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(lnc=spec.neuron_lnc), expected:
+    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(lnc=spec.neuron_lnc, target=spec.neuron_target), expected:
         text = jax.jit(function(spec, neuron=True)).trace(*args).lower(lowering_platforms=("neuron",)).as_text()
     assert [config["func_name"] for config in kernel_configs(text)] == list(spec.kernels)
     assert operations(text).count("stablehlo.custom_call") == len(spec.kernels), "a custom call that is no kernel"

@@ -91,18 +91,17 @@ register(
         nki.mla_qkv_cte_kernel,
         _QKV_CTE_OPERANDS,
         _qkv_cte(8, 1, 512, 1, 2, 2, 512, 512),
-        kernels=(),
-        only_kernels=False,
+        kernels=("mla_qkv_cte_kernel",),
         kwargs=_qkv_cte_kwargs(1, 2, 2, 512, 512),
         sharding=Sharding(
             mesh=(("data", 8),), in_specs=(P("data"),) + (P(),) * 7 + (P("data"),) * 2, out_specs=P("data")
         ),
         neuron=_qkv_cte(1, 128, 512, 2, 128, 64, 512, 512, jnp.bfloat16),
         neuron_kwargs=_qkv_cte_kwargs(2, 128, 64, 512, 512),
-        neuron_fallback="trn3",
+        neuron_lnc=2,
+        neuron_target="trn3",
         bad=BadInput("kv_lora_rank", lambda _: 256, "multiple of 512"),
-        notes="the kernel is Trainium3's: under the default trn2 target the reference runs "
-        "(tests/mla/test_mla_qkv_cte.py lowers it for trn3: one kernel call, nothing else); gradients: see "
+        notes="the kernel is Trainium3's (under a trn2 target the reference runs); gradients: see "
         "mla_qkv_cte_kernel.float_operands (its float64 check compiles the float64 reference several times: "
         "-m slow; tests/mla checks W_uk's and kv_norm_gamma's gradients against the oracle in CI)",
     ),
@@ -112,11 +111,11 @@ register(
         _QKV_CTE_OPERANDS,
         _qkv_cte(8, 1, 512, 1, 2, 2, 512, 512),
         kwargs=_qkv_cte_kwargs(1, 2, 2, 512, 512),
-        kernels=(),
-        only_kernels=False,
+        kernels=("mla_qkv_cte_kernel",),
         neuron=_qkv_cte(1, 128, 512, 2, 128, 64, 512, 512, jnp.bfloat16),
         neuron_kwargs=_qkv_cte_kwargs(2, 128, 64, 512, 512),
-        neuron_fallback="trn3",
+        neuron_lnc=2,
+        neuron_target="trn3",
         grad=("kv_norm_gamma_hbm", "wuk_hbm", "cos_cache_hbm", "sin_cache_hbm"),
         notes="the packed row, weight words and scales are quantized (no cotangent); q_norm_gamma_hbm feeds the "
         "MX-quantized qr (piecewise constant: zero cotangent, not numerically checkable)",

@@ -74,9 +74,10 @@ class ArgSpec:
     * ``sharding``: how it runs inside ``jax.shard_map`` (``None``: not checked for this spec).
     * ``bad``: one invalid input and the error it raises.
     * ``neuron``: operands within the Neuron kernel's limits (a builder like ``build``; ``None``: ``build``'s meet
-      them) and ``neuron_kwargs`` (``None``: ``kwargs``), lowered at LNC ``neuron_lnc``, for the lowering check,
-      which only traces. ``neuron_fallback``: for a call no kernel runs, a pattern its ``NeuronFallbackWarning``
-      matches (the reason it names).
+      them) and ``neuron_kwargs`` (``None``: ``kwargs``), lowered at LNC ``neuron_lnc`` for the platform target
+      ``neuron_target`` (``None``: the configured one), for the lowering check, which only traces.
+      ``neuron_fallback``: for a call no kernel runs, a pattern its ``NeuronFallbackWarning`` matches (the reason it
+      names).
     * ``size``: ``"small"`` (conformance) or ``"realistic"`` (benchmarks, examples).
     * ``notes``: what a reader should know, e.g. why a check is left out.
     """
@@ -99,6 +100,7 @@ class ArgSpec:
     neuron: Builder | None = None
     neuron_kwargs: Mapping[str, Any] | None = None
     neuron_lnc: int = 1
+    neuron_target: str | None = None
     neuron_fallback: str = ""
     size: str = "small"
     notes: str = ""
