@@ -8,6 +8,7 @@ from jax_nkilib._src.attention.attention_mxfp8_tkg import attention_mxfp8_tkg
 from jax_nkilib._src.attention.attention_segmented_cte import attention_segmented_cte
 from jax_nkilib._src.attention.attention_tkg import attention_tkg
 from jax_nkilib._src.attention.gen_mask_tkg import gen_mask_tkg, gen_mask_tkg_hbm
+from jax_nkilib._src.attention.mla_qkv_cte import mla_qkv_cte_kernel
 from jax_nkilib._src.attention.mla_sparse_attention_cte import mla_sparse_attention_cte_kernel
 from jax_nkilib._src.attention.mla_vupmx_oproj_cte import mla_vupmx_oproj_cte_kernel
 from jax_nkilib._src.attention.ms_deformable_attention import ms_deformable_attention, ms_deformable_attention_bwd
@@ -160,6 +161,7 @@ __all__ = [
     "attention_cte",
     "attention_kv_parallel_segmented_cte",
     "attention_mxfp8_tkg",
+    "mla_qkv_cte_kernel",
     "mla_sparse_attention_cte_kernel",
     "qkv_mla_mx",
     "qkv_mla_mx_deepseek_v4",

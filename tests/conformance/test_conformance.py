@@ -65,6 +65,8 @@ VARIANTS_ARE_SLOW += ("ms_deformable_attention_bwd",)
 VARIANTS_ARE_SLOW += ("mla_attention",)
 # The scan kernels (issue 17): tests/scan covers their jit, vmap and shard_map fast (one shard_map program for all).
 VARIANTS_ARE_SLOW += ("linear_scan", "selective_scan", "ssd")
+# mla_qkv_cte_kernel (issue 17): tests/mla/test_mla_qkv_cte.py covers its jit, vmap and shard_map fast.
+VARIANTS_ARE_SLOW += ("mla_qkv_cte_kernel",)
 
 
 # ------------------------------------------------------------------------------------------------------- helpers

@@ -88,14 +88,7 @@ CATALOG = _entries(
         (47, "attention_mxfp8_tkg", "attention", 3),
         (48, "swa_fused_cte", "attention", 3),
         (49, "qkv_mla_mx qkv_mla_mx_deepseek_v4", "mla", 17),
-        (
-            50,
-            "mla_qkv_cte_kernel",
-            "mla",
-            17,
-            "its input x_hbm_mx is rmsnorm_mx_prefill's packed MX activation [B, S, H + scale_region] "
-            f"(pack_scales=True), defined only in the newer source; {_MLA_MX_PIPELINE}",
-        ),
+        (50, "mla_qkv_cte_kernel", "mla", 17),
         (51, "mla_sparse_attention_cte_kernel", "mla", 17),
         (52, "mla_vupmx_oproj_cte_kernel", "mla", 17),
         (

@@ -1,7 +1,8 @@
-"""Arg specs of ``mla_sparse_attention_cte_kernel``, ``mla_vupmx_oproj_cte_kernel`` and ``jax_nkilib.mla_attention``
-(DeepSeek MLA prefill, dense and with the top-k indexer)."""
+"""Arg specs of ``mla_qkv_cte_kernel``, ``mla_sparse_attention_cte_kernel``, ``mla_vupmx_oproj_cte_kernel`` and
+``jax_nkilib.mla_attention`` (DeepSeek MLA prefill, dense and with the top-k indexer)."""
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -46,12 +47,79 @@ def _sparse_kernel(b, s, h, latent, r, s_kv, k, dtype=jnp.float32):
     )
 
 
+def _qkv_cte(b, s, hidden, heads, nope, rope, latent, q_rank, dtype=jnp.float32):
+    """``mla_qkv_cte_kernel``'s operands: packed MX rows (fp8 elements of normal draws, scale bytes 120, the rest of
+    the scale region 0), fp8 x4 weight words of normal draws with compact scales 120, float gains, W_uk and angles."""
+
+    def fp8_codes(rng, shape):
+        return np.asarray(rng.standard_normal(shape) * 8, ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+    def words(rng, rows, cols):
+        codes = fp8_codes(rng, (rows // 4, cols, 4)).astype(np.uint32)
+        return jnp.asarray(codes[..., 0] | codes[..., 1] << 8 | codes[..., 2] << 16 | codes[..., 3] << 24)
+
+    def build(rng):
+        region = -(-hidden // 2048) * 128
+        rows = np.concatenate([fp8_codes(rng, (b, s, hidden)), np.full((b, s, region), 120, np.uint8)], axis=-1)
+        fused, q_out = q_rank + latent + rope, heads * (nope + rope)
+        scales = lambda k, n: jnp.full((k // 128, -(-n // 128)), 120, jnp.uint8)  # noqa: E731
+        built = (jnp.asarray(rows.view(ml_dtypes.float8_e4m3fn)), words(rng, hidden, fused), scales(hidden, fused))
+        built += (words(rng, q_rank, q_out), scales(q_rank, q_out))
+        gain = lambda n: jnp.asarray(1 + 0.1 * rng.standard_normal((1, n)), dtype)  # noqa: E731
+        built += (gain(q_rank), gain(latent), normal(rng, (nope, heads * latent), dtype, scale=nope**-0.5))
+        return built + angles(rng, (b, s, rope), dtype)
+
+    return build
+
+
+_QKV_CTE_OPERANDS = ("x_hbm_mx", "wqkv_a_hbm", "wqkv_a_scale_hbm", "wq_b_hbm", "wq_b_scale_hbm")
+_QKV_CTE_OPERANDS += ("q_norm_gamma_hbm", "kv_norm_gamma_hbm", "wuk_hbm", "cos_cache_hbm", "sin_cache_hbm")
+
+
+def _qkv_cte_kwargs(heads, nope, rope, latent, q_rank):
+    return dict(n_heads=heads, qk_nope_head_dim=nope, qk_rope_head_dim=rope, kv_lora_rank=latent, qk_lora_rank=q_rank)
+
+
 _SPARSE_OPERANDS = ("q_lift_hbm", "q_pe_hbm", "c_kv_hbm", "k_pe_hbm", "topk_indices_hbm")
 _NEURON_DENSE = _mla(1, 128, 256, 4, 128, 128, 64, 64, 64)  # dn + dr = 128: attention_cte's head-dim limit
 _DENSE_KERNELS = ("rmsnorm_tkg", "RoPE", "rmsnorm_tkg", "RoPE", "attention_cte")
 _BATCH_MESH = Sharding(mesh=(("data", 8),), in_specs=(P("data"),) + (P(),) * 9, out_specs=P("data"))
 
 register(
+    ArgSpec(
+        "mla_qkv_cte_kernel",
+        nki.mla_qkv_cte_kernel,
+        _QKV_CTE_OPERANDS,
+        _qkv_cte(8, 1, 512, 1, 2, 2, 512, 512),
+        kernels=("mla_qkv_cte_kernel",),
+        kwargs=_qkv_cte_kwargs(1, 2, 2, 512, 512),
+        sharding=Sharding(
+            mesh=(("data", 8),), in_specs=(P("data"),) + (P(),) * 7 + (P("data"),) * 2, out_specs=P("data")
+        ),
+        neuron=_qkv_cte(1, 128, 512, 2, 128, 64, 512, 512, jnp.bfloat16),
+        neuron_kwargs=_qkv_cte_kwargs(2, 128, 64, 512, 512),
+        neuron_lnc=2,
+        neuron_target="trn3",
+        bad=BadInput("kv_lora_rank", lambda _: 256, "multiple of 512"),
+        notes="the kernel is Trainium3's (under a trn2 target the reference runs); gradients: see "
+        "mla_qkv_cte_kernel.float_operands (its float64 check compiles the float64 reference several times: "
+        "-m slow; tests/mla checks W_uk's and kv_norm_gamma's gradients against the oracle in CI)",
+    ),
+    ArgSpec(
+        "mla_qkv_cte_kernel.float_operands",
+        nki.mla_qkv_cte_kernel,
+        _QKV_CTE_OPERANDS,
+        _qkv_cte(8, 1, 512, 1, 2, 2, 512, 512),
+        kwargs=_qkv_cte_kwargs(1, 2, 2, 512, 512),
+        kernels=("mla_qkv_cte_kernel",),
+        neuron=_qkv_cte(1, 128, 512, 2, 128, 64, 512, 512, jnp.bfloat16),
+        neuron_kwargs=_qkv_cte_kwargs(2, 128, 64, 512, 512),
+        neuron_lnc=2,
+        neuron_target="trn3",
+        grad=("kv_norm_gamma_hbm", "wuk_hbm", "cos_cache_hbm", "sin_cache_hbm"),
+        notes="the packed row, weight words and scales are quantized (no cotangent); q_norm_gamma_hbm feeds the "
+        "MX-quantized qr (piecewise constant: zero cotangent, not numerically checkable)",
+    ),
     ArgSpec(
         "mla_sparse_attention_cte_kernel",
         nki.mla_sparse_attention_cte_kernel,
