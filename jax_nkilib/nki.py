@@ -13,6 +13,7 @@ from jax_nkilib._src.attention.ms_deformable_attention import ms_deformable_atte
 from jax_nkilib._src.attention.ring_attention_bwd import ring_attention_spmd_bwd
 from jax_nkilib._src.attention.ring_attention_fwd import ring_attention_spmd_fwd
 from jax_nkilib._src.attention.ring_attention_unpermute import ring_attention_unpermute
+from jax_nkilib._src.attention.sparse_attention_indexer import sparse_attention_indexer_mx_bf16score
 from jax_nkilib._src.attention.swa_fused_cte import swa_fused_cte
 from jax_nkilib._src.collectives.allgather import (
     allgather_compute_matmul,
@@ -159,6 +160,7 @@ __all__ = [
     "attention_kv_parallel_segmented_cte",
     "attention_mxfp8_tkg",
     "mla_sparse_attention_cte_kernel",
+    "sparse_attention_indexer_mx_bf16score",
     "attention_segmented_cte",
     "attention_tkg",
     "attn_q_batch_shard",

@@ -99,15 +99,7 @@ CATALOG = _entries(
         ),
         (51, "mla_sparse_attention_cte_kernel", "mla", 17),
         (52, "mla_vupmx_oproj_cte_kernel", "mla", 17, _MLA_MX_PIPELINE),
-        (
-            53,
-            "sparse_attention_indexer_mx_bf16score",
-            "attention",
-            17,
-            "its only Q input is qr_qtz_hbm, a swizzled [num_s_tiles, 128, q_lora_rank // 512, 128] fp8x4 layout, its "
-            "top-k output is a hardware 'snake' order (the API reference calls it both 'j-th largest' and "
-            f"'ascending') and it mutates k_cache; {_MLA_MX_PIPELINE}. jax_nkilib.mla_attention's indexer is XLA",
-        ),
+        (53, "sparse_attention_indexer_mx_bf16score", "attention", 17),
         (54, "ms_deformable_attention", "attention", 17),
         (55, "ms_deformable_attention_bwd", "attention", 17),
         (56, "conv3d", "conv", 17),

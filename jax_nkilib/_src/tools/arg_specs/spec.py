@@ -245,6 +245,7 @@ _FAMILIES = (
     "deformable",
     "benchmark",
     "mla",
+    "sparse_indexer",
     "conv",
 )
 _loaded = False

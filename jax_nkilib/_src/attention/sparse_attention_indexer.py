@@ -1,0 +1,267 @@
+"""``sparse_attention_indexer_mx_bf16score`` (catalog row 53, docs-only): DeepSeek-V3.2's sparse attention indexer,
+bound in its BF16-projection mode with the flat top-k output.
+
+Source followed: the newer nki-library source in the public code index,
+``experimental/sparse_attention_indexer/sparse_attention_indexer_mx_bf16score.py`` (kernel),
+``sparse_attention_indexer_mx_bf16score_torch.py`` (``sparse_attention_indexer_mx_bf16score_torch_ref``),
+``sparse_attention_indexer_utils.py`` (``topk_over_score``, ``validate_sai_config``) and
+``sparse_attention_indexer_mx_bf16score_helpers.py`` (``score_against_cache_bf16``). Its signature adds
+``compact_scales``, ``precision``, ``rope_layout`` and ``qr_bf16_hbm`` to the 2.32 API reference's. The adapter
+(``jax_nkilib_kernels/indexer.py``) calls it with ``precision=MlaPrecision.BF16`` (plain bf16 ``qr_bf16_hbm``
+``[B*S, Q]``, ``wq_b [Q, H*D]``, ``wk [dim, D]``, no MX operands), ``emit_flat_topk=True`` and ``phase="all"``.
+Not bound: the MX projections (the 2.32 reference's only mode: the swizzled fp8x4 ``qr_qtz_hbm`` of an upstream QKV
+kernel and fp8x4 weights), the snake and tiled top-k layouts, and the context-parallel ``phase="kproj"/"score"``
+split.
+
+Layouts: ``x [M, dim]`` (``M = B*S``, batch-major rows), ``wq_b [Q, H*D]``, ``wk [dim, D]``, ``k_norm_gamma``/
+``k_norm_beta [D]``, ``weights_proj [H, dim]``, ``cos``/``sin [S, R/2]`` (rows: this call's positions),
+``k_cache [B, D, T]`` (``T >= end``), ``mask [M, end]`` additive, ``qr_bf16_hbm [M, Q]``; ``end = start_pos + S``.
+Outputs ``index_score [M, end]`` float32, ``topk_indices [M, index_topk]`` int32 and the updated ``k_cache``.
+
+Math per batch ``b`` and query row ``s`` (``bf()`` rounds to bfloat16; float32 otherwise)::
+
+    k = RoPE_R(LayerNorm_eps=1e-6(bf(x) @ bf(wk)) * gamma + beta)          # [S, D], RoPE on the first R columns
+    q = RoPE_R(bf(qr) @ bf(wq_b)) per head                                 # [S, H, D]
+    w = (bf(x) @ bf(weights_proj).T) / sqrt(H * D)                         # [S, H]
+    keys[t] = bf(k_cache[b, :, t]) for t < start_pos,  bf(k[t - start_pos]) for start_pos <= t < end
+    score[s, t] = sum_h relu(bf(q[s, h]) . keys[t]) * w[s, h]
+    index_score = bf(bf(score) + bf(mask))
+    topk_indices[s] = positions of the index_topk largest index_score[s, :], ASCENDING by score
+    k_cache[b, :, start_pos:end] = bf(k).T
+
+RoPE pairs ``(x_i, x_{i+R/2})`` (``rope_layout="HALF_SPLIT"``, DeepSeek) or ``(x_{2i}, x_{2i+1})``
+(``"INTERLEAVED"``, GLM): ``(a, b) -> (a cos - b sin, a sin + b cos)``. The roundings are the torch reference's
+(projection inputs, Q and K to bf16) plus the kernel's bf16 score row and mask (``score_row_sb``/``mask_sb`` are
+bf16, and ``nisa.topk`` ranks bf16 values); the reference accumulates in float32 where the kernel's PSUM is bf16.
+Prior positions come from ``k_cache`` (the kernel loads them; the torch reference models them as zeros, its tests
+use a zero cache). The top-k order is ``nisa.topk``'s ascending order (the kernel's golden ``_topk_idx_golden``
+reverses a descending argsort); between equal scores it is unspecified (the kernel's test compares value sets), and
+so is the choice among ties at the k-th place. The updated cache holds bf16-rounded K in ``k_cache``'s dtype.
+
+Not differentiable (no VJP): it selects positions; the kernel has no backward.
+
+Neuron limits (source asserts and the flat top-k scatter): ``D == 128``, ``dim`` and ``Q`` multiples of 128,
+``index_topk`` a multiple of 16 (the flat scatter writes ``index_topk // 16`` columns per partition) and at most
+``end`` rounded up to 16, ``ceil(S / 128) <= 64``, bfloat16 ``qr``/``wq_b``/``wk``/``weights_proj``/``k_cache``,
+float32 ``x`` (the kernel casts it; its pre-cast ``x_non_mx`` is not bound), ``cos``/``sin``/``gamma``/``beta``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from ..framework.primitive import make_kernel
+from ..framework.spec import FLOAT_DTYPES, CallInfo, KernelSpec, Operand, Param
+
+LAYERNORM_EPS = 1e-6
+ROPE_LAYOUTS = ("HALF_SPLIT", "INTERLEAVED")
+KERNEL_HEAD_DIM = 128
+PARTITIONS = 128
+TOPK_CHUNKS = 16  # nisa.topk's 16-partition snake: the flat output holds index_topk // 16 columns per partition
+MAX_S_TILES = 64
+
+
+def _bf16(a, dtype):
+    return a.astype(jnp.bfloat16).astype(dtype)
+
+
+def rope(x, cos, sin, layout):
+    """RoPE on the last axis of ``x`` (its ``2 * cos.shape[-1]`` columns), pairs by ``layout`` (module doc)."""
+    if layout == "INTERLEAVED":
+        a, b = x[..., 0::2], x[..., 1::2]
+        return jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(x.shape)
+    a, b = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+
+def _rope_head(x, cos, sin, layout):
+    r = 2 * cos.shape[-1]
+    return jnp.concatenate([rope(x[..., :r], cos, sin, layout), x[..., r:]], axis=-1)
+
+
+def indexer_keys(x, wk, gamma, beta, cos, sin, rope_layout, compute):
+    """K of the current rows, ``[B, S, D]`` (before its bf16 rounding): projection, LayerNorm, RoPE."""
+    k = _bf16(x, compute) @ _bf16(wk, compute)
+    mean = jnp.mean(k, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(k - mean), axis=-1, keepdims=True)
+    k = (k - mean) * jax.lax.rsqrt(var + LAYERNORM_EPS) * gamma.astype(compute) + beta.astype(compute)
+    return _rope_head(k, cos, sin, rope_layout)
+
+
+def reference_sparse_attention_indexer(
+    x,
+    wq_b,
+    wk,
+    k_norm_gamma,
+    k_norm_beta,
+    weights_proj,
+    cos,
+    sin,
+    k_cache,
+    mask,
+    qr_bf16_hbm,
+    *,
+    index_topk,
+    start_pos=0,
+    rope_layout="HALF_SPLIT",
+):
+    """JAX reference: ``(index_score [M, end] f32, topk_indices [M, index_topk] int32, k_cache)`` (module doc)."""
+    compute = jnp.promote_types(x.dtype, jnp.float32)
+    batch, head_dim, _ = k_cache.shape
+    heads = weights_proj.shape[0]
+    rows, dim = x.shape
+    seq = rows // batch
+    end = start_pos + seq
+    cs, sn = cos.astype(compute), sin.astype(compute)
+    xb = x.reshape(batch, seq, dim)
+    k = _bf16(indexer_keys(xb, wk, k_norm_gamma, k_norm_beta, cs, sn, rope_layout, compute), compute)
+    q = _bf16(qr_bf16_hbm, compute).reshape(batch, seq, -1) @ _bf16(wq_b, compute)
+    q = _bf16(_rope_head(q.reshape(batch, seq, heads, head_dim), cs[:, None], sn[:, None], rope_layout), compute)
+    w = (_bf16(xb, compute) @ _bf16(weights_proj, compute).T) / math.sqrt(heads * head_dim)
+    prior = jnp.swapaxes(_bf16(k_cache[:, :, :start_pos], compute), 1, 2)
+    keys = jnp.concatenate([prior, k], axis=1)  # [B, end, D]
+    logits = jnp.einsum("bshd,btd->bsht", q, keys)
+    score = jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w)
+    score = _bf16(_bf16(score, compute) + _bf16(mask.reshape(batch, seq, end), compute), compute)
+    _, descending = jax.lax.top_k(score, index_topk)
+    index_score = score.reshape(rows, end).astype(jnp.float32)
+    topk = descending[..., ::-1].reshape(rows, index_topk).astype(jnp.int32)
+    updated = jax.lax.dynamic_update_slice(k_cache, jnp.swapaxes(k, 1, 2).astype(k_cache.dtype), (0, 0, start_pos))
+    return index_score, topk, updated
+
+
+def _check(call: CallInfo) -> None:
+    function, dims, p = call.function, call.dims, call.params
+    batch, seq = dims["B"], dims["S"]
+    end = p["start_pos"] + seq
+    if dims["M"] != batch * seq:
+        raise ValueError(
+            f"{function}: x [M, dim] needs M = B*S rows (batch-major); got M={dims['M']} with B={batch} "
+            f"(k_cache [B, D, T]) and S={seq} (cos [S, R/2])"
+        )
+    if dims["N"] != dims["H"] * dims["D"]:
+        raise ValueError(
+            f"{function}: wq_b [Q, H*D] needs H*D = {dims['H']}*{dims['D']} columns (H from weights_proj [H, dim], "
+            f"D from k_cache [B, D, T]); got {dims['N']}"
+        )
+    if 2 * dims["Rh"] > dims["D"]:
+        raise ValueError(f"{function}: cos/sin [S, R/2] need R = {2 * dims['Rh']} <= head_dim D={dims['D']}")
+    if p["start_pos"] < 0:
+        raise ValueError(f"{function}: parameter `start_pos` must be >= 0; got {p['start_pos']}")
+    if dims["E"] != end:
+        raise ValueError(f"{function}: mask [M, end] needs end = start_pos + S = {end} columns; got {dims['E']}")
+    if dims["T"] < end:
+        raise ValueError(f"{function}: k_cache [B, D, T] needs T >= start_pos + S = {end}; got T={dims['T']}")
+    if not 1 <= p["index_topk"] <= end:
+        raise ValueError(
+            f"{function}: parameter `index_topk` must be in [1, start_pos + S = {end}]; got {p['index_topk']}"
+        )
+
+
+def _output_avals(call: CallInfo):
+    rows, end = call.dims["M"], call.params["start_pos"] + call.dims["S"]
+    cache = call.avals["k_cache"]
+    return (
+        ("index_score", (rows, end), jnp.float32),
+        ("topk_indices", (rows, call.params["index_topk"]), jnp.int32),
+        ("k_cache", cache.shape, cache.dtype),
+    )
+
+
+_DEVICE_DTYPES = {
+    "x": jnp.float32,
+    "wq_b": jnp.bfloat16,
+    "wk": jnp.bfloat16,
+    "k_norm_gamma": jnp.float32,
+    "k_norm_beta": jnp.float32,
+    "weights_proj": jnp.bfloat16,
+    "cos": jnp.float32,
+    "sin": jnp.float32,
+    "k_cache": jnp.bfloat16,
+    "qr_bf16_hbm": jnp.bfloat16,
+}
+
+
+def _neuron_limits(call: CallInfo) -> list[str]:
+    dims, p = call.dims, call.params
+    end = p["start_pos"] + dims["S"]
+    unmet = [
+        f"{name} must be {jnp.dtype(dtype).name}; got {call.avals[name].dtype}"
+        for name, dtype in _DEVICE_DTYPES.items()
+        if call.avals[name].dtype != dtype
+    ]
+    if dims["D"] != KERNEL_HEAD_DIM:
+        unmet.append(f"head_dim D={dims['D']} must be {KERNEL_HEAD_DIM}")
+    for name, size in (("dim", dims["dim"]), ("q_lora_rank Q", dims["Q"])):
+        if size % PARTITIONS:
+            unmet.append(f"{name}={size} must be a multiple of {PARTITIONS}")
+    if p["index_topk"] % TOPK_CHUNKS:
+        unmet.append(
+            f"index_topk={p['index_topk']} must be a multiple of {TOPK_CHUNKS} (the flat top-k output holds "
+            f"index_topk // {TOPK_CHUNKS} columns of the 16-partition snake)"
+        )
+    if p["index_topk"] > TOPK_CHUNKS * -(-end // TOPK_CHUNKS):
+        unmet.append(f"index_topk={p['index_topk']} exceeds end={end} rounded up to {TOPK_CHUNKS}")
+    if -(-dims["S"] // PARTITIONS) > MAX_S_TILES:
+        unmet.append(f"S={dims['S']}: ceil(S / {PARTITIONS}) must be <= {MAX_S_TILES}")
+    return unmet
+
+
+SPARSE_ATTENTION_INDEXER_SPEC = KernelSpec(
+    name="sparse_attention_indexer_mx_bf16score",
+    entry_point="jax_nkilib_kernels.indexer:sparse_attention_indexer_mx_bf16score",
+    operands=(
+        Operand.of("x", "M, dim", doc="hidden states, B*S batch-major rows"),
+        Operand.of("wq_b", "Q, N", doc="query up-projection [q_lora_rank, n_heads*head_dim]"),
+        Operand.of("wk", "dim, D", doc="key projection [dim, head_dim]"),
+        Operand.of("k_norm_gamma", "D", doc="key LayerNorm scale"),
+        Operand.of("k_norm_beta", "D", doc="key LayerNorm shift"),
+        Operand.of("weights_proj", "H, dim", doc="per-head score weights projection"),
+        Operand.of("cos", "S, Rh", doc="RoPE cosines of this call's positions [S, rope_head_dim/2]"),
+        Operand.of("sin", "S, Rh", doc="RoPE sines"),
+        Operand.of("k_cache", "B, D, T", dtypes=FLOAT_DTYPES, doc="key cache (transposed), updated at [start, end)"),
+        Operand.of("mask", "M, E", doc="additive mask [B*S, start_pos + S]"),
+        Operand.of("qr_bf16_hbm", "M, Q", doc="q-normed compressed query (the BF16 path's Q input)"),
+    ),
+    params=(
+        Param("index_topk", None, int, "positions selected per query", required=True),
+        Param("start_pos", 0, int, "cache position of the first query row (prior keys come from k_cache)"),
+        Param("rope_layout", "HALF_SPLIT", ROPE_LAYOUTS, "RoPE pairing: DeepSeek's half split or interleaved"),
+    ),
+    outputs=(),
+    output_avals=_output_avals,
+    reference=reference_sparse_attention_indexer,
+    check=_check,
+    neuron_limits=_neuron_limits,
+    aliases={"k_cache": "k_cache"},
+    derived_params=(
+        ("n_heads", "H"),
+        ("head_dim", "D"),
+        ("rope_head_dim", lambda call: 2 * call.dims["Rh"]),
+        ("batch_size", "B"),
+    ),
+    mac_count=lambda call: (
+        call.dims["M"]
+        * (
+            call.dims["Q"] * call.dims["N"]
+            + call.dims["dim"] * (call.dims["D"] + call.dims["H"])
+            + call.dims["N"] * (call.params["start_pos"] + call.dims["S"])
+        )
+    ),
+    family="attention",
+    catalog="row 53, section 3",
+    nondifferentiable_outputs=("index_score", "topk_indices", "k_cache"),
+    support={
+        "idiomatic": "",
+        "vjp": "none (a selection kernel; no backward kernel)",
+        "notes": "docs-only (2.32) + newer source's BF16-projection mode (precision=BF16, qr_bf16_hbm) with the flat "
+        "top-k ([B*S, K] int32, ascending by score) and phase='all'; the k_cache is returned updated (aliased); "
+        "MX projections, snake/tiled top-k and the CP phase split not bound; Neuron: head_dim == 128, "
+        "dim % 128 == Q % 128 == 0, index_topk % 16 == 0; device adapter jax_nkilib_kernels/indexer.py",
+    },
+)
+
+sparse_attention_indexer_mx_bf16score = make_kernel(SPARSE_ATTENTION_INDEXER_SPEC)

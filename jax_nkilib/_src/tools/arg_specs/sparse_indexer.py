@@ -1,0 +1,56 @@
+"""Arg specs of ``sparse_attention_indexer_mx_bf16score`` (DeepSeek-V3.2's sparse attention indexer, BF16 mode)."""
+
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_nkilib import nki
+from jax_nkilib._src.tools.arg_specs.spec import ArgSpec, BadInput, Sharding, angles, normal, register
+
+OPERANDS = ("x", "wq_b", "wk", "k_norm_gamma", "k_norm_beta", "weights_proj", "cos", "sin", "k_cache", "mask")
+OPERANDS += ("qr_bf16_hbm",)
+_DEVICE = {"wq_b", "wk", "weights_proj", "k_cache", "qr_bf16_hbm"}  # bfloat16 on Neuron; the others float32
+
+
+def indexer_operands(b, s, dim, q, h, d, r, t, start_pos, device=False):
+    """The indexer's operands (``device``: the kernel's dtypes), weights scaled so the scores stay O(1)."""
+
+    def build(rng):
+        dtype = lambda name: jnp.bfloat16 if device and name in _DEVICE else jnp.float32  # noqa: E731
+        shapes = {
+            "x": ((b * s, dim), 1.0),
+            "wq_b": ((q, h * d), q**-0.5),
+            "wk": ((dim, d), dim**-0.5),
+            "k_norm_gamma": ((d,), 0.1),
+            "k_norm_beta": ((d,), 0.1),
+            "weights_proj": ((h, dim), dim**-0.5),
+        }
+        built = [normal(rng, shape, dtype(name), scale) for name, (shape, scale) in shapes.items()]
+        built[3] = built[3] + 1.0
+        built += angles(rng, (s, r // 2))
+        built += [normal(rng, (b, d, t), dtype("k_cache")), normal(rng, (b * s, start_pos + s), scale=0.1)]
+        built += [normal(rng, (b * s, q), dtype("qr_bf16_hbm"))]
+        return tuple(built)
+
+    return build
+
+
+register(
+    ArgSpec(
+        "sparse_attention_indexer_mx_bf16score",
+        nki.sparse_attention_indexer_mx_bf16score,
+        OPERANDS,
+        indexer_operands(8, 3, 12, 8, 2, 8, 4, 6, 1),
+        kernels=("sparse_attention_indexer_mx_bf16score",),
+        kwargs={"index_topk": 2, "start_pos": 1},
+        batch=("x", "k_cache", "mask", "qr_bf16_hbm"),
+        sharding=Sharding(
+            mesh=(("data", 8),),
+            in_specs=(P("data"),) + (P(),) * 7 + (P("data"),) * 3,
+            out_specs=(P("data"), P("data"), P("data")),
+        ),
+        neuron=indexer_operands(1, 128, 256, 256, 2, 128, 64, 256, 0, device=True),
+        neuron_kwargs={"index_topk": 32},
+        bad=BadInput("index_topk", lambda _: 0, "index_topk"),
+        notes="not differentiable (a selection kernel): no gradient check",
+    ),
+)

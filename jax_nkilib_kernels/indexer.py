@@ -1,0 +1,75 @@
+"""Adapter for the NKI Library's ``sparse_attention_indexer_mx_bf16score``
+(``nkilib.experimental.sparse_attention_indexer``), in its BF16-projection mode with the flat top-k output.
+
+The newer library source (public code index) takes ``precision``/``rope_layout`` enums (``MlaPrecision``,
+``RopeLayout`` of ``experimental.mla.deepseek.mla_common_cte``) and the plain bf16 ``qr_bf16_hbm``; the 2.32 release
+has neither, so with it this adapter's kernel is reported missing and the call falls back to the reference. The
+shape-derived config (``n_heads``, ``head_dim``, ``rope_head_dim``, ``batch_size``) is computed here from the
+tensors. The library updates ``k_cache`` in place and returns ``(index_score, topk)``; the adapter also returns the
+cache, so NKI reports it as an output aliased to its input. Not yet run on Trainium by this project.
+"""
+
+import nki
+
+from jax_nkilib_kernels._library import body, load
+
+_library_indexer = load(
+    "experimental.sparse_attention_indexer.sparse_attention_indexer_mx_bf16score",
+    "sparse_attention_indexer_mx_bf16score",
+)
+MlaPrecision = load("experimental.mla.deepseek.mla_common_cte", "MlaPrecision")
+RopeLayout = load("experimental.mla.deepseek.mla_common_cte", "RopeLayout")
+
+_indexer_body = body(_library_indexer)
+
+
+def _library_config():
+    """The library's BF16 precision member (a helper, so that the absent enum disables the adapter)."""
+    return MlaPrecision.BF16
+
+
+def _rope_layout(name):
+    return RopeLayout[name]
+
+
+@nki.jit
+def sparse_attention_indexer_mx_bf16score(
+    x,
+    wq_b,
+    wk,
+    k_norm_gamma,
+    k_norm_beta,
+    weights_proj,
+    cos,
+    sin,
+    k_cache,
+    mask,
+    qr_bf16_hbm,
+    index_topk=None,
+    start_pos=0,
+    rope_layout="HALF_SPLIT",
+):
+    """``(index_score [B*S, end] f32, topk [B*S, index_topk] int32, k_cache)`` from the library kernel."""
+    index_score, topk = _indexer_body(
+        x,
+        wq_b,
+        wk,
+        k_norm_gamma,
+        k_norm_beta,
+        weights_proj,
+        cos,
+        sin,
+        k_cache,
+        mask,
+        weights_proj.shape[0],
+        k_cache.shape[1],
+        2 * cos.shape[1],
+        index_topk,
+        start_pos,
+        batch_size=k_cache.shape[0],
+        emit_flat_topk=True,
+        precision=_library_config(),
+        rope_layout=_rope_layout(rope_layout),
+        qr_bf16_hbm=qr_bf16_hbm,
+    )
+    return index_score, topk, k_cache

@@ -1,0 +1,202 @@
+"""``jax_nkilib.nki.sparse_attention_indexer_mx_bf16score`` against a float64 NumPy oracle written from the newer
+nki-library torch reference (``sparse_attention_indexer_mx_bf16score_torch_ref``, BF16 precision) and the kernel's
+bf16 score row / mask and ascending ``nisa.topk`` order: scores (float32 and bfloat16 inputs, odd sizes, a prior
+cache), top-k indices exactly (inputs whose ranking has no ties), the updated cache, both RoPE pairings, the Neuron
+limits and bad inputs (jit, vmap, shard_map and the lowering also run in the conformance suite)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_nkilib
+from jax_nkilib import nki
+from jax_nkilib.neuron import NeuronFallbackWarning
+from tests.support.numerics import assert_close, f64
+
+KERNEL = nki.sparse_attention_indexer_mx_bf16score
+
+
+# ------------------------------------------------------------------------------------------------- the oracle
+def bf(a):
+    """Round to bfloat16 (as the kernel/torch reference do), back in float64."""
+    return np.asarray(a, np.float64).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def rotate(x, cos, sin, layout):
+    """RoPE on the first ``2 * cos.shape[-1]`` columns of ``x [..., D]`` (pairs by ``layout``), float64."""
+    half = cos.shape[-1]
+    out = np.array(x, np.float64)
+    for i in range(half):
+        a, b = (2 * i, 2 * i + 1) if layout == "INTERLEAVED" else (i, i + half)
+        c, s = cos[..., i], sin[..., i]
+        out[..., a] = x[..., a] * c - x[..., b] * s
+        out[..., b] = x[..., a] * s + x[..., b] * c
+    return out
+
+
+def oracle(x, wq_b, wk, gamma, beta, wp, cos, sin, k_cache, mask, qr, index_topk, start_pos, layout="HALF_SPLIT"):
+    """``(index_score, topk ascending, updated k_cache)`` in float64, loops over batches and heads."""
+    x, wq_b, wk, gamma, beta, wp, cos, sin, k_cache, mask, qr = map(
+        f64, (x, wq_b, wk, gamma, beta, wp, cos, sin, k_cache, mask, qr)
+    )
+    batch, head_dim, _ = k_cache.shape
+    heads, rows = wp.shape[0], x.shape[0]
+    seq = rows // batch
+    end = start_pos + seq
+    scores = np.zeros((rows, end))
+    cache = k_cache.copy()
+    for b in range(batch):
+        r = slice(b * seq, (b + 1) * seq)
+        k = bf(x[r]) @ bf(wk)
+        k = (k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + 1e-6) * gamma + beta
+        k = bf(rotate(k, cos, sin, layout))  # [S, D]
+        q = (bf(qr[r]) @ bf(wq_b)).reshape(seq, heads, head_dim)
+        q = bf(np.stack([rotate(q[:, h], cos, sin, layout) for h in range(heads)], axis=1))
+        w = bf(x[r]) @ bf(wp).T / np.sqrt(heads * head_dim)  # [S, H]
+        keys = np.concatenate([bf(k_cache[b, :, :start_pos]).T, k], axis=0)  # [end, D]
+        score = np.zeros((seq, end))
+        for h in range(heads):
+            score += np.maximum(q[:, h] @ keys.T, 0.0) * w[:, h : h + 1]
+        scores[r] = bf(bf(score) + bf(mask[r]))
+        cache[b, :, start_pos:end] = k.T
+    topk = np.argsort(-scores, axis=-1, kind="stable")[:, :index_topk][:, ::-1]  # ascending by score
+    return scores, topk, cache
+
+
+# ------------------------------------------------------------------------------------------------- operands
+def operands(b, s, dim, q, h, d, r, t, start_pos, dtype=jnp.float32, seed=0, mask=None):
+    rng = np.random.default_rng(seed)
+    arr = lambda shape, scale=1.0: jnp.asarray(rng.standard_normal(shape) * scale, dtype)  # noqa: E731
+    theta = rng.uniform(-np.pi, np.pi, (s, r // 2))
+    rows, end = b * s, start_pos + s
+    return (
+        arr((rows, dim)),
+        arr((q, h * d), q**-0.5),
+        arr((dim, d), dim**-0.5),
+        jnp.asarray(1 + 0.1 * rng.standard_normal(d), dtype),
+        arr((d,), 0.1),
+        arr((h, dim), dim**-0.5),
+        jnp.asarray(np.cos(theta), dtype),
+        jnp.asarray(np.sin(theta), dtype),
+        arr((b, d, t)),
+        jnp.asarray(mask if mask is not None else 0.1 * rng.standard_normal((rows, end)), dtype),
+        arr((rows, q)),
+    )
+
+
+def ranked_mask(rng, rows, start_pos, seq, step=0.25):
+    """An additive mask whose distinct, ``step``-spaced values decide each row's ranking over its causal positions
+    (``t <= start_pos + s``; the future is ``-1e4``): scores kept below ``step / 4`` cannot reorder them, so the
+    top-k (and its order) has no ties."""
+    end = start_pos + seq
+    mask = np.full((rows, end), -1e4)
+    for row in range(rows):
+        valid = start_pos + row % seq + 1
+        mask[row, :valid] = step * (rng.permutation(valid) + 1)
+    return mask
+
+
+# ------------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize(
+    "dtype, dims, layout",
+    [
+        (jnp.float32, (2, 5, 12, 8, 3, 8, 4, 9, 2), "HALF_SPLIT"),
+        (jnp.bfloat16, (1, 7, 16, 12, 2, 6, 6, 11, 3), "INTERLEAVED"),
+        (jnp.float32, (3, 4, 8, 4, 1, 4, 2, 4, 0), "INTERLEAVED"),
+    ],
+)
+def test_scores_and_cache_match_the_oracle(dtype, dims, layout):
+    args = operands(*dims, dtype=dtype)
+    start_pos, topk = dims[-1], 3
+    score, idx, cache = jax.jit(lambda *a: KERNEL(*a, index_topk=topk, start_pos=start_pos, rope_layout=layout))(*args)
+    want_score, _, want_cache = oracle(*args, topk, start_pos, layout)
+    assert score.dtype == jnp.float32 and idx.dtype == jnp.int32 and cache.dtype == dtype
+    assert score.shape == want_score.shape and idx.shape == (want_score.shape[0], topk)
+    # both sides round Q, K and the score to bf16: a rounding flipped by float32 vs float64 is one bf16 ulp
+    assert_close(score, want_score, jnp.bfloat16, reduction=dims[5], ops=2)
+    assert_close(cache, want_cache, jnp.bfloat16, ops=2)
+    untouched = np.ones(want_cache.shape, bool)
+    untouched[:, :, start_pos : start_pos + dims[1]] = False
+    assert np.array_equal(f64(cache)[untouched], f64(args[8])[untouched])  # the rest of the cache is kept
+
+
+@pytest.mark.parametrize("layout", ["HALF_SPLIT", "INTERLEAVED"])
+def test_topk_indices_are_exact_and_ascending(layout):
+    b, s, start_pos, k = 2, 6, 5, 4
+    mask = ranked_mask(np.random.default_rng(3), b * s, start_pos, s)
+    args = list(operands(b, s, 12, 8, 2, 8, 4, 12, start_pos, mask=mask, seed=3))
+    args[5] = args[5] * 1e-3  # per-head weights small: |score| << the mask's step
+    score, idx, _ = KERNEL(*args, index_topk=k, start_pos=start_pos, rope_layout=layout)
+    want_score, want_idx, _ = oracle(*args, k, start_pos, layout)
+    assert np.array_equal(np.asarray(idx), want_idx)
+    picked = np.take_along_axis(f64(score), np.asarray(idx), axis=-1)
+    assert np.all(np.diff(picked, axis=-1) > 0)  # ascending, without ties
+
+
+def test_topk_selects_the_largest_scores_of_natural_inputs():
+    """Without a ranking mask the selected set holds the k largest scores (compared by value, as the kernel's own
+    test does: robust to ties)."""
+    args = operands(2, 9, 16, 8, 4, 8, 4, 10, 1, seed=5)
+    score, idx, _ = KERNEL(*args, index_topk=5, start_pos=1)
+    want_score, _, _ = oracle(*args, 5, 1)
+    got = np.sort(np.take_along_axis(want_score, np.asarray(idx), axis=-1), axis=-1)
+    want = np.sort(want_score, axis=-1)[:, -5:]
+    assert_close(got, want, jnp.bfloat16, ops=2)
+
+
+def test_derived_config_is_checked_against_the_shapes():
+    args = operands(2, 3, 8, 4, 2, 4, 2, 4, 0)
+    KERNEL(*args, index_topk=2, n_heads=2, head_dim=4, rope_head_dim=2, batch_size=2)
+    with pytest.raises(ValueError, match="n_heads"):
+        KERNEL(*args, index_topk=2, n_heads=3)
+
+
+def test_not_differentiable():
+    args = operands(1, 3, 8, 4, 2, 4, 2, 4, 0)
+    with pytest.raises(Exception, match="sparse_attention_indexer_mx_bf16score"):
+        jax.grad(lambda x: KERNEL(x, *args[1:], index_topk=2)[0].sum())(args[0])
+
+
+def test_neuron_limits_name_what_the_kernel_needs():
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands(1, 5, 12, 8, 2, 8, 4, 6, 0)]
+    fn = lambda *a: KERNEL(*a, index_topk=3)  # noqa: E731
+    with jax_nkilib.neuron.dry_run(), pytest.warns(NeuronFallbackWarning) as record:
+        jax.jit(fn).trace(*shapes).lower(lowering_platforms=("neuron",))
+    message = str(record[0].message)
+    for fragment in ("wq_b must be bfloat16", "head_dim D=8 must be 128", "dim=12", "index_topk=3"):
+        assert fragment in message
+
+
+@pytest.mark.parametrize(
+    "change, fragments",
+    [
+        (lambda a: (a[0][:-1], *a[1:9], a[9][:-1], a[10][:-1]), ["M = B*S", "x [M, dim]"]),
+        (lambda a: (a[0], a[1][:, :-1], *a[2:]), ["wq_b [Q, H*D]"]),
+        (lambda a: (*a[:9], a[9][:, :-1], a[10]), ["mask [M, end]"]),
+        (lambda a: (*a[:8], a[8][:, :, :3], *a[9:]), ["k_cache [B, D, T]", "T >= start_pos + S"]),
+        (lambda a: (a[0].astype(jnp.int32), *a[1:]), ["x", "dtype"]),
+    ],
+)
+def test_bad_inputs_name_the_argument(change, fragments):
+    args = change(operands(2, 3, 8, 4, 2, 4, 2, 4, 1))
+    with pytest.raises((TypeError, ValueError)) as info:
+        KERNEL(*args, index_topk=2, start_pos=1)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"index_topk": 5}, "index_topk"),
+        ({"index_topk": 2, "start_pos": -1}, "start_pos"),
+        ({"index_topk": 2, "rope_layout": "ROTATE"}, "rope_layout"),
+        ({}, "index_topk"),
+    ],
+)
+def test_bad_params_name_the_parameter(kwargs, fragment):
+    args = operands(2, 3, 8, 4, 2, 4, 2, 4, 0)
+    with pytest.raises((TypeError, ValueError), match=fragment):
+        KERNEL(*args, **kwargs)
