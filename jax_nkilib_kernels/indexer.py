@@ -5,11 +5,14 @@ The newer library source (public code index) takes ``precision``/``rope_layout``
 ``RopeLayout`` of ``experimental.mla.deepseek.mla_common_cte``) and the plain bf16 ``qr_bf16_hbm``; the 2.32 release
 has neither, so with it this adapter's kernel is reported missing and the call falls back to the reference. The
 shape-derived config (``n_heads``, ``head_dim``, ``rope_head_dim``, ``batch_size``) is computed here from the
-tensors. The library updates ``k_cache`` in place and returns ``(index_score, topk)``; the adapter also returns the
-cache, so NKI reports it as an output aliased to its input. Not yet run on Trainium by this project.
+tensors. With ``phase="all"`` the library updates ``k_cache`` in place and returns ``(index_score, topk)``; the
+adapter also returns the cache, so NKI reports it as an output aliased to its input. With ``phase="kproj"`` it writes
+K into ``k_seq_out_hbm``, which the adapter allocates and returns (the library's second result, its unwritten top-k
+buffer, is dropped); ``"score"`` returns ``(index_score, topk)``. Not yet run on Trainium by this project.
 """
 
 import nki
+import nki.language as nl
 
 from jax_nkilib_kernels._library import body, load
 
@@ -48,9 +51,15 @@ def sparse_attention_indexer_mx_bf16score(
     index_topk=None,
     start_pos=0,
     rope_layout="HALF_SPLIT",
+    phase="all",
+    end_pos_arg=None,
 ):
-    """``(index_score [B*S, end] f32, topk [B*S, index_topk] int32, k_cache)`` from the library kernel."""
-    index_score, topk = _indexer_body(
+    """``(index_score [B*S, end] f32, topk [B*S, index_topk] int32, k_cache)`` from the library kernel; phase
+    ``"kproj"``: ``(k_seq_out [B*S, head_dim],)``; ``"score"``: ``(index_score, topk)``."""
+    k_seq_out = None
+    if phase == "kproj":
+        k_seq_out = nl.ndarray((x.shape[0], k_cache.shape[1]), dtype=k_cache.dtype, buffer=nl.shared_hbm)
+    first, topk = _indexer_body(
         x,
         wq_b,
         wk,
@@ -67,9 +76,16 @@ def sparse_attention_indexer_mx_bf16score(
         index_topk,
         start_pos,
         batch_size=k_cache.shape[0],
+        phase=phase,
+        k_seq_out_hbm=k_seq_out,
+        end_pos_arg=end_pos_arg,
         emit_flat_topk=True,
         precision=_library_config(),
         rope_layout=_rope_layout(rope_layout),
         qr_bf16_hbm=qr_bf16_hbm,
     )
-    return index_score, topk, k_cache
+    if phase == "kproj":
+        return (first,)
+    if phase == "score":
+        return first, topk
+    return first, topk, k_cache

@@ -36,33 +36,57 @@ def rotate(x, cos, sin, layout):
     return out
 
 
-def oracle(x, wq_b, wk, gamma, beta, wp, cos, sin, k_cache, mask, qr, index_topk, start_pos, layout="HALF_SPLIT"):
-    """``(index_score, topk ascending, updated k_cache)`` in float64, loops over batches and heads."""
+def oracle(
+    x,
+    wq_b,
+    wk,
+    gamma,
+    beta,
+    wp,
+    cos,
+    sin,
+    k_cache,
+    mask,
+    qr,
+    index_topk,
+    start_pos,
+    layout="HALF_SPLIT",
+    *,
+    phase="all",
+    end=None,
+):
+    """float64, loops over batches and heads: ``"all"``: ``(index_score, topk ascending, updated k_cache)``;
+    ``"kproj"``: ``k [M, D]``; ``"score"`` (keys from ``k_cache[:, :, :end]``): ``(index_score, topk)``."""
     x, wq_b, wk, gamma, beta, wp, cos, sin, k_cache, mask, qr = map(
         f64, (x, wq_b, wk, gamma, beta, wp, cos, sin, k_cache, mask, qr)
     )
     batch, head_dim, _ = k_cache.shape
     heads, rows = wp.shape[0], x.shape[0]
     seq = rows // batch
-    end = start_pos + seq
-    scores = np.zeros((rows, end))
+    end = end if phase == "score" and end is not None else start_pos + seq
+    scores, ks = np.zeros((rows, end)), np.zeros((rows, head_dim))
     cache = k_cache.copy()
     for b in range(batch):
         r = slice(b * seq, (b + 1) * seq)
         k = bf(x[r]) @ bf(wk)
         k = (k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + 1e-6) * gamma + beta
-        k = bf(rotate(k, cos, sin, layout))  # [S, D]
+        ks[r] = k = bf(rotate(k, cos, sin, layout))  # [S, D]
         q = (bf(qr[r]) @ bf(wq_b)).reshape(seq, heads, head_dim)
         q = bf(np.stack([rotate(q[:, h], cos, sin, layout) for h in range(heads)], axis=1))
         w = bf(x[r]) @ bf(wp).T / np.sqrt(heads * head_dim)  # [S, H]
-        keys = np.concatenate([bf(k_cache[b, :, :start_pos]).T, k], axis=0)  # [end, D]
+        if phase == "score":
+            keys = bf(k_cache[b, :, :end]).T
+        else:
+            keys = np.concatenate([bf(k_cache[b, :, :start_pos]).T, k], axis=0)  # [end, D]
         score = np.zeros((seq, end))
         for h in range(heads):
             score += np.maximum(q[:, h] @ keys.T, 0.0) * w[:, h : h + 1]
         scores[r] = bf(bf(score) + bf(mask[r]))
-        cache[b, :, start_pos:end] = k.T
+        cache[b, :, start_pos : start_pos + seq] = k.T
+    if phase == "kproj":
+        return ks
     topk = np.argsort(-scores, axis=-1, kind="stable")[:, :index_topk][:, ::-1]  # ascending by score
-    return scores, topk, cache
+    return (scores, topk) if phase == "score" else (scores, topk, cache)
 
 
 # ------------------------------------------------------------------------------------------------- operands
@@ -146,6 +170,60 @@ def test_topk_selects_the_largest_scores_of_natural_inputs():
     assert_close(got, want, jnp.bfloat16, ops=2)
 
 
+def test_kproj_phase_returns_the_projected_keys():
+    args = operands(2, 5, 12, 8, 3, 8, 4, 9, 2, seed=7)
+    k_seq = KERNEL(*args, index_topk=3, start_pos=2, phase="kproj")
+    assert k_seq.shape == (10, 8) and k_seq.dtype == jnp.float32
+    assert_close(k_seq, oracle(*args, 3, 2, phase="kproj"), jnp.bfloat16, ops=2)
+
+
+def test_score_phase_scores_against_the_whole_cache():
+    b, s, end = 2, 3, 7  # 3 local queries at positions 2..4 against 7 gathered keys
+    args = operands(b, s, 12, 8, 2, 8, 4, 8, 0, seed=8, mask=np.zeros((b * s, end)))
+    score, idx = KERNEL(*args, index_topk=3, start_pos=2, phase="score", end_pos_arg=end)
+    want_score, _ = oracle(*args, 3, 2, phase="score", end=end)
+    assert score.shape == (b * s, end) and idx.shape == (b * s, 3)
+    assert_close(score, want_score, jnp.bfloat16, reduction=8, ops=2)
+
+
+@pytest.mark.parametrize("layout", ["HALF_SPLIT", "INTERLEAVED"])
+def test_context_parallel_phases_compose_to_the_fused_call(layout):
+    """Each of 2 ranks projects its 3 queries' K ("kproj"), the keys are gathered into the cache, and each rank
+    scores its queries against all 6 ("score"): the same scores and top-k as one fused call over the 6 queries."""
+    ranks, s, k = 2, 3, 3
+    mask = ranked_mask(np.random.default_rng(9), ranks * s, 0, ranks * s)
+    x, wq_b, wk, g, beta, wp, cos, sin, cache, _, qr = operands(1, ranks * s, 12, 8, 2, 8, 4, 6, 0, seed=9)
+    wp = wp * 1e-3
+    fused = KERNEL(x, wq_b, wk, g, beta, wp, cos, sin, cache, mask, qr, index_topk=k, rope_layout=layout)
+    shard = lambda a, r: a[r * s : (r + 1) * s]  # noqa: E731
+    weights = (wq_b, wk, g, beta, wp)
+    keys = []
+    for r in range(ranks):
+        local = (shard(x, r), *weights, shard(cos, r), shard(sin, r), cache, shard(mask, r)[:, : (r + 1) * s])
+        k_seq = KERNEL(*local, shard(qr, r), index_topk=k, start_pos=r * s, rope_layout=layout, phase="kproj")
+        keys.append(k_seq)
+    gathered = cache.at[0, :, : ranks * s].set(jnp.concatenate(keys).T)
+    parts = [
+        KERNEL(
+            shard(x, r),
+            *weights,
+            shard(cos, r),
+            shard(sin, r),
+            gathered,
+            shard(mask, r),
+            shard(qr, r),
+            index_topk=k,
+            start_pos=r * s,
+            rope_layout=layout,
+            phase="score",
+            end_pos_arg=ranks * s,
+        )
+        for r in range(ranks)
+    ]
+    np.testing.assert_allclose(jnp.concatenate([p[0] for p in parts]), fused[0], rtol=2**-7)
+    assert np.array_equal(jnp.concatenate([p[1] for p in parts]), fused[1])
+
+
 def test_derived_config_is_checked_against_the_shapes():
     args = operands(2, 3, 8, 4, 2, 4, 2, 4, 0)
     KERNEL(*args, index_topk=2, n_heads=2, head_dim=4, rope_head_dim=2, batch_size=2)
@@ -175,7 +253,7 @@ def test_neuron_limits_name_what_the_kernel_needs():
         (lambda a: (a[0][:-1], *a[1:9], a[9][:-1], a[10][:-1]), ["M = B*S", "x [M, dim]"]),
         (lambda a: (a[0], a[1][:, :-1], *a[2:]), ["wq_b [Q, H*D]"]),
         (lambda a: (*a[:9], a[9][:, :-1], a[10]), ["mask [M, end]"]),
-        (lambda a: (*a[:8], a[8][:, :, :3], *a[9:]), ["k_cache [B, D, T]", "T >= start_pos + S"]),
+        (lambda a: (*a[:8], a[8][:, :, :3], *a[9:]), ["k_cache [B, D, T]", "T >= end = 4"]),
         (lambda a: (a[0].astype(jnp.int32), *a[1:]), ["x", "dtype"]),
     ],
 )
@@ -194,6 +272,8 @@ def test_bad_inputs_name_the_argument(change, fragments):
         ({"index_topk": 2, "start_pos": -1}, "start_pos"),
         ({"index_topk": 2, "rope_layout": "ROTATE"}, "rope_layout"),
         ({}, "index_topk"),
+        ({"index_topk": 2, "end_pos_arg": 4}, "end_pos_arg"),
+        ({"index_topk": 2, "phase": "qproj"}, "phase"),
     ],
 )
 def test_bad_params_name_the_parameter(kwargs, fragment):

@@ -8,10 +8,9 @@ Source followed: the newer nki-library source in the public code index,
 ``sparse_attention_indexer_mx_bf16score_helpers.py`` (``score_against_cache_bf16``). Its signature adds
 ``compact_scales``, ``precision``, ``rope_layout`` and ``qr_bf16_hbm`` to the 2.32 API reference's. The adapter
 (``jax_nkilib_kernels/indexer.py``) calls it with ``precision=MlaPrecision.BF16`` (plain bf16 ``qr_bf16_hbm``
-``[B*S, Q]``, ``wq_b [Q, H*D]``, ``wk [dim, D]``, no MX operands), ``emit_flat_topk=True`` and ``phase="all"``.
-Not bound: the MX projections (the 2.32 reference's only mode: the swizzled fp8x4 ``qr_qtz_hbm`` of an upstream QKV
-kernel and fp8x4 weights), the snake and tiled top-k layouts, and the context-parallel ``phase="kproj"/"score"``
-split.
+``[B*S, Q]``, ``wq_b [Q, H*D]``, ``wk [dim, D]``, no MX operands) and ``emit_flat_topk=True``. Not bound: the MX
+projections (the 2.32 reference's only mode: the swizzled fp8x4 ``qr_qtz_hbm`` of an upstream QKV kernel and fp8x4
+weights) and the snake and tiled top-k layouts.
 
 Layouts: ``x [M, dim]`` (``M = B*S``, batch-major rows), ``wq_b [Q, H*D]``, ``wk [dim, D]``, ``k_norm_gamma``/
 ``k_norm_beta [D]``, ``weights_proj [H, dim]``, ``cos``/``sin [S, R/2]`` (rows: this call's positions),
@@ -28,6 +27,13 @@ Math per batch ``b`` and query row ``s`` (``bf()`` rounds to bfloat16; float32 o
     index_score = bf(bf(score) + bf(mask))
     topk_indices[s] = positions of the index_topk largest index_score[s, :], ASCENDING by score
     k_cache[b, :, start_pos:end] = bf(k).T
+
+Context-parallel phases (``phase``): ``"all"`` is the above. ``"kproj"`` computes only ``k`` and returns it
+seq-major, ``(k_seq_out [M, D],)`` (bf16-rounded, in ``k_cache``'s dtype; the cache is not written). ``"score"``
+computes no ``k``: ``keys[t] = bf(k_cache[b, :, t])`` for ``t < end = end_pos_arg`` (default ``start_pos + S``),
+the mask is ``[M, end]``, and it returns ``(index_score, topk_indices)`` (the cache is not written). A CP parent runs
+``"kproj"`` on each rank's query shard, gathers the ranks' K into the cache, then runs ``"score"`` with
+``start_pos = rank * S`` and ``end_pos_arg = ranks * S``.
 
 RoPE pairs ``(x_i, x_{i+R/2})`` (``rope_layout="HALF_SPLIT"``, DeepSeek) or ``(x_{2i}, x_{2i+1})``
 (``"INTERLEAVED"``, GLM): ``(a, b) -> (a cos - b sin, a sin + b cos)``. The roundings are the torch reference's
@@ -58,6 +64,7 @@ from ..framework.spec import FLOAT_DTYPES, CallInfo, KernelSpec, Operand, Param
 
 LAYERNORM_EPS = 1e-6
 ROPE_LAYOUTS = ("HALF_SPLIT", "INTERLEAVED")
+PHASES = ("all", "kproj", "score")
 KERNEL_HEAD_DIM = 128
 PARTITIONS = 128
 TOPK_CHUNKS = 16  # nisa.topk's 16-partition snake: the flat output holds index_topk // 16 columns per partition
@@ -107,36 +114,52 @@ def reference_sparse_attention_indexer(
     index_topk,
     start_pos=0,
     rope_layout="HALF_SPLIT",
+    phase="all",
+    end_pos_arg=None,
 ):
-    """JAX reference: ``(index_score [M, end] f32, topk_indices [M, index_topk] int32, k_cache)`` (module doc)."""
+    """JAX reference (module doc): ``phase="all"``: ``(index_score [M, end] f32, topk_indices [M, index_topk] int32,
+    k_cache)``; ``"kproj"``: ``(k_seq_out [M, D],)``; ``"score"``: ``(index_score, topk_indices)``."""
     compute = jnp.promote_types(x.dtype, jnp.float32)
     batch, head_dim, _ = k_cache.shape
     heads = weights_proj.shape[0]
     rows, dim = x.shape
     seq = rows // batch
-    end = start_pos + seq
+    end = key_end(phase, start_pos, seq, end_pos_arg)
     cs, sn = cos.astype(compute), sin.astype(compute)
     xb = x.reshape(batch, seq, dim)
-    k = _bf16(indexer_keys(xb, wk, k_norm_gamma, k_norm_beta, cs, sn, rope_layout, compute), compute)
+    if phase != "score":
+        k = _bf16(indexer_keys(xb, wk, k_norm_gamma, k_norm_beta, cs, sn, rope_layout, compute), compute)
+    if phase == "kproj":
+        return (k.reshape(rows, head_dim).astype(k_cache.dtype),)
     q = _bf16(qr_bf16_hbm, compute).reshape(batch, seq, -1) @ _bf16(wq_b, compute)
     q = _bf16(_rope_head(q.reshape(batch, seq, heads, head_dim), cs[:, None], sn[:, None], rope_layout), compute)
     w = (_bf16(xb, compute) @ _bf16(weights_proj, compute).T) / math.sqrt(heads * head_dim)
-    prior = jnp.swapaxes(_bf16(k_cache[:, :, :start_pos], compute), 1, 2)
-    keys = jnp.concatenate([prior, k], axis=1)  # [B, end, D]
+    if phase == "score":
+        keys = jnp.swapaxes(_bf16(k_cache[:, :, :end], compute), 1, 2)  # [B, end, D]
+    else:
+        keys = jnp.concatenate([jnp.swapaxes(_bf16(k_cache[:, :, :start_pos], compute), 1, 2), k], axis=1)
     logits = jnp.einsum("bshd,btd->bsht", q, keys)
     score = jnp.einsum("bsht,bsh->bst", jax.nn.relu(logits), w)
     score = _bf16(_bf16(score, compute) + _bf16(mask.reshape(batch, seq, end), compute), compute)
     _, descending = jax.lax.top_k(score, index_topk)
     index_score = score.reshape(rows, end).astype(jnp.float32)
     topk = descending[..., ::-1].reshape(rows, index_topk).astype(jnp.int32)
+    if phase == "score":
+        return index_score, topk
     updated = jax.lax.dynamic_update_slice(k_cache, jnp.swapaxes(k, 1, 2).astype(k_cache.dtype), (0, 0, start_pos))
     return index_score, topk, updated
+
+
+def key_end(phase, start_pos, seq, end_pos_arg):
+    """The key range ``[0, end)`` scored: ``end_pos_arg`` in the ``"score"`` phase when given, else
+    ``start_pos + S``."""
+    return end_pos_arg if phase == "score" and end_pos_arg is not None else start_pos + seq
 
 
 def _check(call: CallInfo) -> None:
     function, dims, p = call.function, call.dims, call.params
     batch, seq = dims["B"], dims["S"]
-    end = p["start_pos"] + seq
+    end = key_end(p["phase"], p["start_pos"], seq, p["end_pos_arg"])
     if dims["M"] != batch * seq:
         raise ValueError(
             f"{function}: x [M, dim] needs M = B*S rows (batch-major); got M={dims['M']} with B={batch} "
@@ -151,24 +174,28 @@ def _check(call: CallInfo) -> None:
         raise ValueError(f"{function}: cos/sin [S, R/2] need R = {2 * dims['Rh']} <= head_dim D={dims['D']}")
     if p["start_pos"] < 0:
         raise ValueError(f"{function}: parameter `start_pos` must be >= 0; got {p['start_pos']}")
-    if dims["E"] != end:
-        raise ValueError(f"{function}: mask [M, end] needs end = start_pos + S = {end} columns; got {dims['E']}")
-    if dims["T"] < end:
-        raise ValueError(f"{function}: k_cache [B, D, T] needs T >= start_pos + S = {end}; got T={dims['T']}")
-    if not 1 <= p["index_topk"] <= end:
+    if p["end_pos_arg"] is not None and (p["phase"] != "score" or p["end_pos_arg"] < 1):
         raise ValueError(
-            f"{function}: parameter `index_topk` must be in [1, start_pos + S = {end}]; got {p['index_topk']}"
+            f"{function}: parameter `end_pos_arg` (the key range of phase='score') must be a positive int with "
+            f"phase='score', else None; got {p['end_pos_arg']!r} with phase={p['phase']!r}"
         )
+    if dims["E"] != end:
+        where = "end_pos_arg" if p["phase"] == "score" and p["end_pos_arg"] is not None else "start_pos + S"
+        raise ValueError(f"{function}: mask [M, end] needs end = {where} = {end} columns; got {dims['E']}")
+    if dims["T"] < end:
+        raise ValueError(f"{function}: k_cache [B, D, T] needs T >= end = {end}; got T={dims['T']}")
+    if not 1 <= p["index_topk"] <= end:
+        raise ValueError(f"{function}: parameter `index_topk` must be in [1, end = {end}]; got {p['index_topk']}")
 
 
 def _output_avals(call: CallInfo):
-    rows, end = call.dims["M"], call.params["start_pos"] + call.dims["S"]
+    dims, p = call.dims, call.params
     cache = call.avals["k_cache"]
-    return (
-        ("index_score", (rows, end), jnp.float32),
-        ("topk_indices", (rows, call.params["index_topk"]), jnp.int32),
-        ("k_cache", cache.shape, cache.dtype),
-    )
+    if p["phase"] == "kproj":
+        return (("k_seq_out", (dims["M"], dims["D"]), cache.dtype),)
+    end = key_end(p["phase"], p["start_pos"], dims["S"], p["end_pos_arg"])
+    scored = (("index_score", (dims["M"], end), jnp.float32), ("topk_indices", (dims["M"], p["index_topk"]), jnp.int32))
+    return scored if p["phase"] == "score" else (*scored, ("k_cache", cache.shape, cache.dtype))
 
 
 _DEVICE_DTYPES = {
@@ -187,7 +214,7 @@ _DEVICE_DTYPES = {
 
 def _neuron_limits(call: CallInfo) -> list[str]:
     dims, p = call.dims, call.params
-    end = p["start_pos"] + dims["S"]
+    end = key_end(p["phase"], p["start_pos"], dims["S"], p["end_pos_arg"])
     unmet = [
         f"{name} must be {jnp.dtype(dtype).name}; got {call.avals[name].dtype}"
         for name, dtype in _DEVICE_DTYPES.items()
@@ -230,6 +257,8 @@ SPARSE_ATTENTION_INDEXER_SPEC = KernelSpec(
         Param("index_topk", None, int, "positions selected per query", required=True),
         Param("start_pos", 0, int, "cache position of the first query row (prior keys come from k_cache)"),
         Param("rope_layout", "HALF_SPLIT", ROPE_LAYOUTS, "RoPE pairing: DeepSeek's half split or interleaved"),
+        Param("phase", "all", PHASES, "context-parallel split: 'all', or 'kproj' then 'score' (module doc)"),
+        Param("end_pos_arg", None, int, "phase='score': the key range [0, end_pos_arg) (default start_pos + S)"),
     ),
     outputs=(),
     output_avals=_output_avals,
@@ -253,7 +282,7 @@ SPARSE_ATTENTION_INDEXER_SPEC = KernelSpec(
     ),
     family="attention",
     catalog="row 53, section 3",
-    nondifferentiable_outputs=("index_score", "topk_indices", "k_cache"),
+    nondifferentiable_outputs=("index_score", "topk_indices", "k_cache", "k_seq_out"),
     support={
         "idiomatic": "",
         "vjp": "none (a selection kernel; no backward kernel)",

@@ -11,8 +11,9 @@ OPERANDS += ("qr_bf16_hbm",)
 _DEVICE = {"wq_b", "wk", "weights_proj", "k_cache", "qr_bf16_hbm"}  # bfloat16 on Neuron; the others float32
 
 
-def indexer_operands(b, s, dim, q, h, d, r, t, start_pos, device=False):
-    """The indexer's operands (``device``: the kernel's dtypes), weights scaled so the scores stay O(1)."""
+def indexer_operands(b, s, dim, q, h, d, r, t, start_pos, device=False, end=None):
+    """The indexer's operands (``device``: the kernel's dtypes; ``end``: the mask's key range, default
+    ``start_pos + s``), weights scaled so the scores stay O(1)."""
 
     def build(rng):
         dtype = lambda name: jnp.bfloat16 if device and name in _DEVICE else jnp.float32  # noqa: E731
@@ -27,7 +28,7 @@ def indexer_operands(b, s, dim, q, h, d, r, t, start_pos, device=False):
         built = [normal(rng, shape, dtype(name), scale) for name, (shape, scale) in shapes.items()]
         built[3] = built[3] + 1.0
         built += angles(rng, (s, r // 2))
-        built += [normal(rng, (b, d, t), dtype("k_cache")), normal(rng, (b * s, start_pos + s), scale=0.1)]
+        built += [normal(rng, (b, d, t), dtype("k_cache")), normal(rng, (b * s, end or start_pos + s), scale=0.1)]
         built += [normal(rng, (b * s, q), dtype("qr_bf16_hbm"))]
         return tuple(built)
 
@@ -52,5 +53,39 @@ register(
         neuron_kwargs={"index_topk": 32},
         bad=BadInput("index_topk", lambda _: 0, "index_topk"),
         notes="not differentiable (a selection kernel): no gradient check",
+    ),
+    ArgSpec(
+        "sparse_attention_indexer_mx_bf16score.kproj",
+        nki.sparse_attention_indexer_mx_bf16score,
+        OPERANDS,
+        indexer_operands(8, 3, 12, 8, 2, 8, 4, 6, 1),
+        kernels=("sparse_attention_indexer_mx_bf16score",),
+        kwargs={"index_topk": 2, "start_pos": 1, "phase": "kproj"},
+        batch=("x", "k_cache", "mask", "qr_bf16_hbm"),
+        sharding=Sharding(
+            mesh=(("data", 8),), in_specs=(P("data"),) + (P(),) * 7 + (P("data"),) * 3, out_specs=P("data")
+        ),
+        neuron=indexer_operands(1, 128, 256, 256, 2, 128, 64, 256, 0, device=True),
+        neuron_kwargs={"index_topk": 32, "phase": "kproj"},
+        bad=BadInput("end_pos_arg", lambda _: 4, "end_pos_arg"),
+        notes="context-parallel K projection: returns k_seq_out only",
+    ),
+    ArgSpec(
+        "sparse_attention_indexer_mx_bf16score.score",
+        nki.sparse_attention_indexer_mx_bf16score,
+        OPERANDS,
+        indexer_operands(8, 3, 12, 8, 2, 8, 4, 6, 1, end=5),
+        kernels=("sparse_attention_indexer_mx_bf16score",),
+        kwargs={"index_topk": 2, "start_pos": 1, "phase": "score", "end_pos_arg": 5},
+        batch=("x", "k_cache", "mask", "qr_bf16_hbm"),
+        sharding=Sharding(
+            mesh=(("data", 8),),
+            in_specs=(P("data"),) + (P(),) * 7 + (P("data"),) * 3,
+            out_specs=(P("data"), P("data")),
+        ),
+        neuron=indexer_operands(1, 128, 256, 256, 2, 128, 64, 512, 128, device=True, end=512),
+        neuron_kwargs={"index_topk": 32, "start_pos": 128, "phase": "score", "end_pos_arg": 512},
+        bad=BadInput("end_pos_arg", lambda _: 9, "end_pos_arg"),
+        notes="context-parallel score phase: this rank's queries against the gathered cache",
     ),
 )
