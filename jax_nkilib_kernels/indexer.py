@@ -1,9 +1,10 @@
 """Adapter for the NKI Library's ``sparse_attention_indexer_mx_bf16score``
-(``nkilib.experimental.sparse_attention_indexer``), in its BF16-projection mode with the flat top-k output.
+(``nkilib.experimental.sparse_attention_indexer``) with the flat top-k output (``emit_flat_topk=True``).
 
 The newer library source (public code index) takes ``precision``/``rope_layout`` enums (``MlaPrecision``,
-``RopeLayout`` of ``experimental.mla.deepseek.mla_common_cte``) and the plain bf16 ``qr_bf16_hbm``; the 2.32 release
-has neither, so with it this adapter's kernel is reported missing and the call falls back to the reference. The
+``RopeLayout`` of ``experimental.mla.deepseek.mla_common_cte``, passed here by member name) and the plain bf16
+``qr_bf16_hbm``; the 2.32 release has neither, so with it this adapter's kernel is reported missing and the call
+falls back to the reference. The
 shape-derived config (``n_heads``, ``head_dim``, ``rope_head_dim``, ``batch_size``) is computed here from the
 tensors. With ``phase="all"`` the library updates ``k_cache`` in place and returns ``(index_score, topk)``; the
 adapter also returns the cache, so NKI reports it as an output aliased to its input. With ``phase="kproj"`` it writes
@@ -26,9 +27,9 @@ RopeLayout = load("experimental.mla.deepseek.mla_common_cte", "RopeLayout")
 _indexer_body = body(_library_indexer)
 
 
-def _library_config():
-    """The library's BF16 precision member (a helper, so that the absent enum disables the adapter)."""
-    return MlaPrecision.BF16
+def _library_precision(name):
+    """The library's ``MlaPrecision`` member (a helper, so that the absent enum disables the adapter)."""
+    return MlaPrecision[name]
 
 
 def _rope_layout(name):
@@ -47,12 +48,18 @@ def sparse_attention_indexer_mx_bf16score(
     sin,
     k_cache,
     mask,
-    qr_bf16_hbm,
+    wq_b_scale=None,
+    wk_scale=None,
+    qr_qtz_hbm=None,
+    qr_scale_hbm=None,
+    qr_bf16_hbm=None,
     index_topk=None,
     start_pos=0,
-    rope_layout="HALF_SPLIT",
     phase="all",
     end_pos_arg=None,
+    compact_scales=False,
+    precision="MX",
+    rope_layout="HALF_SPLIT",
 ):
     """``(index_score [B*S, end] f32, topk [B*S, index_topk] int32, k_cache)`` from the library kernel; phase
     ``"kproj"``: ``(k_seq_out [B*S, head_dim],)``; ``"score"``: ``(index_score, topk)``."""
@@ -76,11 +83,16 @@ def sparse_attention_indexer_mx_bf16score(
         index_topk,
         start_pos,
         batch_size=k_cache.shape[0],
+        wq_b_scale=wq_b_scale,
+        wk_scale=wk_scale,
+        qr_qtz_hbm=qr_qtz_hbm,
+        qr_scale_hbm=qr_scale_hbm,
         phase=phase,
         k_seq_out_hbm=k_seq_out,
         end_pos_arg=end_pos_arg,
         emit_flat_topk=True,
-        precision=_library_config(),
+        compact_scales=compact_scales,
+        precision=_library_precision(precision),
         rope_layout=_rope_layout(rope_layout),
         qr_bf16_hbm=qr_bf16_hbm,
     )

@@ -1,26 +1,32 @@
-"""``sparse_attention_indexer_mx_bf16score`` (catalog row 53, docs-only): DeepSeek-V3.2's sparse attention indexer,
-bound in its BF16-projection mode with the flat top-k output.
+"""``sparse_attention_indexer_mx_bf16score`` (catalog row 53, docs-only): DeepSeek-V3.2's sparse attention indexer
+with its MX or BF16 projections, the flat top-k output and the context-parallel phases.
 
 Source followed: the newer nki-library source in the public code index,
 ``experimental/sparse_attention_indexer/sparse_attention_indexer_mx_bf16score.py`` (kernel),
 ``sparse_attention_indexer_mx_bf16score_torch.py`` (``sparse_attention_indexer_mx_bf16score_torch_ref``),
-``sparse_attention_indexer_utils.py`` (``topk_over_score``, ``validate_sai_config``) and
-``sparse_attention_indexer_mx_bf16score_helpers.py`` (``score_against_cache_bf16``). Its signature adds
-``compact_scales``, ``precision``, ``rope_layout`` and ``qr_bf16_hbm`` to the 2.32 API reference's. The adapter
-(``jax_nkilib_kernels/indexer.py``) calls it with ``precision=MlaPrecision.BF16`` (plain bf16 ``qr_bf16_hbm``
-``[B*S, Q]``, ``wq_b [Q, H*D]``, ``wk [dim, D]``, no MX operands) and ``emit_flat_topk=True``. Not bound: the MX
-projections (the 2.32 reference's only mode: the swizzled fp8x4 ``qr_qtz_hbm`` of an upstream QKV kernel and fp8x4
-weights) and the snake and tiled top-k layouts.
+``sparse_attention_indexer_torch.py`` (``_block32_mx_quant_dequant``), ``sparse_attention_indexer_utils.py``
+(``topk_over_score``, ``validate_sai_config``), ``sparse_attention_indexer_mx_bf16score_helpers.py``
+(``score_against_cache_bf16``) and the test helpers (MX packing). Its signature adds ``compact_scales``,
+``precision``, ``rope_layout`` and ``qr_bf16_hbm`` to the 2.32 API reference's (which has only the MX mode). The
+adapter (``jax_nkilib_kernels/indexer.py``) passes ``emit_flat_topk=True``. Not bound: the snake and tiled top-k
+layouts, and the pre-cast/pre-quantized ``x_non_mx``/``x_mx_data``/``x_mx_scale`` shortcuts (same math).
 
-Layouts: ``x [M, dim]`` (``M = B*S``, batch-major rows), ``wq_b [Q, H*D]``, ``wk [dim, D]``, ``k_norm_gamma``/
-``k_norm_beta [D]``, ``weights_proj [H, dim]``, ``cos``/``sin [S, R/2]`` (rows: this call's positions),
-``k_cache [B, D, T]`` (``T >= end``), ``mask [M, end]`` additive, ``qr_bf16_hbm [M, Q]``; ``end = start_pos + S``.
-Outputs ``index_score [M, end]`` float32, ``topk_indices [M, index_topk]`` int32 and the updated ``k_cache``.
+Layouts: ``x [M, dim]`` (``M = B*S``, batch-major rows), ``k_norm_gamma``/``k_norm_beta [D]``,
+``weights_proj [H, dim]``, ``cos``/``sin [S, R/2]`` (rows: this call's positions), ``k_cache [B, D, T]``
+(``T >= end``), ``mask [M, end]`` additive; ``end = start_pos + S``. ``precision="BF16"``: ``wq_b [Q, H*D]``,
+``wk [dim, D]``, ``qr_bf16_hbm [M, Q]`` (q-normed compressed query). ``precision="MX"`` (the kernel's default):
+``wq_b [Q/4, H*D]`` and ``wk [dim/4, D]`` x4 words with ``wq_b_scale``/``wk_scale``, and the swizzled
+``qr_qtz_hbm``/``qr_scale_hbm [ceil(M/128), 128, Q/512, 128]`` of an upstream QKV kernel (layouts in
+:mod:`.sparse_attention_indexer_mx`). Outputs ``index_score [M, end]`` float32, ``topk_indices [M, index_topk]``
+int32 and the updated ``k_cache``.
 
-Math per batch ``b`` and query row ``s`` (``bf()`` rounds to bfloat16; float32 otherwise)::
+Math per batch ``b`` and query row ``s`` (``bf()`` rounds to bfloat16, ``mx()`` is an MX block-32 fp8 round trip
+along the contraction; float32 otherwise)::
 
-    k = RoPE_R(LayerNorm_eps=1e-6(bf(x) @ bf(wk)) * gamma + beta)          # [S, D], RoPE on the first R columns
-    q = RoPE_R(bf(qr) @ bf(wq_b)) per head                                 # [S, H, D]
+    BF16: xk = bf(x), Wk = bf(wk), qr = bf(qr_bf16_hbm), Wq = bf(wq_b)
+    MX:   xk = mx(x), Wk, Wq = the decoded weights, qr = mx(the decoded qr_qtz_hbm)
+    k = RoPE_R(LayerNorm_eps=1e-6(xk @ Wk) * gamma + beta)                 # [S, D], RoPE on the first R columns
+    q = RoPE_R(qr @ Wq) per head                                           # [S, H, D]
     w = (bf(x) @ bf(weights_proj).T) / sqrt(H * D)                         # [S, H]
     keys[t] = bf(k_cache[b, :, t]) for t < start_pos,  bf(k[t - start_pos]) for start_pos <= t < end
     score[s, t] = sum_h relu(bf(q[s, h]) . keys[t]) * w[s, h]
@@ -46,10 +52,13 @@ so is the choice among ties at the k-th place. The updated cache holds bf16-roun
 
 Not differentiable (no VJP): it selects positions; the kernel has no backward.
 
-Neuron limits (source asserts and the flat top-k scatter): ``D == 128``, ``dim`` and ``Q`` multiples of 128,
-``index_topk`` a multiple of 16 (the flat scatter writes ``index_topk // 16`` columns per partition) and at most
-``end`` rounded up to 16, ``ceil(S / 128) <= 64``, bfloat16 ``qr``/``wq_b``/``wk``/``weights_proj``/``k_cache``,
-float32 ``x`` (the kernel casts it; its pre-cast ``x_non_mx`` is not bound), ``cos``/``sin``/``gamma``/``beta``.
+The MX activation rounding ``mx(x)`` follows the torch reference (from float32 ``x``; the source's host replica of
+the kernel's in-kernel quantization, ``_swizzle_and_quantize_x_for_mx``, rounds ``x`` to bf16 first).
+
+Neuron limits (source asserts and the flat top-k scatter): ``D == 128``, ``dim`` and ``Q`` multiples of 128 (BF16)
+or 512 (MX), ``index_topk`` a multiple of 16 (the flat scatter writes ``index_topk // 16`` columns per partition)
+and at most ``end`` rounded up to 16, ``ceil(S / 128) <= 64``; bfloat16 ``weights_proj``/``k_cache`` (and BF16's
+``qr_bf16_hbm``/``wq_b``/``wk``), float32 ``x`` (the kernel casts it), ``cos``/``sin``/``gamma``/``beta``.
 """
 
 from __future__ import annotations
@@ -61,12 +70,15 @@ import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, KernelSpec, Operand, Param
+from ..quant import mx
+from .sparse_attention_indexer_mx import COMPACT_BLOCK, PARTITIONS, QR_TILE, decode_qr, decode_weight
 
 LAYERNORM_EPS = 1e-6
 ROPE_LAYOUTS = ("HALF_SPLIT", "INTERLEAVED")
 PHASES = ("all", "kproj", "score")
+PRECISIONS = ("MX", "BF16")
 KERNEL_HEAD_DIM = 128
-PARTITIONS = 128
+MX_OPERANDS = ("wq_b_scale", "wk_scale", "qr_qtz_hbm", "qr_scale_hbm")
 TOPK_CHUNKS = 16  # nisa.topk's 16-partition snake: the flat output holds index_topk // 16 columns per partition
 MAX_S_TILES = 64
 
@@ -89,13 +101,25 @@ def _rope_head(x, cos, sin, layout):
     return jnp.concatenate([rope(x[..., :r], cos, sin, layout), x[..., r:]], axis=-1)
 
 
-def indexer_keys(x, wk, gamma, beta, cos, sin, rope_layout, compute):
-    """K of the current rows, ``[B, S, D]`` (before its bf16 rounding): projection, LayerNorm, RoPE."""
-    k = _bf16(x, compute) @ _bf16(wk, compute)
+def indexer_keys(xk, wk, gamma, beta, cos, sin, rope_layout, compute):
+    """K of the current rows, ``[B, S, D]`` (before its bf16 rounding) from the rounded ``xk`` and ``wk``:
+    projection, LayerNorm, RoPE."""
+    k = xk @ wk
     mean = jnp.mean(k, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(k - mean), axis=-1, keepdims=True)
     k = (k - mean) * jax.lax.rsqrt(var + LAYERNORM_EPS) * gamma.astype(compute) + beta.astype(compute)
     return _rope_head(k, cos, sin, rope_layout)
+
+
+def _projection_inputs(x, wq_b, wk, qr, mx_operands, precision, compact_scales, compute):
+    """``(xk, Wk, qr, Wq)``, the rounded inputs of the K and Q projections (module doc)."""
+    if precision == "BF16":
+        return _bf16(x, compute), _bf16(wk, compute), _bf16(qr, compute), _bf16(wq_b, compute)
+    wq_b_scale, wk_scale, qr_qtz, qr_scale = mx_operands
+    xk = mx.mx_round_trip(x).astype(compute)
+    wk = decode_weight(wk, wk_scale, compact_scales).astype(compute)
+    wq = decode_weight(wq_b, wq_b_scale, compact_scales).astype(compute)
+    return xk, wk, mx.mx_round_trip(decode_qr(qr_qtz, qr_scale, x.shape[0])).astype(compute), wq
 
 
 def reference_sparse_attention_indexer(
@@ -109,13 +133,19 @@ def reference_sparse_attention_indexer(
     sin,
     k_cache,
     mask,
-    qr_bf16_hbm,
+    wq_b_scale=None,
+    wk_scale=None,
+    qr_qtz_hbm=None,
+    qr_scale_hbm=None,
+    qr_bf16_hbm=None,
     *,
     index_topk,
     start_pos=0,
-    rope_layout="HALF_SPLIT",
     phase="all",
     end_pos_arg=None,
+    compact_scales=False,
+    precision="MX",
+    rope_layout="HALF_SPLIT",
 ):
     """JAX reference (module doc): ``phase="all"``: ``(index_score [M, end] f32, topk_indices [M, index_topk] int32,
     k_cache)``; ``"kproj"``: ``(k_seq_out [M, D],)``; ``"score"``: ``(index_score, topk_indices)``."""
@@ -126,14 +156,16 @@ def reference_sparse_attention_indexer(
     seq = rows // batch
     end = key_end(phase, start_pos, seq, end_pos_arg)
     cs, sn = cos.astype(compute), sin.astype(compute)
-    xb = x.reshape(batch, seq, dim)
+    mx_operands = (wq_b_scale, wk_scale, qr_qtz_hbm, qr_scale_hbm)
+    xk, wk, qr, wq = _projection_inputs(x, wq_b, wk, qr_bf16_hbm, mx_operands, precision, compact_scales, compute)
     if phase != "score":
-        k = _bf16(indexer_keys(xb, wk, k_norm_gamma, k_norm_beta, cs, sn, rope_layout, compute), compute)
+        k = indexer_keys(xk.reshape(batch, seq, dim), wk, k_norm_gamma, k_norm_beta, cs, sn, rope_layout, compute)
+        k = _bf16(k, compute)
     if phase == "kproj":
         return (k.reshape(rows, head_dim).astype(k_cache.dtype),)
-    q = _bf16(qr_bf16_hbm, compute).reshape(batch, seq, -1) @ _bf16(wq_b, compute)
-    q = _bf16(_rope_head(q.reshape(batch, seq, heads, head_dim), cs[:, None], sn[:, None], rope_layout), compute)
-    w = (_bf16(xb, compute) @ _bf16(weights_proj, compute).T) / math.sqrt(heads * head_dim)
+    q = (qr @ wq).reshape(batch, seq, heads, head_dim)
+    q = _bf16(_rope_head(q, cs[:, None], sn[:, None], rope_layout), compute)
+    w = (_bf16(x, compute) @ _bf16(weights_proj, compute).T).reshape(batch, seq, heads) / math.sqrt(heads * head_dim)
     if phase == "score":
         keys = jnp.swapaxes(_bf16(k_cache[:, :, :end], compute), 1, 2)  # [B, end, D]
     else:
@@ -156,8 +188,74 @@ def key_end(phase, start_pos, seq, end_pos_arg):
     return end_pos_arg if phase == "score" and end_pos_arg is not None else start_pos + seq
 
 
+def q_lora_rank(call: CallInfo) -> int:
+    """``Q``: ``qr_bf16_hbm``'s width (BF16) or 512 per word-column block of ``qr_qtz_hbm`` (MX)."""
+    return call.dims["Q"] if call.params["precision"] == "BF16" else QR_TILE * call.dims["Qt"]
+
+
+def _require(condition: bool, function: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"{function}: {message}")
+
+
+def _check_operand_set(call: CallInfo) -> None:
+    function, p = call.function, call.params
+    if p["precision"] == "BF16":
+        given = [name for name in MX_OPERANDS if call.avals.get(name) is not None]
+        _require(call.avals.get("qr_bf16_hbm") is not None, function, "precision='BF16' needs qr_bf16_hbm [B*S, Q]")
+        _require(not given, function, f"precision='BF16' takes no MX operands; got {', '.join(given)}")
+        _require(not p["compact_scales"], function, "parameter `compact_scales` applies to precision='MX' only")
+        return
+    missing = [name for name in MX_OPERANDS if call.avals.get(name) is None]
+    _require(
+        not missing,
+        function,
+        f"precision='MX' needs wq_b_scale, wk_scale, qr_qtz_hbm and qr_scale_hbm; missing {', '.join(missing)}",
+    )
+    _require(
+        call.avals.get("qr_bf16_hbm") is None, function, "precision='MX' takes qr_qtz_hbm/qr_scale_hbm, not qr_bf16_hbm"
+    )
+
+
+def _check_mx_layouts(call: CallInfo) -> None:
+    function, dims, avals = call.function, call.dims, call.avals
+    for name, dtype in (("wq_b", jnp.uint32), ("wk", jnp.uint32), ("qr_qtz_hbm", jnp.uint32)):
+        if avals[name].dtype != dtype:
+            raise TypeError(f"{function}: {name} must hold uint32 float8_e4m3fn_x4 words; got {avals[name].dtype}")
+    for name in ("wq_b_scale", "wk_scale", "qr_scale_hbm"):
+        if avals[name].dtype != jnp.uint8:
+            raise TypeError(f"{function}: {name} must hold uint8 e8m0 scales; got {avals[name].dtype}")
+    q = q_lora_rank(call)
+    _require(
+        dims["Q4"] * 4 == q,
+        function,
+        f"wq_b [Q/4, H*D] words need Q/4 = {q // 4} rows (Q = 512 * qr_qtz_hbm.shape[2]); got {dims['Q4']}",
+    )
+    if call.params["compact_scales"]:
+        want = (q // COMPACT_BLOCK, -(-dims["N"] // COMPACT_BLOCK))
+        got = (dims["Qs"], dims["Ns"])
+        _require(got == want, function, f"wq_b_scale (compact) must be [Q/128, ceil(H*D/128)] = {want}; got {got}")
+        want = -(-dims["D"] // COMPACT_BLOCK)
+        _require(dims["Ds"] == want, function, f"wk_scale (compact) [dim/128, ceil(D/128)] needs {want} columns")
+    else:
+        _require(
+            dims["Qs"] * mx.BLOCK_SIZE == q,
+            function,
+            f"wq_b_scale [Q/32, H*D] needs Q/32 = {q // mx.BLOCK_SIZE} rows; got {dims['Qs']}",
+        )
+    tiles = -(-dims["M"] // PARTITIONS)
+    _require(
+        dims["St"] == tiles,
+        function,
+        f"qr_qtz_hbm [ceil(B*S/128), 128, Q/512, 128] needs {tiles} row tiles for B*S={dims['M']}; got {dims['St']}",
+    )
+
+
 def _check(call: CallInfo) -> None:
     function, dims, p = call.function, call.dims, call.params
+    _check_operand_set(call)
+    if p["precision"] == "MX":
+        _check_mx_layouts(call)
     batch, seq = dims["B"], dims["S"]
     end = key_end(p["phase"], p["start_pos"], seq, p["end_pos_arg"])
     if dims["M"] != batch * seq:
@@ -200,31 +298,31 @@ def _output_avals(call: CallInfo):
 
 _DEVICE_DTYPES = {
     "x": jnp.float32,
-    "wq_b": jnp.bfloat16,
-    "wk": jnp.bfloat16,
     "k_norm_gamma": jnp.float32,
     "k_norm_beta": jnp.float32,
     "weights_proj": jnp.bfloat16,
     "cos": jnp.float32,
     "sin": jnp.float32,
     "k_cache": jnp.bfloat16,
-    "qr_bf16_hbm": jnp.bfloat16,
 }
+_BF16_DEVICE_DTYPES = {"wq_b": jnp.bfloat16, "wk": jnp.bfloat16, "qr_bf16_hbm": jnp.bfloat16}
 
 
 def _neuron_limits(call: CallInfo) -> list[str]:
     dims, p = call.dims, call.params
     end = key_end(p["phase"], p["start_pos"], dims["S"], p["end_pos_arg"])
+    device = _DEVICE_DTYPES | (_BF16_DEVICE_DTYPES if p["precision"] == "BF16" else {})
     unmet = [
         f"{name} must be {jnp.dtype(dtype).name}; got {call.avals[name].dtype}"
-        for name, dtype in _DEVICE_DTYPES.items()
+        for name, dtype in device.items()
         if call.avals[name].dtype != dtype
     ]
     if dims["D"] != KERNEL_HEAD_DIM:
         unmet.append(f"head_dim D={dims['D']} must be {KERNEL_HEAD_DIM}")
-    for name, size in (("dim", dims["dim"]), ("q_lora_rank Q", dims["Q"])):
-        if size % PARTITIONS:
-            unmet.append(f"{name}={size} must be a multiple of {PARTITIONS}")
+    multiple = PARTITIONS if p["precision"] == "BF16" else QR_TILE
+    for name, size in (("dim", dims["dim"]), ("q_lora_rank Q", q_lora_rank(call))):
+        if size % multiple:
+            unmet.append(f"{name}={size} must be a multiple of {multiple} with precision={p['precision']}")
     if p["index_topk"] % TOPK_CHUNKS:
         unmet.append(
             f"index_topk={p['index_topk']} must be a multiple of {TOPK_CHUNKS} (the flat top-k output holds "
@@ -237,28 +335,71 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
+def _x4_words(params, dtype) -> str | None:
+    """MX weight words reach the kernel as ``float8_e4m3fn_x4``."""
+    return "float8_e4m3fn_x4" if dtype == jnp.uint32 else None
+
+
+_WORDS = (jnp.uint32,)
+_SCALES = (jnp.uint8,)
+_SCALE_LAYOUT = "St, 128, Qt, 128"
+
 SPARSE_ATTENTION_INDEXER_SPEC = KernelSpec(
     name="sparse_attention_indexer_mx_bf16score",
     entry_point="jax_nkilib_kernels.indexer:sparse_attention_indexer_mx_bf16score",
     operands=(
         Operand.of("x", "M, dim", doc="hidden states, B*S batch-major rows"),
-        Operand.of("wq_b", "Q, N", doc="query up-projection [q_lora_rank, n_heads*head_dim]"),
-        Operand.of("wk", "dim, D", doc="key projection [dim, head_dim]"),
+        Operand.switched(
+            "wq_b",
+            "precision",
+            {"BF16": "Q, N", "MX": "Q4, N"},
+            dtypes=FLOAT_DTYPES + _WORDS,
+            device_dtype=_x4_words,
+            doc="query up-projection [Q, H*D] (BF16) or its x4 words [Q/4, H*D] (MX)",
+        ),
+        Operand.switched(
+            "wk",
+            "precision",
+            {"BF16": "dim, D", "MX": "dim/4, D"},
+            dtypes=FLOAT_DTYPES + _WORDS,
+            device_dtype=_x4_words,
+            doc="key projection [dim, D] (BF16) or its x4 words [dim/4, D] (MX)",
+        ),
         Operand.of("k_norm_gamma", "D", doc="key LayerNorm scale"),
         Operand.of("k_norm_beta", "D", doc="key LayerNorm shift"),
         Operand.of("weights_proj", "H, dim", doc="per-head score weights projection"),
         Operand.of("cos", "S, Rh", doc="RoPE cosines of this call's positions [S, rope_head_dim/2]"),
         Operand.of("sin", "S, Rh", doc="RoPE sines"),
-        Operand.of("k_cache", "B, D, T", dtypes=FLOAT_DTYPES, doc="key cache (transposed), updated at [start, end)"),
-        Operand.of("mask", "M, E", doc="additive mask [B*S, start_pos + S]"),
-        Operand.of("qr_bf16_hbm", "M, Q", doc="q-normed compressed query (the BF16 path's Q input)"),
+        Operand.of("k_cache", "B, D, T", doc="key cache (transposed), updated at [start, end)"),
+        Operand.of("mask", "M, E", doc="additive mask [B*S, end]"),
+        Operand.switched(
+            "wq_b_scale",
+            "compact_scales",
+            {False: "Qs, N", True: "Qs, Ns"},
+            dtypes=_SCALES,
+            optional=True,
+            doc="MX: wq_b's e8m0 scales [Q/32, H*D] (compact: [Q/128, ceil(H*D/128)])",
+        ),
+        Operand.switched(
+            "wk_scale",
+            "compact_scales",
+            {False: "dim/32, D", True: "dim/128, Ds"},
+            dtypes=_SCALES,
+            optional=True,
+            doc="MX: wk's e8m0 scales [dim/32, D] (compact: [dim/128, ceil(D/128)])",
+        ),
+        Operand.of("qr_qtz_hbm", _SCALE_LAYOUT, dtypes=_WORDS, optional=True, doc="MX: swizzled qr x4 words"),
+        Operand.of("qr_scale_hbm", _SCALE_LAYOUT, dtypes=_SCALES, optional=True, doc="MX: qr's e8m0 scales"),
+        Operand.of("qr_bf16_hbm", "M, Q", optional=True, doc="BF16: q-normed compressed query [B*S, Q]"),
     ),
     params=(
         Param("index_topk", None, int, "positions selected per query", required=True),
         Param("start_pos", 0, int, "cache position of the first query row (prior keys come from k_cache)"),
-        Param("rope_layout", "HALF_SPLIT", ROPE_LAYOUTS, "RoPE pairing: DeepSeek's half split or interleaved"),
         Param("phase", "all", PHASES, "context-parallel split: 'all', or 'kproj' then 'score' (module doc)"),
         Param("end_pos_arg", None, int, "phase='score': the key range [0, end_pos_arg) (default start_pos + S)"),
+        Param("compact_scales", False, bool, "MX weight scales in DeepSeek's 128 x 128 block layout"),
+        Param("precision", "MX", PRECISIONS, "the Q and K projections: MX (fp8 words) or BF16"),
+        Param("rope_layout", "HALF_SPLIT", ROPE_LAYOUTS, "RoPE pairing: DeepSeek's half split or interleaved"),
     ),
     outputs=(),
     output_avals=_output_avals,
@@ -275,9 +416,9 @@ SPARSE_ATTENTION_INDEXER_SPEC = KernelSpec(
     mac_count=lambda call: (
         call.dims["M"]
         * (
-            call.dims["Q"] * call.dims["N"]
+            q_lora_rank(call) * call.dims["N"]
             + call.dims["dim"] * (call.dims["D"] + call.dims["H"])
-            + call.dims["N"] * (call.params["start_pos"] + call.dims["S"])
+            + call.dims["N"] * key_end(call.params["phase"], call.params["start_pos"], call.dims["S"], None)
         )
     ),
     family="attention",
@@ -286,10 +427,11 @@ SPARSE_ATTENTION_INDEXER_SPEC = KernelSpec(
     support={
         "idiomatic": "",
         "vjp": "none (a selection kernel; no backward kernel)",
-        "notes": "docs-only (2.32) + newer source's BF16-projection mode (precision=BF16, qr_bf16_hbm) with the flat "
-        "top-k ([B*S, K] int32, ascending by score) and phase='all'; the k_cache is returned updated (aliased); "
-        "MX projections, snake/tiled top-k and the CP phase split not bound; Neuron: head_dim == 128, "
-        "dim % 128 == Q % 128 == 0, index_topk % 16 == 0; device adapter jax_nkilib_kernels/indexer.py",
+        "notes": "docs-only (2.32) + the newer source's signature: MX (x4 words, native or compact scales, swizzled "
+        "qr_qtz_hbm) or BF16 projections, flat top-k ([B*S, K] int32, ascending by score), the CP phases "
+        "kproj/score; the k_cache is returned updated (aliased); snake/tiled top-k not bound; Neuron: "
+        "head_dim == 128, dim and Q multiples of 512 (MX) or 128 (BF16), index_topk % 16 == 0; device adapter "
+        "jax_nkilib_kernels/indexer.py",
     },
 )
 
