@@ -137,7 +137,7 @@ def ranked_mask(rng, rows, start_pos, seq, step=0.25):
     [
         (jnp.float32, (2, 5, 12, 8, 3, 8, 4, 9, 2), "HALF_SPLIT"),
         (jnp.bfloat16, (1, 7, 16, 12, 2, 6, 6, 11, 3), "INTERLEAVED"),
-        (jnp.float32, (3, 4, 8, 4, 1, 4, 2, 4, 0), "INTERLEAVED"),
+        pytest.param(jnp.float32, (3, 4, 8, 4, 1, 4, 2, 4, 0), "INTERLEAVED", marks=pytest.mark.slow),
     ],
 )
 def test_scores_and_cache_match_the_oracle(dtype, dims, layout):
@@ -197,7 +197,7 @@ def test_score_phase_scores_against_the_whole_cache():
     assert_close(score, want_score, jnp.bfloat16, reduction=8, ops=2)
 
 
-@pytest.mark.parametrize("layout", ["HALF_SPLIT", "INTERLEAVED"])
+@pytest.mark.parametrize("layout", ["HALF_SPLIT", pytest.param("INTERLEAVED", marks=pytest.mark.slow)])
 def test_context_parallel_phases_compose_to_the_fused_call(layout):
     """Each of 2 ranks projects its 3 queries' K ("kproj"), the keys are gathered into the cache, and each rank
     scores its queries against all 6 ("score"): the same scores and top-k as one fused call over the 6 queries."""
