@@ -1,10 +1,10 @@
 """Adapter for the NKI Library's ``sparse_attention_indexer_mx_bf16score``
 (``nkilib.experimental.sparse_attention_indexer``) with the flat top-k output (``emit_flat_topk=True``).
 
-The newer library source (public code index) takes ``precision``/``rope_layout`` enums (``MlaPrecision``,
-``RopeLayout`` of ``experimental.mla.deepseek.mla_common_cte``, passed here by member name) and the plain bf16
-``qr_bf16_hbm``; the 2.32 release has neither, so with it this adapter's kernel is reported missing and the call
-falls back to the reference. The
+The newer library source (public code index) adds ``compact_scales``, the ``precision``/``rope_layout`` enums
+(``MlaPrecision``, ``RopeLayout`` of ``experimental.mla.deepseek.mla_common_cte``, passed here by member name) and the
+plain bf16 ``qr_bf16_hbm`` to the 2.32 signature; the adapter passes them only when a call uses them, so the MX mode
+with half-split RoPE and native scales also compiles against 2.32 (the newer modes need the newer library). The
 shape-derived config (``n_heads``, ``head_dim``, ``rope_head_dim``, ``batch_size``) is computed here from the
 tensors. With ``phase="all"`` the library updates ``k_cache`` in place and returns ``(index_score, topk)``; the
 adapter also returns the cache, so NKI reports it as an output aliased to its input. With ``phase="kproj"`` it writes
@@ -21,19 +21,25 @@ _library_indexer = load(
     "experimental.sparse_attention_indexer.sparse_attention_indexer_mx_bf16score",
     "sparse_attention_indexer_mx_bf16score",
 )
-MlaPrecision = load("experimental.mla.deepseek.mla_common_cte", "MlaPrecision")
-RopeLayout = load("experimental.mla.deepseek.mla_common_cte", "RopeLayout")
+# newer than 2.32: used only for the BF16 precision, the interleaved RoPE and the compact scales
+MlaPrecision = load("experimental.mla.deepseek.mla_common_cte", "MlaPrecision", optional=True)
+RopeLayout = load("experimental.mla.deepseek.mla_common_cte", "RopeLayout", optional=True)
 
 _indexer_body = body(_library_indexer)
 
 
-def _library_precision(name):
-    """The library's ``MlaPrecision`` member (a helper, so that the absent enum disables the adapter)."""
-    return MlaPrecision[name]
-
-
-def _rope_layout(name):
-    return RopeLayout[name]
+def _newer_arguments(compact_scales, precision, rope_layout, qr_bf16_hbm):
+    """The arguments the 2.32 kernel lacks, only where they differ from its behaviour (MX, half-split RoPE, native
+    scales), so that the MX mode also runs on 2.32."""
+    newer = {}
+    if compact_scales:
+        newer["compact_scales"] = True
+    if precision != "MX":
+        newer["precision"] = MlaPrecision[precision]
+        newer["qr_bf16_hbm"] = qr_bf16_hbm
+    if rope_layout != "HALF_SPLIT":
+        newer["rope_layout"] = RopeLayout[rope_layout]
+    return newer
 
 
 @nki.jit
@@ -91,10 +97,7 @@ def sparse_attention_indexer_mx_bf16score(
         k_seq_out_hbm=k_seq_out,
         end_pos_arg=end_pos_arg,
         emit_flat_topk=True,
-        compact_scales=compact_scales,
-        precision=_library_precision(precision),
-        rope_layout=_rope_layout(rope_layout),
-        qr_bf16_hbm=qr_bf16_hbm,
+        **_newer_arguments(compact_scales, precision, rope_layout, qr_bf16_hbm),
     )
     if phase == "kproj":
         return (first,)

@@ -8,7 +8,8 @@ Source followed: the newer nki-library source in the public code index,
 (``topk_over_score``, ``validate_sai_config``), ``sparse_attention_indexer_mx_bf16score_helpers.py``
 (``score_against_cache_bf16``) and the test helpers (MX packing). Its signature adds ``compact_scales``,
 ``precision``, ``rope_layout`` and ``qr_bf16_hbm`` to the 2.32 API reference's (which has only the MX mode). The
-adapter (``jax_nkilib_kernels/indexer.py``) passes ``emit_flat_topk=True``. Not bound: the snake and tiled top-k
+adapter (``jax_nkilib_kernels/indexer.py``) passes ``emit_flat_topk=True``, and the newer arguments only when a call
+uses them (the MX mode with half-split RoPE and native scales is 2.32's call). Not bound: the snake and tiled top-k
 layouts, and the pre-cast/pre-quantized ``x_non_mx``/``x_mx_data``/``x_mx_scale`` shortcuts (same math).
 
 Layouts: ``x [M, dim]`` (``M = B*S``, batch-major rows), ``k_norm_gamma``/``k_norm_beta [D]``,
