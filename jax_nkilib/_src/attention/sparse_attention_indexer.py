@@ -426,7 +426,7 @@ SPARSE_ATTENTION_INDEXER_SPEC = KernelSpec(
     catalog="row 53, section 3",
     nondifferentiable_outputs=("index_score", "topk_indices", "k_cache", "k_seq_out"),
     support={
-        "idiomatic": "",
+        "idiomatic": "mla_attention (its top-k indexer, BF16, where the inputs fit)",
         "vjp": "none (a selection kernel; no backward kernel)",
         "notes": "docs-only (2.32) + the newer source's signature: MX (x4 words, native or compact scales, swizzled "
         "qr_qtz_hbm) or BF16 projections, flat top-k ([B*S, K] int32, ascending by score), the CP phases "
