@@ -10,7 +10,7 @@ Source followed: the newer nki-library source in the public code index,
 ``precision``, ``rope_layout`` and ``qr_bf16_hbm`` to the 2.32 API reference's (which has only the MX mode). The
 adapter (``jax_nkilib_kernels/indexer.py``) passes ``emit_flat_topk=True``, and the newer arguments only when a call
 uses them (the MX mode with half-split RoPE and native scales is 2.32's call). Not bound: the snake and tiled top-k
-layouts, and the pre-cast/pre-quantized ``x_non_mx``/``x_mx_data``/``x_mx_scale`` shortcuts (same math).
+layouts, and the pre-cast/pre-quantized ``x_non_mx``/``x_mx_data``/``x_mx_scale`` inputs (the kernel makes them itself).
 
 Layouts: ``x [M, dim]`` (``M = B*S``, batch-major rows), ``k_norm_gamma``/``k_norm_beta [D]``,
 ``weights_proj [H, dim]``, ``cos``/``sin [S, R/2]`` (rows: this call's positions), ``k_cache [B, D, T]``
@@ -426,7 +426,7 @@ SPARSE_ATTENTION_INDEXER_SPEC = KernelSpec(
     catalog="row 53, section 3",
     nondifferentiable_outputs=("index_score", "topk_indices", "k_cache", "k_seq_out"),
     support={
-        "idiomatic": "mla_attention (its top-k indexer, BF16, where the inputs fit)",
+        "idiomatic": "mla_attention (its top-k indexer where the inputs fit)",
         "vjp": "none (a selection kernel; no backward kernel)",
         "notes": "docs-only (2.32) + the newer source's signature: MX (x4 words, native or compact scales, swizzled "
         "qr_qtz_hbm) or BF16 projections, flat top-k ([B*S, K] int32, ascending by score), the CP phases "
