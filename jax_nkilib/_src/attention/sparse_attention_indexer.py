@@ -70,7 +70,7 @@ import jax
 import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel
-from ..framework.spec import FLOAT_DTYPES, CallInfo, KernelSpec, Operand, Param
+from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant import mx
 from .sparse_attention_indexer_mx import COMPACT_BLOCK, PARTITIONS, QR_TILE, decode_qr, decode_weight
 
@@ -341,6 +341,14 @@ def _x4_words(params, dtype) -> str | None:
     return "float8_e4m3fn_x4" if dtype == jnp.uint32 else None
 
 
+# vmap: the mapped axis becomes more sequences (B' = V*B, rows V*B*S batch-major), one kernel call; the swizzled MX
+# qr tiles merge only when each element's rows fill whole 128-row tiles. Weights and tables must be unbatched.
+_FOLD_INTO_BATCH = FoldPlan(
+    axes={"x": "M", "k_cache": "B", "mask": "M", "qr_bf16_hbm": "M", "qr_qtz_hbm": "St", "qr_scale_hbm": "St"},
+    outputs={"index_score": 0, "topk_indices": 0, "k_cache": 0, "k_seq_out": 0},
+    when=lambda call: call.params["precision"] == "BF16" or call.dims["M"] % PARTITIONS == 0,
+)
+
 _WORDS = (jnp.uint32,)
 _SCALES = (jnp.uint8,)
 _SCALE_LAYOUT = "St, 128, Qt, 128"
@@ -408,6 +416,7 @@ SPARSE_ATTENTION_INDEXER_SPEC = KernelSpec(
     check=_check,
     neuron_limits=_neuron_limits,
     aliases={"k_cache": "k_cache"},
+    fold_plans=(_FOLD_INTO_BATCH,),
     derived_params=(
         ("n_heads", "H"),
         ("head_dim", "D"),
