@@ -423,3 +423,20 @@ def test_precision_needs_its_own_operands():
         KERNEL(
             *args[:10], qr_bf16_hbm=args[10], wq_b_scale=jnp.zeros((1, 8), jnp.uint8), index_topk=2, precision="BF16"
         )
+
+
+@pytest.mark.parametrize("rows, folds", [pytest.param(128, True, marks=pytest.mark.slow), (6, False)])
+def test_mx_vmap_folds_whole_qr_tiles_into_the_batch(rows, folds):
+    """vmap over the sequences: one kernel call when each element's rows fill whole 128-row qr tiles, else a loop."""
+    ops, _ = mx_operands(1, rows, 64, 512, 2, 8, 4, rows, 0, seed=14)
+    stacked = [jnp.stack([a, a[::-1]]) for a in (ops[0], ops[8], ops[9], ops[12], ops[13])]
+
+    def one(x, cache, mask, qtz, qscale):
+        return mx_kernel((x, *ops[1:8], cache, mask, *ops[10:12], qtz, qscale), index_topk=4)
+
+    mapped = jax.vmap(one)
+    assert ("scan" not in str(jax.make_jaxpr(mapped)(*stacked))) == folds  # lax.map is a scan
+    out = mapped(*stacked)
+    for i in range(2):
+        for got, want in zip(out, one(*(a[i] for a in stacked))):
+            np.testing.assert_array_equal(got[i], want)
