@@ -47,9 +47,11 @@ RoPE pairs ``(x_i, x_{i+R/2})`` (``rope_layout="HALF_SPLIT"``, DeepSeek) or ``(x
 (projection inputs, Q and K to bf16) plus the kernel's bf16 score row and mask (``score_row_sb``/``mask_sb`` are
 bf16, and ``nisa.topk`` ranks bf16 values); the reference accumulates in float32 where the kernel's PSUM is bf16.
 Prior positions come from ``k_cache`` (the kernel loads them; the torch reference models them as zeros, its tests
-use a zero cache). The top-k order is ``nisa.topk``'s ascending order (the kernel's golden ``_topk_idx_golden``
-reverses a descending argsort); between equal scores it is unspecified (the kernel's test compares value sets), and
-so is the choice among ties at the k-th place. The updated cache holds bf16-rounded K in ``k_cache``'s dtype.
+use a zero cache). The top-k order is ``nisa.topk``'s ascending order (its ISA reference: "the K largest values in
+ascending order"; the kernel's docstring and its golden ``_topk_idx_golden``, which reverses a descending argsort);
+between equal scores it is unspecified (the kernel's test compares value sets), and so is the choice among ties at
+the k-th place. Caveat: the 2.33 ISA reference adds ``nisa.topk(..., sorted=False)`` and no longer states the order
+of unsorted results; the kernel does not pass ``sorted``. The updated cache holds bf16-rounded K in ``k_cache``'s dtype.
 
 Not differentiable (no VJP): it selects positions; the kernel has no backward.
 
