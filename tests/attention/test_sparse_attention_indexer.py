@@ -197,7 +197,8 @@ def test_score_phase_scores_against_the_whole_cache():
     assert_close(score, want_score, jnp.bfloat16, reduction=8, ops=2)
 
 
-@pytest.mark.parametrize("layout", ["HALF_SPLIT", pytest.param("INTERLEAVED", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the shard_map version below runs in CI
+@pytest.mark.parametrize("layout", ["HALF_SPLIT", "INTERLEAVED"])
 def test_context_parallel_phases_compose_to_the_fused_call(layout):
     """Each of 2 ranks projects its 3 queries' K ("kproj"), the keys are gathered into the cache, and each rank
     scores its queries against all 6 ("score"): the same scores and top-k as one fused call over the 6 queries."""
@@ -440,3 +441,33 @@ def test_mx_vmap_folds_whole_qr_tiles_into_the_batch(rows, folds):
     for i in range(2):
         for got, want in zip(out, one(*(a[i] for a in stacked))):
             np.testing.assert_array_equal(got[i], want)
+
+
+def test_context_parallel_phases_inside_shard_map_match_the_fused_call():
+    """8 ranks each hold 2 of 16 queries: "kproj" on each rank, ``all_gather`` of K over ``cp``, the gathered cache,
+    then "score" against all 16 keys: the fused single-device call's scores and top-k."""
+    from jax.sharding import PartitionSpec as P
+
+    from tests.support.sharding import mesh_1d, run_sharded
+
+    ranks, s, k = 8, 2, 4
+    total = ranks * s
+    mask = ranked_mask(np.random.default_rng(15), total, 0, total)
+    x, wq_b, wk, g, beta, wp, cos, sin, cache, _, qr = operands(1, total, 12, 8, 2, 8, 4, total, 0, seed=15)
+    wp = wp * 1e-3
+    fused = bf16_kernel(x, wq_b, wk, g, beta, wp, cos, sin, cache, mask, qr, index_topk=k)
+
+    def rank(x, cos, sin, mask, qr, wq_b, wk, g, beta, wp, cache):
+        local = lambda c, m, **kw: bf16_kernel(x, wq_b, wk, g, beta, wp, cos, sin, c, m, qr, index_topk=k, **kw)  # noqa: E731
+        k_local = local(cache[:, :, :s], mask[:, :s], phase="kproj")  # [s, D]; the mask's width is unused here
+        keys = jax.lax.all_gather(k_local, "cp", tiled=True)  # [16, D] in rank order
+        gathered = cache.at[0].set(keys.T)
+        return local(gathered, mask, phase="score", end_pos_arg=total)
+
+    rows = P("cp")
+    specs = (rows,) * 5 + (P(),) * 6
+    score, idx = run_sharded(
+        rank, mesh_1d("cp", ranks), specs, (rows, rows), x, cos, sin, mask, qr, wq_b, wk, g, beta, wp, cache
+    )
+    np.testing.assert_allclose(score, fused[0], rtol=2**-7)
+    assert np.array_equal(idx, fused[1])

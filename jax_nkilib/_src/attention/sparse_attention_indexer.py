@@ -60,8 +60,9 @@ the kernel's in-kernel quantization, ``_swizzle_and_quantize_x_for_mx``, rounds 
 
 Neuron limits (source asserts and the flat top-k scatter): ``D == 128``, ``dim`` and ``Q`` multiples of 128 (BF16)
 or 512 (MX), ``index_topk`` a multiple of 16 (the flat scatter writes ``index_topk // 16`` columns per partition)
-and at most ``end`` rounded up to 16, ``ceil(S / 128) <= 64``; bfloat16 ``weights_proj``/``k_cache`` (and BF16's
-``qr_bf16_hbm``/``wq_b``/``wk``), float32 ``x`` (the kernel casts it), ``cos``/``sin``/``gamma``/``beta``.
+and at most ``end`` rounded up to 16 (``"kproj"``: at least 8, which the kernel asserts in every phase),
+``ceil(S / 128) <= 64``; bfloat16 ``weights_proj``/``k_cache`` (and BF16's ``qr_bf16_hbm``/``wq_b``/``wk``),
+float32 ``x`` (the kernel casts it), ``cos``/``sin``/``gamma``/``beta``.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ KERNEL_HEAD_DIM = 128
 MX_OPERANDS = ("wq_b_scale", "wk_scale", "qr_qtz_hbm", "qr_scale_hbm")
 TOPK_CHUNKS = 16  # nisa.topk's 16-partition snake: the flat output holds index_topk // 16 columns per partition
 MAX_S_TILES = 64
+KERNEL_MIN_TOPK = 8  # validate_sai_config: "index_topk must be >= 8 (DVE min)"
 
 
 def _bf16(a, dtype):
@@ -285,7 +287,8 @@ def _check(call: CallInfo) -> None:
         raise ValueError(f"{function}: mask [M, end] needs end = {where} = {end} columns; got {dims['E']}")
     if dims["T"] < end:
         raise ValueError(f"{function}: k_cache [B, D, T] needs T >= end = {end}; got T={dims['T']}")
-    if not 1 <= p["index_topk"] <= end:
+    top = end if p["phase"] != "kproj" else p["index_topk"]  # "kproj" selects nothing
+    if not 1 <= p["index_topk"] <= top:
         raise ValueError(f"{function}: parameter `index_topk` must be in [1, end = {end}]; got {p['index_topk']}")
 
 
@@ -326,12 +329,15 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     for name, size in (("dim", dims["dim"]), ("q_lora_rank Q", q_lora_rank(call))):
         if size % multiple:
             unmet.append(f"{name}={size} must be a multiple of {multiple} with precision={p['precision']}")
-    if p["index_topk"] % TOPK_CHUNKS:
+    if p["phase"] == "kproj":
+        if p["index_topk"] < KERNEL_MIN_TOPK:
+            unmet.append(f"index_topk={p['index_topk']} must be >= {KERNEL_MIN_TOPK} (asserted in every phase)")
+    elif p["index_topk"] % TOPK_CHUNKS:
         unmet.append(
             f"index_topk={p['index_topk']} must be a multiple of {TOPK_CHUNKS} (the flat top-k output holds "
             f"index_topk // {TOPK_CHUNKS} columns of the 16-partition snake)"
         )
-    if p["index_topk"] > TOPK_CHUNKS * -(-end // TOPK_CHUNKS):
+    elif p["index_topk"] > TOPK_CHUNKS * -(-end // TOPK_CHUNKS):
         unmet.append(f"index_topk={p['index_topk']} exceeds end={end} rounded up to {TOPK_CHUNKS}")
     if -(-dims["S"] // PARTITIONS) > MAX_S_TILES:
         unmet.append(f"S={dims['S']}: ceil(S / {PARTITIONS}) must be <= {MAX_S_TILES}")
