@@ -16,6 +16,7 @@ from jax_nkilib._src.attention.qkv_mla_mx import qkv_mla_mx, qkv_mla_mx_deepseek
 from jax_nkilib._src.attention.ring_attention_bwd import ring_attention_spmd_bwd
 from jax_nkilib._src.attention.ring_attention_fwd import ring_attention_spmd_fwd
 from jax_nkilib._src.attention.ring_attention_unpermute import ring_attention_unpermute
+from jax_nkilib._src.attention.sparse_attention_indexer import sparse_attention_indexer_mx_bf16score
 from jax_nkilib._src.attention.swa_fused_cte import swa_fused_cte
 from jax_nkilib._src.collectives.allgather import (
     allgather_compute_matmul,
@@ -166,6 +167,7 @@ __all__ = [
     "qkv_mla_mx",
     "qkv_mla_mx_deepseek_v4",
     "mla_vupmx_oproj_cte_kernel",
+    "sparse_attention_indexer_mx_bf16score",
     "attention_segmented_cte",
     "attention_tkg",
     "attn_q_batch_shard",

@@ -25,12 +25,13 @@ zero-padded from ``dv`` to ``dn + dr``, which leaves the result exact) where ``d
 with a ``NeuronFallbackWarning``. The sparse path is ``mla_sparse_attention_cte_kernel`` in DeepSeek's absorbed form
 (``q_lift = q_nope W_uk`` per head, attention over the latent ``c_kv`` and ``k_pe``, then ``W_uv``), one call per
 sequence (the kernel takes ``B == 1``; a batch is a loop of calls), its other limits or fallback as the kernel's; a
-``kv_lora_rank`` that is not a multiple of 4 runs as JAX with a ``NeuronFallbackWarning``. The projections and
-the indexer's score and top-k are XLA. The NKI MLA projection and indexer kernels (``qkv_mla_mx``,
-``mla_qkv_cte_kernel``, ``sparse_attention_indexer_mx_bf16score``) take MX fp8x4 operands whose datapath only the
-newer nki-library references define; they are not bound yet (see the support matrix). ``mla_vupmx_oproj_cte_kernel``
-is bound in ``jax_nkilib.nki`` (it takes the sparse kernel's output as it is) but needs MXFP8 weights (x4 words,
-compact block-128 scales), so this float-weight op keeps W_uv and W_o in XLA.
+``kv_lora_rank`` that is not a multiple of 4 runs as JAX with a ``NeuronFallbackWarning``. The indexer is
+``sparse_attention_indexer_mx_bf16score`` (BF16 projections, :mod:`.mla_indexer`) where its inputs fit the kernel
+(bfloat16, indexer heads of 128, hidden and q_lora_rank multiples of 128, ``min(index_topk, S) % 16 == 0``, one
+rotary table), else XLA. The projections are XLA: the NKI MLA projection kernels (``qkv_mla_mx``,
+``mla_qkv_cte_kernel``, ``mla_vupmx_oproj_cte_kernel``, bound in :mod:`jax_nkilib.nki`) take MXFP8 weights (fp8x4
+words with block-128 scales) and MX-quantize their activations, so this float-weight op would change its numerics
+by calling them.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ..attention.mla_sparse_attention_cte import H_PACK, from_mx_pack_columns, m
 from ..framework.validation import check_operand_layouts, static_bool, static_float, static_int
 from ..neuron.reference_only import reference_only
 from ..sharding import auto
+from . import mla_indexer
 from .attention import attention
 from .norm import layer_norm, rms_norm
 from .rope import rope
@@ -137,6 +139,8 @@ def _indexer_topk(x, q_latent, indexer, topk, cos, sin, dr, interleaved):
     """``[B, S, min(topk, S)]`` int32: each query's best causal keys by the indexer's score, best first (ties: the
     lower position), padded with later positions where fewer are causal (masked by the attention). Not
     differentiable."""
+    if mla_indexer.fits(x, q_latent, indexer[0], cos, topk):
+        return mla_indexer.kernel_indexer_topk(x, q_latent, indexer, topk, cos, sin, dr, interleaved)
     index_wq, index_wk, index_weights = (jax.lax.stop_gradient(w) for w in indexer)
     x, q_latent = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
     heads, head_dim = index_wq.shape[1:]

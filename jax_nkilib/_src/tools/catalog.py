@@ -28,15 +28,6 @@ _MX_MOE_DOCS = (
 )
 
 
-_MLA_MX_PIPELINE = (
-    "the 2.32 API reference leaves its MX operands undefined; the newer nki-library source and torch reference "
-    "(public code index) define them by replaying the kernel's MX datapath (float8_e4m3fn_x4 "
-    "words, uint8 compact block-128 scales broadcast to e8m0 MX blocks of 32, activations MX-quantized on the way "
-    "into each matmul, bf16 roundings between stages). Not bound in issue 17's time: binding it means replaying that "
-    "datapath on jax_nkilib._src.quant.mx and checking it against those references"
-)
-
-
 CATALOG = _entries(
     [
         (1, "attention_cte", "attention", 3),
@@ -91,15 +82,7 @@ CATALOG = _entries(
         (50, "mla_qkv_cte_kernel", "mla", 17),
         (51, "mla_sparse_attention_cte_kernel", "mla", 17),
         (52, "mla_vupmx_oproj_cte_kernel", "mla", 17),
-        (
-            53,
-            "sparse_attention_indexer_mx_bf16score",
-            "attention",
-            17,
-            "its only Q input is qr_qtz_hbm, a swizzled [num_s_tiles, 128, q_lora_rank // 512, 128] fp8x4 layout, its "
-            "top-k output is a hardware 'snake' order (the API reference calls it both 'j-th largest' and "
-            f"'ascending') and it mutates k_cache; {_MLA_MX_PIPELINE}. jax_nkilib.mla_attention's indexer is XLA",
-        ),
+        (53, "sparse_attention_indexer_mx_bf16score", "attention", 17),
         (54, "ms_deformable_attention", "attention", 17),
         (55, "ms_deformable_attention_bwd", "attention", 17),
         (56, "conv3d", "conv", 17),

@@ -152,7 +152,7 @@ register(
         _mla(2, 6, 12, 2, 8, 8, 4, 4, 6, indexer=(2, 6)),
         kwargs={"index_topk": 3},
         positional=len(OPERANDS),
-        kernels=("rmsnorm_tkg", "RoPE", "rmsnorm_tkg", "RoPE", "RoPE", "layernorm_tkg", "RoPE")
+        kernels=("rmsnorm_tkg", "RoPE", "rmsnorm_tkg", "RoPE", "sparse_attention_indexer_mx_bf16score")
         + ("mla_sparse_attention_cte_kernel",),
         only_kernels=False,
         grad=OPERANDS[:8],

@@ -248,6 +248,7 @@ _FAMILIES = (
     "benchmark",
     "mla",
     "qkv_mla",
+    "sparse_indexer",
     "conv",
 )
 _loaded = False

@@ -1,0 +1,97 @@
+"""``jax_nkilib.mla_attention``'s top-k indexer on ``sparse_attention_indexer_mx_bf16score`` where the inputs fit
+the kernel: the keys it selects against a float64 NumPy oracle of the op's indexer score (DeepSeek-V3.2: rotary on
+the last ``dr`` dims, affine-free LayerNorm keys), both RoPE pairings; the Neuron lowering calls the indexer kernel
+for fitting inputs and keeps the XLA indexer for the others."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_nkilib
+from jax_nkilib._src.ops import mla_indexer
+from tests.support.hlo import kernel_configs
+from tests.support.numerics import assert_close, f64
+
+
+def rotate_last(t, cos, sin, dr, interleaved):
+    """float64 RoPE of the last ``dr`` dims of ``t [..., S, N, d]`` with tables ``[S, dr/2]``."""
+    out = np.array(t)
+    tail = t[..., -dr:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    if interleaved:
+        a, b = tail[..., 0::2], tail[..., 1::2]
+        out[..., -dr::2], out[..., -dr + 1 :: 2] = a * c - b * s, b * c + a * s
+    else:
+        a, b = tail[..., : dr // 2], tail[..., dr // 2 :]
+        out[..., -dr:] = np.concatenate([a * c - b * s, b * c + a * s], axis=-1)
+    return out
+
+
+def oracle_scores(x, q_latent, index_wq, index_wk, index_weights, cos, sin, dr, interleaved):
+    """float64 ``[B, S, S]`` indexer scores, ``-inf`` above the diagonal."""
+    x, q_latent, index_wq, index_wk, index_weights, cos, sin = map(
+        f64, (x, q_latent, index_wq, index_wk, index_weights, cos, sin)
+    )
+    heads, head_dim = index_wq.shape[1:]
+    qi = rotate_last(np.einsum("bsr,rhd->bshd", q_latent, index_wq), cos, sin, dr, interleaved)
+    k = x @ index_wk
+    k = (k - k.mean(-1, keepdims=True)) / np.sqrt(k.var(-1, keepdims=True) + 1e-6)
+    ki = rotate_last(k[:, :, None, :], cos, sin, dr, interleaved)[:, :, 0]
+    w = x @ index_weights / np.sqrt(heads * head_dim)
+    score = np.einsum("bsh,bsht->bst", w, np.maximum(np.einsum("bshd,btd->bsht", qi, ki), 0.0))
+    seq = x.shape[1]
+    return np.where(np.tril(np.ones((seq, seq), bool)), score, -np.inf)
+
+
+def indexer_operands(b, s, d, rq, hi, di, dr, seed=0):
+    rng = np.random.default_rng(seed)
+    bf = lambda shape, scale=1.0: jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)  # noqa: E731
+    theta = rng.uniform(-np.pi, np.pi, (s, dr // 2))
+    return (
+        bf((b, s, d)),
+        bf((b, s, rq)),
+        (bf((rq, hi, di), rq**-0.5), bf((d, di), d**-0.5), bf((d, hi), d**-0.5)),
+        jnp.asarray(np.cos(theta), jnp.bfloat16),
+        jnp.asarray(np.sin(theta), jnp.bfloat16),
+    )
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_kernel_indexer_keeps_the_oracles_best_keys_best_first(interleaved):
+    b, s, k, dr = 2, 40, 16, 64
+    x, q_latent, indexer, cos, sin = indexer_operands(b, s, 128, 128, 2, 128, dr, seed=int(interleaved))
+    assert mla_indexer.fits(x, q_latent, indexer[0], cos, k)
+    chosen = np.asarray(mla_indexer.kernel_indexer_topk(x, q_latent, indexer, k, cos, sin, dr, interleaved))
+    assert chosen.shape == (b, s, k) and chosen.dtype == np.int32
+    scores = oracle_scores(x, q_latent, *indexer, cos, sin, dr, interleaved)
+    rows = slice(k - 1, s)  # queries with at least k causal keys (the others pad with masked future keys)
+    picked = np.take_along_axis(scores, chosen, axis=-1)[:, rows]
+    best = -np.sort(-scores, axis=-1)[:, rows, :k]
+    assert np.all(np.isfinite(picked))  # causal keys only
+    # the kernel ranks bf16-rounded scores: its picks are the oracle's best up to bf16 ties
+    assert_close(np.sort(picked, axis=-1), np.sort(best, axis=-1), jnp.bfloat16, ops=4)
+    assert_close(picked, best, jnp.bfloat16, ops=4)  # best first
+
+
+def _neuron_kernels(fn, shapes):
+    with jax_nkilib.neuron.dry_run():
+        text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("neuron",)).as_text()
+    return [config["func_name"] for config in kernel_configs(text)]
+
+
+def _mla_shapes(di):
+    rng = np.random.default_rng(0)
+    b, s, d, h, rq, rkv, dn, dr, dv, hi = 1, 256, 256, 2, 256, 512, 64, 64, 128, 2
+    shapes = [(b, s, d), (d, rq), (rq,), (rq, h, dn + dr), (d, rkv + dr), (rkv,), (rkv, h, dn + dv), (h, dv, d)]
+    shapes += [(s, dr // 2), (s, dr // 2), (rq, hi, di), (d, di), (d, hi)]
+    del rng
+    return [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes]
+
+
+@pytest.mark.parametrize("di, uses_kernel", [(128, True), (64, False)])
+def test_mla_attention_lowers_its_indexer_to_the_kernel_where_it_fits(di, uses_kernel):
+    fn = lambda *a: jax_nkilib.mla_attention(*a[:10], indexer=a[10:], index_topk=128)  # noqa: E731
+    kernels = _neuron_kernels(fn, _mla_shapes(di))
+    assert kernels[-1] == "mla_sparse_attention_cte_kernel"
+    assert ("sparse_attention_indexer_mx_bf16score" in kernels) == uses_kernel
