@@ -7,7 +7,7 @@ import jax_nkilib
 from jax_nkilib._src.framework import registry
 from jax_nkilib._src.framework.spec import FOLLOW_LNC
 from jax_nkilib._src.tools.catalog import CATALOG
-from jax_nkilib._src.tools.support import markdown_table, readme_section
+from jax_nkilib._src.tools.support import markdown_table, readme_section, sharding_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -39,6 +39,13 @@ def test_readme_table_is_generated_from_the_matrix():
     assert readme_section(readme) == markdown_table(), (
         "README support table is stale: run `python -m jax_nkilib._src.tools.readme README.md`"
     )
+
+
+def test_sharding_table_names_each_collective_once():
+    # cross_entropy shards every leading letter with the same psum: its row says so once, not once per letter.
+    row = next(line for line in sharding_table().splitlines() if line.startswith("| `jax_nkilib.cross_entropy`"))
+    collective_cell = row.split(" | ")[2]
+    assert collective_cell.count("one psum of the partial sum") == 1, collective_cell
 
 
 def test_device_adapters_parse_and_match_their_specs():

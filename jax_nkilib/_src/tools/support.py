@@ -117,7 +117,7 @@ def sharding_table() -> str:
     for name in sorted(RULES):
         rule = RULES[name]
         free = ", ".join(dict.fromkeys(rule.free.values())) or "—"
-        collective = "; ".join(f"{dim}: {how}" for dim, how in rule.collective.values()) or "—"
+        collective = "; ".join(f"{dim}: {how}" for dim, how in dict.fromkeys(rule.collective.values())) or "—"
         lines.append(f"| `{name}` | {free} | {collective} | {rule.note or '—'} |")
     return "\n".join(header + lines)
 
