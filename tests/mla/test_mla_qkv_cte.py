@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_nkilib
 from jax_nkilib import nki
-from jax_nkilib._src.attention.mla_qkv_cte import unswizzle_columns
+from jax_nkilib._src.quant.mx_weights import unswizzle_512
 from jax_nkilib.neuron import NeuronFallbackWarning
 from tests.mla import mla_qkv_oracle as oracle
 from tests.support.numerics import assert_close
@@ -118,7 +118,7 @@ def test_unswizzle_is_the_documented_permutation():
     width = 1024
     stored = jnp.asarray([oracle.swizzled_column(width, c) for c in range(width)], jnp.float32)
     # natural column c reads the stored column the swizzle put it in
-    assert np.array_equal(np.asarray(unswizzle_columns(jnp.arange(width, dtype=jnp.float32), width)), stored)
+    assert np.array_equal(np.asarray(unswizzle_512(jnp.arange(width, dtype=jnp.float32))), stored)
     assert np.asarray(stored)[:6].tolist() == [0, 256, 512, 768, 1, 257]
 
 

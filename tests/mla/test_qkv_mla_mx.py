@@ -12,7 +12,7 @@ import pytest
 
 import jax_nkilib
 from jax_nkilib import nki
-from jax_nkilib._src.attention.qkv_mla_mx_math import decode_block128_weight, swizzle_512, unswizzle_512
+from jax_nkilib._src.quant.mx_weights import decode_weight, swizzle_512, unswizzle_512
 from jax_nkilib.neuron import NeuronFallbackWarning
 from tests.mla import mx_oracle
 from tests.support.hlo import kernel_configs
@@ -153,7 +153,7 @@ def test_block128_weights_decode_exactly():
     rng = np.random.default_rng(1)
     codes, compact = _weight(rng, 256, 200)
     words, scales = _device((codes, compact))
-    np.testing.assert_array_equal(np.asarray(decode_block128_weight(words, scales)), mx_oracle.decode(codes, compact))
+    np.testing.assert_array_equal(np.asarray(decode_weight(words, scales)), mx_oracle.decode(codes, compact))
 
 
 @pytest.mark.slow  # the conformance suite runs vmap (full and partial) fast

@@ -58,18 +58,23 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..framework.platform import is_trn3
 from ..framework.primitive import make_kernel, pull_back
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype
 from ..norm import rmsnorm_mx_prefill_reference as packed_rows
 from ..quant import mx
+from ..quant.mx_weights import (
+    COMPACT_BLOCK,
+    LANES,
+    SWIZZLE_TILE,
+    compact_blocks,
+    decode_weight,
+    mx_matmul,
+    unswizzle_512,
+)
 from .checks import require_same_dtype
 
-H_PACK = 4  # fp8 elements per x4 word
-SWIZZLE_TILE = 512  # the MLA column swizzle permutes 512-column tiles (128 partitions x 4 lanes)
-SCALE_BLOCK = 128  # compact DeepSeek scales: one per 128 x 128 weight block
 KERNEL_NOPE = 128
 PACKED_X_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 WORD_DTYPES = (jnp.dtype(jnp.uint32),)
@@ -79,32 +84,12 @@ DIFFERENTIABLE = ("kv_norm_gamma_hbm", "wuk_hbm", "cos_cache_hbm", "sin_cache_hb
 
 
 # ------------------------------------------------------------------------------------------------ the reference's math
-def unswizzle_columns(t, width: int):
-    """``[..., W]`` in the MLA column swizzle (natural ``512 t + 4 p + q`` at ``q W/4 + 128 t + p``) -> natural."""
-    index = np.arange(width).reshape(H_PACK, width // SWIZZLE_TILE, SWIZZLE_TILE // H_PACK).transpose(1, 2, 0)
-    return jnp.take(t, index.reshape(-1), axis=-1)
-
-
 def decode_packed_x(x_hbm_mx, hidden: int):
     """float32 ``[T, H]`` of the packed rows ``[B, S, H + region]``: element ``h`` times its block's scale."""
     rows = x_hbm_mx.reshape(-1, x_hbm_mx.shape[-1])
     region = jax.lax.bitcast_convert_type(rows[:, hidden:], jnp.uint8)
     scales = jnp.take(region, packed_rows.scale_columns(hidden, True), axis=-1)
     return mx.dequantize_mx_along(rows[:, :hidden], scales, axis=-1)
-
-
-def dequantize_weight(words, compact_scales, columns: int):
-    """float32 ``[K, N]`` of x4 words ``[K/4, N]`` with compact block-128 scales ``[K/128, ceil(N/128)]``."""
-    scales = jnp.repeat(jnp.repeat(compact_scales, SCALE_BLOCK // mx.BLOCK_SIZE, axis=0), SCALE_BLOCK, axis=1)
-    lanes = mx.decode_x4_weight(words, scales[:, :columns])  # [K/4, N, 4]: row 4 w + j in lane j
-    return jnp.swapaxes(lanes, -1, -2).reshape(-1, columns)
-
-
-def mx_linear(x, words, compact_scales, wide):
-    """``mx(x) @ W`` in ``wide``: ``x [T, K]`` MX-quantized along K (blocks of 32), W from x4 words and scales."""
-    weight = dequantize_weight(words, compact_scales, words.shape[-1]).astype(wide)
-    quantized = mx.mx_round_trip(x, axis=-1).astype(wide)
-    return jnp.matmul(quantized, weight, precision=jax.lax.Precision.HIGHEST)
 
 
 def rms_norm(x, gamma, eps: float):
@@ -141,16 +126,16 @@ def reference_mla_qkv_cte(
     cd = wuk_hbm.dtype
     wide = accumulation_dtype(cd)
     batch, seq = x_hbm_mx.shape[:2]
-    hidden = wqkv_a_hbm.shape[0] * H_PACK
+    hidden = wqkv_a_hbm.shape[0] * LANES
     heads, nope, rope, latent, q_rank = n_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, qk_lora_rank
 
-    fused = mx_linear(decode_packed_x(x_hbm_mx, hidden), wqkv_a_hbm, wqkv_a_scale_hbm, wide)
-    qr = unswizzle_columns(fused[:, :q_rank], q_rank)
-    kv = unswizzle_columns(fused[:, q_rank : q_rank + latent], latent)
+    fused = mx_matmul(decode_packed_x(x_hbm_mx, hidden), decode_weight(wqkv_a_hbm, wqkv_a_scale_hbm), wide)
+    qr = unswizzle_512(fused[:, :q_rank])
+    kv = unswizzle_512(fused[:, q_rank : q_rank + latent])
     k_pe = fused[:, q_rank + latent :]
 
     qr = rms_norm(qr, q_norm_gamma_hbm, norm_eps)
-    q = mx_linear(qr, wq_b_hbm, wq_b_scale_hbm, wide).reshape(batch, seq, heads, nope + rope)
+    q = mx_matmul(qr, decode_weight(wq_b_hbm, wq_b_scale_hbm), wide).reshape(batch, seq, heads, nope + rope)
     q_nope, q_pe = q[..., :nope], q[..., nope:]
 
     half = rope // 2
@@ -189,7 +174,7 @@ def _check(call: CallInfo) -> None:
         raise ValueError(f"{function}: parameter `norm_eps` must be >= 0; got {p['norm_eps']}")
     require_same_dtype(call, FLOAT_OPERANDS, ", ".join(FLOAT_OPERANDS))
 
-    hidden = dims["H4"] * H_PACK
+    hidden = dims["H4"] * LANES
     if hidden % SWIZZLE_TILE:
         raise ValueError(
             f"{function}: argument `wqkv_a_hbm` [H/4, Na] needs H % 512 == 0 (the packed MX row's H512 tiles); "
@@ -198,13 +183,14 @@ def _check(call: CallInfo) -> None:
     heads, nope, rope = p["n_heads"], p["qk_nope_head_dim"], p["qk_rope_head_dim"]
     latent, q_rank = p["kv_lora_rank"], p["qk_lora_rank"]
     fused, q_out = q_rank + latent + rope, heads * (nope + rope)
-    blocks = lambda n: -(-n // SCALE_BLOCK)  # noqa: E731
     row = packed_rows.packed_row_bytes(hidden, pack_scales=True)
     _expect(call, "x_hbm_mx", (dims["B"], dims["S"], row), "[B, S, H + ceil(H/2048)*128] (pack_scales=True rows)")
-    _expect(call, "wqkv_a_hbm", (hidden // H_PACK, fused), "[H/4, qk_lora_rank + kv_lora_rank + qk_rope_head_dim]")
-    _expect(call, "wqkv_a_scale_hbm", (hidden // SCALE_BLOCK, blocks(fused)), "[H/128, ceil(Na/128)]")
-    _expect(call, "wq_b_hbm", (q_rank // H_PACK, q_out), "[qk_lora_rank/4, n_heads*(nope + rope)]")
-    _expect(call, "wq_b_scale_hbm", (q_rank // SCALE_BLOCK, blocks(q_out)), "[qk_lora_rank/128, ceil(Nb/128)]")
+    _expect(call, "wqkv_a_hbm", (hidden // LANES, fused), "[H/4, qk_lora_rank + kv_lora_rank + qk_rope_head_dim]")
+    _expect(call, "wqkv_a_scale_hbm", (hidden // COMPACT_BLOCK, compact_blocks(fused)), "[H/128, ceil(Na/128)]")
+    _expect(call, "wq_b_hbm", (q_rank // LANES, q_out), "[qk_lora_rank/4, n_heads*(nope + rope)]")
+    _expect(
+        call, "wq_b_scale_hbm", (q_rank // COMPACT_BLOCK, compact_blocks(q_out)), "[qk_lora_rank/128, ceil(Nb/128)]"
+    )
     _expect(call, "q_norm_gamma_hbm", (1, q_rank), "[1, qk_lora_rank]")
     _expect(call, "kv_norm_gamma_hbm", (1, latent), "[1, kv_lora_rank]")
     _expect(call, "wuk_hbm", (nope, heads * latent), "[qk_nope_head_dim, n_heads*kv_lora_rank]")
@@ -234,7 +220,7 @@ def _vjp(kernel, operands, params, outs, cotangents):
 
 def _mac_count(call: CallInfo) -> int:
     p, tokens = call.params, call.dims["B"] * call.dims["S"]
-    hidden, heads, latent = call.dims["H4"] * H_PACK, p["n_heads"], p["kv_lora_rank"]
+    hidden, heads, latent = call.dims["H4"] * LANES, p["n_heads"], p["kv_lora_rank"]
     fused = p["qk_lora_rank"] + latent + p["qk_rope_head_dim"]
     q_out = heads * (p["qk_nope_head_dim"] + p["qk_rope_head_dim"])
     return tokens * (hidden * fused + p["qk_lora_rank"] * q_out + heads * p["qk_nope_head_dim"] * latent)

@@ -53,9 +53,9 @@ from ..framework.platform import is_trn3
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand
 from ..quant import mx
+from ..quant.mx_weights import COMPACT_BLOCK, compact_blocks, decode_weight
 from .mla_sparse_attention_cte import H_PACK, from_mx_pack_columns
 
-SCALE_BLOCK = 128  # compact scales: one e8m0 byte per 128 x 128 block of the natural weight
 WORD_DTYPES = (jnp.dtype(jnp.uint32),)
 SCALE_DTYPES = (jnp.dtype(jnp.uint8),)
 KERNEL_LATENT = 512
@@ -64,19 +64,6 @@ KERNEL_HEADS = (4, 8, 16, 24, 32, 64, 96, 128)
 KERNEL_HID_MULTIPLE = 512
 KERNEL_S_TILE = 128
 _HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _blocks(n: int) -> int:
-    return -(-n // SCALE_BLOCK)
-
-
-def decode_compact_mx_weight(words, scales):
-    """float32 natural ``W [4 G, N]`` of x4 words ``[G, N]`` (``W[4 r + q, n]`` = byte ``q`` of word ``[r, n]``,
-    float8_e4m3fn) with compact block-128 scales ``[ceil(4 G / 128), ceil(N / 128)]`` (exact)."""
-    rows, cols = words.shape
-    dense = jnp.repeat(jnp.repeat(scales, SCALE_BLOCK // 32, axis=0), SCALE_BLOCK, axis=1)  # [K / 32, N]: per 8 rows
-    lanes = mx.decode_x4_weight(words, dense[: rows // 8, :cols])  # [G, N, 4]
-    return jnp.swapaxes(lanes, -1, -2).reshape(4 * rows, cols)
 
 
 def head_count(wuv_qtz_hbm, wo_qtz_hbm) -> int:
@@ -89,8 +76,8 @@ def reference_mla_vupmx_oproj_cte(out_attn_hbm, wuv_qtz_hbm, wuv_scale_hbm, wo_q
     heads, d_v = head_count(wuv_qtz_hbm, wo_qtz_hbm), wuv_qtz_hbm.shape[1]
     batch, seq, width = out_attn_hbm.shape
     latent = from_mx_pack_columns(out_attn_hbm.astype(jnp.bfloat16).astype(jnp.float32), heads)  # [B, S, H, L]
-    w_uv = decode_compact_mx_weight(wuv_qtz_hbm, wuv_scale_hbm).reshape(heads, width // heads, d_v)
-    w_o = decode_compact_mx_weight(wo_qtz_hbm, wo_scale_hbm)  # [H d_v, HID]
+    w_uv = decode_weight(wuv_qtz_hbm, wuv_scale_hbm).reshape(heads, width // heads, d_v)
+    w_o = decode_weight(wo_qtz_hbm, wo_scale_hbm)  # [H d_v, HID]
     v = jnp.einsum("bshl,hlj->bshj", mx.mx_round_trip(latent, axis=-1), w_uv, precision=_HIGHEST)
     v = v.astype(jnp.bfloat16).astype(jnp.float32).reshape(batch, seq, heads * d_v)
     out = jnp.einsum("bsk,kn->bsn", mx.mx_round_trip(v, axis=-1), w_o, precision=_HIGHEST)
@@ -111,24 +98,24 @@ def _check(call: CallInfo) -> None:
             f"{function}: out_attn_hbm [B, S, H * L] needs L % 32 == 0 (the MX blocks of each head's latent); got "
             f"H * L = {dims['HL']} for H={heads} (from wo_qtz_hbm and d_v)"
         )
-    if (4 * words_o) % SCALE_BLOCK:
+    if (4 * words_o) % COMPACT_BLOCK:
         raise ValueError(
-            f"{function}: wo_qtz_hbm [H * d_v / 4, HID] needs H * d_v % {SCALE_BLOCK} == 0 (compact block-128 "
+            f"{function}: wo_qtz_hbm [H * d_v / 4, HID] needs H * d_v % {COMPACT_BLOCK} == 0 (compact block-128 "
             f"scales); got H * d_v = {4 * words_o}"
         )
     for name, size, want in (
-        ("wuv_scale_hbm", dims["dv_blocks"], _blocks(d_v)),
-        ("wo_scale_hbm", dims["HID_blocks"], _blocks(dims["HID"])),
+        ("wuv_scale_hbm", dims["dv_blocks"], compact_blocks(d_v)),
+        ("wo_scale_hbm", dims["HID_blocks"], compact_blocks(dims["HID"])),
     ):
         if size != want:
             raise ValueError(
-                f"{function}: {name} must have {want} columns (ceil of the weight's N / {SCALE_BLOCK}: compact "
+                f"{function}: {name} must have {want} columns (ceil of the weight's N / {COMPACT_BLOCK}: compact "
                 f"block-128 scales); got {size}"
             )
-    if dims["Ko_blocks"] * SCALE_BLOCK != 4 * words_o:
+    if dims["Ko_blocks"] * COMPACT_BLOCK != 4 * words_o:
         raise ValueError(
-            f"{function}: wo_scale_hbm must be [H * d_v / {SCALE_BLOCK}, ceil(HID / {SCALE_BLOCK})] = "
-            f"[{4 * words_o // SCALE_BLOCK}, {_blocks(dims['HID'])}]; got {dims['Ko_blocks']} rows"
+            f"{function}: wo_scale_hbm must be [H * d_v / {COMPACT_BLOCK}, ceil(HID / {COMPACT_BLOCK})] = "
+            f"[{4 * words_o // COMPACT_BLOCK}, {compact_blocks(dims['HID'])}]; got {dims['Ko_blocks']} rows"
         )
 
 
@@ -211,7 +198,7 @@ MLA_VUPMX_OPROJ_CTE_SPEC = KernelSpec(
             doc="V-up weight, float8_e4m3fn_x4 words",
             device_dtype=lambda params, dtype: "float8_e4m3fn_x4",
         ),
-        Operand.of("wuv_scale_hbm", f"HL/{SCALE_BLOCK}, dv_blocks", dtypes=SCALE_DTYPES, doc="compact block-128"),
+        Operand.of("wuv_scale_hbm", f"HL/{COMPACT_BLOCK}, dv_blocks", dtypes=SCALE_DTYPES, doc="compact block-128"),
         Operand.of(
             "wo_qtz_hbm",
             "G_o, HID",

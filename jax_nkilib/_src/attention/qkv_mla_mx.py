@@ -7,18 +7,18 @@ unchanged, and the newer nki-library source that defines what the reference leav
 ``_validate_mla_v4_inputs``), ``qkv_cte_mla_torch.py`` (``qkv_mla_mx_torch_ref``,
 ``qkv_mla_mx_deepseek_v4_torch_ref``), ``core/utils/mx_torch_common.py`` (``quantize_to_mx``, ``mx_matmul``) and the
 test input builder ``build_qkv_mla_input`` (``test/.../core/qkv/test_qkv_common.py``). The rst omits the input and
-output swizzles and the weight word layout; the source and torch reference define them (:mod:`.qkv_mla_mx_math`).
+output swizzles and the weight word layout; the source and torch reference define them (:mod:`..quant.mx_weights`).
 
 Operands (``x_hbm`` along H and the first projection's ``qr``/``kv`` columns in the 512-swizzled order; weights
 ``float8_e4m3fn_x4`` words as uint32 ``[K / 4, N]`` with compact uint8 scales ``[K / 128, ceil(N / 128)]``, see
-:mod:`.qkv_mla_mx_math`)::
+:mod:`..quant.mx_weights`)::
 
     x_hbm [B, S, H]; cos_cache_hbm, sin_cache_hbm [B, S, R]      (R = qk_rope_head_dim; first R / 2 entries read)
     v32: wqkv_a [H/4, QR + KVR + R], wq_b [QR/4, n_heads * (dn + R)], wkv_b [KVR/4, n_heads * (dn + dv)],
          q_norm_gamma [1, QR], kv_norm_gamma [1, KVR]
     v4:  wqkv [H/4, QR + KVR + R], wq_b [QR/4, n_heads * head_dim], q_norm_gamma [1, QR], kv_norm_gamma [1, KVR + R]
 
-Math (``mxmm`` = :func:`.qkv_mla_mx_math.mx_matmul`, activations MX-quantized along K; ``norm`` = RMSNorm with
+Math (``mxmm`` = :func:`..quant.mx_weights.mx_matmul`, activations MX-quantized along K; ``norm`` = RMSNorm with
 ``norm_eps``; ``rope`` = halves rotation; float32 between stages, float64 for float64 inputs)::
 
     a = mxmm(unswizzle(x), Wa)                              # [B, S, QR + KVR + R]
@@ -45,15 +45,8 @@ import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param, accumulation_dtype
-from .qkv_mla_mx_math import (
-    SWIZZLE_TILE,
-    decode_block128_weight,
-    mx_matmul,
-    rms_norm,
-    rope_halves,
-    scale_blocks,
-    unswizzle_512,
-)
+from ..quant.mx_weights import SWIZZLE_TILE, compact_blocks, decode_weight, mx_matmul, unswizzle_512
+from .qkv_mla_mx_math import rms_norm, rope_halves
 
 MODULE = "nkilib.experimental.qkv.qkv_cte_mla"
 OUTPUT_DTYPE = jnp.bfloat16
@@ -97,13 +90,11 @@ _CACHES = (
 def _first_projection(x_hbm, wqkv, wqkv_scale):
     wide = accumulation_dtype(x_hbm.dtype)
     x = unswizzle_512(x_hbm.astype(wide))
-    return mx_matmul(x, decode_block128_weight(wqkv, wqkv_scale)), wide
+    return mx_matmul(x, decode_weight(wqkv, wqkv_scale)), wide
 
 
 def _second_projection(latent, gamma, eps, words, scales, heads):
-    out = mx_matmul(
-        rms_norm(latent, gamma.reshape(-1).astype(latent.dtype), eps), decode_block128_weight(words, scales)
-    )
+    out = mx_matmul(rms_norm(latent, gamma.reshape(-1).astype(latent.dtype), eps), decode_weight(words, scales))
     return out.reshape(*out.shape[:-1], heads, -1)
 
 
@@ -217,9 +208,9 @@ def _check_common(call: CallInfo, first: tuple[str, str], second_width: int, sec
     width = qr + p["kv_lora_rank"] + rope
     words, scales = first
     _require_width(call, words, width, "[H/4, A]", "A = qk_lora_rank + kv_lora_rank + qk_rope_head_dim")
-    _require_width(call, scales, scale_blocks(width), "[H/128, ceil(A/128)]", "ceil(A/128)")
+    _require_width(call, scales, compact_blocks(width), "[H/128, ceil(A/128)]", "ceil(A/128)")
     _require_width(call, "wq_b_hbm", second_width, "[QR/4, NQ]", f"NQ = {second_formula}")
-    _require_width(call, "wq_b_scale_hbm", scale_blocks(second_width), "[QR/128, ceil(NQ/128)]", "ceil(NQ/128)")
+    _require_width(call, "wq_b_scale_hbm", compact_blocks(second_width), "[QR/128, ceil(NQ/128)]", "ceil(NQ/128)")
 
 
 def _check_v32(call: CallInfo) -> None:
@@ -231,7 +222,7 @@ def _check_v32(call: CallInfo) -> None:
     _require(call, call.dims["KVR"] == kvr, f"argument `kv_norm_gamma_hbm` [1, KVR] needs KVR = kv_lora_rank = {kvr}")
     kv_width = heads * (nope + p["v_head_dim"])
     _require_width(call, "wkv_b_hbm", kv_width, "[KVR/4, NKV]", "NKV = n_heads * (qk_nope_head_dim + v_head_dim)")
-    _require_width(call, "wkv_b_scale_hbm", scale_blocks(kv_width), "[KVR/128, ceil(NKV/128)]", "ceil(NKV/128)")
+    _require_width(call, "wkv_b_scale_hbm", compact_blocks(kv_width), "[KVR/128, ceil(NKV/128)]", "ceil(NKV/128)")
 
 
 def _check_v4(call: CallInfo) -> None:

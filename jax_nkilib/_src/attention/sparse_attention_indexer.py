@@ -75,7 +75,8 @@ import jax.numpy as jnp
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant import mx
-from .sparse_attention_indexer_mx import COMPACT_BLOCK, PARTITIONS, QR_TILE, decode_qr, decode_weight
+from ..quant.mx_weights import COMPACT_BLOCK, compact_blocks, decode_weight
+from .sparse_attention_indexer_mx import PARTITIONS, QR_TILE, decode_qr
 
 LAYERNORM_EPS = 1e-6
 ROPE_LAYOUTS = ("HALF_SPLIT", "INTERLEAVED")
@@ -237,10 +238,10 @@ def _check_mx_layouts(call: CallInfo) -> None:
         f"wq_b [Q/4, H*D] words need Q/4 = {q // 4} rows (Q = 512 * qr_qtz_hbm.shape[2]); got {dims['Q4']}",
     )
     if call.params["compact_scales"]:
-        want = (q // COMPACT_BLOCK, -(-dims["N"] // COMPACT_BLOCK))
+        want = (q // COMPACT_BLOCK, compact_blocks(dims["N"]))
         got = (dims["Qs"], dims["Ns"])
         _require(got == want, function, f"wq_b_scale (compact) must be [Q/128, ceil(H*D/128)] = {want}; got {got}")
-        want = -(-dims["D"] // COMPACT_BLOCK)
+        want = compact_blocks(dims["D"])
         _require(dims["Ds"] == want, function, f"wk_scale (compact) [dim/128, ceil(D/128)] needs {want} columns")
     else:
         _require(

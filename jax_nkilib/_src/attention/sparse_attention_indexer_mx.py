@@ -1,6 +1,7 @@
 """The MX operands of ``sparse_attention_indexer_mx_bf16score`` (``precision="MX"``), decoded to the float32 values
-its projections multiply (layouts from the newer nki-library source: the kernel's docstring, the test helpers
-``_quantize_weight_for_mx`` / ``_swizzle_and_quantize_x_for_mx`` and the torch reference's ``_dequant_swizzled_qr``).
+its projections multiply: the weights by :func:`..quant.mx_weights.decode_weight`, the query here (layouts from
+the newer nki-library source: the kernel's docstring, the test helpers ``_quantize_weight_for_mx`` /
+``_swizzle_and_quantize_x_for_mx`` and the torch reference's ``_dequant_swizzled_qr``).
 
 * Weights ``wq_b [Q/4, H*D]``, ``wk [dim/4, D]``: ``float8_e4m3fn_x4`` words (uint32), lane ``j`` of word ``[g, n]``
   is ``W[4g + j, n]`` (contraction rows). Scales (uint8 e8m0, value ``2**(s - 127)``): native ``[K/32, N]``, one per
@@ -18,26 +19,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..quant import mx
+from ..quant.mx_weights import LANES
 
-LANES = 4  # fp8 elements per x4 word
 PARTITIONS = 128
-COMPACT_BLOCK = 128  # DeepSeek's ue8m0 checkpoint scales: one per 128 x 128 weight block
 QR_TILE = PARTITIONS * LANES  # 512 qr columns per word column block
-
-
-def native_weight_scales(scales, compact: bool, columns: int):
-    """Native ``[K/32, N]`` scales from ``scales`` (native, or compact ``[K/128, ceil(N/128)]``)."""
-    if not compact:
-        return scales
-    per_block = COMPACT_BLOCK // mx.BLOCK_SIZE
-    return jnp.repeat(jnp.repeat(scales, per_block, axis=0), COMPACT_BLOCK, axis=1)[:, :columns]
-
-
-def decode_weight(words, scales, compact: bool):
-    """float32 ``W [K, N]`` of x4 weight words ``[K/4, N]`` and their scales (module doc)."""
-    scales = native_weight_scales(scales, compact, words.shape[1])
-    lanes = mx.decode_x4_weight(words, scales)  # [K/4, N, 4]: W[4g + j, n] at [g, n, j]
-    return jnp.swapaxes(lanes, 1, 2).reshape(LANES * words.shape[0], words.shape[1])
 
 
 def decode_qr(words, scales, rows: int):
