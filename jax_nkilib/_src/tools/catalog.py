@@ -23,8 +23,17 @@ def _entries(rows):
 
 
 _MX_MOE_DOCS = (
-    "docs-only, and the API reference does not say which operands each matmul quantizes to MXFP8, along which axis "
-    "and blocks, or where bfloat16 rounding happens: binding it would guess the numerics"
+    "docs-only (absent from the local nki-library mirror), and no source defines its MXFP8 numerics: the newer "
+    "torch references (experimental/moe_mxfp8/fwd/blockwise_mm_forward_mxfp8_torch.py, "
+    "bwd/blockwise_mm_backward_mxfp8_torch.py) delegate to the bfloat16 MoE goldens (_generate_fwd_golden, "
+    "blockwise_mm_bwd_torch_ref), stating that the quantization arguments are ignored, and their tests accept the "
+    "kernel within a loose three-metric check (allclose with atol 50% of the golden's abs-max, cosine >= 0.99, "
+    "normalized distance <= 0.70); the quantization lives only inside the kernels' generic_matmul_mxfp8_api calls, "
+    "which the sources describe inconsistently (docstrings: activations stay bfloat16, only weights are MXFP8; the "
+    "forward's gate/up phase quantizes the gathered hidden tile, with a wrapX or 1x32 swizzle chosen by load path "
+    "and config; the backward sets a quant_scheme per phase), and the API changed after 2.32 (one config "
+    "dataclass, gate_up [E, I_TP, 2, H] instead of [E, 2, I_TP, H], the forward's scaled-intermediate checkpoint "
+    "dropped): binding it would guess the numerics"
 )
 
 
