@@ -135,8 +135,14 @@ CATALOG = _entries(
             "bwmm_shard_on_block",
             "moe",
             14,
-            "docs-only (v2), and the API reference gives its [T, 2, H+E] output's trailing E columns as holding "
-            '"expert affinities" without saying which values',
+            "docs-only (v2), and no source defines the trailing E columns of its accumulating [T, 2, H+E] output: "
+            "in the newer public experimental/moe/moe_cte/bwmm_shard_on_block_v2.py, bwmm_output_initialization "
+            "copies expert_affinities_masked rows into output[:, shard, H:H+E] only when the module flag "
+            "FUSE_AFFINITY_INTO_OUTPUT is set, and it is False, so nothing writes those columns (uninitialized HBM; "
+            "slot 1 is shard 1's partial sum, or unwritten with non_overlapping_shards); its torch reference "
+            "(bwmm_shard_on_block_torch_ref -> core/moe/moe_cte/moe_cte_torch.py, BWMMFunc.SHARD_ON_BLOCK_V2) "
+            "returns only [T+1, H], and test/integration/nkilib/experimental/moe/moe_cte/test_moe_cte_v2.py checks "
+            "only output[:T, 0, :H] (test_moe_cte_common._shard_on_block_output_validator)",
         ),
         (71, "blockwise_mm_fwd_mxfp8", "moe", 14, _MX_MOE_DOCS),
         (72, "blockwise_mm_bwd_mxfp8", "moe", 14, _MX_MOE_DOCS),
