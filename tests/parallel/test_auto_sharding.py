@@ -243,6 +243,19 @@ def _cases():
             (P("data", None, "model"), P("data", None, "model"), P("model"), P("data"), P("data")),
             {},
         ),
+        "jax_nkilib.ssd.seq_idx": (  # packed sequences (the JAX scan): seq_idx over `data` with the batch
+            lambda x, dt, a, b, c, seq_idx: jax_nkilib.ssd(x, dt, a, b, c, chunk_size=4, seq_idx=seq_idx),
+            (
+                random((B, 12, 8, 3), seed=32),
+                jnp.abs(random((B, 12, 8), seed=33)),
+                -jnp.exp(random((8,), seed=34)),
+                random((B, 12, 1, 4), seed=35),
+                random((B, 12, 1, 4), seed=36),
+                jnp.asarray(np.repeat([[0, 1, 2], [0, 0, 1]], [5, 4, 3], axis=1), jnp.int32),
+            ),
+            (P("data", None, "model"), P("data", None, "model"), P("model"), P("data"), P("data"), P("data")),
+            {},
+        ),
         "jax_nkilib.mlp": (
             lambda x, g, u, d: jax_nkilib.mlp(x, g, u, d, norm="rms"),
             (x3, w_gate, w_up, w_down),

@@ -118,6 +118,22 @@ def _cases() -> dict[str, Case]:
             {"x": "blhp", "dt": "blh", "a": "h", "b": "bl_n", "c": "bl_n"},
             ("x", "dt", "a", "b", "c"),  # CI: tests/scan covers it inside shard_map; the splits are -m slow
         ),
+        "ssd_seq_idx": Case(  # packed sequences: the JAX scan with resets, seq_idx split with the batch
+            "jax_nkilib.ssd",
+            lambda x, dt, a, b, c, seq_idx: jax_nkilib.ssd(
+                x, dt, a, b, c, chunk_size=4, dt_softplus=True, seq_idx=seq_idx
+            ),
+            {
+                "x": random((B, 12, 8, 3), seed=45),
+                "dt": random((B, 12, 8), seed=46),
+                "a": -jnp.exp(random((8,), seed=47)),
+                "b": random((B, 12, 1, 4), seed=48),
+                "c": random((B, 12, 1, 4), seed=49),
+                "seq_idx": jnp.asarray(np.repeat(np.arange(3) + np.arange(B)[:, None] % 2, 4, axis=1), jnp.int32),
+            },
+            {"x": "blhp", "dt": "blh", "a": "h", "b": "bl_n", "c": "bl_n", "seq_idx": "bl"},
+            ("x", "dt", "a", "b", "c"),  # -m slow (CI: tests/parallel/test_auto_sharding.py runs it sharded)
+        ),
         "cumsum": Case(
             "jax_nkilib.cumsum",
             lambda x: jax_nkilib.cumsum(x, axis=1),

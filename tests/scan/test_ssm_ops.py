@@ -48,9 +48,12 @@ def mamba_loop(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplu
     return y, state
 
 
-def mamba2_loop(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None, dt_softplus=False, limit=None):
+def mamba2_loop(
+    x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None, dt_softplus=False, limit=None, seq_idx=None
+):
     """mamba_chunk_scan_combined, one time step at a time in float64: ``(out, final_states)``; states
-    [b, h, headdim, dstate]; head h uses group h // (nheads / ngroups)."""
+    [b, h, headdim, dstate]; head h uses group h // (nheads / ngroups). With ``seq_idx [b, L]`` (packed sequences)
+    the state of a row is set to zero before every token whose sequence index differs from its predecessor's."""
     x, dt, A, B, C = (f64(v) for v in (x, dt, A, B, C))
     batch, length, heads, headdim = x.shape
     if dt_bias is not None:
@@ -64,6 +67,8 @@ def mamba2_loop(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=Non
     y = np.zeros_like(x)
     for t in range(length):
         decay = np.exp(dt[:, t] * A)[..., None, None]
+        if seq_idx is not None and t > 0:
+            decay = decay * (np.asarray(seq_idx)[:, t] == np.asarray(seq_idx)[:, t - 1])[:, None, None, None]
         state = decay * state + dt[:, t, :, None, None] * x[:, t, :, :, None] * B[:, t, :, None, :]
         y[:, t] = np.sum(state * C[:, t, :, None, :], axis=-1)
     if D is not None:

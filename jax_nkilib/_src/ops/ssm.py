@@ -6,6 +6,8 @@ float32. Time-step preprocessing (bias, softplus, clamping) and the ``z`` gate (
 the kernel, in float32. Groups (B, C shared by a group of channels or heads) run one kernel call per group. Reverse
 mode is the kernels' reference VJP: an associative scan, so memory grows linearly with the sequence length.
 Under explicit shardings the batch and channel/head axes split freely; the sequence axis does not split.
+``ssd``'s ``seq_idx`` (packed sequences) has no kernel: that call runs as JAX, and lowering it for Neuron warns with
+a ``NeuronFallbackWarning`` (an error under ``config(on_unsupported="error")``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import jax.numpy as jnp
 from ..framework.arguments import array_argument
 from ..framework.spec import accumulation_dtype
 from ..framework.validation import require_static, static_bool, static_int
+from ..neuron.reference_only import reference_only
 from ..scan.selective_scan import selective_scan as selective_scan_kernel
-from ..scan.ssd import MAX_CHUNK
+from ..scan.ssd import MAX_CHUNK, packed_ssd
 from ..scan.ssd import ssd as ssd_kernel
 from ..sharding import auto
 
@@ -34,6 +37,7 @@ SELECTIVE_SCAN_SHARDING = auto.register_rule(
 SSD_SHARDING = auto.register_rule(
     auto.ShardingRule(SSD, free={"b": "batch", "h": "heads"}, note="heads split only with one group (ngroups=1)")
 )
+SEQ_IDX_FALLBACK = "`seq_idx` (packed sequences) is given: the NKI ssd kernel has no sequence index"
 
 
 def _shape_error(where, name, layout, value, expected):
@@ -200,12 +204,14 @@ def ssd(
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     return_final_states: bool = False,
+    seq_idx=None,
 ):
-    """Mamba-2's chunked scan, as ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined`` (no ``seq_idx`` /
-    ``cu_seqlens``)::
+    """Mamba-2's chunked scan, as ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined`` (with
+    ``seq_idx``; no ``cu_seqlens``)::
 
         dt = clamp(softplus(dt + dt_bias), *dt_limit) (softplus only with dt_softplus)
-        state[t] = exp(dt[t] * A) * state[t - 1] + dt[t] * outer(x[t], B[t])      # [headdim, dstate] per head
+        keep[t] = 0 if seq_idx[t] != seq_idx[t - 1] else 1                          # 1 without seq_idx
+        state[t] = keep[t] * exp(dt[t] * A) * state[t - 1] + dt[t] * outer(x[t], B[t])  # [headdim, dstate] per head
         y[t] = state[t] @ C[t] + D * x[t];   out = y * silu(z)  (with z)
 
     Args:
@@ -216,11 +222,16 @@ def ssd(
       D: ``[nheads]`` or ``[nheads, headdim]``; z: ``[batch, L, nheads, headdim]``; dt_bias: ``[nheads]``;
       initial_states: ``[batch, nheads, headdim, dstate]``.
       dt_softplus, dt_limit: time-step preprocessing, as Mamba-2's.
-      return_final_states: also return the final states ``[batch, nheads, headdim, dstate]`` (float32).
+      return_final_states: also return the final states ``[batch, nheads, headdim, dstate]`` (float32): the state
+        after the last token.
+      seq_idx: ``[batch, L]`` integers, non-decreasing along each row (Mamba-2's): the sequence each token belongs
+        to, for packed sequences. Tokens of different sequences do not interact (the state is reset where the index
+        changes); ``initial_states`` is the state before the first sequence of each row only.
 
     Returns ``out [batch, L, nheads, headdim]`` in x's dtype, or ``(out, final_states)``. On Neuron: the ``ssd``
     kernel on ``[batch, nheads, L, headdim]`` (one call per group); a length that is not a multiple of
-    ``chunk_size`` is padded with ``dt = 0`` steps (which leave the state unchanged).
+    ``chunk_size`` is padded with ``dt = 0`` steps (which leave the state unchanged). With ``seq_idx`` the same
+    chunked scan runs as JAX (masked), with a ``NeuronFallbackWarning`` when lowered for Neuron.
     """
     where = SSD
     x = array_argument(where, "x", x, layout="[batch, L, nheads, headdim]", rank=4)
@@ -251,6 +262,7 @@ def ssd(
     static_bool(where, "dt_softplus", dt_softplus)
     static_bool(where, "return_final_states", return_final_states)
     limit = tuple(float(v) for v in dt_limit)
+    seq_idx = _sequence_index(where, seq_idx, batch, length)
 
     head = "h" if groups == 1 else "_"
     arguments = [
@@ -263,19 +275,23 @@ def ssd(
         auto.ShardedArgument("z", z, "bl" + head + "p"),
         auto.ShardedArgument("dt_bias", dt_bias, head),
         auto.ShardedArgument("initial_states", initial_states, "b" + head + "pn"),
+        auto.ShardedArgument("seq_idx", seq_idx, "bl"),
     ]
     sharded = auto.plan(SSD_SHARDING, arguments)
     flags = dict(dt_softplus=dt_softplus, dt_limit=limit, return_final_states=return_final_states)
     if sharded:
         out_dims = "bl" + head + "p"
         return sharded.run(
-            lambda x, dt, A, B, C, D, z, dt_bias, h0, axes: ssd(x, dt, A, B, C, chunk_size, D, z, dt_bias, h0, **flags),
+            lambda x, dt, A, B, C, D, z, dt_bias, h0, seq_idx, axes: ssd(
+                x, dt, A, B, C, chunk_size, D, z, dt_bias, h0, **flags, seq_idx=seq_idx
+            ),
             (out_dims, "b" + head + "pn") if return_final_states else out_dims,
         )
 
     steps = _time_steps(jnp.swapaxes(dt, 1, 2), dt_bias, dt_softplus, limit)  # [b, h, L], float32
     x_k = jnp.swapaxes(x, 1, 2)  # [b, h, L, p]
-    pad = -length % chunk_size if chunk_size <= MAX_CHUNK else 0  # pad to whole chunks: dt = 0 steps change nothing
+    # pad to whole chunks for the kernel: dt = 0 steps change nothing (the JAX scan of seq_idx pads itself)
+    pad = -length % chunk_size if chunk_size <= MAX_CHUNK and seq_idx is None else 0
     if pad:
         x_k = jnp.pad(x_k, ((0, 0), (0, 0), (0, pad), (0, 0)))
         steps = jnp.pad(steps, ((0, 0), (0, 0), (0, pad)))
@@ -287,23 +303,34 @@ def ssd(
     parts = []
     for g in range(groups):
         heads_g = slice(g * per, (g + 1) * per)
-        parts.append(
-            ssd_kernel(
-                x_k[:, heads_g],
-                steps[:, heads_g],
-                A[heads_g],
-                B[:, :, g],
-                C[:, :, g],
-                chunk_size=chunk_size,
-                D=None if kernel_D is None else kernel_D[heads_g],
-                initial_state=None if h0 is None else h0[:, heads_g],
-            )
+        operands = (x_k[:, heads_g], steps[:, heads_g], A[heads_g], B[:, :, g], C[:, :, g])
+        optional = dict(
+            D=None if kernel_D is None else kernel_D[heads_g], initial_state=None if h0 is None else h0[:, heads_g]
         )
+        if seq_idx is None:
+            parts.append(ssd_kernel(*operands, chunk_size=chunk_size, **optional))
+        else:
+            parts.append(packed_ssd(*operands, seq_idx, chunk_size=chunk_size, **optional))
     y = jnp.concatenate([p[0] for p in parts], axis=1)[:, :, :length]
     final = jnp.concatenate([p[1] for p in parts], axis=1)
+    if seq_idx is not None:
+        y = reference_only(y, op=where, reasons=(SEQ_IDX_FALLBACK,))
+        final = reference_only(final, op=where, reasons=(SEQ_IDX_FALLBACK,))
     y = jnp.swapaxes(y, 1, 2)  # [b, L, h, p]
     if D is not None and D.ndim == 2:
         wide = accumulation_dtype(x.dtype)
         y = (y.astype(wide) + D.astype(wide) * x.astype(wide)).astype(x.dtype)
     out = _gate(y, z)
     return (out, jnp.swapaxes(final, 2, 3)) if return_final_states else out
+
+
+def _sequence_index(where, seq_idx, batch: int, length: int):
+    """``seq_idx`` checked: ``None`` or an integer array ``[batch, L]``, returned as int32."""
+    if seq_idx is None:
+        return None
+    layout = "[batch, L] (the sequence of each token, non-decreasing along L)"
+    seq_idx = array_argument(where, "seq_idx", seq_idx, layout=layout, dtypes=None)
+    if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
+        raise TypeError(f"{where}: `seq_idx` {layout} must have an integer dtype; got {seq_idx.dtype}")
+    _require_shape(where, "seq_idx", layout, seq_idx, (batch, length))
+    return seq_idx.astype(jnp.int32)

@@ -23,6 +23,9 @@ given, :func:`ssd` passes ``tril(ones((Q, Q)))`` (the kernel requires the mask).
 
 Reverse mode: the reference's VJP (the library has no backward kernel).
 
+:func:`packed_ssd` is the same chunked scan with Mamba-2's ``seq_idx`` (packed sequences: the state is reset where
+the sequence index changes), in plain JAX for ``jax_nkilib.ssd``: the kernel has no sequence index.
+
 Neuron limits (the API reference's notes): chunk_size <= 128, dstate n <= 128, headdim p <= 512,
 L % chunk_size == 0; one core (no LNC sharding).
 """
@@ -47,6 +50,31 @@ def causal_mask(chunk_size: int) -> np.ndarray:
 
 def reference_ssd(x, dt, A, B, C, D=None, initial_state=None, causal_mask=None, *, chunk_size=128):
     """JAX reference of ``ssd`` (see the module docstring)."""
+    return _chunked_scan(x, dt, A, B, C, D, initial_state, causal_mask, chunk_size, segments=None)
+
+
+def packed_ssd(x, dt, A, B, C, seq_idx, D=None, initial_state=None, *, chunk_size=128):
+    """``ssd`` of packed sequences (plain JAX: the kernel has no sequence index): as :func:`reference_ssd` with
+    the state reset (decay 0) before every ``t`` where ``seq_idx[:, t] != seq_idx[:, t - 1]``, so tokens of
+    different sequences never interact. ``seq_idx [b, L]`` (integers); ``initial_state`` is the state before the
+    first sequence of each row only; ``final_state`` is the state after the last token (of the last sequence).
+
+    Same chunked computation, masked: a pair ``(i, j)`` of a chunk counts only inside one sequence, a token adds to
+    its chunk's state only if the chunk ends in its sequence, a chunk's decay is 0 when it ends in another sequence
+    than the previous chunk, and the state entering a chunk reaches only the tokens of the sequence it belongs to.
+    Differentiable (JAX's VJP of the same chunked scan: no unrolling over the sequence)."""
+    starts = jnp.concatenate(
+        [jnp.zeros_like(seq_idx[:, :1], dtype=jnp.int32), (seq_idx[:, 1:] != seq_idx[:, :-1]).astype(jnp.int32)],
+        axis=1,
+    )
+    segments = jnp.cumsum(starts, axis=1)  # [b, L]: 0 for the first sequence of a row, +1 at every change
+    mask = jnp.asarray(causal_mask(chunk_size))
+    return _chunked_scan(x, dt, A, B, C, D, initial_state, mask, chunk_size, segments=segments)
+
+
+def _chunked_scan(x, dt, A, B, C, D, initial_state, causal_mask, chunk_size, *, segments):
+    """The chunked scan of the module docstring; ``segments [b, L]`` (non-decreasing ints, or ``None``) masks every
+    interaction between tokens of different segments (see :func:`packed_ssd`)."""
     wide = accumulation_dtype(x.dtype)
     batch, heads, length, headdim = x.shape
     q = chunk_size
@@ -60,15 +88,28 @@ def reference_ssd(x, dt, A, B, C, D=None, initial_state=None, causal_mask=None, 
     dt_w = dt_w.reshape(batch, heads, chunks, q)
     cs = jnp.cumsum(dt_w * A.astype(wide)[None, :, None, None], axis=-1)  # [b, h, c, Q]
     mask = causal_mask.astype(wide)
+    keep = mask != 0  # [Q, Q]
+    if segments is not None:
+        seg = jnp.pad(segments, ((0, 0), (0, pad)), mode="edge").reshape(batch, 1, chunks, q)  # [b, 1, c, Q]
+        same = seg[..., :, None] == seg[..., None, :]  # [b, 1, c, Q, Q]
+        keep = keep & same
+        mask = mask * same
     scores = jnp.einsum("bcin,bcjn->bcij", C_w, B_w)[:, None] * mask  # [b, 1, c, Q, Q]
     # exp(cs_i - cs_j), only where the mask keeps the pair (elsewhere the product is zero: exp(0) avoids overflow)
-    decay_pairs = jnp.exp(jnp.where(mask != 0, cs[..., :, None] - cs[..., None, :], 0.0))
+    decay_pairs = jnp.exp(jnp.where(keep, cs[..., :, None] - cs[..., None, :], 0.0))
     inputs = dt_w[..., None] * x_w  # dt * x  [b, h, c, Q, p]
     y = jnp.einsum("bhcij,bhcjp->bhcip", scores * decay_pairs, inputs)
     # the state each chunk adds on its own, then the chunk-to-chunk recurrence
     to_end = jnp.exp(cs[..., -1:] - cs)  # [b, h, c, Q]
-    chunk_states = jnp.einsum("bcjn,bhcjp->bhcnp", B_w, inputs * to_end[..., None])
     chunk_decay = jnp.exp(cs[..., -1])  # [b, h, c]
+    from_previous = jnp.exp(cs)  # [b, h, c, Q]: the decay of the state entering the chunk up to each token
+    if segments is not None:
+        last = seg[..., -1]  # [b, 1, c]: the segment each chunk ends in
+        before = jnp.concatenate([jnp.zeros_like(last[..., :1]), last[..., :-1]], axis=-1)  # the previous chunk's
+        to_end = jnp.where(seg == last[..., None], to_end, 0.0)
+        chunk_decay = jnp.where(last == before, chunk_decay, 0.0)
+        from_previous = jnp.where(seg == before[..., None], from_previous, 0.0)
+    chunk_states = jnp.einsum("bcjn,bhcjp->bhcnp", B_w, inputs * to_end[..., None])
     start = jnp.zeros(chunk_states.shape[:2] + chunk_states.shape[3:], wide)
     if initial_state is not None:
         start = initial_state.astype(wide)
@@ -83,7 +124,7 @@ def reference_ssd(x, dt, A, B, C, D=None, initial_state=None, causal_mask=None, 
         (jnp.moveaxis(chunk_decay, 2, 0), jnp.moveaxis(chunk_states, 2, 0)),
     )
     previous = jnp.moveaxis(entering, 0, 2)  # [b, h, c, n, p]: the state entering each chunk
-    y = y + jnp.exp(cs)[..., None] * jnp.einsum("bcin,bhcnp->bhcip", C_w, previous)
+    y = y + from_previous[..., None] * jnp.einsum("bcin,bhcnp->bhcip", C_w, previous)
     y = y.reshape(batch, heads, chunks * q, headdim)[:, :, :length]
     if D is not None:
         y = y + D.astype(wide)[None, :, None, None] * x.astype(wide)

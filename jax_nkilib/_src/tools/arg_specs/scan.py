@@ -137,6 +137,14 @@ def _mamba2_args(rng, batch=8, length=11, heads=4, headdim=3, groups=2, dstate=2
     )
 
 
+def _packed_mamba2_args(rng, batch=8, length=9, heads=2, headdim=2, dstate=2):
+    """``mamba_chunk_scan_combined`` arguments of packed sequences: one group, and ``seq_idx [batch, L]``
+    (non-decreasing: 0, 1 or 2 sequence changes per row)."""
+    x, dt, A, B, C, D, _, _, h0 = _mamba2_args(rng, batch, length, heads, headdim, 1, dstate)
+    seq_idx = jnp.sort(jnp.asarray(rng.integers(0, 3, size=(batch, length)), jnp.int32), axis=1)
+    return x, dt, A, B, C, D, h0, seq_idx
+
+
 register(
     ArgSpec(
         "jax_nkilib.selective_scan",
@@ -168,5 +176,22 @@ register(
             (P("data"), P("data")),
         ),
         bad=BadInput("initial_states", lambda h0: jnp.swapaxes(h0, 2, 3), "[batch, nheads, headdim, dstate]"),
+    ),
+    ArgSpec(
+        "jax_nkilib.ssd.seq_idx",
+        jax_nkilib.ssd,
+        ("x", "dt", "A", "B", "C", "D", "initial_states", "seq_idx"),
+        _packed_mamba2_args,
+        kwargs={"chunk_size": 4, "dt_softplus": True, "return_final_states": True},
+        positional=5,
+        kernels=(),
+        only_kernels=False,
+        grad=("x", "dt", "A", "B", "C", "D", "initial_states"),
+        sharding=Sharding(
+            _DATA, (P("data"),) * 2 + (P(),) + (P("data"),) * 2 + (P(), P("data"), P("data")), (P("data"), P("data"))
+        ),
+        bad=BadInput("seq_idx", lambda seq_idx: seq_idx.astype(jnp.float32), "integer dtype"),
+        neuron_fallback="`seq_idx`",
+        notes="packed sequences: the chunked scan with state resets runs as JAX (the ssd kernel has no seq_idx)",
     ),
 )
