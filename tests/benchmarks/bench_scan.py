@@ -7,7 +7,9 @@ Off Neuron both ops run the kernels' JAX references: the recurrence as ``jax.lax
 the scan over chunks). Printed per sequence length L = 4k, 16k, 64k: the compiled gradient's temporary memory
 (``memory_analysis().temp_size_in_bytes``) and its ratio to the 4k one, which must grow like L (4x, 16x), not like
 L log L or L^2. Then the time ratio ours / a plain ``jax.lax.scan`` loop over time steps (the same math, the same
-gradient), measured in one run as the median of repeated jitted calls.
+gradient), measured in one run as the median of repeated jitted calls. ``ssd (seq_idx)`` is ssd on packed
+sequences of ``PACKED`` tokens (Mamba-2's ``seq_idx``: the chunked scan with state resets), against the same loop
+with the resets.
 """
 
 import statistics
@@ -22,6 +24,7 @@ import jax_nkilib
 LENGTHS = (4096, 16384, 65536)
 MAMBA = dict(batch=1, dim=32, dstate=8)
 MAMBA2 = dict(batch=1, heads=4, headdim=16, dstate=16, chunk=64)
+PACKED = 1000  # tokens per packed sequence (not a multiple of the chunk: resets inside chunks)
 
 
 def mamba_args(length, dtype=jnp.float32):
@@ -70,13 +73,32 @@ def ours_ssd(x, dt, A, B, C):
     return jax_nkilib.ssd(x, dt, A, B, C, chunk_size=MAMBA2["chunk"], dt_softplus=True)
 
 
-def plain_ssd(x, dt, A, B, C):
-    """Mamba-2's recurrence as a sequential ``lax.scan`` over time steps (one group)."""
+def packed_seq_idx(x):
+    """``seq_idx [batch, L]`` of sequences of ``PACKED`` tokens (a constant of the program)."""
+    return jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32) // PACKED, x.shape[:2])
+
+
+def ours_packed_ssd(x, dt, A, B, C):
+    seq_idx = packed_seq_idx(x)
+    return jax_nkilib.ssd(x, dt, A, B, C, chunk_size=MAMBA2["chunk"], dt_softplus=True, seq_idx=seq_idx)
+
+
+def plain_packed_ssd(x, dt, A, B, C):
+    return plain_ssd(x, dt, A, B, C, packed_seq_idx(x))
+
+
+def plain_ssd(x, dt, A, B, C, seq_idx=None):
+    """Mamba-2's recurrence as a sequential ``lax.scan`` over time steps (one group); with ``seq_idx``, the state
+    is reset where the index changes."""
     dt = jax.nn.softplus(dt)
+    if seq_idx is None:
+        keep = jnp.ones(x.shape[:2], x.dtype)
+    else:
+        keep = jnp.concatenate([jnp.ones_like(seq_idx[:, :1]), seq_idx[:, 1:] == seq_idx[:, :-1]], 1).astype(x.dtype)
 
     def step(state, t):
-        x_t, dt_t, b_t, c_t = t  # [b, h, p], [b, h], [b, n], [b, n]
-        decay = jnp.exp(dt_t * A)[..., None, None]
+        x_t, dt_t, b_t, c_t, keep_t = t  # [b, h, p], [b, h], [b, n], [b, n], [b]
+        decay = (jnp.exp(dt_t * A) * keep_t[:, None])[..., None, None]
         state = decay * state + (dt_t[..., None] * x_t)[..., None] * b_t[:, None, None, :]
         return state, jnp.einsum("bhpn,bn->bhp", state, c_t)
 
@@ -86,6 +108,7 @@ def plain_ssd(x, dt, A, B, C):
         jnp.moveaxis(dt, 1, 0),
         jnp.moveaxis(B[:, :, 0], 1, 0),
         jnp.moveaxis(C[:, :, 0], 1, 0),
+        jnp.moveaxis(keep, 1, 0),
     )
     _, y = jax.lax.scan(step, jnp.zeros((b, h, p, B.shape[-1]), x.dtype), steps)
     return jnp.moveaxis(y, 0, 1)
@@ -116,6 +139,7 @@ def main():
     for name, ours, plain, build in (
         ("selective_scan", ours_selective, plain_selective, mamba_args),
         ("ssd", ours_ssd, plain_ssd, mamba2_args),
+        ("ssd (seq_idx)", ours_packed_ssd, plain_packed_ssd, mamba2_args),
     ):
         base = None
         for length in LENGTHS:

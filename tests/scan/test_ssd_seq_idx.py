@@ -76,7 +76,8 @@ def test_ssd_with_seq_idx_gradients_float64():
 def test_ssd_with_seq_idx_under_jit_and_vmap():
     args = mamba2_inputs(2, 11, 2, 3, 1, 2, jnp.float32, seed=14)
     del args["z"], args["dt_bias"]
-    seq_idx = jnp.asarray(np.stack([np.repeat([0, 1], [4, 7]), np.repeat([0, 1, 2], [6, 1, 4])]).astype(np.int32))
+    # row 1 is not non-decreasing: every change of the index starts a sequence (3, 1, 3 are three sequences)
+    seq_idx = jnp.asarray(np.stack([np.repeat([0, 1], [4, 7]), np.repeat([3, 1, 3], [6, 1, 4])]).astype(np.int32))
 
     def run(x, dt, A, B, C, D, h0, seq_idx):
         return jax_nkilib.ssd(x, dt, A, B, C, 4, D, None, None, h0, return_final_states=True, seq_idx=seq_idx)

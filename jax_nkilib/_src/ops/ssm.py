@@ -225,8 +225,10 @@ def ssd(
       return_final_states: also return the final states ``[batch, nheads, headdim, dstate]`` (float32): the state
         after the last token.
       seq_idx: ``[batch, L]`` integers, non-decreasing along each row (Mamba-2's): the sequence each token belongs
-        to, for packed sequences. Tokens of different sequences do not interact (the state is reset where the index
-        changes); ``initial_states`` is the state before the first sequence of each row only.
+        to, for packed sequences. Tokens of different sequences do not interact: every change of the index resets
+        the state (so a row ``0, 1, 0`` holds three sequences). ``initial_states`` is the state before the first
+        sequence of each row, whatever its index (Mamba-2's kernels apply it only where ``seq_idx == 0``: the same
+        for rows numbered from 0).
 
     Returns ``out [batch, L, nheads, headdim]`` in x's dtype, or ``(out, final_states)``. On Neuron: the ``ssd``
     kernel on ``[batch, nheads, L, headdim]`` (one call per group); a length that is not a multiple of
