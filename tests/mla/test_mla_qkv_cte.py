@@ -133,6 +133,14 @@ def test_neuron_limits_name_what_the_kernel_needs():
         assert fragment in message
 
 
+def test_explain_notes_the_ocp_scale_flag():
+    operands, kwargs, _ = problem(1, 2, 512, 2, 128, 4, 512, 512, jnp.bfloat16)
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands]
+    with jax_nkilib.config(target="trn3"):
+        report = str(jax_nkilib.explain(functools.partial(nki.mla_qkv_cte_kernel, **kwargs), *shapes))
+    assert "mla_qkv_cte_kernel" in report and "enable-ocp-compliant-scale-computation" in report
+
+
 @pytest.mark.parametrize(
     "change, fragments",
     [

@@ -51,7 +51,8 @@ weight words and the scales get none. There is no backward kernel.
 Neuron limits (else the reference runs, with a ``NeuronFallbackWarning``): platform target trn3 (MX matmuls; the
 library's tests exclude Trn1 and Trn2), bfloat16 float operands, ``B == 1`` (the newer kernel views ``x_hbm_mx`` as
 ``[S, row]`` and its tests use batch 1 only; the 2.32 kernel source is not in the index), ``qk_nope_head_dim ==
-128``, ``n_heads`` even (the validator's asserts). The kernel splits ``S`` over the LNC cores.
+128``, ``n_heads`` even (the validator's asserts). The kernel splits ``S`` over the LNC cores. Its tests compile
+with ``--enable-ocp-compliant-scale-computation``: the MX scale rule above (emax 8) holds on the device only with it.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from ..quant import mx
 from ..quant.mx_weights import (
     COMPACT_BLOCK,
     LANES,
+    OCP_SCALE_FLAG_NOTE,
     SWIZZLE_TILE,
     compact_blocks,
     decode_weight,
@@ -258,6 +260,7 @@ MLA_QKV_CTE_SPEC = KernelSpec(
     reference=reference_mla_qkv_cte,
     check=_check,
     neuron_limits=_neuron_limits,
+    neuron_notes=lambda call: [OCP_SCALE_FLAG_NOTE],
     fold_plans=(
         FoldPlan(
             {"x_hbm_mx": "B", "cos_cache_hbm": "B", "sin_cache_hbm": "B"}

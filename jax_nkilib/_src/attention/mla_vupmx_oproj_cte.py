@@ -53,7 +53,7 @@ from ..framework.platform import is_trn3
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand
 from ..quant import mx
-from ..quant.mx_weights import COMPACT_BLOCK, compact_blocks, decode_weight
+from ..quant.mx_weights import COMPACT_BLOCK, OCP_SCALE_FLAG_NOTE, compact_blocks, decode_weight
 from .mla_sparse_attention_cte import H_PACK, from_mx_pack_columns
 
 WORD_DTYPES = (jnp.dtype(jnp.uint32),)
@@ -166,10 +166,7 @@ def w_o_k_slabs(heads: int, hid: int) -> int:
 
 
 def _neuron_notes(call: CallInfo) -> list[str]:
-    notes = [
-        "the kernel's MX scales follow the OCP rule only when neuronx-cc runs with "
-        "--enable-ocp-compliant-scale-computation (its tests pass it)"
-    ]
+    notes = [OCP_SCALE_FLAG_NOTE]
     slabs = w_o_k_slabs(4 * call.dims["G_o"] // call.dims["d_v"], call.dims["HID"])
     if slabs > 1:
         notes.append(f"the kernel adds the fp32 partial sums of its {slabs} W_o K-slabs in a bfloat16 accumulator")

@@ -23,6 +23,12 @@ from . import mx
 LANES = 4  # fp8 elements per x4 word
 COMPACT_BLOCK = 128  # compact scales: one per 128 x 128 weight block
 SWIZZLE_TILE = 512  # the swizzle permutes 512-column tiles (128 partitions x 4 lanes)
+# The MLA kernels' tests compile with this neuronx-cc flag; without it the kernels' MX scales follow neuronx-cc's
+# default rule instead of the OCP (emax 8) one the references use. The library does not pass compiler flags.
+OCP_SCALE_FLAG_NOTE = (
+    "the kernel's MX scales follow the OCP rule only when neuronx-cc runs with "
+    "--enable-ocp-compliant-scale-computation (its tests pass it; e.g. NEURON_CC_FLAGS)"
+)
 
 
 def compact_blocks(n: int) -> int:
