@@ -4,6 +4,7 @@ inputs with odd head sizes and partial scale blocks; the swizzle and weight deco
 per-batch-row split; bad inputs; no VJP (jit, shard_map and the lowering also run in the conformance suite)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -268,3 +269,18 @@ def test_there_is_no_vjp():
     loss = lambda x: nki.qkv_mla_mx_deepseek_v4(x, *args[1:], **kwargs)[0].astype(jnp.float32).sum()  # noqa: E731
     with pytest.raises(Exception, match="(?i)differentiat|jvp|transpose"):
         jax.grad(loss)(args[0])
+
+
+@pytest.mark.parametrize("variant", ["v32", "v4"])
+def test_explain_notes_the_ocp_scale_flag(variant):
+    """The reference quantizes activations with the OCP rule (emax 8); the kernel does only under neuronx-cc's
+    --enable-ocp-compliant-scale-computation, which nki-library's own tests of these kernels do not pass."""
+    if variant == "v32":
+        args, kwargs, _ = v32_case(V32_BF16, jnp.bfloat16)
+        fn = nki.qkv_mla_mx
+    else:
+        args, kwargs, _ = v4_case(V4_BF16, jnp.bfloat16)
+        fn = nki.qkv_mla_mx_deepseek_v4
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    report = str(jax_nkilib.explain(functools.partial(fn, **kwargs), *shapes))
+    assert "enable-ocp-compliant-scale-computation" in report and "do not pass it" in report
