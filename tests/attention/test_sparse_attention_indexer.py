@@ -4,6 +4,8 @@ bf16 score row / mask and ascending ``nisa.topk`` order: scores (float32 and bfl
 cache), top-k indices exactly (inputs whose ranking has no ties), the updated cache, both RoPE pairings, the Neuron
 limits and bad inputs (jit, vmap, shard_map and the lowering also run in the conformance suite)."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -257,6 +259,23 @@ def test_neuron_limits_name_what_the_kernel_needs():
     message = str(record[0].message)
     for fragment in ("wq_b must be bfloat16", "head_dim D=8 must be 128", "dim=12", "index_topk=3"):
         assert fragment in message
+
+
+@pytest.mark.parametrize("phase, dim, named", [("all", 896, True), ("score", 512, True), ("all", 1024, False)])
+def test_neuron_limits_need_eight_dim_tiles_where_the_kernel_scores(phase, dim, named):
+    """The kernel's W projection (``w_projection_mx_batch``, run by the scoring phases) asserts
+    ``ceil(dim / 128) >= 8``; below that the call falls back instead of lowering to a failing kernel."""
+    b, s, start_pos, end = 1, 128, 0, 128
+    args = operands(b, s, dim, 128, 2, 128, 64, 256, start_pos)
+    device = {1: jnp.bfloat16, 2: jnp.bfloat16, 5: jnp.bfloat16, 8: jnp.bfloat16, 10: jnp.bfloat16}
+    shapes = [jax.ShapeDtypeStruct(a.shape, device.get(i, jnp.float32)) for i, a in enumerate(args)]
+    kwargs = {"index_topk": 32} | ({"phase": "score", "end_pos_arg": end} if phase == "score" else {})
+    fn = lambda *a: bf16_kernel(*a, **kwargs)  # noqa: E731
+    with jax_nkilib.neuron.dry_run(), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        jax.jit(fn).trace(*shapes).lower(lowering_platforms=("neuron",))
+    messages = [str(w.message) for w in record if issubclass(w.category, NeuronFallbackWarning)]
+    assert any(f"dim={dim} must be at least 1024" in m for m in messages) == named, messages
 
 
 @pytest.mark.parametrize(

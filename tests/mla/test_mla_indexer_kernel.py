@@ -60,7 +60,7 @@ def indexer_operands(b, s, d, rq, hi, di, dr, seed=0):
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_kernel_indexer_keeps_the_oracles_best_keys_best_first(interleaved):
     b, s, k, dr = 2, 40, 16, 64
-    x, q_latent, indexer, cos, sin = indexer_operands(b, s, 128, 128, 2, 128, dr, seed=int(interleaved))
+    x, q_latent, indexer, cos, sin = indexer_operands(b, s, 1024, 128, 2, 128, dr, seed=int(interleaved))
     assert mla_indexer.fits(x, q_latent, indexer[0], cos, k)
     chosen = np.asarray(mla_indexer.kernel_indexer_topk(x, q_latent, indexer, k, cos, sin, dr, interleaved))
     assert chosen.shape == (b, s, k) and chosen.dtype == np.int32
@@ -82,7 +82,7 @@ def _neuron_kernels(fn, shapes):
 
 def _mla_shapes(di):
     rng = np.random.default_rng(0)
-    b, s, d, h, rq, rkv, dn, dr, dv, hi = 1, 256, 256, 2, 256, 512, 64, 64, 128, 2
+    b, s, d, h, rq, rkv, dn, dr, dv, hi = 1, 256, 1024, 2, 256, 512, 64, 64, 128, 2
     shapes = [(b, s, d), (d, rq), (rq,), (rq, h, dn + dr), (d, rkv + dr), (rkv,), (rkv, h, dn + dv), (h, dv, d)]
     shapes += [(s, dr // 2), (s, dr // 2), (rq, hi, di), (d, di), (d, hi)]
     del rng
@@ -95,3 +95,10 @@ def test_mla_attention_lowers_its_indexer_to_the_kernel_where_it_fits(di, uses_k
     kernels = _neuron_kernels(fn, _mla_shapes(di))
     assert kernels[-1] == "mla_sparse_attention_cte_kernel"
     assert ("sparse_attention_indexer_mx_bf16score" in kernels) == uses_kernel
+
+
+def test_the_kernel_takes_hidden_sizes_from_1024():
+    """The kernel's W projection (``w_projection_mx_batch``) asserts ``ceil(hidden / 128) >= 8``."""
+    for hidden, fits in ((896, False), (1024, True)):
+        x, q_latent, indexer, cos, _ = indexer_operands(1, 16, hidden, 128, 2, 128, 64)
+        assert mla_indexer.fits(x, q_latent, indexer[0], cos, 16) == fits

@@ -59,10 +59,12 @@ The MX activation rounding ``mx(x)`` follows the torch reference (from float32 `
 the kernel's in-kernel quantization, ``_swizzle_and_quantize_x_for_mx``, rounds ``x`` to bf16 first).
 
 Neuron limits (source asserts and the flat top-k scatter): ``D == 128``, ``dim`` and ``Q`` multiples of 128 (BF16)
-or 512 (MX), ``index_topk`` a multiple of 16 (the flat scatter writes ``index_topk // 16`` columns per partition)
-and at most ``end`` rounded up to 16 (``"kproj"``: at least 8, which the kernel asserts in every phase),
-``ceil(S / 128) <= 64``; bfloat16 ``weights_proj``/``k_cache`` (and BF16's ``qr_bf16_hbm``/``wq_b``/``wk``),
-float32 ``x`` (the kernel casts it), ``cos``/``sin``/``gamma``/``beta``.
+or 512 (MX), ``dim >= 1024`` in the phases that score (``"all"``, ``"score"``: the W projection
+``w_projection_mx_batch`` asserts ``ceil(dim / 128) >= 8``, its 8 PSUM banks), ``index_topk`` a multiple of 16
+(the flat scatter writes ``index_topk // 16`` columns per partition) and at most ``end`` rounded up to 16
+(``"kproj"``: at least 8, which the kernel asserts in every phase), ``ceil(S / 128) <= 64``; bfloat16
+``weights_proj``/``k_cache`` (and BF16's ``qr_bf16_hbm``/``wq_b``/``wk``), float32 ``x`` (the kernel casts it),
+``cos``/``sin``/``gamma``/``beta``.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ MX_OPERANDS = ("wq_b_scale", "wk_scale", "qr_qtz_hbm", "qr_scale_hbm")
 TOPK_CHUNKS = 16  # nisa.topk's 16-partition snake: the flat output holds index_topk // 16 columns per partition
 MAX_S_TILES = 64
 KERNEL_MIN_TOPK = 8  # validate_sai_config: "index_topk must be >= 8 (DVE min)"
+MIN_DIM_TILES = 8  # w_projection_mx_batch (the scoring phases): ceil(dim / 128) >= 8, one per PSUM bank
 
 
 def _bf16(a, dtype):
@@ -330,6 +333,11 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     for name, size in (("dim", dims["dim"]), ("q_lora_rank Q", q_lora_rank(call))):
         if size % multiple:
             unmet.append(f"{name}={size} must be a multiple of {multiple} with precision={p['precision']}")
+    if p["phase"] != "kproj" and -(-dims["dim"] // PARTITIONS) < MIN_DIM_TILES:
+        unmet.append(
+            f"dim={dims['dim']} must be at least {MIN_DIM_TILES * PARTITIONS} in phase={p['phase']!r} (the W "
+            f"projection needs ceil(dim / {PARTITIONS}) >= {MIN_DIM_TILES})"
+        )
     if p["phase"] == "kproj":
         if p["index_topk"] < KERNEL_MIN_TOPK:
             unmet.append(f"index_topk={p['index_topk']} must be >= {KERNEL_MIN_TOPK} (asserted in every phase)")
@@ -449,7 +457,8 @@ SPARSE_ATTENTION_INDEXER_SPEC = KernelSpec(
         "notes": "docs-only (2.32) + the newer source's signature: MX (x4 words, native or compact scales, swizzled "
         "qr_qtz_hbm) or BF16 projections, flat top-k ([B*S, K] int32, ascending by score), the CP phases "
         "kproj/score; the k_cache is returned updated (aliased); snake/tiled top-k not bound; Neuron: "
-        "head_dim == 128, dim and Q multiples of 512 (MX) or 128 (BF16), index_topk % 16 == 0; device adapter "
+        "head_dim == 128, dim and Q multiples of 512 (MX) or 128 (BF16), dim >= 1024 (scoring phases), "
+        "index_topk % 16 == 0; device adapter "
         "jax_nkilib_kernels/indexer.py",
     },
 )

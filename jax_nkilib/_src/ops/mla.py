@@ -27,11 +27,11 @@ with a ``NeuronFallbackWarning``. The sparse path is ``mla_sparse_attention_cte_
 sequence (the kernel takes ``B == 1``; a batch is a loop of calls), its other limits or fallback as the kernel's; a
 ``kv_lora_rank`` that is not a multiple of 4 runs as JAX with a ``NeuronFallbackWarning``. The indexer is
 ``sparse_attention_indexer_mx_bf16score`` (BF16 projections, :mod:`.mla_indexer`) where its inputs fit the kernel
-(bfloat16, indexer heads of 128, hidden and q_lora_rank multiples of 128, ``min(index_topk, S) % 16 == 0``, one
-rotary table), else XLA. The projections are XLA: the NKI MLA projection kernels (``qkv_mla_mx``,
-``mla_qkv_cte_kernel``, ``mla_vupmx_oproj_cte_kernel``, bound in :mod:`jax_nkilib.nki`) take MXFP8 weights (fp8x4
-words with block-128 scales) and MX-quantize their activations, so this float-weight op would change its numerics
-by calling them.
+(bfloat16, indexer heads of 128, hidden and q_lora_rank multiples of 128, hidden >= 1024,
+``min(index_topk, S) % 16 == 0``, one rotary table), else XLA. The projections are XLA: the NKI MLA projection
+kernels (``qkv_mla_mx``, ``mla_qkv_cte_kernel``, ``mla_vupmx_oproj_cte_kernel``, bound in :mod:`jax_nkilib.nki`) take
+MXFP8 weights (fp8x4 words with block-128 scales) and MX-quantize their activations, so this float-weight op would
+change its numerics by calling them.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from ..attention.sparse_attention_indexer import (
     KERNEL_HEAD_DIM,
     MAX_S_TILES,
+    MIN_DIM_TILES,
     TOPK_CHUNKS,
     sparse_attention_indexer_mx_bf16score,
 )
@@ -25,7 +26,8 @@ from ..framework.hardware import PARTITIONS
 
 def fits(x, q_latent, index_wq, cos, topk: int) -> bool:
     """Whether the kernel takes this indexer call: bfloat16 operands, one rotary table for the batch, indexer heads
-    of 128, hidden and q_lora_rank multiples of 128, a top-k count that is a multiple of 16, at most 64 row tiles."""
+    of 128, hidden and q_lora_rank multiples of 128 (hidden at least 1024: the kernel's W projection), a top-k count
+    that is a multiple of 16, at most 64 row tiles."""
     seq = x.shape[1]
     return (
         x.dtype == jnp.bfloat16
@@ -33,6 +35,7 @@ def fits(x, q_latent, index_wq, cos, topk: int) -> bool:
         and cos.ndim == 2
         and index_wq.shape[2] == KERNEL_HEAD_DIM
         and x.shape[2] % PARTITIONS == 0
+        and x.shape[2] >= MIN_DIM_TILES * PARTITIONS
         and index_wq.shape[0] % PARTITIONS == 0
         and min(topk, seq) % TOPK_CHUNKS == 0
         and -(-seq // PARTITIONS) <= MAX_S_TILES

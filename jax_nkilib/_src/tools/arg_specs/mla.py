@@ -157,7 +157,7 @@ register(
         only_kernels=False,
         grad=OPERANDS[:8],
         batch=("x",),
-        neuron=_mla(1, 256, 256, 4, 256, 512, 64, 64, 128, indexer=(4, 128), dtype=jnp.bfloat16),
+        neuron=_mla(1, 256, 1024, 4, 256, 512, 64, 64, 128, indexer=(4, 128), dtype=jnp.bfloat16),
         neuron_kwargs={"index_topk": 128},
         bad=BadInput("index_topk", lambda _: 0, "index_topk"),
     ),
