@@ -14,6 +14,7 @@ import pytest
 
 import jax_nkilib
 from jax_nkilib import nki
+from jax_nkilib._src.neuron import lowering as neuron_lowering
 from jax_nkilib.neuron import NeuronFallbackWarning
 from tests.support.numerics import assert_close, f64
 
@@ -276,6 +277,25 @@ def test_neuron_limits_need_eight_dim_tiles_where_the_kernel_scores(phase, dim, 
         jax.jit(fn).trace(*shapes).lower(lowering_platforms=("neuron",))
     messages = [str(w.message) for w in record if issubclass(w.category, NeuronFallbackWarning)]
     assert any(f"dim={dim} must be at least 1024" in m for m in messages) == named, messages
+
+
+@pytest.mark.parametrize(
+    "phase, lnc, named", [("all", 2, True), ("score", 2, True), ("kproj", 2, False), ("all", 1, False)]
+)
+def test_the_scoring_phases_need_lnc_1(phase, lnc, named, monkeypatch):
+    """At LNC 2 the source's ``topk_over_score`` skips the second core's queries in the flat top-k (it compares
+    global query rows with the core-local count), so the scoring phases fall back there."""
+    monkeypatch.setattr(neuron_lowering, "_warned", set())  # the warning is once per call site and reasons
+    args = operands(1, 128, 1024, 128, 2, 128, 64, 256, 0)
+    device = {1: jnp.bfloat16, 2: jnp.bfloat16, 5: jnp.bfloat16, 8: jnp.bfloat16, 10: jnp.bfloat16}
+    shapes = [jax.ShapeDtypeStruct(a.shape, device.get(i, jnp.float32)) for i, a in enumerate(args)]
+    kwargs = {"index_topk": 32, "phase": phase} | ({"end_pos_arg": 128} if phase == "score" else {})
+    fn = lambda *a: bf16_kernel(*a, **kwargs)  # noqa: E731
+    with jax_nkilib.neuron.dry_run(), jax_nkilib.config(lnc=lnc), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        jax.jit(fn).trace(*shapes).lower(lowering_platforms=("neuron",))
+    messages = [str(w.message) for w in record if issubclass(w.category, NeuronFallbackWarning)]
+    assert any(f"LNC 1 (got LNC={lnc})" in m for m in messages) == named, messages
 
 
 @pytest.mark.parametrize(

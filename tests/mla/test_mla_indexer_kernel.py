@@ -102,3 +102,25 @@ def test_the_kernel_takes_hidden_sizes_from_1024():
     for hidden, fits in ((896, False), (1024, True)):
         x, q_latent, indexer, cos, _ = indexer_operands(1, 16, hidden, 128, 2, 128, 64)
         assert mla_indexer.fits(x, q_latent, indexer[0], cos, 16) == fits
+
+
+def test_padding_slots_the_kernel_may_pick_become_a_masked_future_key(monkeypatch):
+    """On the device a query with fewer causal keys than ``count`` may pick -inf padding slots past ``seq`` (the
+    kernel ranks ``seq`` rounded up to 16); the op clamps them to ``seq - 1``, a future key of every such query."""
+    b, s, k, dr = 1, 20, 16, 64
+    x, q_latent, indexer, cos, sin = indexer_operands(b, s, 1024, 128, 2, 128, dr)
+
+    def device_like(*args, index_topk, **kwargs):  # ascending top-k whose -inf slots are padding (>= s)
+        rows = jnp.arange(b * s)[:, None]
+        slot = jnp.arange(index_topk)[None, :]
+        causal = rows - (index_topk - 1 - slot)  # the best (last) slots hold the causal keys rows, rows-1, ...
+        ascending = jnp.where(causal >= 0, causal, s + slot).astype(jnp.int32)
+        return jnp.zeros((b * s, s), jnp.float32), ascending, args[8]
+
+    monkeypatch.setattr(mla_indexer, "sparse_attention_indexer_mx_bf16score", device_like)
+    chosen = np.asarray(mla_indexer.kernel_indexer_topk(x, q_latent, indexer, k, cos, sin, dr, False))
+    assert chosen.max() == s - 1 and chosen.min() >= 0
+    for query in range(s):
+        causal = chosen[0, query][chosen[0, query] <= query]
+        assert sorted(causal) == list(range(max(0, query - k + 1), query + 1))  # every causal pick is kept
+        assert np.all(chosen[0, query][chosen[0, query] > query] == s - 1)  # the rest: the last, future key

@@ -44,6 +44,11 @@ Dtype policy: the float operands share one compute dtype ``cd`` (the kernel: bfl
 before the absorption (the kernel runs that matmul in bfloat16), everything else is float32 (float64 for float64
 operands), and the four outputs are returned in ``cd``.
 
+Where the kernel differs from its torch reference (followed here): the reference decodes ``x_hbm_mx`` and
+MX-quantizes it again (emax 8) while the kernel multiplies the packed bytes as they are, so an element packed with
+the alternative emax (``rmsnorm_mx_prefill``'s rule) at code 240 counts as 224 here; the kernel also quantizes
+``qr`` from bf16 (here float32) and holds ``norm_eps`` in bf16.
+
 Reverse mode differentiates the reference in ``kv_norm_gamma_hbm``, ``wuk_hbm``, ``cos_cache_hbm`` and
 ``sin_cache_hbm`` (no quantization follows them: exact); ``q_norm_gamma_hbm`` gets a zero cotangent (it feeds the
 MX-quantized ``qr``, piecewise constant in it: zero is its derivative almost everywhere), and the packed row, the

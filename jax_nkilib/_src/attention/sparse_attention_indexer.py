@@ -46,6 +46,8 @@ RoPE pairs ``(x_i, x_{i+R/2})`` (``rope_layout="HALF_SPLIT"``, DeepSeek) or ``(x
 (``"INTERLEAVED"``, GLM): ``(a, b) -> (a cos - b sin, a sin + b cos)``. The roundings are the torch reference's
 (projection inputs, Q and K to bf16) plus the kernel's bf16 score row and mask (``score_row_sb``/``mask_sb`` are
 bf16, and ``nisa.topk`` ranks bf16 values); the reference accumulates in float32 where the kernel's PSUM is bf16.
+Other kernel roundings it does not model (the torch reference does not either): Q is stored in bf16 before its
+RoPE, the relu'd logits are bf16, and the score row is accumulated head by head in a bf16 buffer.
 Prior positions come from ``k_cache`` (the kernel loads them; the torch reference models them as zeros, its tests
 use a zero cache). The top-k order is ``nisa.topk``'s ascending order (its ISA reference: "the K largest values in
 ascending order"; the kernel's docstring and its golden ``_topk_idx_golden``, which reverses a descending argsort);
@@ -64,7 +66,9 @@ or 512 (MX), ``dim >= 1024`` in the phases that score (``"all"``, ``"score"``: t
 (the flat scatter writes ``index_topk // 16`` columns per partition) and at most ``end`` rounded up to 16
 (``"kproj"``: at least 8, which the kernel asserts in every phase), ``ceil(S / 128) <= 64``; bfloat16
 ``weights_proj``/``k_cache`` (and BF16's ``qr_bf16_hbm``/``wq_b``/``wk``), float32 ``x`` (the kernel casts it),
-``cos``/``sin``/``gamma``/``beta``.
+``cos``/``sin``/``gamma``/``beta``; LNC 1 in the phases that score (at LNC 2 the source's ``topk_over_score`` compares
+global query rows with the core-local query count, so the second core writes none of its flat top-k rows; read
+from the source, not checked on hardware).
 """
 
 from __future__ import annotations
@@ -338,6 +342,12 @@ def _neuron_limits(call: CallInfo) -> list[str]:
             f"dim={dims['dim']} must be at least {MIN_DIM_TILES * PARTITIONS} in phase={p['phase']!r} (the W "
             f"projection needs ceil(dim / {PARTITIONS}) >= {MIN_DIM_TILES})"
         )
+    if p["phase"] != "kproj" and call.lnc > 1:
+        unmet.append(
+            f"LNC 1 (got LNC={call.lnc}): with the queries split over the cores, the source's topk_over_score "
+            "(sparse_attention_indexer_utils.py) gets the core-local query count but global query rows, so the "
+            "second core writes none of its flat top-k rows (read from the source; not checked on hardware)"
+        )
     if p["phase"] == "kproj":
         if p["index_topk"] < KERNEL_MIN_TOPK:
             unmet.append(f"index_topk={p['index_topk']} must be >= {KERNEL_MIN_TOPK} (asserted in every phase)")
@@ -457,8 +467,8 @@ SPARSE_ATTENTION_INDEXER_SPEC = KernelSpec(
         "notes": "docs-only (2.32) + the newer source's signature: MX (x4 words, native or compact scales, swizzled "
         "qr_qtz_hbm) or BF16 projections, flat top-k ([B*S, K] int32, ascending by score), the CP phases "
         "kproj/score; the k_cache is returned updated (aliased); snake/tiled top-k not bound; Neuron: "
-        "head_dim == 128, dim and Q multiples of 512 (MX) or 128 (BF16), dim >= 1024 (scoring phases), "
-        "index_topk % 16 == 0; device adapter "
+        "head_dim == 128, dim and Q multiples of 512 (MX) or 128 (BF16), dim >= 1024 and LNC 1 "
+        "(scoring phases), index_topk % 16 == 0; device adapter "
         "jax_nkilib_kernels/indexer.py",
     },
 )

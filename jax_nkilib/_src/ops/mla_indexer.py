@@ -6,7 +6,8 @@ affine-free LayerNorm; the kernel rotates the FIRST ``rope_head_dim`` dims and a
 the rotary columns of ``index_wq`` and ``index_wk`` first (the same permutation of both sides leaves every ``q . k``
 unchanged, and the LayerNorm does not depend on column order) and passing ``gamma = 1``, ``beta = 0`` makes the two
 the same score, up to the kernel's bf16 roundings. The kernel returns each query's top-k ascending; reversed here
-(best first, as the XLA indexer). The cache the kernel fills is a fresh zero one, discarded.
+(best first, as the XLA indexer), with positions past the sequence (the kernel's padding) clamped to its last key.
+The cache the kernel fills is a fresh zero one, discarded.
 """
 
 from __future__ import annotations
@@ -69,4 +70,7 @@ def kernel_indexer_topk(x, q_latent, indexer, topk, cos, sin, dr, interleaved):
         precision="BF16",
         rope_layout="INTERLEAVED" if interleaved else "HALF_SPLIT",
     )
-    return ascending[:, ::-1].reshape(batch, seq, count)
+    # A query with fewer than ``count`` causal keys also selects -inf slots, which on the device may be the kernel's
+    # padding past ``seq`` (its top-k ranks ``seq`` rounded up to 16); ``seq - 1`` is a future key for every such
+    # query (it has at most ``count - 2 <= seq - 2`` as its position), which the sparse attention masks.
+    return jnp.minimum(ascending[:, ::-1], seq - 1).reshape(batch, seq, count)
