@@ -334,19 +334,20 @@ def test_bad_params_name_the_parameter(kwargs, fragment):
 
 
 # ------------------------------------------------------------------------------------------------- MX mode
-def mx_rows(a, block_rows=None):
+def mx_rows(a, block_rows=None, emax=8):
     """MX e4m3 quantization of ``a [R, K]`` in blocks of 32 consecutive elements of a row (``block_rows``: blocks of
     ``block_rows`` rows x 128 columns instead, DeepSeek's compact weight scales): ``(codes uint8, scale bytes,
-    dequantized float64)``; scale byte ``E - 8`` of the block's largest float32 exponent ``E``."""
+    dequantized float64)``; scale byte ``E - emax`` of the block's largest float32 exponent ``E`` (8: the OCP rule
+    of the packers; 7: ``nisa.quantize_mx``'s default, the kernel's own quantization of ``x``)."""
     a32 = np.asarray(a, np.float32)
     exponent = ((a32.view(np.uint32) >> 23) & 0xFF).astype(np.int64)
     if block_rows is None:
-        byte = exponent.reshape(a32.shape[0], -1, 32).max(-1) - 8  # [R, K/32]
+        byte = exponent.reshape(a32.shape[0], -1, 32).max(-1) - emax  # [R, K/32]
         per_element = np.repeat(byte, 32, axis=1)
     else:
         rows, cols = a32.shape
         grid = np.pad(exponent, ((0, 0), (0, -cols % 128))).reshape(rows // block_rows, block_rows, -1, 128)
-        byte = grid.max(axis=(1, 3)) - 8  # [R/block_rows, ceil(K/128)]
+        byte = grid.max(axis=(1, 3)) - emax  # [R/block_rows, ceil(K/128)]
         per_element = np.repeat(np.repeat(byte, block_rows, axis=0), 128, axis=1)[:, :cols]
     scale = 2.0 ** (per_element - 127)
     elements = np.clip(a32 / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
@@ -397,7 +398,7 @@ def mx_operands(b, s, dim, q, h, d, r, t, start_pos, compact=False, seed=0, mask
     wk, wk_scale, wk_deq = pack_weight(np.asarray(wk_f), compact)
     qtz, qscale, qr_deq = pack_qr(np.asarray(qr_f) * (1 + rng.uniform(size=qr_f.shape)))
     ops = (x, wq, wk, gamma, beta, wp, cos, sin, cache, mask_, wq_scale, wk_scale, qtz, qscale)
-    x_mx = mx_rows(np.asarray(x))[2]
+    x_mx = mx_rows(np.asarray(x), emax=7)[2]  # the kernel's in-kernel quantize_mx (its default scale)
     mx_rounded = mx_rows(qr_deq)[2]  # the torch reference re-rounds the decoded qr (exact: already MX values)
     assert np.array_equal(mx_rounded, qr_deq)
     return tuple(map(jnp.asarray, ops)), (x_mx, wk_deq, qr_deq, wq_deq)

@@ -1,6 +1,8 @@
 """NumPy float64 oracle and independent MX packers for ``mla_qkv_cte_kernel`` (written from its torch reference
-``mla_qkv_cte_torch_ref``: the packed-row decode, MX re-quantization of each matmul input in blocks of 32 along the
-contraction (OCP rule, emax 8), compact block-128 weight scales, the MLA column swizzle, RMS norms, interleaved RoPE,
+``mla_qkv_cte_torch_ref``: the packed-row decode (multiplied as it is, as the kernel does; the torch reference
+re-quantizes it), MX quantization of ``qr`` in blocks of 32 along the contraction with the kernel's scale
+(``nisa.quantize_mx``'s default, the alternative emax 7; the torch reference's OCP rule has 8), compact block-128
+weight scales, the MLA column swizzle, RMS norms, interleaved RoPE,
 the bf16 absorption), with the fp8/bf16 roundings emulated by ml_dtypes."""
 
 import ml_dtypes
@@ -34,8 +36,8 @@ def mx_dequantize(elements, scales):
 
 
 def mx_round_trip(values):
-    """What the torch reference's ``quantize_to_mx`` does to a matmul input (emax 8), in float64."""
-    return mx_dequantize(*mx_quantize(values, emax=8))
+    """What the kernel's ``quantize_mx`` does to a matmul input (its default scale, emax 7), in float64."""
+    return mx_dequantize(*mx_quantize(values, emax=7))
 
 
 # ------------------------------------------------------------------------------------------------ packers
@@ -105,7 +107,7 @@ def projections(x_rows, w_a, w_b, q_gamma, heads, latent, q_rank, eps):
     batch, seq, _ = x_rows.shape
     hidden = w_a.shape[0]
     x = decode_x(x_rows, hidden).reshape(batch * seq, hidden)
-    fused = mx_round_trip(x) @ w_a
+    fused = x @ w_a  # the packed MX values as they are
     qr = np.stack([fused[:, swizzled_column(q_rank, c)] for c in range(q_rank)], axis=-1)
     kv = np.stack([fused[:, q_rank + swizzled_column(latent, c)] for c in range(latent)], axis=-1)
     k_pe = fused[:, q_rank + latent :].reshape(batch, seq, -1)

@@ -2,9 +2,10 @@
 (``experimental/qkv/qkv_cte_mla_torch.py``, ``core/utils/mx_torch_common.py``), and an independent packer of their
 MX operands (``build_qkv_mla_input``'s layouts).
 
-Roundings emulated as the torch reference makes them: activations cast to float32 and MX-quantized along K in blocks
-of 32 (scale byte ``clip(E - 8, 0, 255)`` from the block's largest float32 exponent ``E``, elements
-``fp8_e4m3fn(float32(clip(x / 2**(E - 135), +-448)))``, dequantized with the byte); matmul outputs cast to float32
+Roundings emulated as the torch reference makes them, with the kernels' MX scale (``nisa.quantize_mx``'s default,
+the alternative emax 7; the torch reference's OCP rule has 8): activations cast to float32 and MX-quantized along K
+in blocks of 32 (scale byte ``clip(E - 7, 0, 255)`` from the block's largest float32 exponent ``E``, elements
+``fp8_e4m3fn(float32(clip(x / 2**(E - 134), +-448)))``, dequantized with the byte); matmul outputs cast to float32
 before each RMSNorm; everything else float64; outputs compared after the caller's bfloat16 rounding.
 """
 
@@ -12,6 +13,7 @@ import ml_dtypes
 import numpy as np
 
 FP8 = ml_dtypes.float8_e4m3fn
+EMAX = 7  # nisa.quantize_mx's default scale (the alternative emax), the kernels' rule as compiled by the library
 TILE, PMAX, Q = 512, 128, 4
 
 
@@ -60,9 +62,9 @@ def mx_quantize(a):
     a32 = np.asarray(a, np.float32)
     blocks = a32.reshape(*a32.shape[:-1], -1, 32)
     exponent = ((blocks.view(np.uint32) >> 23) & 0xFF).max(axis=-1, keepdims=True).astype(np.int64)
-    scaled = np.clip(blocks.astype(np.float64) / 2.0 ** (exponent - 8 - 127), -448, 448)
+    scaled = np.clip(blocks.astype(np.float64) / 2.0 ** (exponent - EMAX - 127), -448, 448)
     elements = scaled.astype(np.float32).astype(FP8).astype(np.float64)
-    return (elements * 2.0 ** (np.clip(exponent - 8, 0, 255) - 127)).reshape(a32.shape)
+    return (elements * 2.0 ** (np.clip(exponent - EMAX, 0, 255) - 127)).reshape(a32.shape)
 
 
 def mx_matmul(a, codes, compact):

@@ -1,8 +1,9 @@
 """``jax_nkilib.nki.mla_vupmx_oproj_cte_kernel`` against a float64 NumPy oracle written from its torch reference
-(``mla_vupmx_oproj_cte_torch_ref``: 4-pack de-permutation, bf16 latent, OCP MXFP8 activation blocks of 32, compact
-block-128 weight scales, bf16 between the stages and at the end), with weights packed by an independent NumPy packer;
-the chain from ``mla_sparse_attention_cte_kernel``; vmap and shard_map; the Neuron lowering on trn3 and its
-fallbacks; bad inputs (jit, the generic vmap/shard_map variants and the lowering also run in the conformance suite)."""
+(``mla_vupmx_oproj_cte_torch_ref``: 4-pack de-permutation, bf16 latent, MXFP8 activation blocks of 32 with the
+kernel's quantize_mx scale, compact block-128 weight scales, bf16 between the stages and at the end), with weights
+packed by an independent NumPy packer; the chain from ``mla_sparse_attention_cte_kernel``; vmap and shard_map; the
+Neuron lowering on trn3 and its fallbacks; bad inputs (jit, the generic vmap/shard_map variants and the lowering
+also run in the conformance suite)."""
 
 import warnings
 
@@ -23,6 +24,7 @@ from tests.support.sharding import mesh_1d, run_sharded
 
 FP8 = ml_dtypes.float8_e4m3fn
 BF16 = ml_dtypes.bfloat16
+EMAX = 7  # nisa.quantize_mx's default scale (the alternative emax), the kernel's rule as compiled by the library
 
 
 # ----------------------------------------------------------------------------------------- independent NumPy packer
@@ -47,14 +49,15 @@ def pack_weight(w, rng):
 
 # --------------------------------------------------------------------------------------------- float64 oracle
 def mx_blocks(x):
-    """OCP MXFP8 (e4m3, emax 8) round trip of float64 ``x [..., K]`` (float32 values) in blocks of 32 along K:
-    scale byte ``clip(E - 8, 0, 255)`` for the block's largest float32 biased exponent E, elements
-    ``fp8(clip(x 2**(135 - E), +-448))``, value ``element 2**(byte - 127)``."""
+    """MXFP8 (e4m3) round trip of float64 ``x [..., K]`` (float32 values) in blocks of 32 along K with
+    ``nisa.quantize_mx``'s default scale (the alternative emax 7; the torch reference's OCP rule has 8): scale byte
+    ``clip(E - 7, 0, 255)`` for the block's largest float32 biased exponent E, elements
+    ``fp8(clip(x 2**(134 - E), +-448))``, value ``element 2**(byte - 127)``."""
     blocks = x.reshape(*x.shape[:-1], -1, 32)
     _, exponent = np.frexp(np.abs(blocks).astype(np.float32))  # |x| = m 2**e, m in [0.5, 1): biased E = e + 126
     biased = np.where(blocks == 0, 0, exponent.astype(np.int64) + 126).max(axis=-1, keepdims=True)
-    scaled = np.clip(blocks * 2.0 ** (127 + 8 - biased), -448, 448)
-    value = scaled.astype(np.float32).astype(FP8).astype(np.float64) * 2.0 ** (np.clip(biased - 8, 0, 255) - 127)
+    scaled = np.clip(blocks * 2.0 ** (127 + EMAX - biased), -448, 448)
+    value = scaled.astype(np.float32).astype(FP8).astype(np.float64) * 2.0 ** (np.clip(biased - EMAX, 0, 255) - 127)
     return value.reshape(x.shape)
 
 

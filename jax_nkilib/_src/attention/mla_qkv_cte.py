@@ -27,11 +27,12 @@ qk_nope_head_dim``, ``N = n_heads``, ``Na = Q + L + R``, ``Nb = N (D + R)``):
 * ``q_norm_gamma_hbm [1, Q]``, ``kv_norm_gamma_hbm [1, L]``, ``wuk_hbm [D, N L]`` (head ``h`` owns columns
   ``h L .. h L + L - 1``), ``cos_cache_hbm`` / ``sin_cache_hbm [B, S, R]`` (their first ``R/2`` columns are used).
 
-Math (the torch reference; ``mx(v)`` = dequantize(quantize(v)) in blocks of 32 consecutive contraction elements,
-OCP rule: scale ``clip(E - 8, 0, 255)``, see :mod:`..quant.mx`)::
+Math (the torch reference's, with the kernel's MX rule: ``mx(v)`` = dequantize(quantize(v)) in blocks of 32
+consecutive contraction elements with ``nisa.quantize_mx``'s default scale ``clip(E - 7, 0, 255)``, see
+:mod:`..quant.mx_weights`)::
 
     x      = decode(x_hbm_mx)                                         # [T, H], natural order
-    fused  = mx(x) @ W_a                                              # W_a: words x 2**(scale_a - 127)
+    fused  = x @ W_a                                                  # W_a: words x 2**(scale_a - 127)
     qr, kv = unswizzle(fused[:, :Q]), unswizzle(fused[:, Q:Q+L]);  k_pe = fused[:, Q+L:]
     qr     = rms_norm(qr) * q_norm_gamma                              # x / sqrt(mean(x^2) + eps)
     q      = (mx(qr) @ W_b).reshape(T, N, D + R);  q_nope, q_pe = q[..., :D], q[..., D:]
@@ -44,10 +45,12 @@ Dtype policy: the float operands share one compute dtype ``cd`` (the kernel: bfl
 before the absorption (the kernel runs that matmul in bfloat16), everything else is float32 (float64 for float64
 operands), and the four outputs are returned in ``cd``.
 
-Where the kernel differs from its torch reference (followed here): the reference decodes ``x_hbm_mx`` and
-MX-quantizes it again (emax 8) while the kernel multiplies the packed bytes as they are, so an element packed with
-the alternative emax (``rmsnorm_mx_prefill``'s rule) at code 240 counts as 224 here; the kernel also quantizes
-``qr`` from bf16 (here float32) and holds ``norm_eps`` in bf16.
+Where the kernel differs from its torch reference, this follows the kernel in two points: ``x`` is the packed bytes
+as they are (the torch reference decodes and MX-quantizes it again, with emax 8, which turns an alternative-emax
+code 240 into 224), and ``qr`` is quantized with ``nisa.quantize_mx``'s default scale (the torch reference's OCP
+rule holds on the device only under ``--enable-ocp-compliant-scale-computation``, which the library's tests of
+this kernel pass). Not modelled: the kernel quantizes ``qr`` from bf16 (here float32) and holds ``norm_eps`` in
+bf16.
 
 Reverse mode differentiates the reference in ``kv_norm_gamma_hbm``, ``wuk_hbm``, ``cos_cache_hbm`` and
 ``sin_cache_hbm`` (no quantization follows them: exact); ``q_norm_gamma_hbm`` gets a zero cotangent (it feeds the
@@ -56,8 +59,7 @@ weight words and the scales get none. There is no backward kernel.
 Neuron limits (else the reference runs, with a ``NeuronFallbackWarning``): platform target trn3 (MX matmuls; the
 library's tests exclude Trn1 and Trn2), bfloat16 float operands, ``B == 1`` (the newer kernel views ``x_hbm_mx`` as
 ``[S, row]`` and its tests use batch 1 only; the 2.32 kernel source is not in the index), ``qk_nope_head_dim ==
-128``, ``n_heads`` even (the validator's asserts). The kernel splits ``S`` over the LNC cores. Its tests compile
-with ``--enable-ocp-compliant-scale-computation``: the MX scale rule above (emax 8) holds on the device only with it.
+128``, ``n_heads`` even (the validator's asserts). The kernel splits ``S`` over the LNC cores.
 """
 
 from __future__ import annotations
@@ -136,7 +138,9 @@ def reference_mla_qkv_cte(
     hidden = wqkv_a_hbm.shape[0] * LANES
     heads, nope, rope, latent, q_rank = n_heads, qk_nope_head_dim, qk_rope_head_dim, kv_lora_rank, qk_lora_rank
 
-    fused = mx_matmul(decode_packed_x(x_hbm_mx, hidden), decode_weight(wqkv_a_hbm, wqkv_a_scale_hbm), wide)
+    fused = mx_matmul(
+        decode_packed_x(x_hbm_mx, hidden), decode_weight(wqkv_a_hbm, wqkv_a_scale_hbm), wide, quantized=True
+    )
     qr = unswizzle_512(fused[:, :q_rank])
     kv = unswizzle_512(fused[:, q_rank : q_rank + latent])
     k_pe = fused[:, q_rank + latent :]

@@ -26,8 +26,9 @@ Math (the torch reference's MX pipeline), per batch ``b`` and query ``s``::
     v[h, j]   = bf16( sum_l mx(a[h])[l] W_uv[h L + l, j] )                    # V-up per head, fp32 accumulate
     out[n]    = bf16( sum_k mx(v.flat)[k] W_o[k, n] )                         # o_proj over H d_v
 
-where ``mx`` is an OCP MXFP8 (e4m3, emax 8) round trip in blocks of 32 consecutive contraction elements
-(:func:`jax_nkilib._src.quant.mx.mx_round_trip`: ``nisa.quantize_mx`` on the kernel's transposed tiles). Inputs of
+where ``mx`` is an MXFP8 (e4m3) round trip in blocks of 32 consecutive contraction elements with
+``nisa.quantize_mx``'s default scale, the alternative emax 7 (:func:`..quant.mx_weights.quantize_activation`: the
+instruction on the kernel's transposed tiles). Inputs of
 any float dtype are read through bfloat16 (the kernel's only input dtype); the output is bfloat16 (the kernel's).
 Weight element bytes are decoded as ``float8_e4m3fn`` (NaN codes stay NaN; the torch reference's manual decoder
 reads them as +-480). The output is piecewise constant in ``out_attn_hbm`` (bf16 and MXFP8 roundings) and the words
@@ -38,9 +39,10 @@ Neuron (the kernel's asserts and tests): target trn3 (``nc_matmul_mx``; its test
 ``B == 1``, ``L == 512``, ``d_v == 128``, ``H`` in {4, 8, 16, 24, 32, 64, 96, 128} (a multiple of 4 up to 128 whose
 512-tile counts ``H`` and ``H / 4`` divide into its staging chunks of 8), ``HID % 512 == 0``, ``S`` divisible by
 the LNC degree (the cores split the queries), and per core ``S / LNC <= 128`` or (``H == 4`` and ``S / LNC % 128 ==
-0``): its multi-s-batch loop is marked broken for more heads. Where it differs from the reference: its tests compile
-with ``--enable-ocp-compliant-scale-computation`` (the emax-8 scale rule above; neuronxcc's default is the
-alternative emax), and where W_o does not fit one K-slab (:func:`w_o_k_slabs`: e.g. ``H = 16``, ``HID = 7168``) it
+0``): its multi-s-batch loop is marked broken for more heads. Where it differs from its torch reference: that uses the
+OCP scale rule (emax 8), which the kernel follows only under ``--enable-ocp-compliant-scale-computation`` (its
+library tests pass it; this library passes no compiler flags), and where W_o does not fit one K-slab
+(:func:`w_o_k_slabs`: e.g. ``H = 16``, ``HID = 7168``) it
 adds the slabs' fp32 PSUM partials in a bfloat16 accumulator.
 """
 
@@ -52,8 +54,7 @@ import jax.numpy as jnp
 from ..framework.platform import is_trn3
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand
-from ..quant import mx
-from ..quant.mx_weights import COMPACT_BLOCK, OCP_SCALE_FLAG_NOTE, compact_blocks, decode_weight
+from ..quant.mx_weights import COMPACT_BLOCK, OCP_SCALE_FLAG_NOTE, compact_blocks, decode_weight, quantize_activation
 from .mla_sparse_attention_cte import H_PACK, from_mx_pack_columns
 
 WORD_DTYPES = (jnp.dtype(jnp.uint32),)
@@ -78,9 +79,9 @@ def reference_mla_vupmx_oproj_cte(out_attn_hbm, wuv_qtz_hbm, wuv_scale_hbm, wo_q
     latent = from_mx_pack_columns(out_attn_hbm.astype(jnp.bfloat16).astype(jnp.float32), heads)  # [B, S, H, L]
     w_uv = decode_weight(wuv_qtz_hbm, wuv_scale_hbm).reshape(heads, width // heads, d_v)
     w_o = decode_weight(wo_qtz_hbm, wo_scale_hbm)  # [H d_v, HID]
-    v = jnp.einsum("bshl,hlj->bshj", mx.mx_round_trip(latent, axis=-1), w_uv, precision=_HIGHEST)
+    v = jnp.einsum("bshl,hlj->bshj", quantize_activation(latent), w_uv, precision=_HIGHEST)
     v = v.astype(jnp.bfloat16).astype(jnp.float32).reshape(batch, seq, heads * d_v)
-    out = jnp.einsum("bsk,kn->bsn", mx.mx_round_trip(v, axis=-1), w_o, precision=_HIGHEST)
+    out = jnp.einsum("bsk,kn->bsn", quantize_activation(v), w_o, precision=_HIGHEST)
     return (out.astype(jnp.bfloat16),)
 
 

@@ -36,10 +36,11 @@ inference kernels: MX quantization has no useful derivative, so they have no VJP
 Neuron limits (the kernels' validators): bfloat16 x, gammas and caches; ``B == 1`` (the Neuron lowering runs one
 kernel call per batch row); H, QR (and in v32 KVR) multiples of 512; v32 ``n_heads`` in {1, 2, 3, 8} with H at most
 10240 / 16384 / 9216 / 7168; v4 ``n_heads <= 8``, ``H <= 16384``, ``head_dim <= 512``, ``QR <= 2048``,
-``KVR <= 1024``. The kernels split S over the LNC cores (any S, any LNC). The activations' MX scale rule (OCP,
-emax 8, as in the torch references) holds on the device only with neuronx-cc's
-``--enable-ocp-compliant-scale-computation``, which the kernels' own tests do not pass (the default alternative
-emax 7 moves most bfloat16 outputs, by up to a few percent of their range).
+``KVR <= 1024``. The kernels split S over the LNC cores (any S, any LNC). The activations' MX scale rule is
+``nisa.quantize_mx``'s default (the alternative emax 7, :mod:`..quant.mx_weights`), what the kernels compute as
+compiled here and in nki-library's own tests of them; the torch references use the OCP rule (emax 8), which the
+kernels follow only under neuronx-cc's ``--enable-ocp-compliant-scale-computation`` (most bfloat16 outputs then
+differ, by up to a few percent of their range).
 """
 
 from __future__ import annotations
@@ -48,7 +49,14 @@ import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param, accumulation_dtype
-from ..quant.mx_weights import SWIZZLE_TILE, compact_blocks, decode_weight, mx_matmul, unswizzle_512
+from ..quant.mx_weights import (
+    OCP_SCALE_FLAG_NOTE,
+    SWIZZLE_TILE,
+    compact_blocks,
+    decode_weight,
+    mx_matmul,
+    unswizzle_512,
+)
 from .qkv_mla_mx_math import rms_norm, rope_halves
 
 MODULE = "nkilib.experimental.qkv.qkv_cte_mla"
@@ -59,15 +67,6 @@ V32_MAX_H = {1: 10240, 2: 16384, 3: 9216, 8: 7168}  # validated n_heads -> large
 V4_MAX = {"n_heads": 8, "H": 16384, "head_dim": 512, "qk_lora_rank": 2048, "kv_lora_rank": 1024}
 _BF16_OPERANDS = ("x_hbm", "q_norm_gamma_hbm", "kv_norm_gamma_hbm", "cos_cache_hbm", "sin_cache_hbm")
 _ROWS = ("x_hbm", "cos_cache_hbm", "sin_cache_hbm")  # the operands with a batch axis B
-# Unlike mla_qkv_cte_kernel's and mla_vupmx_oproj_cte_kernel's, nki-library's tests of these two kernels compile
-# without the OCP flag (neuronx-cc's default alternative emax 7) and compare with the emax-8 torch references at
-# rtol 5e-2.
-OCP_SCALE_NOTE = (
-    "the kernel MX-quantizes its activations with the reference's OCP scale rule (emax 8) only when neuronx-cc runs "
-    "with --enable-ocp-compliant-scale-computation (e.g. NEURON_CC_FLAGS); nki-library's tests of this kernel do not "
-    "pass it (neuronx-cc's default is the alternative emax 7: other scales, most bfloat16 outputs differ, within rtol "
-    "5e-2)"
-)
 
 
 def _fold_into_batch(operands, outputs):
@@ -302,7 +301,7 @@ def _neuron_notes(call: CallInfo) -> list[str]:
     return [
         "the kernel keeps the first projection and the normalized latents in bfloat16 (bfloat16 PSUM and SBUF "
         "tiles) before MX-quantizing them; the reference keeps them in float32, as the torch reference does",
-        OCP_SCALE_NOTE,
+        OCP_SCALE_FLAG_NOTE,
     ]
 
 

@@ -25,7 +25,7 @@ Math per batch ``b`` and query row ``s`` (``bf()`` rounds to bfloat16, ``mx()`` 
 along the contraction; float32 otherwise)::
 
     BF16: xk = bf(x), Wk = bf(wk), qr = bf(qr_bf16_hbm), Wq = bf(wq_b)
-    MX:   xk = mx(x), Wk, Wq = the decoded weights, qr = mx(the decoded qr_qtz_hbm)
+    MX:   xk = mx(x), Wk, Wq = the decoded weights, qr = the decoded qr_qtz_hbm (MX values already)
     k = RoPE_R(LayerNorm_eps=1e-6(xk @ Wk) * gamma + beta)                 # [S, D], RoPE on the first R columns
     q = RoPE_R(qr @ Wq) per head                                           # [S, H, D]
     w = (bf(x) @ bf(weights_proj).T) / sqrt(H * D)                         # [S, H]
@@ -57,8 +57,11 @@ of unsorted results; the kernel does not pass ``sorted``. The updated cache hold
 
 Not differentiable (no VJP): it selects positions; the kernel has no backward.
 
-The MX activation rounding ``mx(x)`` follows the torch reference (from float32 ``x``; the source's host replica of
-the kernel's in-kernel quantization, ``_swizzle_and_quantize_x_for_mx``, rounds ``x`` to bf16 first).
+The MX activation rounding ``mx(x)`` uses ``nisa.quantize_mx``'s default scale (the alternative emax 7,
+:func:`..quant.mx_weights.quantize_activation`), what the kernel computes as compiled here; the torch reference uses
+the OCP rule (emax 8), and re-quantizes the decoded ``qr`` (a no-op for OCP-packed ``qr``), which the kernel
+multiplies as it is. ``mx(x)`` starts from float32 ``x`` (the source's host replica of the kernel's in-kernel
+quantization, ``_swizzle_and_quantize_x_for_mx``, rounds ``x`` to bf16 first).
 
 Neuron limits (source asserts and the flat top-k scatter): ``D == 128``, ``dim`` and ``Q`` multiples of 128 (BF16)
 or 512 (MX), ``dim >= 1024`` in the phases that score (``"all"``, ``"score"``: the W projection
@@ -81,7 +84,7 @@ import jax.numpy as jnp
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 from ..quant import mx
-from ..quant.mx_weights import COMPACT_BLOCK, compact_blocks, decode_weight
+from ..quant.mx_weights import COMPACT_BLOCK, compact_blocks, decode_weight, quantize_activation
 from .sparse_attention_indexer_mx import PARTITIONS, QR_TILE, decode_qr
 
 LAYERNORM_EPS = 1e-6
@@ -129,10 +132,10 @@ def _projection_inputs(x, wq_b, wk, qr, mx_operands, precision, compact_scales, 
     if precision == "BF16":
         return _bf16(x, compute), _bf16(wk, compute), _bf16(qr, compute), _bf16(wq_b, compute)
     wq_b_scale, wk_scale, qr_qtz, qr_scale = mx_operands
-    xk = mx.mx_round_trip(x).astype(compute)
+    xk = quantize_activation(x).astype(compute)
     wk = decode_weight(wk, wk_scale, compact_scales).astype(compute)
     wq = decode_weight(wq_b, wq_b_scale, compact_scales).astype(compute)
-    return xk, wk, mx.mx_round_trip(decode_qr(qr_qtz, qr_scale, x.shape[0])).astype(compute), wq
+    return xk, wk, decode_qr(qr_qtz, qr_scale, x.shape[0]).astype(compute), wq
 
 
 def reference_sparse_attention_indexer(

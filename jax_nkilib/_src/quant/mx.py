@@ -159,17 +159,18 @@ def dequantize_mx(elements, scales):
     return _dequantize(blocks, scales[..., :, None, :, None]).reshape(elements.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("axis", "dtype"))
-def mx_round_trip(x, axis: int = -1, dtype=ELEMENT_DTYPE):
+@functools.partial(jax.jit, static_argnames=("axis", "dtype", "emax_offset"))
+def mx_round_trip(x, axis: int = -1, dtype=ELEMENT_DTYPE, emax_offset: int = 0):
     """float32 ``dequantize(quantize(x))`` with blocks of 32 consecutive elements along ``axis`` (zero-padded at
     its end): what a kernel's swizzle + ``nisa.quantize_mx`` does to a matmul operand whose contraction is ``axis``.
+    The module's rule with emax minus ``emax_offset`` (0: OCP; :data:`ALT_EMAX_OFFSET`: the alternative emax).
     """
     _format(dtype, "mx_round_trip")
     x = jnp.moveaxis(jnp.asarray(x).astype(jnp.float32), axis, -1)
     n = x.shape[-1]
     padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, -n % BLOCK_SIZE)])
     blocks = padded.reshape(*x.shape[:-1], -1, BLOCK_SIZE)
-    exponent = _biased_exponent(blocks).max(axis=-1, keepdims=True)
+    exponent = _biased_exponent(blocks).max(axis=-1, keepdims=True) + emax_offset
     out = _dequantize(_elements(blocks, exponent, dtype), _scale_bytes(exponent, dtype)).reshape(padded.shape)
     return jnp.moveaxis(out[..., :n], -1, axis)
 

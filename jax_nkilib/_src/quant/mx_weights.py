@@ -9,8 +9,14 @@ layouts from the newer nki-library source and its torch references, ``core/utils
   kernels broadcast to the native blocks (:func:`native_scales`).
 * **512-swizzle** (:func:`unswizzle_512`): a width ``D`` (``D % 512 == 0``) in the kernels' order holds the natural
   index ``512 t + 4 p + q`` at position ``q D / 4 + 128 t + p`` (``p < 128``, ``q < 4``).
-* **MX matmul** (:func:`mx_matmul`): the activation is MX-quantized along K in blocks of 32 (OCP rule, emax 8:
-  :func:`.mx.mx_round_trip`), then contracted exactly with the decoded weight.
+* **Activation quantization** (:func:`quantize_activation`): the kernels MX-quantize an activation in-kernel
+  (``nisa.quantize_mx``) along its contraction in blocks of 32. The instruction's block scale is "two times larger"
+  than the OCP sample algorithm (the 2.32 ``nki.isa.quantize_mx`` reference), i.e. the alternative emax (7 for e4m3)
+  that the ``matmul_mxfp8`` family models too: what the kernels compute as this library compiles them. Their torch
+  references use the OCP rule (emax 8), which the kernels follow only when neuronx-cc runs with
+  ``--enable-ocp-compliant-scale-computation`` (their library tests pass it for ``mla_qkv_cte`` and
+  ``mla_vupmx_oproj_cte``); the library passes no compiler flags.
+* **MX matmul** (:func:`mx_matmul`): the quantized activation contracted exactly with the decoded weight.
 """
 
 from __future__ import annotations
@@ -23,11 +29,11 @@ from . import mx
 LANES = 4  # fp8 elements per x4 word
 COMPACT_BLOCK = 128  # compact scales: one per 128 x 128 weight block
 SWIZZLE_TILE = 512  # the swizzle permutes 512-column tiles (128 partitions x 4 lanes)
-# The MLA kernels' tests compile with this neuronx-cc flag; without it the kernels' MX scales follow neuronx-cc's
-# default rule instead of the OCP (emax 8) one the references use. The library does not pass compiler flags.
+KERNEL_EMAX_OFFSET = mx.ALT_EMAX_OFFSET  # nisa.quantize_mx's default scale rule (module doc)
 OCP_SCALE_FLAG_NOTE = (
-    "the kernel's MX scales follow the OCP rule only when neuronx-cc runs with "
-    "--enable-ocp-compliant-scale-computation (its tests pass it; e.g. NEURON_CC_FLAGS)"
+    "the reference MX-quantizes activations with quantize_mx's default scale (the alternative emax, as this library "
+    "compiles the kernel); with neuronx-cc's --enable-ocp-compliant-scale-computation (its torch reference's OCP "
+    "rule, emax 8) the device results differ from it"
 )
 
 
@@ -67,9 +73,15 @@ def swizzle_512(natural):
     return jnp.moveaxis(tiles, -1, -3).reshape(*lead, d)  # [q, t, p]
 
 
-def mx_matmul(activation, weight, dtype=None):
-    """``mx_round_trip(activation) @ weight`` over K (the last axis of ``activation [..., K]``, ``weight [K, N]``),
-    computed and returned in ``dtype`` (default: ``activation``'s) at HIGHEST precision."""
+def quantize_activation(x, axis: int = -1):
+    """float32 MX round trip of an activation along its contraction ``axis`` with the kernels' rule (module doc)."""
+    return mx.mx_round_trip(x, axis=axis, emax_offset=KERNEL_EMAX_OFFSET)
+
+
+def mx_matmul(activation, weight, dtype=None, quantized: bool = False):
+    """``quantize_activation(activation) @ weight`` over K (the last axis of ``activation [..., K]``, ``weight
+    [K, N]``), computed and returned in ``dtype`` (default: ``activation``'s) at HIGHEST precision; ``quantized``:
+    the activation holds MX values already (the kernel multiplies its bytes as they are)."""
     dtype = activation.dtype if dtype is None else dtype
-    quantized = mx.mx_round_trip(activation, axis=-1).astype(dtype)
-    return jnp.matmul(quantized, weight.astype(dtype), precision=lax.Precision.HIGHEST)
+    activation = activation if quantized else quantize_activation(activation)
+    return jnp.matmul(activation.astype(dtype), weight.astype(dtype), precision=lax.Precision.HIGHEST)
