@@ -42,7 +42,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from ..framework.primitive import make_kernel
+from ..framework.primitive import make_kernel, zero_cotangents
 from ..framework.spec import FLOAT_DTYPES, INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Output
 from ..quant import mx
 from .checks import require_same_dtype
@@ -177,11 +177,6 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
-def _zero_cotangents(kernel, operands, params, outs, cotangents):
-    """Every float input passes through bf16/MXFP8 rounding: the output is piecewise constant, its derivative 0."""
-    return {}
-
-
 def _mac_count(call: CallInfo) -> int:
     dims = call.dims
     tokens = dims.get("n_table", dims["n_blocks"]) * BLOCK_TOKENS + CHUNK_TOKENS
@@ -234,4 +229,5 @@ ATTENTION_MXFP8_TKG_SPEC = KernelSpec(
     },
 )
 
-attention_mxfp8_tkg = make_kernel(ATTENTION_MXFP8_TKG_SPEC, vjp=_zero_cotangents)
+# zero gradients: every float input passes through bf16/MXFP8 rounding (the output is piecewise constant)
+attention_mxfp8_tkg = make_kernel(ATTENTION_MXFP8_TKG_SPEC, vjp=zero_cotangents)

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from ..framework.platform import is_trn3
-from ..framework.primitive import make_kernel
+from ..framework.primitive import make_kernel, zero_cotangents
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand
 from ..quant.mx_weights import COMPACT_BLOCK, OCP_SCALE_FLAG_NOTE, compact_blocks, decode_weight, quantize_activation
 from .mla_sparse_attention_cte import H_PACK, from_mx_pack_columns
@@ -174,11 +174,6 @@ def _neuron_notes(call: CallInfo) -> list[str]:
     return notes
 
 
-def _zero_cotangents(kernel, operands, params, outs, cotangents):
-    """``out_attn_hbm`` passes through bf16 and MXFP8 rounding (piecewise constant); words and scales are integers."""
-    return {}
-
-
 def _mac_count(call: CallInfo) -> int:
     dims = call.dims
     return dims["B"] * dims["S"] * (dims["HL"] * dims["d_v"] + 4 * dims["G_o"] * dims["HID"])
@@ -238,4 +233,5 @@ MLA_VUPMX_OPROJ_CTE_SPEC = KernelSpec(
     },
 )
 
-mla_vupmx_oproj_cte_kernel = make_kernel(MLA_VUPMX_OPROJ_CTE_SPEC, _zero_cotangents)
+# zero gradients: out_attn_hbm passes through bf16 and MXFP8 rounding; words and scales are integers
+mla_vupmx_oproj_cte_kernel = make_kernel(MLA_VUPMX_OPROJ_CTE_SPEC, zero_cotangents)

@@ -56,6 +56,12 @@ def register_neuron_lowering(builder: Callable) -> None:
 # ``kernel.call`` returns named outputs, so a forward saves only those (anything else it saved would have no name).
 
 
+def zero_cotangents(kernel, operands, params, outs, cotangents):
+    """A VJP rule for kernels whose outputs carry no derivative (indices, or quantized values: piecewise constant in
+    every float input): no operand gets a cotangent, so reverse mode gives zero gradients."""
+    return {}
+
+
 def reference_vjp(kernel, operands, params, outs, cotangents):
     """A VJP rule for kernels with no backward kernel: differentiate the JAX reference in the floating operands that
     are not FP8 (FP8 data, like integer operands, gets no cotangent)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..framework.hardware import SBUF_PARTITION_BYTES
-from ..framework.primitive import make_kernel
+from ..framework.primitive import make_kernel, zero_cotangents
 from ..framework.spec import FLOAT_DTYPES, INT_DTYPES, CallInfo, KernelSpec, Operand
 
 PADDING_VALUE = -1
@@ -47,11 +47,6 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
-def _no_cotangents(kernel, operands, params, outs, cotangents):
-    """An index output: no operand gets a cotangent (zero gradients, by definition)."""
-    return {}
-
-
 FIND_NONZERO_INDICES_WITH_COUNT_SPEC = KernelSpec(
     name="find_nonzero_indices_with_count",
     entry_point="nkilib.experimental.benchmark.find_nonzero_indices_with_count:find_nonzero_indices_with_count",
@@ -73,4 +68,5 @@ FIND_NONZERO_INDICES_WITH_COUNT_SPEC = KernelSpec(
     },
 )
 
-find_nonzero_indices_with_count = make_kernel(FIND_NONZERO_INDICES_WITH_COUNT_SPEC, _no_cotangents)
+# zero gradients: the outputs are indices
+find_nonzero_indices_with_count = make_kernel(FIND_NONZERO_INDICES_WITH_COUNT_SPEC, zero_cotangents)

@@ -41,16 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..framework.hardware import PARTITIONS
-from ..framework.primitive import make_kernel
+from ..framework.primitive import make_kernel, zero_cotangents
 from ..framework.spec import FLOAT_DTYPES, INT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
 
 LNC_REQUIRED = 2
 DMA_BLOCK_MULTIPLE = 16  # indexed_flatten: (T / f_len) % 16 == 0 for its DMAs
-
-
-def _no_cotangents(kernel, operands, params, outs, cotangents):
-    """Index outputs: no operand gets a cotangent (zero gradients, by definition)."""
-    return {}
 
 
 def _lnc_limit(call: CallInfo) -> list[str]:
@@ -146,7 +141,8 @@ FIND_NONZERO_INDICES_SPEC = KernelSpec(
     },
 )
 
-find_nonzero_indices = make_kernel(FIND_NONZERO_INDICES_SPEC, _no_cotangents)
+# zero gradients (these three subkernels): their outputs are indices
+find_nonzero_indices = make_kernel(FIND_NONZERO_INDICES_SPEC, zero_cotangents)
 
 
 # ----------------------------------------------------------------------------------------------- indexed_flatten
@@ -234,7 +230,7 @@ INDEXED_FLATTEN_SPEC = KernelSpec(
     },
 )
 
-indexed_flatten = make_kernel(INDEXED_FLATTEN_SPEC, _no_cotangents)
+indexed_flatten = make_kernel(INDEXED_FLATTEN_SPEC, zero_cotangents)
 
 
 # ---------------------------------------------------------------------------------------------- argsort_unstable
@@ -295,4 +291,4 @@ ARGSORT_UNSTABLE_SPEC = KernelSpec(
     },
 )
 
-argsort_unstable = make_kernel(ARGSORT_UNSTABLE_SPEC, _no_cotangents)
+argsort_unstable = make_kernel(ARGSORT_UNSTABLE_SPEC, zero_cotangents)

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..framework.hardware import PARTITIONS, SBUF_PARTITION_BYTES
-from ..framework.primitive import make_kernel, reference_vjp
+from ..framework.primitive import make_kernel, reference_vjp, zero_cotangents
 from ..framework.spec import CallInfo, FoldPlan, KernelSpec, Operand, Output, Param, accumulation_dtype, dtype_value
 from .fp8 import FP8_DTYPES, ROW_SCALE_FLOOR, fp8_max, saturate
 
@@ -183,11 +183,6 @@ def _passthrough_cotangent(kernel, operands, params, outs, cotangents):
     return {} if cotangents[1] is None else {"input_dequant_scale": cotangents[1]}
 
 
-def _zero_cotangents(kernel, operands, params, outs, cotangents):
-    """Quantized values and row scales are non-differentiable: no cotangent flows to ``hidden_state``."""
-    return {}
-
-
 # ---------------------------------------------------------------------------------------------------------- specs
 _DTYPE = Param(
     "dtype", "float8_e4m3fn", "dtype", "FP8 format: its largest value M bounds the scaling", normalizer=_fp8_dtype
@@ -304,5 +299,6 @@ PRE_COMBINE_DEQUANT_SCALES_SPEC = KernelSpec(
 )
 
 static_quantization = make_kernel(STATIC_QUANTIZATION_SPEC, vjp=_passthrough_cotangent)
-row_quantization = make_kernel(ROW_QUANTIZATION_SPEC, vjp=_zero_cotangents)
+# zero gradients: quantized values and row scales, no cotangent flows to hidden_state
+row_quantization = make_kernel(ROW_QUANTIZATION_SPEC, vjp=zero_cotangents)
 pre_combine_dequant_scales = make_kernel(PRE_COMBINE_DEQUANT_SCALES_SPEC, vjp=reference_vjp)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from ..framework.hardware import PARTITIONS
-from ..framework.primitive import make_kernel
+from ..framework.primitive import make_kernel, zero_cotangents
 from ..framework.spec import CallInfo, KernelSpec, Operand
 from . import mx
 
@@ -68,11 +68,6 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
-def _no_cotangents(kernel, operands, params, outs, cotangents):
-    """Quantized outputs: no operand gets a cotangent (zero gradients, by definition)."""
-    return {}
-
-
 MXFP_LOAD_PERFORMANCE_WRAPPER_SPEC = KernelSpec(
     name="mxfp_load_performance_wrapper",
     entry_point="nkilib.experimental.mxfp_subkernels.mxfp_load_utils:mxfp_load_performance_wrapper",
@@ -97,4 +92,5 @@ MXFP_LOAD_PERFORMANCE_WRAPPER_SPEC = KernelSpec(
     },
 )
 
-mxfp_load_performance_wrapper = make_kernel(MXFP_LOAD_PERFORMANCE_WRAPPER_SPEC, _no_cotangents)
+# zero gradients: the outputs are quantized
+mxfp_load_performance_wrapper = make_kernel(MXFP_LOAD_PERFORMANCE_WRAPPER_SPEC, zero_cotangents)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..framework.primitive import make_kernel
+from ..framework.primitive import make_kernel, zero_cotangents
 from ..framework.spec import FLOAT_DTYPES, FOLLOW_LNC, CallInfo, FoldPlan, KernelSpec, Operand, Param, dtype_value
 from . import mx
 
@@ -120,11 +120,6 @@ def _neuron_limits(call: CallInfo) -> list[str]:
     return unmet
 
 
-def _zero_cotangents(kernel, operands, params, outs, cotangents):
-    """Both outputs are quantized (non-differentiable): no cotangent flows to ``src_tensor``."""
-    return {}
-
-
 QUANTIZE_BLOCK_MXFP8_SPEC = KernelSpec(
     name="quantize_block_mxfp8_kernel",
     entry_point="nkilib.experimental.quantize_mxfp8.quantize_mxfp8:quantize_block_mxfp8_kernel",
@@ -164,4 +159,5 @@ QUANTIZE_BLOCK_MXFP8_SPEC = KernelSpec(
     },
 )
 
-quantize_block_mxfp8_kernel = make_kernel(QUANTIZE_BLOCK_MXFP8_SPEC, vjp=_zero_cotangents)
+# zero gradients: both outputs are quantized, no cotangent flows to src_tensor
+quantize_block_mxfp8_kernel = make_kernel(QUANTIZE_BLOCK_MXFP8_SPEC, vjp=zero_cotangents)
