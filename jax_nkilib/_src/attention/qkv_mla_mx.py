@@ -49,6 +49,7 @@ import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param, accumulation_dtype
+from ..framework.validation import require
 from ..quant.mx_weights import (
     OCP_SCALE_FLAG_NOTE,
     SWIZZLE_TILE,
@@ -182,8 +183,7 @@ def reference_qkv_mla_mx_deepseek_v4(
 
 # ------------------------------------------------------------------------------------------------ checks
 def _require(call: CallInfo, condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(f"{call.function}: {message}")
+    require(condition, call.function, message)
 
 
 def _require_width(call: CallInfo, operand: str, expected: int, layout: str, formula: str) -> None:

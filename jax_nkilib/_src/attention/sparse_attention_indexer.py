@@ -83,6 +83,7 @@ import jax.numpy as jnp
 
 from ..framework.primitive import make_kernel
 from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Operand, Param
+from ..framework.validation import require
 from ..quant import mx
 from ..quant.mx_weights import COMPACT_BLOCK, compact_blocks, decode_weight, quantize_activation
 from .sparse_attention_indexer_mx import PARTITIONS, QR_TILE, decode_qr
@@ -209,26 +210,21 @@ def q_lora_rank(call: CallInfo) -> int:
     return call.dims["Q"] if call.params["precision"] == "BF16" else QR_TILE * call.dims["Qt"]
 
 
-def _require(condition: bool, function: str, message: str) -> None:
-    if not condition:
-        raise ValueError(f"{function}: {message}")
-
-
 def _check_operand_set(call: CallInfo) -> None:
     function, p = call.function, call.params
     if p["precision"] == "BF16":
         given = [name for name in MX_OPERANDS if call.avals.get(name) is not None]
-        _require(call.avals.get("qr_bf16_hbm") is not None, function, "precision='BF16' needs qr_bf16_hbm [B*S, Q]")
-        _require(not given, function, f"precision='BF16' takes no MX operands; got {', '.join(given)}")
-        _require(not p["compact_scales"], function, "parameter `compact_scales` applies to precision='MX' only")
+        require(call.avals.get("qr_bf16_hbm") is not None, function, "precision='BF16' needs qr_bf16_hbm [B*S, Q]")
+        require(not given, function, f"precision='BF16' takes no MX operands; got {', '.join(given)}")
+        require(not p["compact_scales"], function, "parameter `compact_scales` applies to precision='MX' only")
         return
     missing = [name for name in MX_OPERANDS if call.avals.get(name) is None]
-    _require(
+    require(
         not missing,
         function,
         f"precision='MX' needs wq_b_scale, wk_scale, qr_qtz_hbm and qr_scale_hbm; missing {', '.join(missing)}",
     )
-    _require(
+    require(
         call.avals.get("qr_bf16_hbm") is None, function, "precision='MX' takes qr_qtz_hbm/qr_scale_hbm, not qr_bf16_hbm"
     )
 
@@ -242,7 +238,7 @@ def _check_mx_layouts(call: CallInfo) -> None:
         if avals[name].dtype != jnp.uint8:
             raise TypeError(f"{function}: {name} must hold uint8 e8m0 scales; got {avals[name].dtype}")
     q = q_lora_rank(call)
-    _require(
+    require(
         dims["Q4"] * 4 == q,
         function,
         f"wq_b [Q/4, H*D] words need Q/4 = {q // 4} rows (Q = 512 * qr_qtz_hbm.shape[2]); got {dims['Q4']}",
@@ -250,17 +246,17 @@ def _check_mx_layouts(call: CallInfo) -> None:
     if call.params["compact_scales"]:
         want = (q // COMPACT_BLOCK, compact_blocks(dims["N"]))
         got = (dims["Qs"], dims["Ns"])
-        _require(got == want, function, f"wq_b_scale (compact) must be [Q/128, ceil(H*D/128)] = {want}; got {got}")
+        require(got == want, function, f"wq_b_scale (compact) must be [Q/128, ceil(H*D/128)] = {want}; got {got}")
         want = compact_blocks(dims["D"])
-        _require(dims["Ds"] == want, function, f"wk_scale (compact) [dim/128, ceil(D/128)] needs {want} columns")
+        require(dims["Ds"] == want, function, f"wk_scale (compact) [dim/128, ceil(D/128)] needs {want} columns")
     else:
-        _require(
+        require(
             dims["Qs"] * mx.BLOCK_SIZE == q,
             function,
             f"wq_b_scale [Q/32, H*D] needs Q/32 = {q // mx.BLOCK_SIZE} rows; got {dims['Qs']}",
         )
     tiles = -(-dims["M"] // PARTITIONS)
-    _require(
+    require(
         dims["St"] == tiles,
         function,
         f"qr_qtz_hbm [ceil(B*S/128), 128, Q/512, 128] needs {tiles} row tiles for B*S={dims['M']}; got {dims['St']}",

@@ -226,6 +226,12 @@ def check_operand_layouts(
 INT32_MAX = 2**31 - 1
 
 
+def require(condition: bool, where: str, message: str) -> None:
+    """Raise ``ValueError("{where}: {message}")`` unless ``condition`` (a trace-time check)."""
+    if not condition:
+        raise ValueError(f"{where}: {message}")
+
+
 def require_static(where: str, name: str, value, expected: str) -> None:
     """Refuse a traced value: ``value`` must be known at trace time (``expected`` says what it should be)."""
     if isinstance(value, jax.core.Tracer):

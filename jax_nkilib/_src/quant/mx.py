@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..framework import compat
+from ..framework.validation import require
 
 ELEMENT_DTYPE = jnp.float8_e4m3fn
 FORMATS = {jnp.dtype(jnp.float8_e4m3fn): (448.0, 8), jnp.dtype(jnp.float8_e5m2): (57344.0, 15)}  # (max, emax)
@@ -52,11 +53,6 @@ QUADRANT = 32  # partitions per SBUF quadrant; its 4 scale rows sit at its parti
 CONTRACTIONS = ("d_head", "block_len")
 
 _U32, _I32 = jnp.uint32, jnp.int32
-
-
-def _require(condition: bool, function: str, message: str) -> None:
-    if not condition:
-        raise ValueError(f"{function}: {message}")
 
 
 def _pow2(k):
@@ -70,7 +66,7 @@ def _biased_exponent(x):
 
 
 def _format(dtype, function: str) -> tuple[float, int]:
-    _require(
+    require(
         jnp.dtype(dtype) in FORMATS,
         function,
         f"the element format must be one of {', '.join(str(d) for d in FORMATS)}; got {dtype}",
@@ -116,9 +112,9 @@ def _dequantize(elements, scales):
 
 
 def _tile_shape(x, function: str) -> tuple[int, int]:
-    _require(x.ndim >= 2, function, f"expected a [..., P, F] array; got shape {x.shape}")
+    require(x.ndim >= 2, function, f"expected a [..., P, F] array; got shape {x.shape}")
     p, f = x.shape[-2:]
-    _require(
+    require(
         p % BLOCK_PARTITIONS == 0 and f % BLOCK_FREE == 0,
         function,
         f"[..., P, F] needs P % 8 == 0 and F % 4 == 0 (blocks of 8 partitions x 4 free elements); got {x.shape}",
@@ -149,8 +145,8 @@ def dequantize_mx(elements, scales):
     elements, scales = jnp.asarray(elements), jnp.asarray(scales)
     p, f = _tile_shape(elements, "dequantize_mx")
     _format(elements.dtype, "dequantize_mx")
-    _require(scales.dtype == jnp.uint8, "dequantize_mx", f"scales must be uint8; got {scales.dtype}")
-    _require(
+    require(scales.dtype == jnp.uint8, "dequantize_mx", f"scales must be uint8; got {scales.dtype}")
+    require(
         scales.shape == elements.shape[:-2] + (p // 8, f // 4),
         "dequantize_mx",
         f"scales must be [..., P // 8, F // 4] = {elements.shape[:-2] + (p // 8, f // 4)}; got {scales.shape}",
@@ -177,7 +173,7 @@ def mx_round_trip(x, axis: int = -1, dtype=ELEMENT_DTYPE, emax_offset: int = 0):
 
 def _words(words, function: str):
     words = jnp.asarray(words)
-    _require(
+    require(
         words.dtype in (jnp.dtype(_U32), jnp.dtype(_I32), jnp.dtype(jnp.float32)),
         function,
         f"expected 32-bit words (uint32, int32 or float32 bit patterns); got {words.dtype}",
@@ -190,7 +186,7 @@ def pack_x4(elements):
     """uint32 words ``[..., n]`` from fp8 or uint8 bytes ``[..., 4n]``: element ``4w + j`` in byte ``j`` of word
     ``w`` (bits 8j..8j+7), the ``float8_e4m3fn_x4`` layout."""
     elements = jnp.asarray(elements)
-    _require(
+    require(
         elements.ndim >= 1 and elements.shape[-1] % 4 == 0 and elements.dtype.itemsize == 1,
         "pack_x4",
         f"expected 1-byte elements [..., 4n]; got {elements.dtype} {elements.shape}",
@@ -216,7 +212,7 @@ def swizzle_mx(x):
     layout (contraction K on partitions in groups of 4 kept adjacent on the free axis), so that an 8 x 4 MX block is
     32 consecutive K of one row ``m``."""
     x = jnp.asarray(x)
-    _require(x.ndim >= 2 and x.shape[-1] % 4 == 0, "swizzle_mx", f"expected [..., M, K] with K % 4 == 0; got {x.shape}")
+    require(x.ndim >= 2 and x.shape[-1] % 4 == 0, "swizzle_mx", f"expected [..., M, K] with K % 4 == 0; got {x.shape}")
     m, k = x.shape[-2:]
     return jnp.swapaxes(x.reshape(*x.shape[:-2], m, k // 4, 4), -3, -2).reshape(*x.shape[:-2], k // 4, 4 * m)
 
@@ -225,7 +221,7 @@ def swizzle_mx(x):
 def unswizzle_mx(y):
     """Inverse of :func:`swizzle_mx`: ``[..., G, 4M]`` -> ``[..., M, 4G]``."""
     y = jnp.asarray(y)
-    _require(y.ndim >= 2 and y.shape[-1] % 4 == 0, "unswizzle_mx", f"expected [..., G, 4M]; got {y.shape}")
+    require(y.ndim >= 2 and y.shape[-1] % 4 == 0, "unswizzle_mx", f"expected [..., G, 4M]; got {y.shape}")
     g, m4 = y.shape[-2:]
     return jnp.swapaxes(y.reshape(*y.shape[:-2], g, m4 // 4, 4), -3, -2).reshape(*y.shape[:-2], m4 // 4, 4 * g)
 
@@ -235,7 +231,7 @@ def scales_to_quadrants(scales):
     """Dense scales ``[..., P // 8, F]`` -> partition layout ``[..., P, F]`` (P % 32 == 0): the 4 scale rows of each
     32-partition quadrant at its partitions 0..3 and zeros elsewhere, where ``nisa.quantize_mx`` writes them."""
     scales = jnp.asarray(scales)
-    _require(
+    require(
         scales.ndim >= 2 and scales.shape[-2] % 4 == 0,
         "scales_to_quadrants",
         f"expected [..., P // 8, F] with P % 32 == 0; got {scales.shape}",
@@ -250,7 +246,7 @@ def scales_to_quadrants(scales):
 def scales_from_quadrants(scales):
     """Inverse of :func:`scales_to_quadrants` (rows 4..31 of each quadrant are ignored)."""
     scales = jnp.asarray(scales)
-    _require(
+    require(
         scales.ndim >= 2 and scales.shape[-2] % QUADRANT == 0,
         "scales_from_quadrants",
         f"expected [..., P, F] with P % 32 == 0; got {scales.shape}",
@@ -262,7 +258,7 @@ def scales_from_quadrants(scales):
 
 
 def _block_operand(x, contraction: str, function: str):
-    _require(contraction in CONTRACTIONS, function, f"contraction must be one of {CONTRACTIONS}; got {contraction!r}")
+    require(contraction in CONTRACTIONS, function, f"contraction must be one of {CONTRACTIONS}; got {contraction!r}")
     return x if contraction == "d_head" else jnp.swapaxes(x, -1, -2)
 
 
@@ -279,10 +275,10 @@ def encode_mx_block(x, contraction: str = "d_head", dtype=ELEMENT_DTYPE):
     ``[32, 160]``: 128 data columns and 32 scale columns, scales valid in rows 0..3.
     """
     x = jnp.asarray(x)
-    _require(x.ndim >= 2, "encode_mx_block", f"expected a [..., T, D] block; got shape {x.shape}")
+    require(x.ndim >= 2, "encode_mx_block", f"expected a [..., T, D] block; got shape {x.shape}")
     operand = _block_operand(x, contraction, "encode_mx_block")
     n, c = operand.shape[-2:]
-    _require(
+    require(
         c % (4 * QUADRANT) == 0 and n % 4 == 0,
         "encode_mx_block",
         f"contraction size {c} must be a multiple of 128 and the other size {n} of 4; got block {x.shape}",
@@ -298,7 +294,7 @@ def decode_mx_block(block, contraction: str = "d_head", dtype=ELEMENT_DTYPE):
     or int32 words); ``contraction`` and ``dtype`` as given to the encoder."""
     words = _words(block, "decode_mx_block")
     _block_operand(words, contraction, "decode_mx_block")
-    _require(
+    require(
         words.ndim >= 2 and words.shape[-1] % 5 == 0 and words.shape[-2] % QUADRANT == 0,
         "decode_mx_block",
         f"expected a [..., C // 4, N + N // 4] block with C % 128 == 0; got {words.shape}",
@@ -330,9 +326,7 @@ PACKED_SCALE_GROUP = 2048  # K elements per 128-row group of packed scales
 
 def wrapx_tiles(k: int) -> tuple[tuple[int, int], ...]:
     """``(start, size)`` of the wrapX swizzle tiles along a contraction of ``k`` (``k % 32 == 0``)."""
-    _require(
-        k > 0 and k % BLOCK_SIZE == 0, "wrapx_tiles", f"the contraction must be a positive multiple of 32; got {k}"
-    )
+    require(k > 0 and k % BLOCK_SIZE == 0, "wrapx_tiles", f"the contraction must be a positive multiple of 32; got {k}")
     tiles, start = [], 0
     while k - start >= WRAP_TILE:
         tiles.append((start, WRAP_TILE))
@@ -390,7 +384,7 @@ def swizzle_wrapx(x):
     """``[..., F, K]`` -> wrapX swizzled ``[..., K // 4, 4F]``: ``out[r, 4f + j] = x[f, index[r, j]]``, the layout of
     a pre-swizzled bfloat16 operand (``*_is_swizzled=True``)."""
     x = jnp.asarray(x)
-    _require(x.ndim >= 2, "swizzle_wrapx", f"expected [..., F, K]; got {x.shape}")
+    require(x.ndim >= 2, "swizzle_wrapx", f"expected [..., F, K]; got {x.shape}")
     f, k = x.shape[-2:]
     gathered = jnp.take(x, wrapx_index(k).reshape(-1), axis=-1).reshape(*x.shape[:-1], k // 4, 4)  # [F, K/4, 4]
     return jnp.swapaxes(gathered, -3, -2).reshape(*x.shape[:-2], k // 4, 4 * f)
@@ -400,7 +394,7 @@ def swizzle_wrapx(x):
 def unswizzle_wrapx(y):
     """Inverse of :func:`swizzle_wrapx`: ``[..., K // 4, 4F]`` -> ``[..., F, K]``."""
     y = jnp.asarray(y)
-    _require(y.ndim >= 2 and y.shape[-1] % 4 == 0, "unswizzle_wrapx", f"expected [..., K // 4, 4F]; got {y.shape}")
+    require(y.ndim >= 2 and y.shape[-1] % 4 == 0, "unswizzle_wrapx", f"expected [..., K // 4, 4F]; got {y.shape}")
     rows, f4 = y.shape[-2:]
     k = 4 * rows
     lanes = jnp.swapaxes(y.reshape(*y.shape[:-2], rows, f4 // 4, 4), -3, -2).reshape(*y.shape[:-2], f4 // 4, k)
@@ -450,7 +444,7 @@ def dequantize_matmul_operand(words, scales, dtype=ELEMENT_DTYPE):
     rows, f = words.shape[-2:]
     k = 4 * rows
     packed = scales.shape[-2] != k // 4
-    _require(
+    require(
         scales.shape[-2] == matmul_scale_rows(k, packed) and scales.shape[-1] == f,
         "dequantize_matmul_operand",
         f"scales must be [K/4, F] = {(k // 4, f)} or packed [ceil(K/2048)*128, F] = "
@@ -473,7 +467,7 @@ def quantize_mx_along(
     _format(dtype, "quantize_mx_along")
     x = jnp.moveaxis(jnp.asarray(x).astype(jnp.float32), axis, -1)
     n = x.shape[-1]
-    _require(
+    require(
         block > 0 and n % block == 0,
         "quantize_mx_along",
         f"the quantized axis (size {n}) must be a multiple of the block size {block}",
@@ -488,9 +482,9 @@ def dequantize_mx_along(elements, scales, axis: int = -1):
     consecutive elements along ``axis`` (the block size is the ratio of the two sizes along ``axis``)."""
     elements, scales = jnp.asarray(elements), jnp.asarray(scales)
     _format(elements.dtype, "dequantize_mx_along")
-    _require(scales.dtype == jnp.uint8, "dequantize_mx_along", f"scales must be uint8; got {scales.dtype}")
+    require(scales.dtype == jnp.uint8, "dequantize_mx_along", f"scales must be uint8; got {scales.dtype}")
     e, s = jnp.moveaxis(elements, axis, -1), jnp.moveaxis(scales, axis, -1)
-    _require(
+    require(
         e.shape[:-1] == s.shape[:-1] and s.shape[-1] > 0 and e.shape[-1] % s.shape[-1] == 0,
         "dequantize_mx_along",
         f"scales {scales.shape} must be the elements' shape {elements.shape} with the "
