@@ -82,6 +82,7 @@ from ..quant.mx_weights import (
     mx_matmul,
     unswizzle_512,
 )
+from ..rope.pairs import rotate_pairs
 from .checks import require_same_dtype
 
 KERNEL_NOPE = 128
@@ -105,12 +106,6 @@ def rms_norm(x, gamma, eps: float):
     """``x / sqrt(mean(x^2) + eps) * gamma`` over the last axis, in ``x``'s dtype."""
     mean_square = jnp.mean(x * x, axis=-1, keepdims=True)
     return x / jnp.sqrt(mean_square + jnp.asarray(eps, x.dtype)) * gamma.reshape(-1).astype(x.dtype)
-
-
-def rope_interleaved(x, cos, sin):
-    """Rotate the adjacent pairs ``(x[..., 2j], x[..., 2j+1])`` by ``(cos[..., j], sin[..., j])``, interleaved out."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(x.shape)
 
 
 def reference_mla_qkv_cte(
@@ -152,8 +147,8 @@ def reference_mla_qkv_cte(
     half = rope // 2
     cos = cos_cache_hbm[..., :half].astype(wide)[:, :, None, :]  # [B, S, 1, R/2]
     sin = sin_cache_hbm[..., :half].astype(wide)[:, :, None, :]
-    q_pe = rope_interleaved(q_pe, cos, sin)
-    k_pe = rope_interleaved(k_pe.reshape(batch, seq, 1, rope), cos, sin)[:, :, 0]
+    q_pe = rotate_pairs(q_pe, cos, sin, interleaved=True)
+    k_pe = rotate_pairs(k_pe.reshape(batch, seq, 1, rope), cos, sin, interleaved=True)[:, :, 0]
 
     w_uk = wuk_hbm.reshape(nope, heads, latent).astype(wide)
     q_lift = jnp.einsum("bshd,dhl->bshl", q_nope.astype(cd).astype(wide), w_uk, precision=jax.lax.Precision.HIGHEST)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from ..rope.pairs import rotate_pairs
+
 
 def rms_norm(x, gamma, eps: float):
     """``x / sqrt(mean(x^2) + eps) * gamma`` over the last axis (``gamma`` broadcast; ``None``: no gain)."""
@@ -17,6 +19,4 @@ def rope_halves(x, cos, sin):
     """RoPE on ``x [..., R]`` with halves ``(a, b)``: ``(a cos - b sin, a sin + b cos)``; ``cos``/``sin``
     ``[..., R]`` broadcast against ``x``, of which only the first ``R / 2`` entries are read."""
     half = x.shape[-1] // 2
-    a, b = x[..., :half], x[..., half:]
-    c, s = cos[..., :half], sin[..., :half]
-    return jnp.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+    return rotate_pairs(x, cos[..., :half], sin[..., :half], interleaved=False)

@@ -86,6 +86,7 @@ from ..framework.spec import FLOAT_DTYPES, CallInfo, FoldPlan, KernelSpec, Opera
 from ..framework.validation import require
 from ..quant import mx
 from ..quant.mx_weights import COMPACT_BLOCK, compact_blocks, decode_weight, quantize_activation
+from ..rope.pairs import rotate_pairs
 from .sparse_attention_indexer_mx import PARTITIONS, QR_TILE, decode_qr
 
 LAYERNORM_EPS = 1e-6
@@ -106,11 +107,7 @@ def _bf16(a, dtype):
 
 def rope(x, cos, sin, layout):
     """RoPE on the last axis of ``x`` (its ``2 * cos.shape[-1]`` columns), pairs by ``layout`` (module doc)."""
-    if layout == "INTERLEAVED":
-        a, b = x[..., 0::2], x[..., 1::2]
-        return jnp.stack([a * cos - b * sin, a * sin + b * cos], axis=-1).reshape(x.shape)
-    a, b = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+    return rotate_pairs(x, cos, sin, interleaved=layout == "INTERLEAVED")
 
 
 def _rope_head(x, cos, sin, layout):
