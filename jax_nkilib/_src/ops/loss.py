@@ -150,9 +150,7 @@ def cross_entropy(logits, labels, *, reduction: str = "mean", ignore_index: int 
     logits = array_argument(WHERE, "logits", logits, layout="[..., vocab]")
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"{WHERE}: `logits` must be [..., vocab] with vocab >= 1; got shape {logits.shape}")
-    labels = array_argument(WHERE, "labels", labels, layout="[...]", dtypes=None)
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise TypeError(f"{WHERE}: `labels` [...] must have an integer dtype; got {labels.dtype}")
+    labels = array_argument(WHERE, "labels", labels, layout="[...]", dtypes="integer")
     if labels.shape != logits.shape[:-1]:
         raise ValueError(
             f"{WHERE}: `labels` must have the shape of logits [..., vocab] without vocab, {logits.shape[:-1]}; got "

@@ -331,8 +331,6 @@ def _sequence_index(where, seq_idx, batch: int, length: int):
     if seq_idx is None:
         return None
     layout = "[batch, L] (the sequence of each token, non-decreasing along L)"
-    seq_idx = array_argument(where, "seq_idx", seq_idx, layout=layout, dtypes=None)
-    if not jnp.issubdtype(seq_idx.dtype, jnp.integer):
-        raise TypeError(f"{where}: `seq_idx` {layout} must have an integer dtype; got {seq_idx.dtype}")
+    seq_idx = array_argument(where, "seq_idx", seq_idx, layout=layout, dtypes="integer")
     _require_shape(where, "seq_idx", layout, seq_idx, (batch, length))
     return seq_idx.astype(jnp.int32)
